@@ -217,6 +217,31 @@ def find_shards(pattern: str, what: str) -> list[str]:
     return files
 
 
+# GPT-2 BPE, built offline from the rank file shipped in data/ (same ranks as tiktoken's "gpt2").
+GPT2_TIKTOKEN_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "gpt2.tiktoken")
+GPT2_TIKTOKEN_SHA256 = "306cd27f03c1a714eca7108e03d66b7dc042abe8c258b44c199a7ed9838dd930"
+GPT2_SPLIT_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+
+
+def gpt2_encoding(rank_file: str | None = GPT2_TIKTOKEN_FILE):
+    """The GPT-2 tokenizer. With a rank file (default: the shipped copy, sha256-checked) no network is
+    touched; rank_file=None asks tiktoken for its own "gpt2" encoding (which may download)."""
+    import tiktoken
+    if rank_file is None:
+        return tiktoken.get_encoding("gpt2")
+    import hashlib
+    try:
+        with open(rank_file, "rb") as f:
+            digest = hashlib.sha256(f.read()).hexdigest()
+    except OSError as e:
+        raise SystemExit(f"error: cannot read GPT-2 rank file {rank_file} ({e.strerror})") from None
+    if digest != GPT2_TIKTOKEN_SHA256:
+        raise SystemExit(f"error: {rank_file} has sha256 {digest}, not the GPT-2 ranks ({GPT2_TIKTOKEN_SHA256})")
+    from tiktoken.load import load_tiktoken_bpe
+    return tiktoken.Encoding("gpt2", pat_str=GPT2_SPLIT_PATTERN, mergeable_ranks=load_tiktoken_bpe(rank_file),
+                             special_tokens={"<|endoftext|>": BOS_ID}, explicit_n_vocab=50257)
+
+
 # ----------------------------------------------------------------------------------------------
 # main
 # ----------------------------------------------------------------------------------------------
