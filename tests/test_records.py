@@ -1,0 +1,93 @@
+"""records/summarize.py on fabricated logs with known statistics (and on the committed demo record)."""
+import glob
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from scipy import stats
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TOOL = os.path.join(ROOT, "records", "summarize.py")
+
+
+def fake_log(path, final_loss, final_ms, total=100, sources=True, stop_at=None):
+    lines = []
+    if sources:
+        lines += ["==== train_gpt.py ====", "print('hi')", "==== triton_kernels.py ====", "pass"]
+    lines += ["==== training ===="]
+    last = total if stop_at is None else stop_at
+    for step in range(0, last + 1, 50):
+        ms = final_ms * step / total
+        lines.append(f"step:{step}/{total} train_time:{ms:.0f}ms step_avg:{final_ms / total:.2f}ms")
+        loss = final_loss + (total - step) / total
+        lines.append(f"step:{step}/{total} val_loss:{loss:.4f} train_time:{ms:.0f}ms")
+    path.write_text("\n".join(lines) + "\n")
+    return str(path)
+
+
+def run_tool(*args):
+    return subprocess.run([sys.executable, TOOL, *args], capture_output=True, text=True, timeout=120)
+
+
+def parse_output(out):
+    values = {}
+    for line in out.splitlines():
+        if ":" in line and not line.startswith(("log", "/")):
+            key, _, value = line.rpartition(":")
+            values[key.strip()] = value.strip()
+    return values
+
+
+def test_statistics_match_scipy(tmp_path):
+    losses = [3.2712, 3.2765, 3.2741, 3.2790, 3.2733, 3.2758]
+    times = [74_100, 73_900, 74_400, 74_000, 74_250, 73_800]
+    logs = [fake_log(tmp_path / f"r{i}.txt", l, t) for i, (l, t) in enumerate(zip(losses, times))]
+    r = run_tool(*logs)
+    assert r.returncode == 0, r.stderr
+    v = parse_output(r.stdout)
+    expected = stats.ttest_1samp(losses, 3.28, alternative="less")
+    assert float(v["mean val_loss"]) == pytest.approx(np.mean(losses), abs=1e-4)
+    assert float(v["std val_loss"]) == pytest.approx(np.std(losses, ddof=1), abs=1e-4)
+    assert float(v["p-value (one-sided t-test, mean < 3.28)"]) == pytest.approx(expected.pvalue, rel=1e-3)
+    assert v["mean train_time"] == f"{np.mean(times) / 1000:.2f}s"
+    assert v["runs"] == "6"
+    for log, loss in zip(logs, losses):
+        assert any(line.startswith(log) and f"{loss:.4f}" in line for line in r.stdout.splitlines())
+
+
+def test_record_folder_and_plot(tmp_path):
+    rec = tmp_path / "rec"
+    rec.mkdir()
+    for i, loss in enumerate([4.5, 4.6, 4.55]):
+        fake_log(rec / f"{i}.txt", loss, 60_000)
+    out = tmp_path / "plot.png"
+    r = run_tool(str(rec), "--target", "5.0", "--plot", str(out))
+    assert r.returncode == 0, r.stderr
+    expected = stats.ttest_1samp([4.5, 4.6, 4.55], 5.0, alternative="less").pvalue
+    assert float(parse_output(r.stdout)["p-value (one-sided t-test, mean < 5.0)"]) == pytest.approx(expected, rel=1e-3)
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
+
+
+@pytest.mark.parametrize("kind,message", [
+    ("nosource", "does not embed the source"), ("early", "stopped early (last validation at step 50 of 100)"),
+])
+def test_refuses_incomplete_logs(tmp_path, kind, message):
+    good = fake_log(tmp_path / "good.txt", 3.27, 70_000)
+    bad = fake_log(tmp_path / "bad.txt", 3.27, 70_000, sources=kind != "nosource",
+                   stop_at=50 if kind == "early" else None)
+    r = run_tool(good, bad)
+    assert r.returncode == 2
+    assert message in r.stderr and "bad.txt" in r.stderr and r.stderr.count("\n") == 1
+
+
+def test_demo_record_logs():
+    """The committed CPU demo record parses and summarizes (real logs of the real script)."""
+    folders = [d for d in glob.glob(os.path.join(ROOT, "records", "*")) if os.path.isdir(d)]
+    if not folders:
+        pytest.skip("no record folder committed yet")
+    for folder in folders:
+        r = run_tool(folder, "--target", "5.0")
+        assert r.returncode == 0, r.stderr
+        assert float(parse_output(r.stdout)["mean val_loss"]) < 5.0
