@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import glob
+import math
 import os
 import sys
 from dataclasses import dataclass, field
@@ -44,6 +45,48 @@ class Hyperparameters:
     head_dim: int = 128
     mlp_hidden: int = 3072
     bigram_vocab_size: int = 377_280
+    value_embed_layers: tuple = (1, 2, 8, 9, 10)  # one value-embedding table per listed layer
+    long_window_layers: tuple = (3, 10)            # the other attention layers use the short window
+    paired_head_layers: tuple = (0, 2, 5, 9)       # head pairs share one softmax over both heads' keys
+    no_attention_layers: tuple = (6,)              # MLP-only layers
+    skip_from_layer: int = 3                       # U-net skip: this layer's output ...
+    skip_to_layer: int = 6                         # ... is added (gated) to this layer's input
+    backout_layer: int = 7                         # its output is subtracted (learned multiple) before the head
+    gate_channels: int = 12                        # input channels every small gate looks at
+    window_block_size: int = 128                   # sliding windows are counted in blocks of this many tokens
+    windows_init: tuple = (1, 3)                   # (short, long) windows in blocks at init; long = YaRN reference
+    fp8: bool = True                               # FP8 LM head in training on GPUs with FP8 tensor cores
+    # schedule (SPEC section 6): three equal stages, then a short extension at the final settings
+    num_iterations: int = 1270                     # scheduled steps; stage boundaries scale with it
+    extension_iterations: int = 15
+    micro_batches: int = 8                         # sequences per step over ranks x accumulation steps
+    stage_batch_tokens: tuple = (131_072, 262_144, 393_216)  # global tokens per step
+    stage_max_doc_len: tuple = (896, 2048, 2048)   # documents are truncated to this many tokens
+    stage_windows: tuple = ((1, 3), (3, 7), (5, 11))  # (short, long) attention windows in blocks
+    extension_windows: tuple = (6, 13)
+    stage_lr_mult: tuple = (1.0, 1.52, 1.73)
+    cooldown_start: float = 0.4                    # fraction of num_iterations where the lr decay starts
+    final_lr_mult: float = 0.15                    # lr multiplier at num_iterations and in the extension
+    stage_mtp_start: tuple = ((1.0, 0.5, 0.25), (1.0, 0.5, 0.0), (1.0, 0.0, 0.0))  # weights of t+1, t+2, t+3
+    stage_mtp_end: tuple = ((1.0, 0.5, 0.0), (1.0, 0.0, 0.0), (1.0, 0.0, 0.0))    # linear within each stage
+    momentum_min: float = 0.85
+    momentum_max: float = 0.95
+    momentum_warmup: float = 300 / 1270            # fraction of num_iterations: momentum_min -> max
+    momentum_cooldown: float = 50 / 1270           # last fraction of num_iterations: back to momentum_min
+    # optimizer (SPEC section 5)
+    muon_lr: float = 0.023
+    muon_wd: float = 1.2
+    adam_lr: float = 0.008
+    adam_wd: float = 0.005
+    orthogonalizer: str = "polar_express"          # or "gram_newton_schulz"
+    # evaluation, logging, checkpoints
+    val_seq_len: int = 65_536
+    val_loss_every: int = 250                      # 0: only at the end
+    log_dir: str = "logs"
+    save_every: int = 0                            # 0: a checkpoint only at the end
+    checkpoint_dir: str = "checkpoints"
+    resume: str = ""                               # checkpoint directory to continue from
+    compile: bool = True
     # run
     seed: int = 0
     run_id: str = ""  # empty: a fresh uuid per run
@@ -58,13 +101,24 @@ PRESETS: dict[str, dict] = {
         val_tokens=32_768,
         num_layers=6, model_dim=256, num_heads=4, head_dim=64, mlp_hidden=1024,
         bigram_vocab_size=50_021,
+        value_embed_layers=(1, 4, 5), long_window_layers=(2, 5), paired_head_layers=(0, 4),
+        no_attention_layers=(3,), skip_from_layer=1, skip_to_layer=3, backout_layer=3,
+        window_block_size=64,
+        num_iterations=300, extension_iterations=6,
+        stage_batch_tokens=(8_192, 16_384, 24_576), stage_max_doc_len=(512, 1024, 1024),
+        val_seq_len=4096, val_loss_every=100,
     ),
     "test": dict(
         train_files="data/tinyshakespeare/tinyshakespeare_train_*.bin",
         val_files="data/tinyshakespeare/tinyshakespeare_val_*.bin",
-        val_tokens=4096,
         num_layers=4, model_dim=64, num_heads=2, head_dim=32, mlp_hidden=256,
         bigram_vocab_size=4_001,
+        value_embed_layers=(1, 3), long_window_layers=(1, 3), paired_head_layers=(3,),
+        no_attention_layers=(2,), skip_from_layer=0, skip_to_layer=2, backout_layer=2,
+        window_block_size=16,
+        num_iterations=6, extension_iterations=1, micro_batches=4,
+        stage_batch_tokens=(512, 1024, 1536), stage_max_doc_len=(64, 128, 128),
+        val_tokens=2048, val_seq_len=512, val_loss_every=3,
     ),
 }
 
@@ -115,35 +169,1307 @@ def parse_args(argv: list[str] | None = None) -> Hyperparameters:
 # Distributed setup
 # ----------------------------------------------------------------------------------------------
 
-# (filled in with the training loop)
+
+@dataclass
+class DistInfo:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+
+    @property
+    def is_master(self) -> bool:
+        return self.rank == 0
+
+
+def setup_distributed(force_cpu: bool = False) -> DistInfo:
+    """Process group from torchrun's environment: NCCL on CUDA, gloo on CPU. Plain `python` (no
+    torchrun) is world size 1 with no process group: every collective below is skipped then."""
+    rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    use_cuda = torch.cuda.is_available() and not force_cpu
+    if use_cuda:
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    else:
+        device = torch.device("cpu")
+    if world_size > 1 or "RANK" in os.environ:
+        if use_cuda:
+            dist.init_process_group("nccl", device_id=device)
+        else:
+            dist.init_process_group("gloo")
+    return DistInfo(rank, world_size, local_rank, device)
+
+
+def cuda_synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 # ----------------------------------------------------------------------------------------------
 # FP8 custom ops: y = x @ w with float8 inputs and static scales (SPEC section 4)
 # ----------------------------------------------------------------------------------------------
 
-# FP8 SECTION (model work)
+# The LM head is the single biggest matmul (T x 768 x 50304), so it runs in float8 on GPUs that have
+# FP8 tensor cores. Scales are static (no amax bookkeeping): the head's input is rms-normalised and its
+# weights and gradients stay in predictable ranges, so fixed scales lose nothing measurable and cost
+# nothing. Quantisation: q = (t / scale) cast to float8 (round-to-nearest; e4m3fn saturates at +-448,
+# e5m2 overflows to inf); dequantised value = q * scale.
+
+FP8_HEAD_X_SCALE = 100 / 448     # activations (rms-normed, |x| rarely above ~100)
+FP8_HEAD_W_SCALE = 1.6 / 448     # head weights
+FP8_HEAD_GRAD_SCALE = 0.75 / 448  # gradient of the summed loss, multiplied by the loss scale at run time
+
+_FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def _quantize_fp8(t: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
+    """t / scale cast to `dtype`, always returned row-major contiguous whatever t's strides are."""
+    buf = torch.empty(t.shape, dtype=t.dtype, device=t.device)
+    torch.div(t, scale, out=buf)
+    return buf.to(dtype)
+
+
+def check_scaled_mm_args(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor) -> None:
+    """Raise ValueError unless (a, b, scales) satisfy cuBLAS's rules for a tensor-wise FP8 GEMM.
+
+    torch._scaled_mm on the CPU accepts layouts that cuBLAS rejects (or handles only through slow
+    copies), so the op checks every call on every device: a layout bug then fails in CPU tests
+    instead of on the first H100 run. Rules: 2-D float8 operands, not both e5m2; a (M, K) row-major
+    and b (K, N) column-major; M, K, N multiples of 16; one fp32 scale per operand.
+    """
+    if a.dim() != 2 or b.dim() != 2:
+        raise ValueError(f"fp8 matmul: operands must be 2-D, got {tuple(a.shape)} and {tuple(b.shape)}")
+    if a.dtype not in _FP8_DTYPES or b.dtype not in _FP8_DTYPES:
+        raise ValueError(f"fp8 matmul: operands must be float8_e4m3fn/float8_e5m2, got {a.dtype} and {b.dtype}")
+    if a.dtype == torch.float8_e5m2 and b.dtype == torch.float8_e5m2:
+        raise ValueError("fp8 matmul: cuBLAS has no e5m2 x e5m2 GEMM; make one operand float8_e4m3fn")
+    (M, K), (K2, N) = a.shape, b.shape
+    if K != K2:
+        raise ValueError(f"fp8 matmul: inner dimensions differ: a is {tuple(a.shape)}, b is {tuple(b.shape)}")
+    if M % 16 or K % 16 or N % 16:
+        raise ValueError(f"fp8 matmul: M, K, N must be multiples of 16, got M={M} K={K} N={N};"
+                         " pad the token count / dims to a multiple of 16")
+    if a.stride(1) != 1 or a.stride(0) < K:
+        raise ValueError(f"fp8 matmul: first operand must be row-major, got strides {a.stride()}; use .contiguous()")
+    if b.stride(0) != 1 or b.stride(1) < K:
+        raise ValueError(f"fp8 matmul: second operand must be column-major, got strides {b.stride()};"
+                         " use .T.contiguous().T")
+    for name, s in (("scale_a", scale_a), ("scale_b", scale_b)):
+        if s.dtype != torch.float32 or s.numel() != 1:
+            raise ValueError(f"fp8 matmul: {name} must be a single float32 value, got {s.dtype} with {s.numel()} elements")
+
+
+def _native_fp8(device: torch.device) -> bool:
+    """FP8 tensor cores exist from compute capability 8.9 (Ada, Hopper) on."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+def _scaled_matmul(a: torch.Tensor, b: torch.Tensor, scale_a: float, scale_b: float,
+                   out_dtype: torch.dtype, fast_accum: bool) -> torch.Tensor:
+    """(a * scale_a) @ (b * scale_b) for float8 a, b: cuBLAS where it can, else exact emulation.
+
+    The emulation dequantises to fp32 and multiplies in fp32: float8 products are exact in fp32, so it
+    differs from the tensor-core result only by summation order (and fast-accum rounding)."""
+    # torch.full launches a fill kernel; torch.tensor(..., device="cuda") would be a blocking copy
+    sa = torch.full((), scale_a, dtype=torch.float32, device=a.device)
+    sb = torch.full((), scale_b, dtype=torch.float32, device=a.device)
+    check_scaled_mm_args(a, b, sa, sb)
+    if _native_fp8(a.device):
+        return torch._scaled_mm(a, b, sa, sb, out_dtype=out_dtype, use_fast_accum=fast_accum)
+    return ((a.float() @ b.float()) * (scale_a * scale_b)).to(out_dtype)
+
+
+@torch.library.custom_op("speedrun::fp8_mm", mutates_args=())
+def fp8_mm(x: torch.Tensor, w: torch.Tensor, x_s: float, w_s: float, grad_s: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """y = x @ w in float8. x (M, K), w (K, N) stored (in, out). Returns (y bf16, x_f8, w_f8).
+
+    The float8 copies are returned so autograd can save them (half the memory of bf16) and the
+    backward need not quantise again; w_f8 is column-major, the layout cuBLAS wants for it."""
+    x_f8 = _quantize_fp8(x, x_s, torch.float8_e4m3fn)
+    w_f8 = _quantize_fp8(w.T, w_s, torch.float8_e4m3fn).T
+    y = _scaled_matmul(x_f8, w_f8, x_s, w_s, torch.bfloat16, fast_accum=True)
+    return y, x_f8, w_f8
+
+
+@fp8_mm.register_fake
+def _fp8_mm_fake(x, w, x_s, w_s, grad_s):
+    M, K = x.shape
+    N = w.shape[1]
+    return (x.new_empty((M, N), dtype=torch.bfloat16), x.new_empty((M, K), dtype=torch.float8_e4m3fn),
+            w.new_empty((N, K), dtype=torch.float8_e4m3fn).T)
+
+
+@torch.library.custom_op("speedrun::fp8_mm_backward", mutates_args=())
+def fp8_mm_backward(g: torch.Tensor, x_f8: torch.Tensor, w_f8: torch.Tensor, x_s: float, w_s: float,
+                    grad_s: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gradients of y = x @ w from dy (M, N): dx = dy @ w^T (bf16), dw = x^T @ dy (fp32).
+
+    dy is quantised to e5m2 (wider range, the gradient's scale moves with the loss); dw accumulates
+    over every token of the batch, so it is computed without fast accumulation."""
+    g_f8 = _quantize_fp8(g, grad_s, torch.float8_e5m2)
+    grad_x = _scaled_matmul(g_f8, w_f8.contiguous().T, grad_s, w_s, torch.bfloat16, fast_accum=True)
+    grad_w = _scaled_matmul(x_f8.T.contiguous(), g_f8.T.contiguous().T, x_s, grad_s, torch.float32, fast_accum=False)
+    return grad_x, grad_w
+
+
+@fp8_mm_backward.register_fake
+def _fp8_mm_backward_fake(g, x_f8, w_f8, x_s, w_s, grad_s):
+    return (x_f8.new_empty(x_f8.shape, dtype=torch.bfloat16),
+            w_f8.new_empty(w_f8.shape, dtype=torch.float32))
+
+
+def _fp8_mm_setup_context(ctx, inputs, output):
+    x, w, x_s, w_s, grad_s = inputs
+    _, x_f8, w_f8 = output
+    ctx.mark_non_differentiable(x_f8, w_f8)
+    ctx.save_for_backward(x_f8, w_f8)
+    ctx.scales = (x_s, w_s, grad_s)
+    ctx.dtypes = (x.dtype, w.dtype)
+
+
+def _fp8_mm_autograd(ctx, grad_y, grad_x_f8, grad_w_f8):
+    x_f8, w_f8 = ctx.saved_tensors
+    grad_x, grad_w = fp8_mm_backward(grad_y, x_f8, w_f8, *ctx.scales)
+    return grad_x.to(ctx.dtypes[0]), grad_w.to(ctx.dtypes[1]), None, None, None
+
+
+fp8_mm.register_autograd(_fp8_mm_autograd, setup_context=_fp8_mm_setup_context)
+
+
+def fp8_matmul(x: torch.Tensor, w: torch.Tensor, x_s: float, w_s: float, grad_s: float) -> torch.Tensor:
+    """x (..., K) @ w (K, N) -> (..., N) bf16 through the float8 op (differentiable in x and w)."""
+    y = fp8_mm(x.reshape(-1, x.shape[-1]), w, x_s, w_s, grad_s)[0]
+    return y.view(*x.shape[:-1], w.shape[1])
 
 
 # ----------------------------------------------------------------------------------------------
 # Orthogonalization: Polar Express and Gram Newton-Schulz (SPEC section 5)
 # ----------------------------------------------------------------------------------------------
 
-# ORTHOGONALIZATION SECTION (optimizer work)
+# Both functions map a gradient-like G (..., m, n) to an approximation of its polar factor U V^T
+# (G = U S V^T), in bf16, batched over the leading dims (a bank of matrices). Each iteration applies
+# the odd polynomial p(x) = a x + b x^3 + c x^5 to the singular values; the Polar Express coefficients
+# below are tuned so that five iterations take every singular value in roughly [1e-3, 1] into a
+# narrow band around 1. Dividing by ||G||_F * 1.02 first guarantees the spectral norm is < 1.
+
+POLAR_EXPRESS_COEFFS: tuple[tuple[float, float, float], ...] = (
+    (8.156554524902461, -22.48329292557795, 15.878769915207462),
+    (4.042929935166739, -2.808917465908714, 0.5000178451051316),
+    (3.8916678022926607, -2.772484153217685, 0.5060648178503393),
+    (3.285753657755655, -2.3681294933425376, 0.46449024233003106),
+    (2.3465413258596377, -1.7097828382687081, 0.42323551169305323),
+)
+
+
+def _normalized_bank(G: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """G / (||G||_F * 1.02 + 1e-6) per matrix, as a 3-D (batch, m, n) tensor of `dtype`.
+
+    The norm is taken in fp32 whatever G's dtype: a bf16 norm of a large matrix is too coarse to
+    keep the spectral norm safely below 1.
+    """
+    if G.ndim < 2:
+        raise ValueError(f"orthogonalization needs matrices (..., m, n); got shape {tuple(G.shape)}")
+    G3 = G.reshape(-1, G.size(-2), G.size(-1))
+    norm = G3.float().norm(dim=(-2, -1), keepdim=True)
+    return (G3.float() / (norm * 1.02 + 1e-6)).to(dtype)
+
+
+def _gram_of(X: torch.Tensor, left: bool) -> torch.Tensor:
+    """X X^T (left) or X^T X, with the symmetric Triton kernels on CUDA."""
+    k = X.size(-2) if left else X.size(-1)
+    out = X.new_empty(X.size(0), k, k)
+    if X.is_cuda:
+        return triton_kernels.XXT(X, out) if left else triton_kernels.XTX(X, out)
+    return torch.bmm(X, X.mT, out=out) if left else torch.bmm(X.mT, X, out=out)
+
+
+def _poly_of_gram(A: torch.Tensor, b: float, c: float) -> torch.Tensor:
+    """b A + c A^2 for a symmetric A (Triton kernel on CUDA)."""
+    if A.is_cuda:
+        return triton_kernels.ba_plus_cAA(A, c, b, torch.empty_like(A))
+    return torch.baddbmm(A, A, A, beta=b, alpha=c)
+
+
+def polar_express(G: torch.Tensor, coeffs=POLAR_EXPRESS_COEFFS) -> torch.Tensor:
+    """Polar Express orthogonalization of a matrix or a bank of matrices, in bf16.
+
+    Wide matrices iterate X <- a X + (b A + c A^2) X with A = X X^T; tall ones use the
+    right-multiplied form X <- a X + X (b A + c A^2) with A = X^T X, so the Gram matrix is always
+    the small side. Returns bf16 with G's shape.
+    """
+    X = _normalized_bank(G, torch.bfloat16)
+    wide = X.size(-2) <= X.size(-1)
+    for a, b, c in coeffs:
+        B = _poly_of_gram(_gram_of(X, left=wide), b, c)
+        X = torch.baddbmm(X, B, X, beta=a) if wide else torch.baddbmm(X, X, B, beta=a)
+    return X.reshape(G.shape)
+
+
+def gram_newton_schulz(G: torch.Tensor, coeffs=POLAR_EXPRESS_COEFFS, restart_after: int = 2,
+                       gram_dtype: torch.dtype = torch.float16) -> torch.Tensor:
+    """The same polynomial iteration, run on the small Gram matrix instead of the full matrix.
+
+    Every iterate has the form X_k = Q_k X_0 (wide case; tall matrices are transposed views), so it
+    suffices to track the s x s left factor Q and the Gram matrix R = X_k X_k^T:
+        Z = a I + b R + c R^2,   Q <- Z Q,   R <- Z R Z.
+    The long dimension is touched only to form R, at the restart and at the end (X = Q X_0). For a
+    3072 x 768 MLP matrix that is ~30% fewer FLOPs than Polar Express. Errors in the accumulated Q
+    grow fastest during the first, steep iterations, so after `restart_after` iterations X is formed
+    explicitly and R recomputed from it. The Gram work runs in fp16 (all entries are bounded by a
+    few units; fp16 keeps 3 more mantissa bits than bf16); the result is bf16 with G's shape.
+    """
+    X = _normalized_bank(G, gram_dtype)
+    tall = X.size(-2) > X.size(-1)
+    if tall:
+        X = X.mT.contiguous()
+    s = X.size(-2)
+    eye = torch.eye(s, dtype=X.dtype, device=X.device)
+    R = _gram_of(X, left=True)
+    Q = None
+    last = len(coeffs) - 1
+    for i, (a, b, c) in enumerate(coeffs):
+        if i == restart_after and Q is not None:
+            X = torch.bmm(Q, X)
+            R = _gram_of(X, left=True)
+            Q = None
+        Z = _poly_of_gram(R, b, c) + a * eye
+        Q = Z if Q is None else torch.bmm(Z, Q)
+        if i < last:
+            R = torch.bmm(torch.bmm(Z, R), Z)
+    X = torch.bmm(Q, X)
+    if tall:
+        X = X.mT
+    return X.to(torch.bfloat16).reshape(G.shape)
+
+
+ORTHOGONALIZERS = {"polar_express": polar_express, "gram_newton_schulz": gram_newton_schulz}
 
 
 # ----------------------------------------------------------------------------------------------
 # Optimizer: one fused NorMuon + Adam step that owns all communication (SPEC section 5)
 # ----------------------------------------------------------------------------------------------
 
-# OPTIMIZER SECTION (optimizer work)
+# Every parameter has a label and a ParamConfig. One NorMuonAdam.step() does all communication:
+#
+#   phase 1 scatter (scatter_order, big banks first): launch the async gradient reduction
+#       sharded         reduce_scatter(AVG): whole matrices of a bank / a block of rows per rank
+#       replicated      all_reduce(AVG): every rank updates the whole tensor
+#       sharded_sparse  all_to_all of only the touched rows to their owner (dense when that's cheaper)
+#       none            no communication (world size 1, or gradients already identical on all ranks)
+#   phase 2 work (work_order, small params first, banks last so their reductions have landed):
+#       wait for that reduction, update the local shard, launch the async all_gather of the shard
+#   phase 3 finalize: wait for the gathers; refresh the tied embedding from the head
+#
+# bf16 parameters keep the low 16 bits of their fp32 master value in a uint16 "mantissa" buffer
+# (optimizer state of the local shard): (bf16 bits << 16 | mantissa) is the exact fp32 value every
+# update is applied to, so tiny updates accumulate exactly as in fp32 at half the memory.
+
+OPTIMIZER_KINDS = ("normuon", "adam")
+COMMS_MODES = ("none", "replicated", "sharded", "sharded_sparse")
+
+
+def normuon_momentum(step: int, num_steps: int, lo: float = 0.85, hi: float = 0.95,
+                     warmup: int = 300, cooldown: int = 50) -> float:
+    """NorMuon momentum schedule: lo -> hi over the first `warmup` steps, back to lo over the last
+    `cooldown` steps before `num_steps` (and lo after it)."""
+    up = min(step / warmup, 1.0) if warmup > 0 else 1.0
+    down = min(max(num_steps - step, 0) / cooldown, 1.0) if cooldown > 0 else float(step < num_steps)
+    return lo + (hi - lo) * min(up, down)
+
+
+@dataclass(frozen=True)
+class ParamConfig:
+    """How one labelled parameter is optimized and communicated.
+
+    optimizer      'normuon' (matrices / banks of matrices) or 'adam'
+    comms          'none' | 'replicated' | 'sharded' | 'sharded_sparse' (see the phase table above)
+    lr_mul         multiplies the base learning rate of the parameter's optimizer
+    wd_mul         multiplies the weight decay (decay never includes lr_mul; wd_mul is its knob)
+    betas          Adam (beta1, beta2)
+    matrix_lr_mul  NorMuon banks: one lr multiplier per matrix of the bank (e.g. x2 on the MLP
+                   down-projections), on top of lr_mul and the shape factor sqrt(max(1, rows/cols))
+    """
+    optimizer: str = "adam"
+    comms: str = "replicated"
+    lr_mul: float = 1.0
+    wd_mul: float = 1.0
+    betas: tuple[float, float] = (0.9, 0.95)
+    matrix_lr_mul: tuple[float, ...] | None = None
+
+    def __post_init__(self):
+        if self.optimizer not in OPTIMIZER_KINDS:
+            raise ValueError(f"ParamConfig: optimizer={self.optimizer!r} is not one of {', '.join(OPTIMIZER_KINDS)}")
+        if self.comms not in COMMS_MODES:
+            raise ValueError(f"ParamConfig: comms={self.comms!r} is not one of {', '.join(COMMS_MODES)}")
+        if self.comms == "sharded_sparse" and self.optimizer != "adam":
+            raise ValueError("ParamConfig: comms='sharded_sparse' is for Adam embedding tables; use 'sharded' for normuon")
+        if self.matrix_lr_mul is not None and self.optimizer != "normuon":
+            raise ValueError("ParamConfig: matrix_lr_mul applies to normuon banks only; use lr_mul for adam")
+        betas = tuple(float(b) for b in self.betas)
+        if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
+            raise ValueError(f"ParamConfig: betas={self.betas!r} must be two numbers in [0, 1)")
+        object.__setattr__(self, "betas", betas)
+        if self.matrix_lr_mul is not None:
+            object.__setattr__(self, "matrix_lr_mul", tuple(float(m) for m in self.matrix_lr_mul))
+
+
+def _master_fp32(param: torch.Tensor, mantissa: torch.Tensor | None) -> torch.Tensor:
+    """The exact fp32 value of a parameter: bf16 bits joined with the stored low 16 bits."""
+    if mantissa is None:
+        return param.float()
+    high = param.view(torch.int16).to(torch.int32) << 16
+    low = mantissa.view(torch.int16).to(torch.int32) & 0xFFFF
+    return (high | low).view(torch.float32)
+
+
+def _store_master(value: torch.Tensor, param: torch.Tensor, mantissa: torch.Tensor | None) -> None:
+    """Write an fp32 value back: high half into the bf16 parameter, low half into the mantissa."""
+    if mantissa is None:
+        param.copy_(value)
+        return
+    bits = value.view(torch.int32)
+    param.view(torch.int16).copy_((bits >> 16).to(torch.int16))
+    mantissa.view(torch.int16).copy_(bits.to(torch.int16))  # int32 -> int16 keeps the low 16 bits
+
+
+def _normuon_update(grad, momentum_buf, second_moment, param, mantissa, matrix_lr, hp, orthogonalize):
+    """One NorMuon step on a shard of matrices (k, rows, cols), in place.
+
+    hp is a 1-D fp32 tensor [lr, lr * wd * wd_mul, momentum, beta2]: 0-D tensor entries, so a
+    compiled version never recompiles when the schedules move. matrix_lr (k, 1, 1) holds lr_mul,
+    the shape factor and the per-matrix multipliers.
+    """
+    lr, decay, momentum, beta2 = hp[0], hp[1], hp[2], hp[3]
+    g = grad.float()
+    momentum_buf.lerp_(g, 1 - momentum)
+    g = g.lerp(momentum_buf, momentum)  # Nesterov: look ahead along the updated momentum
+    O = orthogonalize(g).float()
+    # Neuron-wise second moment of the orthogonalized update, one entry per row (or column) of
+    # the longer side; dividing by its root evens out per-neuron step sizes, then the Frobenius
+    # norm is restored so the overall step size stays that of the orthogonal update.
+    per_row = O.size(-2) >= O.size(-1)
+    v = O.square().mean(dim=-1 if per_row else -2, keepdim=True)
+    second_moment.lerp_(v, 1 - beta2)
+    norm = O.norm(dim=(-2, -1), keepdim=True)
+    O = O * second_moment.clamp_min(1e-10).rsqrt()
+    O = O * (norm / O.norm(dim=(-2, -1), keepdim=True).clamp_min(1e-10))
+    p = _master_fp32(param, mantissa)
+    mask = (O * p >= 0).float()  # cautious decay: only where the update also shrinks the weight
+    p = p - (lr * matrix_lr) * O - (decay * mask) * p
+    _store_master(p, param, mantissa)
+
+
+def _adam_update(grad, exp_avg, exp_avg_sq, param, mantissa, hp):
+    """One bias-corrected Adam step with cautious weight decay on a shard, in place.
+
+    hp is a 1-D fp32 tensor [lr * lr_mul, decay, beta1, beta2, 1 - beta1^t, 1 - beta2^t, eps].
+    """
+    lr, decay, beta1, beta2, bias1, bias2, eps = hp[0], hp[1], hp[2], hp[3], hp[4], hp[5], hp[6]
+    g = grad.float()
+    exp_avg.lerp_(g, 1 - beta1)
+    exp_avg_sq.lerp_(g.square(), 1 - beta2)
+    update = (exp_avg / bias1) / ((exp_avg_sq / bias2).sqrt() + eps)
+    p = _master_fp32(param, mantissa)
+    mask = (update * p >= 0).float()
+    p = p - lr * update - (decay * mask) * p
+    _store_master(p, param, mantissa)
+
+
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or getattr(dist, "reduce_scatter_tensor", None)
+_all_gather = getattr(dist, "all_gather_single", None) or getattr(dist, "all_gather_into_tensor", None)
+
+
+class CommLayer:
+    """Async collectives for the optimizer, counting the bytes this rank sends, per label.
+
+    Counted as the data a bandwidth-optimal (ring / direct) algorithm makes each rank send:
+    reduce_scatter (W-1)/W of the input, all_gather (W-1) x the shard, all_reduce 2 (W-1)/W of
+    the tensor, all_to_all every row addressed to another rank. With one rank nothing is sent.
+    bytes_sent[label] totals a label; bytes_by_op[(label, op)] splits it by collective.
+    """
+
+    def __init__(self, group, world_size: int, rank: int):
+        self.group, self.world_size, self.rank = group, world_size, rank
+        self.bytes_sent: dict[str, int] = {}
+        self.bytes_by_op: dict[tuple[str, str], int] = {}
+
+    def _count(self, label: str, op: str, nbytes: float) -> None:
+        self.bytes_sent[label] = self.bytes_sent.get(label, 0) + int(nbytes)
+        self.bytes_by_op[label, op] = self.bytes_by_op.get((label, op), 0) + int(nbytes)
+
+    def reduce_scatter_avg(self, label, out, inp):
+        W = self.world_size
+        self._count(label, "reduce_scatter", inp.numel() * inp.element_size() * (W - 1) / W)
+        return _reduce_scatter(out, inp, op=dist.ReduceOp.AVG, group=self.group, async_op=True)
+
+    def all_reduce_avg(self, label, t):
+        W = self.world_size
+        self._count(label, "all_reduce", 2 * t.numel() * t.element_size() * (W - 1) / W)
+        return dist.all_reduce(t, op=dist.ReduceOp.AVG, group=self.group, async_op=True)
+
+    def all_gather(self, label, out, shard):
+        self._count(label, "all_gather", shard.numel() * shard.element_size() * (self.world_size - 1))
+        return _all_gather(out, shard, group=self.group, async_op=True)
+
+    def all_to_all(self, label, out, inp, out_splits=None, in_splits=None):
+        row_bytes = inp[:1].numel() * inp.element_size() if inp.numel() else 0
+        if in_splits is None:
+            sent = inp.numel() * inp.element_size() * (self.world_size - 1) / self.world_size
+        else:
+            sent = (sum(in_splits) - in_splits[self.rank]) * row_bytes
+        self._count(label, "all_to_all", sent)
+        return dist.all_to_all_single(out, inp, out_splits, in_splits, group=self.group, async_op=True)
+
+
+@dataclass
+class _Slot:
+    """Static layout of one labelled parameter: the 2-D+ view it is sharded along and its shard."""
+    label: str
+    param: torch.Tensor
+    cfg: ParamConfig
+    shape: tuple          # (rows, *inner): normuon (matrices, r, c); adam (rows, last dim)
+    shard_rows: int       # rows (matrices) this rank owns, padding included
+    lo: int               # first owned row
+    real_rows: int        # owned rows that exist (the rest is padding)
+    sharded: bool         # split over ranks (sharded / sharded_sparse with more than one rank)
+    world_size: int
+
+    @property
+    def rows(self) -> int:
+        return self.shape[0]
+
+    @property
+    def even(self) -> bool:
+        """Sharded with no padding: shards are slices of the parameter and gathers run in place."""
+        return self.sharded and self.shard_rows * self.world_size == self.rows
+
+    def view(self) -> torch.Tensor:
+        return self.param.data.view(self.shape)
+
+
+@dataclass
+class _SparsePlan:
+    """Row exchange for one sharded_sparse table, planned from the rows touched since its last step."""
+    dense: bool
+    rows: torch.Tensor | None = None        # sorted unique touched row ids (comm device)
+    send_counts: list | None = None
+    recv_counts: list | None = None
+    recv_rows: torch.Tensor | None = None
+    rows_work: object = None
+
+
+class NorMuonAdam:
+    """Fused NorMuon (matrices) + Adam (everything else) optimizer that owns all communication.
+
+    params / configs: dicts keyed by label. scatter_order / work_order: every label exactly once.
+    tied=(embed_label, head_label) keeps embed == head^T (the head's Adam state drives both) until
+    untie(); the model initialises the embedding as head^T, the optimizer refreshes it after every
+    Adam step. orthogonalizer: 'polar_express' | 'gram_newton_schulz' | a callable (bank -> bank).
+    compile: False (eager), True (torch.compile, inductor) or a torch.compile backend (name or callable).
+    sparse_threshold: sharded_sparse tables use the dense reduce_scatter when some rank touched
+    more than this fraction of the rows (0 forces dense).
+
+    step(do_adam, lr_scale, momentum) consumes the gradients it uses (sets .grad to None); Adam
+    gradients are left alone on steps without Adam so that they keep accumulating.
+    """
+
+    def __init__(self, params: dict[str, nn.Parameter], configs: dict[str, ParamConfig], *,
+                 scatter_order, work_order,
+                 normuon_lr: float = 0.023, normuon_wd: float = 1.2, normuon_momentum: float = 0.95,
+                 normuon_beta2: float = 0.9, adam_lr: float = 0.008, adam_wd: float = 0.005,
+                 adam_eps: float = 1e-10, orthogonalizer="polar_express",
+                 tied: tuple[str, str] | None = None, process_group=None,
+                 sparse_threshold: float = 0.5, compile=False):
+        params, configs = dict(params), dict(configs)
+        for label in params:
+            if label not in configs:
+                raise ValueError(f"NorMuonAdam: no ParamConfig for parameter {label!r}; add configs[{label!r}]")
+        for label in configs:
+            if label not in params:
+                raise ValueError(f"NorMuonAdam: config {label!r} names no parameter; labels are {sorted(params)}")
+        self.scatter_order = self._check_order("scatter_order", scatter_order, params)
+        self.work_order = self._check_order("work_order", work_order, params)
+        if process_group is None and dist.is_available() and dist.is_initialized():
+            process_group = dist.group.WORLD
+        self.group = process_group
+        self.world_size = dist.get_world_size(process_group) if process_group is not None else 1
+        self.rank = dist.get_rank(process_group) if process_group is not None else 0
+        self.comm = CommLayer(process_group, self.world_size, self.rank)
+        self.normuon_lr, self.normuon_wd, self.normuon_momentum = normuon_lr, normuon_wd, normuon_momentum
+        self.normuon_beta2 = normuon_beta2
+        self.adam_lr, self.adam_wd, self.adam_eps = adam_lr, adam_wd, adam_eps
+        self.sparse_threshold = float(sparse_threshold)
+        if callable(orthogonalizer):
+            self.orthogonalize = orthogonalizer
+        elif orthogonalizer in ORTHOGONALIZERS:
+            self.orthogonalize = ORTHOGONALIZERS[orthogonalizer]
+        else:
+            raise ValueError(f"NorMuonAdam: orthogonalizer={orthogonalizer!r}; choose one of {sorted(ORTHOGONALIZERS)}")
+
+        self.slots: dict[str, _Slot] = {}
+        for label, p in params.items():
+            self.slots[label] = self._layout(label, p, configs[label])
+        self.tied = None
+        if tied is not None:  # parameters are never touched here: a restored checkpoint may be untied
+            self._check_tied(tuple(tied))
+            self.tied = tuple(tied)
+
+        self.state: dict[str, dict[str, torch.Tensor]] = {}
+        self.adam_steps: dict[str, int] = {}
+        for label, slot in self.slots.items():
+            self.state[label] = {} if self.tied and label == self.tied[0] else self._init_state(slot)
+            if slot.cfg.optimizer == "adam":
+                self.adam_steps[label] = 0
+        self._matrix_lr = {label: self._matrix_lr_of(slot) for label, slot in self.slots.items()
+                           if slot.cfg.optimizer == "normuon"}
+        self._sparse_rows: dict[str, list[torch.Tensor]] = {}
+        self._sparse_plans: dict[str, _SparsePlan] = {}
+
+        if compile:
+            backend = "inductor" if compile is True else compile
+            self._normuon_fn = torch.compile(_normuon_update, dynamic=False, backend=backend)
+            self._adam_fn = torch.compile(_adam_update, dynamic=True, backend=backend)
+        else:
+            self._normuon_fn, self._adam_fn = _normuon_update, _adam_update
+
+    # ---------------------------------------------------------------- construction helpers
+
+    @staticmethod
+    def _check_order(name, order, params) -> list[str]:
+        order = list(order)
+        seen = set()
+        for label in order:
+            if label not in params:
+                raise ValueError(f"NorMuonAdam: {name} names unknown label {label!r}; labels are {sorted(params)}")
+            if label in seen:
+                raise ValueError(f"NorMuonAdam: {name} lists {label!r} twice; list every label exactly once")
+            seen.add(label)
+        missing = [label for label in params if label not in seen]
+        if missing:
+            raise ValueError(f"NorMuonAdam: {name} is missing {missing}; list every label exactly once")
+        return order
+
+    def _layout(self, label: str, p: torch.Tensor, cfg: ParamConfig) -> _Slot:
+        if p.dtype not in (torch.bfloat16, torch.float32):
+            raise ValueError(f"NorMuonAdam: parameter {label!r} is {p.dtype}; use bfloat16 or float32")
+        W = self.world_size
+        if cfg.optimizer == "normuon":
+            if p.ndim < 2:
+                raise ValueError(f"NorMuonAdam: normuon parameter {label!r} has shape {tuple(p.shape)}; it needs matrices (..., rows, cols)")
+            shape = (p.numel() // (p.size(-2) * p.size(-1)), p.size(-2), p.size(-1))
+            if cfg.matrix_lr_mul is not None and len(cfg.matrix_lr_mul) != shape[0]:
+                raise ValueError(f"NorMuonAdam: {label!r} has {shape[0]} matrices but matrix_lr_mul has {len(cfg.matrix_lr_mul)} entries")
+            if cfg.comms == "sharded" and shape[0] % W:
+                raise ValueError(f"NorMuonAdam: bank {label!r} has {shape[0]} matrices, not divisible by the world size {W};"
+                                 f" pad the bank with zero matrices to a multiple of {W}")
+        else:
+            shape = (p.numel() // p.size(-1), p.size(-1)) if p.ndim >= 2 else (p.numel(), 1)
+        sharded = cfg.comms in ("sharded", "sharded_sparse") and W > 1
+        k = -(-shape[0] // W) if sharded else shape[0]
+        lo = self.rank * k if sharded else 0
+        real = max(0, min(k, shape[0] - lo))
+        return _Slot(label, p, cfg, shape, k, lo, real, sharded, W)
+
+    def _check_tied(self, tied):
+        if len(tied) != 2 or any(t not in self.slots for t in tied):
+            raise ValueError(f"NorMuonAdam: tied={tied!r} must be (embed_label, head_label), both existing labels")
+        embed, head = (self.slots[t] for t in tied)
+        if embed.cfg.optimizer != "adam" or head.cfg.optimizer != "adam":
+            raise ValueError("NorMuonAdam: tied embedding and head must both use optimizer='adam'")
+        if embed.param.ndim != 2 or tuple(embed.param.shape) != tuple(head.param.shape)[::-1]:
+            raise ValueError(f"NorMuonAdam: tied shapes {tuple(embed.param.shape)} and {tuple(head.param.shape)}"
+                             " must be transposes of each other")
+        if embed.param.dtype != head.param.dtype:
+            raise ValueError("NorMuonAdam: tied embedding and head must have the same dtype")
+
+    def _init_state(self, slot: _Slot) -> dict[str, torch.Tensor]:
+        shard = (slot.shard_rows, *slot.shape[1:])
+        dev = slot.param.device
+        st = {}
+        if slot.cfg.optimizer == "normuon":
+            st["momentum_buffer"] = torch.zeros(shard, dtype=torch.float32, device=dev)
+            per_row = slot.shape[1] >= slot.shape[2]
+            vshape = (slot.shard_rows, slot.shape[1], 1) if per_row else (slot.shard_rows, 1, slot.shape[2])
+            st["second_moment"] = torch.zeros(vshape, dtype=torch.float32, device=dev)
+        else:
+            st["exp_avg"] = torch.zeros(shard, dtype=torch.float32, device=dev)
+            st["exp_avg_sq"] = torch.zeros(shard, dtype=torch.float32, device=dev)
+        if slot.param.dtype == torch.bfloat16:
+            st["mantissa"] = torch.zeros(shard, dtype=torch.uint16, device=dev)
+        return st
+
+    def _matrix_lr_of(self, slot: _Slot) -> torch.Tensor:
+        n, r, c = slot.shape
+        per_matrix = torch.tensor(slot.cfg.matrix_lr_mul or [1.0] * n, dtype=torch.float64)
+        per_matrix = per_matrix * slot.cfg.lr_mul * max(1.0, r / c) ** 0.5
+        shard = torch.zeros(slot.shard_rows, dtype=torch.float64)
+        shard[:slot.real_rows] = per_matrix[slot.lo:slot.lo + slot.real_rows]
+        return shard.to(torch.float32).view(-1, 1, 1).to(slot.param.device)
+
+    # ---------------------------------------------------------------- per-step hyperparameters
+
+    def _hyperparams(self, labels, lr_scale: float, momentum: float) -> dict[str, torch.Tensor]:
+        """All per-label scalars of this step in one host->device copy; row views per label."""
+        rows = []
+        for label in labels:
+            cfg = self.slots[label].cfg
+            if cfg.optimizer == "normuon":
+                lr = self.normuon_lr * lr_scale
+                rows.append([lr, lr * self.normuon_wd * cfg.wd_mul, momentum, self.normuon_beta2, 0.0, 0.0, 0.0])
+            else:
+                lr = self.adam_lr * lr_scale
+                t = self.adam_steps[label] + 1
+                b1, b2 = cfg.betas
+                rows.append([lr * cfg.lr_mul, lr * lr * self.adam_wd * cfg.wd_mul, b1, b2,
+                             1.0 - b1 ** t, 1.0 - b2 ** t, self.adam_eps])
+        if not rows:
+            return {}
+        hp = torch.tensor(rows, dtype=torch.float32)
+        dev = next(iter(self.slots.values())).param.device
+        if dev.type == "cuda":
+            hp = hp.pin_memory().to(dev, non_blocking=True)
+        return {label: hp[i] for i, label in enumerate(labels)}
+
+    # ---------------------------------------------------------------- sparse row exchange
+
+    def prepare_sparse(self, label: str, row_ids, launch: bool = False) -> None:
+        """Declare rows of a sharded_sparse table that this rank's gradient touches.
+
+        Call once per micro-batch with the ids the loader produced (any shape, duplicates fine);
+        the union since the table's last Adam step is what gets sent. launch=True also runs the
+        count exchange and starts the row-id exchange now (before backward) - a collective: every
+        rank must call it at the same point. Rows the gradient touches but that were never
+        declared are not sent: declare all of them, or none (the step then finds the nonzero rows).
+        """
+        slot = self.slots.get(label)
+        if slot is None or slot.cfg.comms != "sharded_sparse":
+            raise ValueError(f"prepare_sparse: {label!r} is not a parameter with comms='sharded_sparse'")
+        if self.world_size == 1:
+            return
+        if label in self._sparse_plans:
+            raise ValueError(f"prepare_sparse: the row exchange of {label!r} was already launched for this step;"
+                             " declare every row before launch=True")
+        ids = torch.as_tensor(row_ids).reshape(-1).to(device="cpu", dtype=torch.int64)
+        self._sparse_rows.setdefault(label, []).append(ids)
+        if launch:
+            self._sparse_plans[label] = self._plan_sparse(slot)
+
+    def _plan_sparse(self, slot: _Slot, grad: torch.Tensor | None = None) -> _SparsePlan:
+        """Exchange per-owner row counts (plus each rank's total, so that every rank takes the
+        same dense-or-sparse decision), then launch the row-id exchange."""
+        W, k, dev = self.world_size, slot.shard_rows, slot.param.device
+        pending = self._sparse_rows.pop(slot.label, None)
+        if pending:
+            rows = torch.unique(torch.cat(pending))
+            if rows.numel() and (rows[0] < 0 or rows[-1] >= slot.rows):
+                raise ValueError(f"prepare_sparse: row ids of {slot.label!r} must be in [0, {slot.rows});"
+                                 f" got {int(rows[0])}..{int(rows[-1])}")
+        else:  # nothing declared: send the rows where this rank's gradient is nonzero
+            rows = (grad != 0).flatten(1).any(dim=1).nonzero().view(-1).cpu()
+        send_counts = torch.bincount(rows // k, minlength=W)
+        meta = torch.stack([send_counts, torch.full((W,), rows.numel(), dtype=torch.int64)], dim=1)
+        recv_meta = torch.empty_like(meta, device=dev)
+        self.comm.all_to_all(slot.label, recv_meta, meta.to(dev)).wait()
+        recv_meta = recv_meta.cpu()
+        if int(recv_meta[:, 1].max()) > self.sparse_threshold * slot.rows:
+            return _SparsePlan(dense=True)
+        send, recv = send_counts.tolist(), recv_meta[:, 0].tolist()
+        rows = rows.to(dev)
+        recv_rows = torch.empty(sum(recv), dtype=torch.int64, device=dev)
+        work = self.comm.all_to_all(slot.label, recv_rows, rows, recv, send)
+        return _SparsePlan(False, rows, send, recv, recv_rows, work)
+
+    # ---------------------------------------------------------------- the three phases
+
+    def _grad_view(self, slot: _Slot) -> torch.Tensor:
+        g = slot.param.grad
+        if g is None:
+            return torch.zeros(slot.shape, dtype=slot.param.dtype, device=slot.param.device)
+        return g.reshape(slot.shape).contiguous()
+
+    def _scatter(self, slot: _Slot):
+        """Launch this label's gradient reduction; return a function that waits and yields the
+        averaged gradient of the local shard."""
+        g = self._grad_view(slot)
+        label, W = slot.label, self.world_size
+        if W == 1 or slot.cfg.comms == "none":
+            return lambda: g
+        if slot.cfg.comms == "replicated":
+            work = self.comm.all_reduce_avg(label, g)
+            return lambda: (work.wait(), g)[1]
+        if slot.cfg.comms == "sharded_sparse":
+            plan = self._sparse_plans.pop(label, None) or self._plan_sparse(slot, g)
+            if not plan.dense:
+                return self._scatter_sparse(slot, g, plan)
+        k = slot.shard_rows
+        if not slot.even:
+            padded = g.new_zeros((k * W, *slot.shape[1:]))
+            padded[:slot.rows] = g
+            g = padded
+        out = g.new_empty((k, *slot.shape[1:]))
+        work = self.comm.reduce_scatter_avg(label, out, g)
+        return lambda: (work.wait(), out)[1]
+
+    def _scatter_sparse(self, slot: _Slot, g: torch.Tensor, plan: _SparsePlan):
+        values = g[plan.rows]
+        recv_values = g.new_empty((sum(plan.recv_counts), *slot.shape[1:]))
+        work = self.comm.all_to_all(slot.label, recv_values, values, plan.recv_counts, plan.send_counts)
+
+        def finish():
+            plan.rows_work.wait()
+            work.wait()
+            acc = torch.zeros((slot.shard_rows, *slot.shape[1:]), dtype=torch.float32, device=g.device)
+            acc.index_add_(0, plan.recv_rows - slot.lo, recv_values.float())
+            # Rounded to the gradient dtype like the dense reduce_scatter(AVG), so both paths agree.
+            return (acc / self.world_size).to(g.dtype)
+        return finish
+
+    def _param_shard(self, slot: _Slot) -> torch.Tensor:
+        """The local shard to update in place: a view of the parameter, or a padded copy."""
+        view = slot.view()
+        if not slot.sharded:
+            return view
+        if slot.even:
+            return view[slot.lo:slot.lo + slot.shard_rows]
+        shard = view.new_zeros((slot.shard_rows, *slot.shape[1:]))
+        shard[:slot.real_rows] = view[slot.lo:slot.lo + slot.real_rows]
+        return shard
+
+    def _work(self, slot: _Slot, grad: torch.Tensor, hp: torch.Tensor):
+        """Update the local shard; return a function that completes its all_gather (or None)."""
+        st = self.state[slot.label]
+        shard = self._param_shard(slot)
+        if slot.cfg.optimizer == "normuon":
+            self._normuon_fn(grad, st["momentum_buffer"], st["second_moment"], shard, st.get("mantissa"),
+                             self._matrix_lr[slot.label], hp, self.orthogonalize)
+        else:
+            self._adam_fn(grad, st["exp_avg"], st["exp_avg_sq"], shard, st.get("mantissa"), hp)
+            self.adam_steps[slot.label] += 1
+        if not slot.sharded:
+            return None
+        view = slot.view()
+        if slot.even:
+            work = self.comm.all_gather(slot.label, view, shard)  # in place: shard is a slice of view
+            return work.wait
+        full = shard.new_empty((slot.shard_rows * self.world_size, *slot.shape[1:]))
+        work = self.comm.all_gather(slot.label, full, shard)
+
+        def finish():
+            work.wait()
+            view.copy_(full[:slot.rows])
+        return finish
+
+    @torch.no_grad()
+    def step(self, do_adam: bool = True, lr_scale: float = 1.0, momentum: float | None = None) -> None:
+        """One optimizer step: NorMuon every call, Adam only when do_adam (odd steps).
+
+        lr_scale multiplies every base learning rate (the lr schedule); momentum is the NorMuon
+        momentum for this step (default: the constructor's). Both reach the update functions as
+        tensor entries, so compiled updates never recompile when they change.
+        """
+        momentum = self.normuon_momentum if momentum is None else momentum
+        skip = self.tied[0] if self.tied else None
+        active = [label for label in self.scatter_order
+                  if label != skip and (do_adam or self.slots[label].cfg.optimizer == "normuon")]
+        hps = self._hyperparams(active, float(lr_scale), float(momentum))
+        if self.tied and do_adam:
+            embed, head = (self.slots[t].param for t in self.tied)
+            if embed.grad is not None:
+                if head.grad is None:
+                    head.grad = embed.grad.mT.contiguous()
+                else:
+                    triton_kernels.transpose_add(embed.grad, head.grad)
+                embed.grad = None
+        # phase 1: scatter
+        reduced = {label: self._scatter(self.slots[label]) for label in active}
+        # phase 2: work
+        gathers = []
+        active_set = set(active)
+        for label in self.work_order:
+            if label in active_set:
+                done = self._work(self.slots[label], reduced[label](), hps[label])
+                if done is not None:
+                    gathers.append(done)
+        # phase 3: finalize
+        for done in gathers:
+            done()
+        if self.tied and do_adam:
+            embed, head = (self.slots[t].param for t in self.tied)
+            triton_kernels.transpose_copy(head.data, embed.data)
+        for label in active:
+            self.slots[label].param.grad = None
+
+    # ---------------------------------------------------------------- untie and checkpoints
+
+    def _full_tensor(self, slot: _Slot, shard: torch.Tensor) -> torch.Tensor:
+        """All rows of a sharded state tensor (rows, *inner), gathered from every rank."""
+        if not slot.sharded:
+            return shard
+        raw = shard.contiguous()
+        if raw.dtype == torch.uint16:  # collectives lack 16-bit integers: move the bits as bytes
+            raw = raw.view(torch.uint8)
+        full = raw.new_empty((slot.shard_rows * self.world_size, *raw.shape[1:]))
+        self.comm.all_gather(slot.label, full, raw).wait()
+        return full[:slot.rows].view(shard.dtype)
+
+    @torch.no_grad()
+    def untie(self) -> None:
+        """Give the embedding its own Adam state: the head's state, transposed and resharded.
+
+        A collective when the head is sharded: every rank calls it at the same step.
+        """
+        if self.tied is None:
+            raise ValueError("NorMuonAdam.untie(): embedding and head are not tied")
+        e_label, h_label = self.tied
+        e, h = self.slots[e_label], self.slots[h_label]
+        st = {}
+        for name, shard in self.state[h_label].items():
+            full = self._full_tensor(h, shard).reshape(h.param.shape).mT.reshape(e.shape)
+            mine = full.new_zeros((e.shard_rows, *e.shape[1:]))
+            mine[:e.real_rows] = full[e.lo:e.lo + e.real_rows]
+            st[name] = mine
+        self.state[e_label] = st
+        self.adam_steps[e_label] = self.adam_steps[h_label]
+        self.tied = None
+
+    def state_dict(self) -> dict:
+        """This rank's optimizer state (shards), keyed by label; a deep copy."""
+        return {"world_size": self.world_size, "rank": self.rank,
+                "tied": list(self.tied) if self.tied else None,
+                "adam_steps": dict(self.adam_steps),
+                "state": {label: {name: t.clone() for name, t in st.items()} for label, st in self.state.items()}}
+
+    @torch.no_grad()
+    def load_state_dict(self, sd: dict) -> None:
+        """Restore a state_dict() from the same layout (world size, rank, labels, shapes)."""
+        if sd.get("world_size") != self.world_size or sd.get("rank") != self.rank:
+            raise ValueError(f"load_state_dict: saved on rank {sd.get('rank')} of {sd.get('world_size')},"
+                             f" loading on rank {self.rank} of {self.world_size}; optimizer shards need the same world size")
+        if set(sd["state"]) != set(self.state):
+            raise ValueError(f"load_state_dict: labels {sorted(sd['state'])} differ from this optimizer's {sorted(self.state)}")
+        for label, saved in sd["state"].items():
+            ref = self._init_state(self.slots[label])
+            if saved and set(saved) != set(ref):
+                raise ValueError(f"load_state_dict: {label!r} has state {sorted(saved)}, expected {sorted(ref)}")
+            for name, t in saved.items():
+                if t.shape != ref[name].shape or t.dtype != ref[name].dtype:
+                    raise ValueError(f"load_state_dict: {label!r}.{name} is {tuple(t.shape)} {t.dtype},"
+                                     f" expected {tuple(ref[name].shape)} {ref[name].dtype}")
+                ref[name].copy_(t)
+            self.state[label] = ref if saved else {}
+        self.tied = tuple(sd["tied"]) if sd["tied"] else None
+        self.adam_steps = dict(sd["adam_steps"])
+        self._sparse_rows.clear()
+        self._sparse_plans.clear()
 
 
 # ----------------------------------------------------------------------------------------------
 # Model (SPEC section 3)
 # ----------------------------------------------------------------------------------------------
 
-# MODEL SECTION (model work)
+# Layout of one forward pass over a packed batch of T tokens (batch 1, several documents):
+#   e = embed[ids]; smear: e[t] += lambda * gate(e[t]) * e[t-1] (not across a document start)
+#   x0 = x = rms_norm(e)
+#   layer i: (skip_to: x += gate(x) * output of skip_from)
+#            u = x + bigram_lambda[i] * bigram_embed[hash(prev, cur)]
+#            h = attention(rms_norm(u))            (absent on no_attention_layers)
+#            m = mlp(rms_norm(u + h))
+#            x = resid[i] * u + post[i] * (h + m) + x0_lambda[i] * x0
+#   x = rms_norm(x - backout_lambda * output of backout_layer); logits = softcap(x @ lm_head)
+#
+# Parameters and their labels (the optimizer configures itself by label):
+#   qk_bank      (Nqk, H*hd, D) bf16  [2j] = Q, [2j+1] = K of the j-th attention layer, (out, in)
+#   vo_bank      (Nqk, H*hd, D) bf16  [2j] = V (out, in), [2j+1] = output projection (out=D, in=H*hd)
+#   mlp_bank     (Nmlp, hidden, D) bf16  [2i] = up (out, in), [2i+1] = down stored (in, out)
+#                Banks are padded with zero matrices to a multiple of the world size; model.bank_roles
+#                names every entry ("q.3", "down.7", "pad", ...).
+#   embed        (Vp, D) bf16   token embedding. While tied it is a copy of lm_head^T kept equal by the
+#                optimizer (which folds embed.grad^T into lm_head.grad): the forward always reads embed,
+#                so untying changes nothing here.
+#   lm_head      (D, Vp) bf16   stored (in, out) so the FP8 op gets it without a transpose
+#   value_embed  (n_ve, Vp, D) bf16  one table per value_embed_layers entry
+#   bigram_embed (bigram_vocab_size, D) bf16, zero init
+#   scalars      (4L + 2,) fp32  [resid (L) | post (L) | x0_lambda (L) | bigram_lambda (L) | smear | backout]
+#   ve_gates     (n_ve, H, gate_channels) fp32   per-head value-embedding gates 2*sigmoid(W x[:12])
+#   smear_gate   (1, gate_channels) fp32;  skip_gate (1, gate_channels) fp32
+# Initialisation: Q, K, V, MLP-up uniform with std 0.5/sqrt(D); output projections and MLP-down zero
+# (each block starts as the identity); lm_head normal std 0.005 (logits ~0 so the loss starts at
+# ln(vocab)); value embeddings normal std 0.5 (the scale of V); bigram table and gates zero; resid and
+# post lambdas 1, x0 lambdas 0, bigram lambdas 0.1, smear and backout lambdas 0.
+# Parameters whose gradient is exactly zero at init (by the zero inits above, not by disconnection):
+# Q, K, V, value_embed and ve_gates (the output projection is zero), MLP-up (down is zero) and
+# smear_gate (smear lambda 0). They move from the second optimizer step on.
+
+import math  # noqa: E402
+
+from torch.nn.attention.flex_attention import BlockMask, flex_attention  # noqa: E402
+
+YARN_ALPHA = 1.0   # frequencies turning fewer times than this over the reference window are fully interpolated
+YARN_BETA = 32.0   # ... and those turning more than this are left unchanged
+FLEX_BLOCK_SIZE = 128  # block-sparsity granularity of the GPU attention kernel
+EVAL_CHUNK_TOKENS = 8192  # evaluation computes logits and cross-entropy this many tokens at a time
+
+
+def norm(x: torch.Tensor) -> torch.Tensor:
+    """Weightless RMS norm over the last dim (explicit eps: bf16's own eps would swamp tiny inputs)."""
+    return F.rms_norm(x, (x.size(-1),), eps=1e-6)
+
+
+def bigram_hash(tokens, bigram_vocab_size: int):
+    """Hash of (previous, current) token for the bigram table: h[0] = B-1, then
+    h[t] = (36313*cur XOR 27191*prev) mod (B-1). Works on torch tensors and numpy arrays (int64 out)."""
+    mod = bigram_vocab_size - 1
+    if isinstance(tokens, torch.Tensor):
+        t = tokens.to(torch.int64)
+        out = torch.empty_like(t)
+    else:
+        t = np.asarray(tokens).astype(np.int64)
+        out = np.empty_like(t)
+    if len(t):
+        out[0] = mod
+        out[1:] = ((36313 * t[1:]) ^ (27191 * t[:-1])) % mod
+    return out
+
+
+def document_ids(cu_seqlens: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """Index of the document each position belongs to (int64, (T,)), from padded document starts."""
+    pos = torch.arange(num_tokens, dtype=cu_seqlens.dtype, device=cu_seqlens.device)
+    return torch.searchsorted(cu_seqlens, pos, right=True) - 1
+
+
+def attention_mask_mod(doc_ids: torch.Tensor, window, pos_div: int = 1):
+    """The one definition of who may attend to whom, as a flex_attention mask_mod.
+
+    Query slot q sees key slot k iff their tokens q//pos_div, k//pos_div satisfy: causal, distance
+    below `window` tokens (so the window includes the token itself), same document. pos_div = 2 is the
+    paired-head layout, where slots 2t and 2t+1 are the two heads of a pair at token t."""
+    def mask_mod(b, h, q_idx, kv_idx):
+        q, k = (q_idx, kv_idx) if pos_div == 1 else (q_idx // pos_div, kv_idx // pos_div)
+        return (q >= k) & (q - k < window) & (doc_ids[q] == doc_ids[k])
+    return mask_mod
+
+
+def dense_attention_mask(doc_ids: torch.Tensor, window, pos_div: int = 1) -> torch.Tensor:
+    """(n, n) boolean mask from attention_mask_mod, n = T * pos_div (for SDPA on the CPU)."""
+    idx = torch.arange(doc_ids.numel() * pos_div, device=doc_ids.device)
+    return attention_mask_mod(doc_ids, window, pos_div)(0, 0, idx[:, None], idx[None, :])
+
+
+def block_attention_mask(doc_ids: torch.Tensor, window, pos_div: int = 1,
+                         block_size: int = FLEX_BLOCK_SIZE) -> BlockMask:
+    """flex_attention BlockMask for attention_mask_mod, built from block-level bounds in O((n/bs)^2).
+
+    Evaluating the mask_mod on every (q, k) pair (create_block_mask) costs O(T^2) per step; instead each
+    block pair is classified from its token ranges: empty (no pair can pass), full (every pair passes,
+    the kernel skips the mask_mod) or partial (the mask_mod decides per element). Token distances in a
+    block pair cover [q_first - k_last, q_last - k_first]; document ids are non-decreasing."""
+    n = doc_ids.numel() * pos_div
+    if n % block_size:
+        raise ValueError(f"attention: sequence of {n} slots is not a multiple of the {block_size}-token"
+                         " attention block; make the tokens per rank a multiple of 128")
+    nb = n // block_size
+    start = torch.arange(nb, device=doc_ids.device) * block_size
+    first, last = start // pos_div, (start + block_size - 1) // pos_div
+    d_first, d_last = doc_ids[first], doc_ids[last]
+    lo = first[:, None] - last[None, :]   # smallest q - k in the block pair
+    hi = last[:, None] - first[None, :]   # largest q - k
+    docs_meet = (d_first[:, None] <= d_last[None, :]) & (d_first[None, :] <= d_last[:, None])
+    any_pass = (hi >= 0) & (lo < window) & docs_meet
+    one_doc = (d_first == d_last)
+    all_pass = (lo >= 0) & (hi < window) & one_doc[:, None] & one_doc[None, :] & (d_first[:, None] == d_first[None, :])
+    partial = any_pass & ~all_pass
+
+    def to_indices(blocks):
+        counts = blocks.sum(-1, dtype=torch.int32)[None, None]
+        order = torch.argsort(blocks.to(torch.int8), dim=-1, descending=True, stable=True)
+        return counts, order.to(torch.int32)[None, None]
+
+    kv_num, kv_idx = to_indices(partial)
+    full_num, full_idx = to_indices(all_pass)
+    return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=block_size,
+                                    mask_mod=attention_mask_mod(doc_ids, window, pos_div), seq_lengths=(n, n))
+
+
+def rotary_base_frequencies(head_dim: int) -> torch.Tensor:
+    """(head_dim/2,) angular frequencies: head_dim/4 of them (1/1024)^linspace(0, 1), then zeros, so
+    half of each head's dims rotate and the other half carry position-free content."""
+    n = head_dim // 4
+    f = (1 / 1024) ** torch.linspace(0, 1, n, dtype=torch.float32)
+    return torch.cat([f, torch.zeros(head_dim // 2 - n, dtype=torch.float32)])
+
+
+def yarn_frequencies(base: torch.Tensor, ref_window: int, window: int) -> torch.Tensor:
+    """YaRN 'NTK-by-parts' rescale for a window grown from ref_window to window tokens.
+
+    A frequency making r = ref_window * f / 2pi turns over the reference window is kept if r >= beta
+    (its pattern inside the old window is unchanged), divided by s = window/ref_window if r <= alpha
+    (positional interpolation: the new window maps onto angles already seen), linear ramp in between.
+    A pure function of the current window, so shrinking back restores the base frequencies."""
+    s = window / ref_window
+    if s <= 1:
+        return base.clone()
+    ramp = ((ref_window * base / (2 * math.pi) - YARN_ALPHA) / (YARN_BETA - YARN_ALPHA)).clamp(0, 1)
+    return base * (ramp + (1 - ramp) / s)
+
+
+def yarn_attention_scale(base_scale: float, ref_window: int, window: int) -> float:
+    """Softmax scale after a window growth: YaRN's (0.1 ln s + 1) on both q and k, i.e. squared on
+    the logits, which keeps attention entropy roughly constant as more keys become visible."""
+    s = max(window / ref_window, 1.0)
+    return base_scale * (1 + 0.1 * math.log(s)) ** 2
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate pairs (x[..., i], x[..., i + hd/2]) of x (T, H, hd) by the angles behind cos/sin (T, hd/2)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    c, s = cos[:, None, :], sin[:, None, :]
+    return torch.cat([x1 * c + x2 * s, x2 * c - x1 * s], dim=-1)
+
+
+def _check_model_args(args: Hyperparameters, world_size: int) -> None:
+    """One-line ValueErrors naming the flag, before any tensor is allocated."""
+    L = args.num_layers
+
+    def fail(msg):
+        raise ValueError(f"model config: {msg}")
+
+    if world_size < 1:
+        fail(f"world_size must be >= 1, got {world_size}")
+    for name in ("num_layers", "model_dim", "num_heads", "head_dim", "mlp_hidden", "window_block_size", "gate_channels"):
+        if getattr(args, name) < 1:
+            fail(f"--{name} must be >= 1, got {getattr(args, name)}")
+    if args.num_heads * args.head_dim != args.model_dim:
+        fail(f"--model_dim ({args.model_dim}) must equal --num_heads * --head_dim ({args.num_heads}*{args.head_dim});"
+             " value embeddings are added to V and the banks hold square attention matrices")
+    if args.head_dim % 4:
+        fail(f"--head_dim must be a multiple of 4 (half of it rotates, in pairs), got {args.head_dim}")
+    if args.padded_vocab_size < args.vocab_size:
+        fail(f"--padded_vocab_size ({args.padded_vocab_size}) must be >= --vocab_size ({args.vocab_size})")
+    if args.bigram_vocab_size < 2:
+        fail(f"--bigram_vocab_size must be >= 2, got {args.bigram_vocab_size}")
+    if args.gate_channels > args.model_dim:
+        fail(f"--gate_channels ({args.gate_channels}) must be <= --model_dim ({args.model_dim})")
+    for name in ("value_embed_layers", "long_window_layers", "paired_head_layers", "no_attention_layers"):
+        layers = getattr(args, name)
+        if not all(isinstance(i, int) and 0 <= i < L for i in layers) or len(set(layers)) != len(layers):
+            fail(f"--{name} {layers!r} must list distinct layer indices in 0..{L - 1}")
+    for name in ("value_embed_layers", "long_window_layers", "paired_head_layers"):
+        clash = sorted(set(getattr(args, name)) & set(args.no_attention_layers))
+        if clash:
+            fail(f"--{name} names layers {clash} that are in --no_attention_layers; remove them from one")
+    if args.paired_head_layers and args.num_heads % 2:
+        fail(f"--paired_head_layers needs an even --num_heads, got {args.num_heads}; or pass --paired_head_layers '()'")
+    for name in ("skip_from_layer", "skip_to_layer", "backout_layer"):
+        if not 0 <= getattr(args, name) < L:
+            fail(f"--{name} must be a layer index in 0..{L - 1}, got {getattr(args, name)}")
+    if args.skip_from_layer >= args.skip_to_layer:
+        fail(f"--skip_from_layer ({args.skip_from_layer}) must be below --skip_to_layer ({args.skip_to_layer})")
+    if len(args.windows_init) != 2 or not all(isinstance(w, int) and w >= 1 for w in args.windows_init):
+        fail(f"--windows_init must be (short, long) block counts >= 1, got {args.windows_init!r}")
+
+
+class GPT(nn.Module):
+    """The speedrun transformer (see the layout comment above). GPT(args, world_size) pads the banks
+    so every rank owns whole matrices."""
+
+    def __init__(self, args: Hyperparameters, world_size: int = 1):
+        super().__init__()
+        _check_model_args(args, world_size)
+        self.args = args
+        L, D, H, hd = args.num_layers, args.model_dim, args.num_heads, args.head_dim
+        V, C = args.padded_vocab_size, args.gate_channels
+        self.attn_layers = [i for i in range(L) if i not in args.no_attention_layers]
+        self.attn_slot = {layer: j for j, layer in enumerate(self.attn_layers)}
+        self.ve_slot = {layer: j for j, layer in enumerate(args.value_embed_layers)}
+
+        def padded(n):
+            return -(-n // world_size) * world_size
+
+        n_qk, n_mlp = padded(2 * len(self.attn_layers)), padded(2 * L)
+        bf16, fp32 = torch.bfloat16, torch.float32
+        self.qk_bank = nn.Parameter(torch.empty(n_qk, H * hd, D, dtype=bf16))
+        self.vo_bank = nn.Parameter(torch.empty(n_qk, H * hd, D, dtype=bf16))
+        self.mlp_bank = nn.Parameter(torch.empty(n_mlp, args.mlp_hidden, D, dtype=bf16))
+        self.embed = nn.Parameter(torch.empty(V, D, dtype=bf16))
+        self.lm_head = nn.Parameter(torch.empty(D, V, dtype=bf16))
+        self.value_embed = nn.Parameter(torch.empty(len(args.value_embed_layers), V, D, dtype=bf16))
+        self.bigram_embed = nn.Parameter(torch.empty(args.bigram_vocab_size, D, dtype=bf16))
+        self.scalars = nn.Parameter(torch.empty(4 * L + 2, dtype=fp32))
+        self.ve_gates = nn.Parameter(torch.empty(len(args.value_embed_layers), H, C, dtype=fp32))
+        self.smear_gate = nn.Parameter(torch.empty(1, C, dtype=fp32))
+        self.skip_gate = nn.Parameter(torch.empty(1, C, dtype=fp32))
+        for name, p in self.named_parameters():
+            p.label = name
+
+        attn_roles = [f"{kind}.{layer}" for layer in self.attn_layers for kind in ("q", "k")]
+        vo_roles = [f"{kind}.{layer}" for layer in self.attn_layers for kind in ("v", "o")]
+        mlp_roles = [f"{kind}.{layer}" for layer in range(L) for kind in ("up", "down")]
+        self.bank_roles = {
+            "qk_bank": attn_roles + ["pad"] * (n_qk - len(attn_roles)),
+            "vo_bank": vo_roles + ["pad"] * (n_qk - len(vo_roles)),
+            "mlp_bank": mlp_roles + ["pad"] * (n_mlp - len(mlp_roles)),
+        }
+
+        # Window state: changed in place by set_windows so compiled graphs see new values, not new code.
+        self.base_attn_scale = 0.12 * math.sqrt(128 / hd)  # 0.12 at head_dim 128 (QK-normed logits)
+        self.register_buffer("rotary_base", rotary_base_frequencies(hd), persistent=False)
+        self.register_buffer("rotary_freq", rotary_base_frequencies(hd))
+        self.register_buffer("attn_scale", torch.tensor(self.base_attn_scale, dtype=fp32))
+        self.register_buffer("windows", torch.zeros(2, dtype=torch.int32))  # (short, long) in tokens
+        self.reset_parameters()
+        self.set_windows(*args.windows_init)
+
+    # -- bookkeeping ---------------------------------------------------------------------------
+
+    def params_by_label(self) -> dict[str, nn.Parameter]:
+        return {p.label: p for p in self.parameters()}
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        L, D = self.args.num_layers, self.args.model_dim
+        bound = math.sqrt(3) * 0.5 / math.sqrt(D)  # uniform with std 0.5/sqrt(D)
+        n_attn = len(self.attn_layers)
+        for bank in (self.qk_bank, self.vo_bank, self.mlp_bank):
+            bank.zero_()
+        self.qk_bank[: 2 * n_attn].uniform_(-bound, bound)
+        self.vo_bank[0: 2 * n_attn: 2].uniform_(-bound, bound)   # V; output projections stay zero
+        self.mlp_bank[0: 2 * L: 2].uniform_(-bound, bound)       # up; down stays zero
+        self.lm_head.normal_(0.0, 0.005)
+        self.embed.copy_(self.lm_head.T)
+        self.value_embed.normal_(0.0, 0.5)
+        self.bigram_embed.zero_()
+        s = self.scalars
+        s.zero_()
+        s[0:L] = 1.0           # resid lambdas
+        s[L:2 * L] = 1.0       # post lambdas
+        s[3 * L:4 * L] = 0.1   # bigram lambdas (x0 lambdas, smear and backout stay 0)
+        self.ve_gates.zero_()   # gates start at 2*sigmoid(0) = 1 (value embeddings) and 0.5 (skip, smear)
+        self.smear_gate.zero_()
+        self.skip_gate.zero_()
+
+    @torch.no_grad()
+    def set_windows(self, short_blocks: int, long_blocks: int) -> None:
+        """Set the sliding windows (in window_block_size blocks) and the matching YaRN state.
+
+        Frequencies and softmax scale are a function of the long window relative to windows_init's long
+        window, so any order of calls (including going back to the start after a warm-up) is exact."""
+        for name, v in (("short", short_blocks), ("long", long_blocks)):
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"set_windows: {name} window must be a block count >= 1, got {v!r}")
+        bs = self.args.window_block_size
+        ref, long_tokens = self.args.windows_init[1] * bs, long_blocks * bs
+        self.windows.copy_(torch.tensor([short_blocks * bs, long_tokens], dtype=torch.int32))
+        self.rotary_freq.copy_(yarn_frequencies(self.rotary_base, ref, long_tokens))
+        self.attn_scale.fill_(yarn_attention_scale(self.base_attn_scale, ref, long_tokens))
+
+    # -- forward -------------------------------------------------------------------------------
+
+    def _gate(self, weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """sigmoid(W x[:, :gate_channels]) in fp32, (T, out)."""
+        return torch.sigmoid(x[:, : self.args.gate_channels].float() @ weight.T)
+
+    def _attend(self, q, k, v, doc, long: bool, paired: bool, masks: dict) -> torch.Tensor:
+        """Masked softmax attention of (T, H, hd) q, k, v (q already carries the softmax scale)."""
+        T, H, hd = q.shape
+        r = 2 if paired else 1
+
+        def to_seq(t):  # (T, H, hd) -> (1, H/r, r*T, hd); paired: slot 2t+j is head 2p+j at token t
+            if r == 2:
+                return t.view(T, H // 2, 2, hd).transpose(0, 1).reshape(1, H // 2, 2 * T, hd)
+            return t.transpose(0, 1).unsqueeze(0)
+
+        key = (long, r)
+        window = self.windows[1 if long else 0]
+        if q.is_cuda:
+            if key not in masks:
+                masks[key] = block_attention_mask(doc, window, r)
+            y = flex_attention(to_seq(q), to_seq(k), to_seq(v), block_mask=masks[key], scale=1.0)
+        else:  # flex_attention has no CPU backward: same mask, dense, through SDPA
+            if key not in masks:
+                masks[key] = dense_attention_mask(doc, window, r)
+            y = F.scaled_dot_product_attention(to_seq(q), to_seq(k), to_seq(v), attn_mask=masks[key], scale=1.0)
+        if r == 2:
+            return y[0].view(H // 2, T, 2, hd).transpose(0, 1).reshape(T, H, hd)
+        return y[0].transpose(0, 1)
+
+    def _attention(self, i, xn, ids, doc, cos, sin, masks) -> torch.Tensor:
+        T, H, hd = xn.shape[0], self.args.num_heads, self.args.head_dim
+        j = self.attn_slot[i]
+        w_qkv = torch.cat([self.qk_bank[2 * j: 2 * j + 2].flatten(0, 1), self.vo_bank[2 * j]])
+        q, k, v = F.linear(xn, w_qkv).view(T, 3, H, hd).unbind(1)
+        q = apply_rotary(norm(q), cos, sin) * self.attn_scale
+        k = apply_rotary(norm(k), cos, sin)
+        if i in self.ve_slot:
+            jv = self.ve_slot[i]
+            ve = F.embedding(ids, self.value_embed[jv]).view(T, H, hd)
+            v = v + (2 * self._gate(self.ve_gates[jv], xn)).to(v.dtype)[..., None] * ve
+        y = self._attend(q, k, v, doc, i in self.args.long_window_layers, i in self.args.paired_head_layers, masks)
+        return F.linear(y.reshape(T, H * hd), self.vo_bank[2 * j + 1])
+
+    def hidden(self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor, bigram_ids: torch.Tensor) -> torch.Tensor:
+        """Final normalised hidden states (T, D) bf16, the input of the LM head."""
+        a, s = self.args, self.scalars
+        L = a.num_layers
+        ids = input_ids.view(-1)
+        T = ids.numel()
+        doc = document_ids(cu_seqlens, T)
+        same_doc = doc[1:] == doc[:-1]  # (T-1,): position t+1 continues the document of t
+        # A bigram straddling a document start would leak the previous document: use the "no previous
+        # token" row there, as at position 0.
+        first = torch.cat([same_doc.new_zeros(1), same_doc])
+        bigram_ids = torch.where(first, bigram_ids.view(-1), a.bigram_vocab_size - 1)
+
+        e = F.embedding(ids, self.embed)
+        smear = (s[4 * L] * self._gate(self.smear_gate, e[1:]) * same_doc[:, None]).to(e.dtype)
+        e = torch.cat([e[:1], e[1:] + smear * e[:-1]])
+        x0 = x = norm(e)
+        bigram = F.embedding(bigram_ids, self.bigram_embed)
+
+        angles = torch.arange(T, device=ids.device, dtype=torch.float32)[:, None] * self.rotary_freq[None, :]
+        cos, sin = angles.cos().to(e.dtype), angles.sin().to(e.dtype)
+        masks: dict = {}
+        skip = backout = None
+        for i in range(L):
+            if i == a.skip_to_layer:
+                x = x + self._gate(self.skip_gate, x).to(x.dtype) * skip
+            u = x + s[3 * L + i] * bigram
+            h = self._attention(i, norm(u), ids, doc, cos, sin, masks) if i in self.attn_slot else None
+            m = triton_kernels.relu2_mlp(norm(u if h is None else u + h), self.mlp_bank[2 * i], self.mlp_bank[2 * i + 1])
+            x = s[i] * u + s[L + i] * (m if h is None else h + m) + s[2 * L + i] * x0
+            if i == a.skip_from_layer:
+                skip = x
+            if i == a.backout_layer:
+                backout = x
+        return norm(x - s[4 * L + 1] * backout)
+
+    def logits(self, input_ids, cu_seqlens, bigram_ids) -> torch.Tensor:
+        """Softcapped fp32 logits (T, Vp) of the plain bf16 head (evaluation and tests)."""
+        return triton_kernels.softcap(self.hidden(input_ids, cu_seqlens, bigram_ids) @ self.lm_head)
+
+    def forward(self, input_ids, target_ids, cu_seqlens, bigram_ids, mtp_weights=None, loss_scale: float = 1.0):
+        """Training (mtp_weights (K,) fp32 given): loss_scale * sum over tokens of the softcapped
+        multi-token CE, FP8 head on capable GPUs. Evaluation (mtp_weights None): mean next-token fp32 CE."""
+        x = self.hidden(input_ids, cu_seqlens, bigram_ids)
+        if mtp_weights is None:  # chunked: full fp32 logits of a long sequence would take gigabytes
+            targets = target_ids.view(-1).long()
+            total = x.new_zeros((), dtype=torch.float32)
+            for c in range(0, x.shape[0], EVAL_CHUNK_TOKENS):
+                z = triton_kernels.softcap(x[c: c + EVAL_CHUNK_TOKENS] @ self.lm_head)
+                total = total + F.cross_entropy(z, targets[c: c + EVAL_CHUNK_TOKENS], reduction="sum")
+            return total / x.shape[0]
+        if self.args.fp8 and _native_fp8(x.device):  # elsewhere the emulation would only cost time
+            logits = fp8_matmul(x, self.lm_head, FP8_HEAD_X_SCALE, FP8_HEAD_W_SCALE, FP8_HEAD_GRAD_SCALE * float(loss_scale))
+        else:
+            logits = x @ self.lm_head
+        return triton_kernels.softcapped_ce_mtp(logits, target_ids.view(-1), mtp_weights).sum() * loss_scale
+
+
+def count_parameters(args: Hyperparameters, world_size: int = 1) -> dict[str, tuple[int, ...]]:
+    """Shape of every labelled parameter, from a model built on the meta device (no memory used)."""
+    with torch.device("meta"):
+        model = GPT(args, world_size)
+    return {label: tuple(p.shape) for label, p in model.params_by_label().items()}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -209,6 +1535,8 @@ def read_shard(path: str) -> torch.Tensor:
 def find_shards(pattern: str, what: str) -> list[str]:
     """Sorted shard paths for a glob, or a one-line error that says how to make them."""
     files = sorted(glob.glob(pattern))
+    if not files and not os.path.isabs(pattern):  # presets name paths inside this checkout
+        files = sorted(glob.glob(os.path.join(os.path.dirname(os.path.abspath(__file__)), pattern)))
     if not files:
         hint = ("python data/cached_fineweb10B.py 9" if "fineweb" in pattern
                 else "python data/tokenize_text.py --help")
@@ -243,13 +1571,545 @@ def gpt2_encoding(rank_file: str | None = GPT2_TIKTOKEN_FILE):
 
 
 # ----------------------------------------------------------------------------------------------
+# Data loader: BOS-aligned packed batches with document boundaries and bigram ids (SPEC section 2)
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Batch:
+    inputs: torch.Tensor      # (T,) int32 token ids
+    targets: torch.Tensor     # (T,) int64, targets[t] = token after inputs[t]
+    cu_seqlens: torch.Tensor  # (max_docs + 1,) int32 document starts then T, padded with T (static shape)
+    bigram_ids: torch.Tensor  # (T,) int64 bigram hash of (previous, current) input token
+
+    def to(self, device: torch.device) -> "Batch":
+        if device.type == "cpu":
+            return self
+        # pinned host memory makes these copies asynchronous with the compute already queued
+        return Batch(*(t.pin_memory().to(device, non_blocking=True) for t in dataclasses.astuple(self)))
+
+
+def max_docs_for(num_tokens: int) -> int:
+    """Fixed document-boundary capacity of a T-token sequence; a sequence with more (very short)
+    documents keeps the first ones and merges the rest into the last: rare, and never a shape change."""
+    return num_tokens // 8 + 16
+
+
+def make_batch(buf: np.ndarray, bigram_vocab_size: int) -> Batch:
+    """Batch from T + 1 consecutive tokens: inputs buf[:T], targets buf[1:]."""
+    T = len(buf) - 1
+    inputs = torch.from_numpy(buf[:T].astype(np.int32))
+    starts = np.flatnonzero(buf[:T] == BOS_ID)
+    starts = starts[starts > 0][: max_docs_for(T) - 1]
+    cu = np.full(max_docs_for(T) + 1, T, dtype=np.int32)
+    cu[0] = 0
+    cu[1:1 + len(starts)] = starts
+    return Batch(inputs, torch.from_numpy(buf[1:].astype(np.int64)), torch.from_numpy(cu),
+                 bigram_hash(inputs, bigram_vocab_size))
+
+
+def _load_shard_with_index(path: str) -> tuple[np.ndarray, np.ndarray]:
+    tokens = read_shard(path).numpy()
+    return tokens, np.flatnonzero(tokens == BOS_ID)
+
+
+class DocumentLoader:
+    """BOS-aligned training batches. Every rank walks the same document index (all shards in order,
+    looping), so a step's micro-batches are consecutive, disjoint runs of documents whatever the world
+    size: micro-batch g of a step goes to rank g % world_size. The next shard is read and indexed on a
+    background thread while the current one is in use."""
+
+    def __init__(self, pattern: str, bigram_vocab_size: int, rank: int = 0, world_size: int = 1):
+        from concurrent.futures import ThreadPoolExecutor
+        self.files = find_shards(pattern, "train")
+        self.bigram_vocab_size, self.rank, self.world_size = bigram_vocab_size, rank, world_size
+        self._pool = ThreadPoolExecutor(max_workers=1)
+        self.shard, self.doc = 0, 0  # position: next document to hand out
+        self._open(0)
+
+    def _open(self, shard: int) -> None:
+        self._current = (shard, _load_shard_with_index(self.files[shard]))
+        self._prefetch = self._pool.submit(_load_shard_with_index, self.files[(shard + 1) % len(self.files)])
+
+    def _shard_data(self, shard: int):
+        if self._current[0] != shard:
+            if shard == (self._current[0] + 1) % len(self.files):
+                data = self._prefetch.result()
+                self._current = (shard, data)
+                self._prefetch = self._pool.submit(_load_shard_with_index, self.files[(shard + 1) % len(self.files)])
+            else:
+                self._open(shard)
+        return self._current[1]
+
+    def _next_document(self) -> np.ndarray:
+        tokens, starts = self._shard_data(self.shard)
+        while self.doc >= len(starts):
+            self.shard, self.doc = (self.shard + 1) % len(self.files), 0
+            tokens, starts = self._shard_data(self.shard)
+        end = starts[self.doc + 1] if self.doc + 1 < len(starts) else len(tokens)
+        doc = tokens[starts[self.doc]:end]
+        self.doc += 1
+        return doc
+
+    def next_step(self, tokens_per_micro: int, max_doc_len: int, micro_batches: int) -> list[Batch]:
+        """This rank's micro-batches of one step; each holds whole documents (truncated to max_doc_len,
+        the last one to fit) making exactly tokens_per_micro + 1 tokens."""
+        mine = []
+        for g in range(micro_batches):
+            pieces, need = [], tokens_per_micro + 1
+            while need > 0:
+                doc = self._next_document()[:min(max_doc_len, need)]
+                pieces.append(doc)
+                need -= len(doc)
+            if g % self.world_size == self.rank:
+                mine.append(make_batch(np.concatenate(pieces), self.bigram_vocab_size))
+        return mine
+
+    def state_dict(self) -> dict:
+        return {"shard": self.shard, "doc": self.doc, "files": list(self.files)}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state["files"] != list(self.files):
+            raise SystemExit("error: the checkpoint was written with other training shards "
+                             f"({len(state['files'])} files starting {state['files'][:1]}); resume with the same --train_files")
+        self.shard, self.doc = state["shard"], state["doc"]
+        self._open(self.shard)
+
+
+def validation_batches(pattern: str, num_tokens: int, seq_len: int, bigram_vocab_size: int,
+                       rank: int, world_size: int) -> list[Batch]:
+    """The first num_tokens tokens of the val shards, contiguous, cut into seq_len sequences that are
+    dealt round-robin to ranks: the same sequences (and so the same mean loss) for any world size."""
+    if num_tokens % seq_len:
+        raise SystemExit(f"error: --val_tokens {num_tokens} must be a multiple of the validation sequence length {seq_len}")
+    chunks, have = [], 0
+    for path in find_shards(pattern, "val"):
+        chunks.append(read_shard(path).numpy())
+        have += len(chunks[-1])
+        if have > num_tokens:
+            break
+    stream = np.concatenate(chunks)
+    if len(stream) < num_tokens + 1:
+        raise SystemExit(f"error: --val_tokens {num_tokens} needs {num_tokens + 1} tokens but the val shards"
+                         f" {pattern!r} hold {len(stream)}; lower --val_tokens")
+    return [make_batch(stream[i * seq_len:(i + 1) * seq_len + 1], bigram_vocab_size)
+            for i in range(rank, num_tokens // seq_len, world_size)]
+
+
+# ----------------------------------------------------------------------------------------------
+# Schedule: what every step runs with (SPEC section 6)
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    step: int
+    stage: int                # 0, 1, 2; 3 is the extension
+    batch_tokens: int         # global tokens this step
+    max_doc_len: int
+    windows: tuple            # (short, long) in blocks
+    lr_mult: float
+    momentum: float
+    mtp_weights: tuple        # weights of the targets t+1, t+2, t+3
+    do_adam: bool             # Adam parameters step on odd steps; their gradients accumulate meanwhile
+
+
+def stage_starts(args: Hyperparameters) -> tuple[int, int]:
+    """First steps of stages 2 and 3: three equal stages (423 and 847 for 1270 steps)."""
+    return round(args.num_iterations / 3), round(2 * args.num_iterations / 3)
+
+
+def untie_step(args: Hyperparameters) -> int:
+    """Embedding and LM head separate at 2/3 of training, on an odd (Adam) step."""
+    step = stage_starts(args)[1]
+    return step if step % 2 else step + 1
+
+
+def total_steps(args: Hyperparameters) -> int:
+    return args.num_iterations + args.extension_iterations
+
+
+def plan_step(args: Hyperparameters, step: int) -> StepPlan:
+    n = args.num_iterations
+    bounds = (0, *stage_starts(args), n)
+    stage = 3 if step >= n else sum(step >= b for b in bounds[1:3])
+    s = min(stage, 2)
+    if stage == 3:
+        mtp, windows = args.stage_mtp_end[2], args.extension_windows
+    else:
+        frac = (step - bounds[s]) / max(1, bounds[s + 1] - bounds[s] - 1)
+        mtp = tuple(a + (b - a) * frac for a, b in zip(args.stage_mtp_start[s], args.stage_mtp_end[s]))
+        windows = args.stage_windows[s]
+    cooldown_at = args.cooldown_start * n
+    if step >= n:
+        lr_mult = args.final_lr_mult
+    elif step < cooldown_at:
+        lr_mult = args.stage_lr_mult[s]
+    else:
+        w = (step - cooldown_at) / (n - cooldown_at)
+        lr_mult = args.stage_lr_mult[s] * (1 - w) + args.final_lr_mult * w
+    warmup, cooldown = round(args.momentum_warmup * n), round(args.momentum_cooldown * n)
+    lo, hi = args.momentum_min, args.momentum_max
+    if step < warmup:
+        momentum = lo + (hi - lo) * step / warmup
+    elif step >= n - cooldown:
+        momentum = hi - (hi - lo) * min(1.0, (step - (n - cooldown)) / max(1, cooldown))
+    else:
+        momentum = hi
+    return StepPlan(step, stage, args.stage_batch_tokens[s], args.stage_max_doc_len[s], tuple(windows),
+                    lr_mult, momentum, tuple(float(w) for w in mtp), step % 2 == 1)
+
+
+def grad_accum_steps(args: Hyperparameters, world_size: int) -> int:
+    """Accumulation steps per rank: the global batch stays the same for any world size (8 / world_size
+    on one 8-GPU node's worth of ranks or fewer; 1 on more ranks, which each take a smaller slice)."""
+    return max(1, -(-args.micro_batches // world_size))
+
+
+def check_batch_split(args: Hyperparameters, world_size: int) -> int:
+    """Tokens per micro-batch (the same for every stage's T / micro-batch count) or a start-up error."""
+    accum = grad_accum_steps(args, world_size)
+    slots = world_size * accum
+    for tokens in args.stage_batch_tokens:
+        if tokens % slots:
+            raise SystemExit(f"error: the global batch of {tokens} tokens (--stage_batch_tokens) does not split into "
+                             f"{world_size} ranks x {accum} accumulation steps; use a world size that divides "
+                             f"{args.micro_batches} or batch sizes divisible by {slots}")
+    return accum
+
+
+# ----------------------------------------------------------------------------------------------
+# Training: optimizer wiring, logging, checkpoints, evaluation, the loop
+# ----------------------------------------------------------------------------------------------
+
+
+def optimizer_configs(args: Hyperparameters, model: "GPT") -> dict[str, ParamConfig]:
+    """Per-label optimizer settings (SPEC section 5): NorMuon for the banks, Adam for the rest."""
+    down_x2 = tuple(2.0 if role.startswith("down.") else 1.0 for role in model.bank_roles["mlp_bank"])
+    small = ParamConfig("adam", "replicated", betas=(0.9, 0.99), wd_mul=0.0)
+    return {
+        "qk_bank": ParamConfig("normuon", "sharded"),
+        "vo_bank": ParamConfig("normuon", "sharded"),
+        "mlp_bank": ParamConfig("normuon", "sharded", matrix_lr_mul=down_x2),
+        "embed": ParamConfig("adam", "sharded", betas=(0.5, 0.95)),
+        "lm_head": ParamConfig("adam", "sharded", betas=(0.5, 0.95)),
+        "value_embed": ParamConfig("adam", "sharded", lr_mul=75.0, betas=(0.75, 0.95)),
+        "bigram_embed": ParamConfig("adam", "sharded_sparse", lr_mul=75.0, betas=(0.75, 0.95)),
+        "scalars": small, "ve_gates": small, "smear_gate": small, "skip_gate": small,
+    }
+
+
+# Big banks' reductions start first; small parameters are updated first so that the banks' reductions
+# have time to land before their (long) orthogonalization.
+SCATTER_ORDER = ("mlp_bank", "vo_bank", "qk_bank", "lm_head", "embed", "value_embed", "bigram_embed",
+                 "scalars", "ve_gates", "smear_gate", "skip_gate")
+WORK_ORDER = ("scalars", "ve_gates", "smear_gate", "skip_gate", "bigram_embed", "value_embed", "embed",
+              "lm_head", "qk_bank", "vo_bank", "mlp_bank")
+
+
+def build_optimizer(args: Hyperparameters, model: "GPT", device: torch.device) -> NorMuonAdam:
+    return NorMuonAdam(model.params_by_label(), optimizer_configs(args, model),
+                       scatter_order=SCATTER_ORDER, work_order=WORK_ORDER,
+                       normuon_lr=args.muon_lr, normuon_wd=args.muon_wd, adam_lr=args.adam_lr, adam_wd=args.adam_wd,
+                       orthogonalizer=args.orthogonalizer, tied=("embed", "lm_head"),
+                       compile=args.compile and device.type == "cuda")
+
+
+class RunLog:
+    """logs/<run_id>.txt on rank 0: both source files, versions, hardware, hyperparameters, then the
+    record lines. Lines are flushed as written, so a crash keeps everything up to it."""
+
+    def __init__(self, args: Hyperparameters, run_id: str, d: DistInfo):
+        self.file = None
+        if not d.is_master:
+            return
+        os.makedirs(args.log_dir, exist_ok=True)
+        self.path = os.path.join(args.log_dir, f"{run_id}.txt")
+        self.file = open(self.path, "x", encoding="utf-8")  # never overwrite an earlier run's log
+        here = os.path.dirname(os.path.abspath(__file__))
+        for name in ("train_gpt.py", "triton_kernels.py"):
+            self.write(f"==== {name} ====")
+            self.write(open(os.path.join(here, name), encoding="utf-8").read().rstrip("\n"))
+        import platform
+        import triton
+        self.write("==== environment ====")
+        self.write(f"python {platform.python_version()} torch {torch.__version__} triton {triton.__version__} "
+                   f"numpy {np.__version__}")
+        if d.device.type == "cuda":
+            props = torch.cuda.get_device_properties(d.device)
+            self.write(f"hardware: {d.world_size} x {props.name} ({props.total_memory / 2**30:.0f} GiB), "
+                       f"CUDA {torch.version.cuda}")
+        else:
+            self.write(f"hardware: {d.world_size} CPU process(es) on {platform.processor() or platform.machine()}, "
+                       f"{os.cpu_count()} cores, {torch.get_num_threads()} threads per process")
+        self.write("==== hyperparameters ====")
+        for f in dataclasses.fields(args):
+            self.write(f"{f.name} = {getattr(args, f.name)!r}")
+        self.write("==== training ====")
+
+    def write(self, line: str) -> None:
+        if self.file is not None:
+            self.file.write(line + "\n")
+            self.file.flush()
+
+
+class Progress:
+    """One self-rewriting console line for people (the log file keeps the record format)."""
+
+    def __init__(self, enabled: bool):
+        self.enabled, self.tty = enabled, sys.stdout.isatty()
+
+    def show(self, text: str, final: bool = False) -> None:
+        if not self.enabled:
+            return
+        if self.tty:
+            print("\r" + text.ljust(100), end="\n" if final else "", flush=True)
+        else:
+            print(text, flush=True)
+
+
+CHECKPOINT_FORMAT = 1
+
+
+def save_checkpoint(path: str, step: int, model: nn.Module, opt: NorMuonAdam, loader: DocumentLoader,
+                    args: Hyperparameters, d: DistInfo) -> None:
+    """A directory written whole or not at all: every rank writes its files into path.tmp, rank 0
+    renames it to path once all have finished."""
+    tmp = path + ".tmp"
+    if d.is_master:
+        if os.path.exists(tmp):
+            import shutil
+            shutil.rmtree(tmp)
+        os.makedirs(tmp)
+    if dist.is_initialized():
+        dist.barrier()
+    # Adam gradients accumulate over even steps: this rank's pending ones are part of the state too.
+    pending = {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
+    torch.save({"optimizer": opt.state_dict(), "rng": torch.get_rng_state(), "grads": pending},
+               os.path.join(tmp, f"rank{d.rank:03d}.pt"))
+    if d.is_master:
+        torch.save({"format": CHECKPOINT_FORMAT, "step": step, "world_size": d.world_size,
+                    "args": dataclasses.asdict(args), "model": model.state_dict(), "loader": loader.state_dict()},
+                   os.path.join(tmp, "model.pt"))
+    if dist.is_initialized():
+        dist.barrier()
+    if d.is_master:
+        if os.path.exists(path):
+            import shutil
+            shutil.rmtree(path)
+        os.replace(tmp, path)
+    if dist.is_initialized():
+        dist.barrier()
+
+
+# Fields that may differ between a checkpoint and the run resuming from it.
+RESUMABLE_CHANGES = {"resume", "save_every", "val_loss_every", "log_dir", "checkpoint_dir", "run_id", "compile"}
+
+
+def load_checkpoint(path: str, model: nn.Module, opt: NorMuonAdam, loader: DocumentLoader,
+                    args: Hyperparameters, d: DistInfo) -> int:
+    """Restore everything a step depends on; returns the step to continue from. Refuses a checkpoint of
+    another configuration or world size with a one-line reason."""
+    def refuse(why):
+        raise SystemExit(f"error: cannot resume from {path}: {why}")
+
+    try:
+        meta = torch.load(os.path.join(path, "model.pt"), map_location=d.device, weights_only=False)
+        mine = torch.load(os.path.join(path, f"rank{d.rank:03d}.pt"), map_location=d.device, weights_only=False)
+    except FileNotFoundError as e:
+        refuse(f"missing {os.path.basename(e.filename)} (not a checkpoint directory, or an unfinished one)")
+    except Exception as e:  # torch.load raises many types for a damaged file
+        refuse(f"unreadable checkpoint file ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})")
+    if meta.get("format") != CHECKPOINT_FORMAT:
+        refuse(f"checkpoint format {meta.get('format')}, this script reads {CHECKPOINT_FORMAT}")
+    if meta["world_size"] != d.world_size:
+        refuse(f"written by {meta['world_size']} ranks, this run has {d.world_size}; resume with the same world size")
+    changed = [k for k, v in meta["args"].items()
+               if k not in RESUMABLE_CHANGES and (v if not isinstance(v, list) else tuple(v)) != getattr(args, k, None)]
+    if changed:
+        k = changed[0]
+        refuse(f"--{k} was {meta['args'][k]!r}, now {getattr(args, k)!r} ({len(changed)} field(s) differ)")
+    model.load_state_dict(meta["model"])
+    try:
+        opt.load_state_dict(mine["optimizer"])
+    except ValueError as e:
+        refuse(str(e))
+    loader.load_state_dict(meta["loader"])
+    torch.set_rng_state(mine["rng"].cpu())
+    for name, p in model.named_parameters():
+        p.grad = mine["grads"].get(name)
+    pending = model.bigram_embed.grad
+    if pending is not None:  # re-declare the rows the pending sparse gradient touches
+        opt.prepare_sparse("bigram_embed", pending.float().abs().sum(1).nonzero().flatten())
+    return meta["step"]
+
+
+@torch.no_grad()
+def evaluate(model_fn, batches: list[Batch], device: torch.device) -> float:
+    """Mean next-token cross-entropy over every validation token (all ranks' sequences together)."""
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    for b in batches:
+        b = b.to(device)
+        total += model_fn(b.inputs, b.targets, b.cu_seqlens, b.bigram_ids).double() * b.inputs.numel()
+    count = torch.tensor(float(sum(b.inputs.numel() for b in batches)), dtype=torch.float64, device=device)
+    if dist.is_initialized():
+        both = torch.stack([total, count])
+        dist.all_reduce(both)
+        total, count = both[0], both[1]
+    return (total / count).item()
+
+
+def train_step(model_fn, opt: NorMuonAdam, batches: list[Batch], plan: StepPlan, mtp: torch.Tensor,
+               tokens_per_micro: int, device: torch.device) -> torch.Tensor:
+    """Forward and backward of this rank's micro-batches, then one optimizer step; returns the mean
+    per-token training loss of this rank (a 0-D tensor, not synchronised)."""
+    mtp.copy_(torch.tensor(plan.mtp_weights, dtype=torch.float32))
+    scale = 1.0 / (tokens_per_micro * len(batches))  # gradients of the mean over this rank's tokens
+    for b in batches:
+        opt.prepare_sparse("bigram_embed", b.bigram_ids)
+    loss = torch.zeros((), device=device)
+    for b in batches:
+        b = b.to(device)
+        micro = model_fn(b.inputs, b.targets, b.cu_seqlens, b.bigram_ids, mtp_weights=mtp, loss_scale=scale)
+        micro.backward()
+        loss += micro.detach()
+    opt.step(plan.do_adam, lr_scale=plan.lr_mult, momentum=plan.momentum)
+    return loss
+
+
+def generate(model: "GPT", prompt: str, new_tokens: int, device: torch.device, seed: int = 0) -> str:
+    """Sample a continuation (top-k 40, temperature 0.8) with the offline GPT-2 tokenizer."""
+    enc = gpt2_encoding()
+    tokens = [BOS_ID] + enc.encode_ordinary(prompt)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for _ in range(new_tokens):
+            b = make_batch(np.asarray(tokens + [0], dtype=np.uint16), model.args.bigram_vocab_size).to(device)
+            logits = model.logits(b.inputs, b.cu_seqlens, b.bigram_ids)[-1, :model.args.vocab_size].float().cpu()
+            top = torch.topk(logits / 0.8, 40)
+            tokens.append(int(top.indices[torch.multinomial(torch.softmax(top.values, -1), 1, generator=gen)]))
+    return enc.decode(tokens[1:])
+
+
+def train(args: Hyperparameters, d: DistInfo) -> float:
+    """The whole run; returns the final validation loss."""
+    import time
+    import uuid
+    run_id = [args.run_id or str(uuid.uuid4())]
+    if dist.is_initialized():
+        dist.broadcast_object_list(run_id, src=0)
+    run_id = run_id[0]
+    accum = check_batch_split(args, d.world_size)
+    slots = d.world_size * accum
+    log = RunLog(args, run_id, d)
+    progress = Progress(d.is_master)
+    total = total_steps(args)
+
+    torch.manual_seed(args.seed)
+    model = GPT(args, d.world_size).to(d.device)
+    if dist.is_initialized():
+        for p in model.parameters():
+            dist.broadcast(p.data, src=0)
+    opt = build_optimizer(args, model, d.device)
+    model_fn = torch.compile(model, dynamic=False) if args.compile else model
+    loader = DocumentLoader(args.train_files, args.bigram_vocab_size, d.rank, d.world_size)
+    val_batches = validation_batches(args.val_files, args.val_tokens, min(args.val_seq_len, args.val_tokens),
+                                     args.bigram_vocab_size, d.rank, d.world_size)
+    mtp = torch.zeros(len(args.stage_mtp_start[0]), dtype=torch.float32, device=d.device)
+    start_step = load_checkpoint(args.resume, model, opt, loader, args, d) if args.resume else 0
+
+    def set_windows(plan):
+        model.set_windows(*plan.windows)
+
+    if args.compile:
+        # Compile every graph the run needs (each stage, both Adam parities, untied, evaluation) on real
+        # batches, then put model, optimizer and loader back exactly: the timed run compiles nothing.
+        t = time.perf_counter()
+        saved_model = {k: v.clone() for k, v in model.state_dict().items()}
+        saved_opt, saved_loader = opt.state_dict(), loader.state_dict()
+        warm = sorted({s for b in (0, *stage_starts(args), args.num_iterations) for s in (b, b + 1)} | {untie_step(args)})
+        for step in warm:
+            if step >= total:
+                continue
+            plan = plan_step(args, step)
+            if step == untie_step(args) and opt.tied:
+                opt.untie()
+            set_windows(plan)
+            train_step(model_fn, opt, loader.next_step(plan.batch_tokens // slots, plan.max_doc_len, slots),
+                       plan, mtp, plan.batch_tokens // slots, d.device)
+            evaluate(model_fn, val_batches[:1], d.device)
+        model.load_state_dict(saved_model)
+        opt.load_state_dict(saved_opt)
+        loader.load_state_dict(saved_loader)
+        progress.show(f"compile warm-up: {len(warm)} steps in {time.perf_counter() - t:.0f}s", final=True)
+
+    if opt.tied and start_step > untie_step(args):
+        raise SystemExit(f"error: checkpoint at step {start_step} is past the untie step but still tied")
+    cuda_synchronize(d.device)
+    train_ms, t0, val_loss = 0.0, time.perf_counter(), float("nan")
+    for step in range(start_step, total + 1):
+        last = step == total
+        if last or (args.val_loss_every and step % args.val_loss_every == 0):
+            cuda_synchronize(d.device)
+            train_ms += 1000 * (time.perf_counter() - t0)
+            set_windows(plan_step(args, min(step, total - 1)))
+            val_loss = evaluate(model_fn, val_batches, d.device)
+            log.write(f"step:{step}/{total} val_loss:{val_loss:.4f} train_time:{train_ms:.0f}ms "
+                      f"step_avg:{train_ms / max(1, step - start_step):.2f}ms")
+            progress.show(f"step {step}/{total}  val_loss {val_loss:.4f}  train_time {train_ms / 1000:.1f}s", final=True)
+            if not math.isfinite(val_loss):
+                raise SystemExit(f"error: validation loss is {val_loss} at step {step}; stopping (log: {log_path(log)})")
+            cuda_synchronize(d.device)
+            t0 = time.perf_counter()
+        if args.save_every and step > start_step and (step % args.save_every == 0 or last):
+            save_checkpoint(os.path.join(args.checkpoint_dir, run_id, f"step_{step:06d}"), step, model, opt, loader, args, d)
+            t0 = time.perf_counter()  # checkpoint time is not training time
+        if last:
+            break
+        plan = plan_step(args, step)
+        if step == untie_step(args):
+            opt.untie()
+        set_windows(plan)
+        batches = loader.next_step(plan.batch_tokens // slots, plan.max_doc_len, slots)
+        loss = train_step(model_fn, opt, batches, plan, mtp, plan.batch_tokens // slots, d.device).item()
+        if not math.isfinite(loss):
+            raise SystemExit(f"error: training loss is {loss} at step {step}; stopping (log: {log_path(log)})")
+        now_ms = train_ms + 1000 * (time.perf_counter() - t0)
+        done = step + 1 - start_step
+        log.write(f"step:{step + 1}/{total} train_time:{now_ms:.0f}ms step_avg:{now_ms / done:.2f}ms")
+        eta = now_ms / done * (total - step - 1) / 1000
+        progress.show(f"step {step + 1}/{total}  loss {loss:.4f}  "
+                      f"{plan.batch_tokens / max(1e-9, now_ms / done / 1000):,.0f} tok/s  eta {eta:.0f}s")
+    if d.device.type == "cuda":
+        log.write(f"peak memory allocated: {torch.cuda.max_memory_allocated(d.device) // 2**20} MiB "
+                  f"reserved: {torch.cuda.max_memory_reserved(d.device) // 2**20} MiB")
+    else:
+        import resource
+        log.write(f"peak memory (max RSS of rank 0): {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024} MiB")
+    if args.save_every == 0 and args.checkpoint_dir:
+        save_checkpoint(os.path.join(args.checkpoint_dir, run_id, f"step_{total:06d}"), total, model, opt, loader, args, d)
+    if d.is_master:
+        print(f"final val_loss {val_loss:.4f}, train_time {train_ms / 1000:.1f}s, log {log_path(log)}")
+    return val_loss
+
+
+def log_path(log: RunLog) -> str:
+    return getattr(log, "path", "on rank 0")
+
+
+# ----------------------------------------------------------------------------------------------
 # main
 # ----------------------------------------------------------------------------------------------
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    print(args)
+    d = setup_distributed()
+    try:
+        train(args, d)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 if __name__ == "__main__":

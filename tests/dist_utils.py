@@ -1,0 +1,120 @@
+"""Run code on several gloo ranks of this machine, for CPU-only tests of distributed code.
+
+Two ways in:
+
+* `run_on_ranks(fn, world_size, *args, **kwargs)` starts `world_size` processes (fork when that
+  is safe, else spawn), joins them into one gloo process group on 127.0.0.1 and calls
+  `fn(rank, world_size, *args, **kwargs)` in each; it returns the return values in rank order.
+  `fn` must be a module-level function (importable by name, for spawn) and should return CPU
+  tensors or plain Python objects. An exception on any rank fails the call with its traceback.
+  For several world sizes in one go, create subgroups with `dist.new_group` inside `fn`.
+
+* `run_torchrun(script, nproc_per_node, nnodes=1, script_args=())` launches the real launcher:
+  `nnodes` concurrent `torchrun` processes that rendezvous on 127.0.0.1 like separate machines,
+  each running `nproc_per_node` workers of `script`. It returns the launchers' CompletedProcess
+  objects and fails with their output if any exits non-zero or times out.
+
+Both pick a free port, limit each worker to one intra-op thread (many ranks share few cores) and
+enforce a timeout so a hung collective fails the test instead of hanging it.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank, world_size, port, timeout, fn, args, kwargs, out_dir):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=timeout))
+    try:
+        result = fn(rank, world_size, *args, **kwargs)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+def _default_start_method() -> str:
+    # fork skips re-importing torch in every child (seconds each); it is safe while this process
+    # has no CUDA context and no process group. Otherwise start fresh interpreters.
+    if sys.platform == "linux" and not torch.cuda.is_initialized() and not dist.is_initialized():
+        return "fork"
+    return "spawn"
+
+
+def run_on_ranks(fn, world_size: int, *args, timeout: float = 120.0, start_method: str | None = None,
+                 **kwargs) -> list:
+    """fn(rank, world_size, *args, **kwargs) on `world_size` gloo ranks; return values by rank.
+
+    start_method: 'fork' (default on Linux when safe: fast, fn may be any module-level function
+    already imported) or 'spawn' (fresh interpreters; fn must be importable by name).
+    """
+    port = free_port()
+    start_method = start_method or _default_start_method()
+    with tempfile.TemporaryDirectory() as out_dir:
+        ctx = mp.start_processes(_worker, args=(world_size, port, timeout, fn, args, kwargs, out_dir),
+                                 nprocs=world_size, join=False, start_method=start_method)
+        deadline = time.monotonic() + timeout
+        try:
+            while not ctx.join(timeout=max(0.1, min(1.0, deadline - time.monotonic()))):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"run_on_ranks({fn.__name__}, world_size={world_size}) exceeded {timeout:.0f} s")
+        finally:
+            for p in ctx.processes:
+                if p.is_alive():
+                    p.kill()
+                    p.join()
+        return [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(world_size)]
+
+
+def run_torchrun(script: str, nproc_per_node: int, nnodes: int = 1, script_args=(),
+                 timeout: float = 120.0, env: dict | None = None) -> list[subprocess.CompletedProcess]:
+    """Launch `nnodes` torchrun launchers on this machine (static rendezvous on 127.0.0.1)."""
+    port = free_port()
+    full_env = dict(os.environ, OMP_NUM_THREADS="1", **(env or {}))
+    full_env["PYTHONPATH"] = os.pathsep.join(p for p in (REPO_ROOT, full_env.get("PYTHONPATH")) if p)
+    procs = []
+    for node in range(nnodes):
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes}", f"--node_rank={node}",
+               f"--nproc_per_node={nproc_per_node}", "--master_addr=127.0.0.1", f"--master_port={port}",
+               script, *map(str, script_args)]
+        procs.append(subprocess.Popen(cmd, cwd=REPO_ROOT, env=full_env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True))
+    deadline = time.monotonic() + timeout
+    results = []
+    try:
+        for p in procs:
+            out, _ = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            results.append(subprocess.CompletedProcess(p.args, p.returncode, out, None))
+    except subprocess.TimeoutExpired:
+        raise TimeoutError(f"torchrun {script} ({nnodes} nodes x {nproc_per_node}) exceeded {timeout:.0f} s")
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    for node, r in enumerate(results):
+        if r.returncode != 0:
+            raise AssertionError(f"torchrun node {node} exited with {r.returncode}:\n{r.stdout[-4000:]}")
+    return results

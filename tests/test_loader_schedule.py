@@ -1,0 +1,191 @@
+"""BOS-aligned loader, validation split and the step schedule."""
+import os
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+import train_gpt as tg  # noqa: E402
+from train_gpt import BOS_ID  # noqa: E402
+
+
+def make_corpus(tmp_path, num_shards=3, docs_per_shard=40, seed=0):
+    """Shards of documents [BOS, d, d, ...] whose body is the document number d (mod 50000) + 1, with
+    lengths 1..300: every token tells which document it came from."""
+    rng = np.random.default_rng(seed)
+    d = 0
+    for s in range(num_shards):
+        tokens = []
+        for _ in range(docs_per_shard):
+            tokens += [BOS_ID] + [d % 50_000 + 1] * int(rng.integers(1, 300))
+            d += 1
+        tg.write_shard(str(tmp_path / f"c_train_{s + 1:06d}.bin"), tokens)
+    return str(tmp_path / "c_train_*.bin")
+
+
+def test_make_batch_fields():
+    buf = np.array([BOS_ID, 5, 6, BOS_ID, 7, BOS_ID, 8, 9, 10], dtype=np.uint16)
+    b = tg.make_batch(buf, 1001)
+    T = 8
+    assert b.inputs.tolist() == buf[:T].tolist() and b.targets.tolist() == buf[1:].tolist()
+    assert b.inputs.dtype == torch.int32 and b.targets.dtype == torch.int64
+    assert b.cu_seqlens.tolist() == [0, 3, 5] + [T] * (tg.max_docs_for(T) - 2)
+    expected = [1000] + [(36313 * int(buf[t]) ^ 27191 * int(buf[t - 1])) % 1000 for t in range(1, T)]
+    assert b.bigram_ids.tolist() == expected
+
+
+def test_cu_seqlens_capacity_is_static():
+    buf = np.full(33, BOS_ID, dtype=np.uint16)  # 32 one-token documents: more than the capacity
+    b = tg.make_batch(buf, 101)
+    assert b.cu_seqlens.shape == (tg.max_docs_for(32) + 1,)
+    assert b.cu_seqlens[0] == 0 and b.cu_seqlens[-1] == 32
+    assert (b.cu_seqlens.diff() >= 0).all()
+
+
+def doc_of(token):
+    return int(token) - 1
+
+
+def step_batches(pattern, world_size, steps, tokens, max_len, micro):
+    """Per step: the micro-batches of every rank, placed at their global slot g (rank = g % world)."""
+    loaders = [tg.DocumentLoader(pattern, 1001, r, world_size) for r in range(world_size)]
+    out = []
+    for _ in range(steps):
+        slots = [None] * micro
+        for r, loader in enumerate(loaders):
+            for j, b in enumerate(loader.next_step(tokens, max_len, micro)):
+                slots[r + j * world_size] = b
+        out.append(slots)
+    return out
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_ranks_take_disjoint_consecutive_documents(tmp_path, world_size):
+    pattern = make_corpus(tmp_path)
+    single = step_batches(pattern, 1, 6, 256, 128, 4)
+    multi = step_batches(pattern, world_size, 6, 256, 128, 4)
+    seen = []
+    for s1, sw in zip(single, multi):
+        for b1, bw in zip(s1, sw):
+            assert torch.equal(b1.inputs, bw.inputs) and torch.equal(b1.targets, bw.targets)
+            buf = np.concatenate([bw.inputs.numpy(), bw.targets.numpy()[-1:]])
+            assert len(buf) == 257 and buf[0] == BOS_ID
+            # whole documents, each at most max_len tokens; consecutive document numbers
+            starts = list(np.flatnonzero(buf == BOS_ID)) + [len(buf)]
+            docs = []
+            for a, e in zip(starts[:-1], starts[1:]):
+                assert e - a <= 128
+                if e - a > 1:
+                    docs.append(doc_of(buf[a + 1]))
+                    assert (buf[a + 1:e] == buf[a + 1]).all()
+            seen += docs
+    # documents never repeat and appear in order: consecutive runs from one shared index
+    assert seen == sorted(set(seen))
+
+
+def test_batch_size_and_length_changes_take_effect(tmp_path):
+    pattern = make_corpus(tmp_path)
+    loader = tg.DocumentLoader(pattern, 1001)
+    a = loader.next_step(128, 64, 2)
+    b = loader.next_step(512, 200, 2)
+    assert [x.inputs.numel() for x in a] == [128, 128] and [x.inputs.numel() for x in b] == [512, 512]
+    for batch, limit in ((a, 64), (b, 200)):
+        for x in batch:
+            buf = np.concatenate([x.inputs.numpy(), x.targets.numpy()[-1:]])
+            lengths = np.diff(list(np.flatnonzero(buf == BOS_ID)) + [len(buf)])
+            assert lengths.max() <= limit
+    assert max(np.diff(list(np.flatnonzero(np.concatenate([x.inputs.numpy() for x in b]) == BOS_ID)))) > 64
+
+
+def test_loader_state_round_trip_and_shard_wrap(tmp_path):
+    pattern = make_corpus(tmp_path, num_shards=2, docs_per_shard=10)
+    loader = tg.DocumentLoader(pattern, 1001)
+    for _ in range(3):
+        loader.next_step(300, 300, 2)
+    state = loader.state_dict()
+    expected, shards_seen = [], []
+    for _ in range(8):  # 8 x 602 tokens: more than the corpus, so it crosses shards and wraps around
+        expected.append(loader.next_step(300, 300, 2))
+        shards_seen.append(loader.shard)
+    assert 1 in shards_seen and shards_seen.index(1) < len(shards_seen) - 1 - shards_seen[::-1].index(0)
+    resumed = tg.DocumentLoader(pattern, 1001)
+    resumed.load_state_dict(state)
+    for batches in expected:
+        for x, y in zip(batches, resumed.next_step(300, 300, 2)):
+            assert torch.equal(x.inputs, y.inputs) and torch.equal(x.cu_seqlens, y.cu_seqlens)
+
+
+def test_loader_refuses_other_shards(tmp_path):
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    pa, pb = make_corpus(tmp_path / "a"), make_corpus(tmp_path / "b", num_shards=2)
+    state = tg.DocumentLoader(pa, 1001).state_dict()
+    with pytest.raises(SystemExit, match="other training shards"):
+        tg.DocumentLoader(pb, 1001).load_state_dict(state)
+
+
+def test_validation_same_tokens_any_world_size(tmp_path):
+    tokens = np.random.default_rng(1).integers(0, 50_000, size=5000)
+    tg.write_shard(str(tmp_path / "v_val_000000.bin"), tokens)
+    pattern = str(tmp_path / "v_val_*.bin")
+    single = tg.validation_batches(pattern, 4096, 512, 1001, 0, 1)
+    assert np.concatenate([b.inputs.numpy() for b in single]).tolist() == tokens[:4096].tolist()
+    assert np.concatenate([b.targets.numpy() for b in single]).tolist() == tokens[1:4097].tolist()
+    for world in (2, 3, 8):
+        parts = [tg.validation_batches(pattern, 4096, 512, 1001, r, world) for r in range(world)]
+        assert [len(p) for p in parts] == [len(range(r, 8, world)) for r in range(world)]
+        assert sorted(b.inputs.tolist() for p in parts for b in p) == sorted(b.inputs.tolist() for b in single)
+    with pytest.raises(SystemExit, match="needs 8193 tokens"):
+        tg.validation_batches(pattern, 8192, 512, 1001, 0, 1)
+    with pytest.raises(SystemExit, match="multiple of the validation sequence length"):
+        tg.validation_batches(pattern, 1000, 512, 1001, 0, 1)
+
+
+# ---------------------------------------------------------------------------------------------- schedule
+
+def test_speedrun_schedule_matches_spec_table():
+    args = tg.parse_args([])
+    assert tg.stage_starts(args) == (423, 847) and tg.untie_step(args) == 847 and tg.total_steps(args) == 1285
+    expect = {0: (0, 131_072, 896, (1, 3), 1.0), 422: (0, 131_072, 896, (1, 3), 1.0),
+              423: (1, 262_144, 2048, (3, 7), 1.52), 846: (1, 262_144, 2048, (3, 7), None),
+              847: (2, 393_216, 2048, (5, 11), None), 1270: (3, 393_216, 2048, (6, 13), 0.15),
+              1284: (3, 393_216, 2048, (6, 13), 0.15)}
+    for step, (stage, batch, doc_len, windows, lr) in expect.items():
+        p = tg.plan_step(args, step)
+        assert (p.stage, p.batch_tokens, p.max_doc_len, p.windows) == (stage, batch, doc_len, windows)
+        if lr is not None:
+            assert p.lr_mult == pytest.approx(lr)
+    # lr: stage multiplier until 508, then linear to 0.15 at 1270
+    assert tg.plan_step(args, 507).lr_mult == pytest.approx(1.52)
+    s = 1000
+    w = (s - 508) / (1270 - 508)
+    assert tg.plan_step(args, s).lr_mult == pytest.approx(1.73 * (1 - w) + 0.15 * w)
+    # momentum 0.85 -> 0.95 over 300 steps, back to 0.85 over the last 50
+    assert [round(tg.plan_step(args, s).momentum, 6) for s in (0, 150, 300, 1219, 1245, 1270)] == \
+        [0.85, 0.9, 0.95, 0.95, 0.9, 0.85]
+    # MTP weights
+    assert tg.plan_step(args, 0).mtp_weights == (1.0, 0.5, 0.25)
+    assert tg.plan_step(args, 422).mtp_weights == (1.0, 0.5, 0.0)
+    assert tg.plan_step(args, 423).mtp_weights == (1.0, 0.5, 0.0)
+    assert tg.plan_step(args, 846).mtp_weights == (1.0, 0.0, 0.0)
+    assert tg.plan_step(args, 900).mtp_weights == (1.0, 0.0, 0.0)
+    assert [tg.plan_step(args, s).do_adam for s in (0, 1, 846, 847)] == [False, True, False, True]
+
+
+def test_small_presets_scale_boundaries():
+    args = tg.parse_args(["--preset", "demo", "--num_iterations", "300"])
+    assert tg.stage_starts(args) == (100, 200) and tg.untie_step(args) == 201
+    assert tg.plan_step(args, 99).stage == 0 and tg.plan_step(args, 100).stage == 1
+    assert tg.plan_step(args, 300).windows == args.extension_windows
+    assert tg.plan_step(args, round(300 * 300 / 1270)).momentum == pytest.approx(0.95)
+
+
+def test_batch_split_errors():
+    args = tg.parse_args([])
+    assert [tg.grad_accum_steps(args, w) for w in (1, 2, 4, 8, 16)] == [8, 4, 2, 1, 1]
+    assert tg.check_batch_split(args, 16) == 1
+    with pytest.raises(SystemExit, match="does not split into 3 ranks x 3 accumulation steps"):
+        tg.check_batch_split(args, 3)
