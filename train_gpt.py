@@ -482,15 +482,6 @@ OPTIMIZER_KINDS = ("normuon", "adam")
 COMMS_MODES = ("none", "replicated", "sharded", "sharded_sparse")
 
 
-def normuon_momentum(step: int, num_steps: int, lo: float = 0.85, hi: float = 0.95,
-                     warmup: int = 300, cooldown: int = 50) -> float:
-    """NorMuon momentum schedule: lo -> hi over the first `warmup` steps, back to lo over the last
-    `cooldown` steps before `num_steps` (and lo after it)."""
-    up = min(step / warmup, 1.0) if warmup > 0 else 1.0
-    down = min(max(num_steps - step, 0) / cooldown, 1.0) if cooldown > 0 else float(step < num_steps)
-    return lo + (hi - lo) * min(up, down)
-
-
 @dataclass(frozen=True)
 class ParamConfig:
     """How one labelled parameter is optimized and communicated.
@@ -1980,8 +1971,8 @@ def train_step(model_fn, opt: NorMuonAdam, batches: list[Batch], plan: StepPlan,
     per-token training loss of this rank (a 0-D tensor, not synchronised)."""
     mtp.copy_(torch.tensor(plan.mtp_weights, dtype=torch.float32))
     scale = 1.0 / (tokens_per_micro * len(batches))  # gradients of the mean over this rank's tokens
-    for b in batches:
-        opt.prepare_sparse("bigram_embed", b.bigram_ids)
+    for i, b in enumerate(batches):  # the bigram rows to exchange are known before backward: start now
+        opt.prepare_sparse("bigram_embed", b.bigram_ids, launch=plan.do_adam and i == len(batches) - 1)
     loss = torch.zeros((), device=device)
     for b in batches:
         b = b.to(device)

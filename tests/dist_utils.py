@@ -26,6 +26,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
 
 import torch
 import torch.distributed as dist
@@ -48,11 +49,27 @@ def _worker(rank, world_size, port, timeout, fn, args, kwargs, out_dir):
     dist.init_process_group("gloo", rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=timeout))
     try:
-        result = fn(rank, world_size, *args, **kwargs)
+        try:
+            result = fn(rank, world_size, *args, **kwargs)
+        except BaseException:
+            # Peers then fail in their next collective; keep this root cause for the report.
+            with open(os.path.join(out_dir, f"rank{rank}.err"), "w") as f:
+                f.write(traceback.format_exc())
+            raise
         dist.barrier()
     finally:
         dist.destroy_process_group()
     torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+def _root_causes(out_dir: str, world_size: int) -> str:
+    parts = []
+    for r in range(world_size):
+        path = os.path.join(out_dir, f"rank{r}.err")
+        if os.path.exists(path):
+            with open(path) as f:
+                parts.append(f"--- rank {r} ---\n{f.read()}")
+    return "\n".join(parts)
 
 
 def _default_start_method() -> str:
@@ -80,6 +97,11 @@ def run_on_ranks(fn, world_size: int, *args, timeout: float = 120.0, start_metho
             while not ctx.join(timeout=max(0.1, min(1.0, deadline - time.monotonic()))):
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"run_on_ranks({fn.__name__}, world_size={world_size}) exceeded {timeout:.0f} s")
+        except (mp.ProcessRaisedException, mp.ProcessExitedException) as e:
+            causes = _root_causes(out_dir, world_size)
+            if causes:
+                raise RuntimeError(f"run_on_ranks({fn.__name__}, world_size={world_size}) failed:\n{causes}") from e
+            raise
         finally:
             for p in ctx.processes:
                 if p.is_alive():

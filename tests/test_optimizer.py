@@ -1,0 +1,723 @@
+"""Tests of the orthogonalizers and the fused NorMuon + Adam optimizer, all on CPU.
+
+References are independent: float64 SVD for the polar factor, float64 single-tensor NorMuon/Adam
+written here from the specification, and a single-process run for every distributed run.
+
+Run as a script under torchrun, this file is the worker of the multi-node test:
+    torchrun --nnodes=2 ... tests/test_optimizer.py OUT_DIR
+"""
+from __future__ import annotations
+
+import math
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import train_gpt as T  # noqa: E402
+from dist_utils import run_on_ranks, run_torchrun  # noqa: E402
+
+COEFFS = T.POLAR_EXPRESS_COEFFS
+
+
+# ----------------------------------------------------------------------------------------------
+# Orthogonalization
+# ----------------------------------------------------------------------------------------------
+
+
+def promised_band(sigma_lo: float, sigma_hi: float) -> tuple[float, float]:
+    """Range of the composed scalar polynomials over input singular values [sigma_lo, sigma_hi]."""
+    s = torch.linspace(sigma_lo, sigma_hi, 20001, dtype=torch.float64)
+    for a, b, c in COEFFS:
+        s = a * s + b * s**3 + c * s**5
+    return s.min().item(), s.max().item()
+
+
+def exact_polar(G: torch.Tensor) -> torch.Tensor:
+    U, _, Vh = torch.linalg.svd(G.double(), full_matrices=False)
+    return U @ Vh
+
+
+@pytest.mark.parametrize("fn", [T.polar_express, T.gram_newton_schulz], ids=["polar_express", "gram_ns"])
+@pytest.mark.parametrize("shape", [(3, 32, 96), (2, 96, 32), (2, 2, 24, 40), (48, 16)],
+                         ids=["wide", "tall", "batched4d", "single_tall"])
+def test_orthogonalizer_against_svd(fn, shape):
+    torch.manual_seed(0)
+    G = torch.randn(shape)
+    O = fn(G)
+    assert O.dtype == torch.bfloat16 and O.shape == G.shape
+    G3 = G.double().reshape(-1, *shape[-2:])
+    O3 = O.double().reshape(-1, *shape[-2:])
+    for g, o in zip(G3, O3):
+        s_in = torch.linalg.svdvals(g) / (g.norm() * 1.02 + 1e-6)
+        lo, hi = promised_band(s_in.min().item(), s_in.max().item())
+        s_out = torch.linalg.svdvals(o)
+        assert s_out.min() >= lo - 0.03 and s_out.max() <= hi + 0.03, (s_out.min(), s_out.max(), lo, hi)
+        P = exact_polar(g)
+        dist_to_polar = ((o - P).norm() / P.norm()).item()
+        print(f"{fn.__name__} {tuple(g.shape)}: singular values [{s_out.min():.3f}, {s_out.max():.3f}]"
+              f" (band [{lo:.3f}, {hi:.3f}]), |O - UV^T|/|UV^T| = {dist_to_polar:.3f}")
+        assert dist_to_polar <= max(1 - lo, hi - 1) + 0.03
+        # same singular vectors as the polar factor: O^T-projected onto U V^T is close to diagonal
+        assert (o * P).sum() / P.norm() ** 2 > 0.9
+
+
+def test_band_is_tight_around_one():
+    lo, hi = promised_band(1e-3, 1 / 1.02)
+    assert 0.6 < lo < 1.0 < hi < 1.3
+
+
+@pytest.mark.parametrize("shape", [(4, 24, 64), (3, 64, 24)])
+def test_gram_ns_agrees_with_polar_express(shape):
+    torch.manual_seed(1)
+    G = torch.randn(shape)
+    a, b = T.polar_express(G).double(), T.gram_newton_schulz(G).double()
+    rel = ((a - b).norm() / a.norm()).item()
+    assert rel < 0.02, rel
+
+
+def test_auto_orthogonalizer_picks_the_cheaper_form():
+    torch.manual_seed(9)
+    tall, square = torch.randn(2, 64, 16), torch.randn(2, 24, 24)
+    assert torch.equal(T.orthogonalize_auto(tall), T.gram_newton_schulz(tall))
+    assert torch.equal(T.orthogonalize_auto(square), T.polar_express(square))
+
+
+def test_orthogonalizer_rejects_vectors():
+    with pytest.raises(ValueError, match="matrices"):
+        T.polar_express(torch.randn(5))
+
+
+# ----------------------------------------------------------------------------------------------
+# Single-tensor float64 references of the update rules (written from SPEC section 5)
+# ----------------------------------------------------------------------------------------------
+
+
+def poly_orth64(G: torch.Tensor) -> torch.Tensor:
+    """The Polar Express polynomial iteration in float64 (no bf16 rounding)."""
+    X = G.double()
+    X = X / (X.norm(dim=(-2, -1), keepdim=True) * 1.02 + 1e-6)
+    for a, b, c in COEFFS:
+        A = X @ X.mT
+        X = a * X + (b * A + c * A @ A) @ X
+    return X
+
+
+def ref_normuon(p0, grads, lr, wd, momenta, lr_mul=1.0, matrix_mul=None, wd_mul=1.0, beta2=0.9):
+    """NorMuon on a bank (n, r, c) in float64; returns (param, momentum buffer, second moment)."""
+    p = p0.double().clone()
+    n, r, c = p.shape
+    buf = torch.zeros_like(p)
+    s = torch.zeros(n, r, 1, dtype=torch.float64) if r >= c else torch.zeros(n, 1, c, dtype=torch.float64)
+    mm = torch.ones(n, dtype=torch.float64) if matrix_mul is None else torch.tensor(matrix_mul, dtype=torch.float64)
+    for g, m in zip(grads, momenta):
+        g = g.double()
+        buf = m * buf + (1 - m) * g
+        u = (1 - m) * g + m * buf
+        O = poly_orth64(u)
+        v = (O**2).mean(dim=-1 if r >= c else -2, keepdim=True)
+        s = beta2 * s + (1 - beta2) * v
+        O2 = O / torch.sqrt(torch.clamp(s, min=1e-10))
+        O2 = O2 * O.norm(dim=(-2, -1), keepdim=True) / O2.norm(dim=(-2, -1), keepdim=True)
+        eff = lr * lr_mul * math.sqrt(max(1.0, r / c)) * mm.view(-1, 1, 1)
+        decay = lr * wd * wd_mul * (O2 * p >= 0)
+        p = p - eff * O2 - decay * p
+    return p, buf, s
+
+
+def ref_adam(p0, grads, lr, wd, betas, eps=1e-10, lr_mul=1.0, wd_mul=1.0):
+    """Adam with bias correction and cautious decay scaled by lr^2, float64."""
+    p = p0.double().clone()
+    m = torch.zeros_like(p)
+    v = torch.zeros_like(p)
+    b1, b2 = betas
+    for t, g in enumerate(grads, start=1):
+        g = g.double()
+        m = b1 * m + (1 - b1) * g
+        v = b2 * v + (1 - b2) * g * g
+        u = (m / (1 - b1**t)) / (torch.sqrt(v / (1 - b2**t)) + eps)
+        p = p - lr * lr_mul * u - lr * lr * wd * wd_mul * (u * p >= 0) * p
+    return p, m, v
+
+
+def single_opt(params, configs, **kw):
+    labels = list(params)
+    return T.NorMuonAdam(params, configs, scatter_order=labels, work_order=labels, **kw)
+
+
+def master_of(opt, label):
+    """The fp32 master value of a (single-process) parameter: bf16 bits + stored mantissa."""
+    p = opt.slots[label].param.data
+    mant = opt.state[label].get("mantissa")
+    return T._master_fp32(p, mant.view(p.shape) if mant is not None else None)
+
+
+def rel_err(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
+
+@pytest.mark.parametrize("steps", [1, 10])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_normuon_matches_float64_reference(steps, dtype):
+    torch.manual_seed(2)
+    shapes = {"wide": (3, 12, 20), "tall": (2, 24, 8)}
+    p0 = {k: (torch.randn(s) * 0.1).to(dtype) for k, s in shapes.items()}
+    params = {k: torch.nn.Parameter(v.clone()) for k, v in p0.items()}
+    configs = {"wide": T.ParamConfig("normuon", "none", lr_mul=1.5, wd_mul=0.5),
+               "tall": T.ParamConfig("normuon", "none", matrix_lr_mul=(1.0, 2.0))}
+    opt = single_opt(params, configs, normuon_lr=0.02, normuon_wd=1.2, orthogonalizer=poly_orth64)
+    grads = {k: [torch.randn(s) for _ in range(steps)] for k, s in shapes.items()}
+    lr_scales = [1.0 - 0.05 * i for i in range(steps)]
+    momenta = [0.85 + 0.01 * i for i in range(steps)]
+    for i in range(steps):
+        for k in shapes:
+            params[k].grad = grads[k][i].to(dtype)
+        opt.step(do_adam=False, lr_scale=lr_scales[i], momentum=momenta[i])
+    for k in shapes:
+        gs = [g.to(dtype) for g in grads[k]]
+        cfg = configs[k]
+        # the reference gets per-step lr through a loop of one-step calls sharing state
+        p_ref, buf, s = ref_normuon_sched(p0[k], gs, 0.02, 1.2, lr_scales, momenta, cfg)
+        got = master_of(opt, k)
+        assert rel_err(got - p0[k].float(), p_ref - p0[k].double()) < 2e-5
+        assert rel_err(opt.state[k]["momentum_buffer"], buf) < 1e-6
+        assert rel_err(opt.state[k]["second_moment"], s) < 2e-5
+
+
+def ref_normuon_sched(p0, grads, lr, wd, lr_scales, momenta, cfg):
+    """ref_normuon with a per-step lr scale (re-entering with carried state)."""
+    p = p0.double()
+    n, r, c = p.shape
+    buf = torch.zeros_like(p)
+    s = None
+    for i, (g, m) in enumerate(zip(grads, momenta)):
+        step_lr = lr * lr_scales[i]
+        g = g.double()
+        buf = m * buf + (1 - m) * g
+        u = (1 - m) * g + m * buf
+        O = poly_orth64(u)
+        v = (O**2).mean(dim=-1 if r >= c else -2, keepdim=True)
+        s = 0.1 * v if s is None else 0.9 * s + 0.1 * v
+        O2 = O / torch.sqrt(torch.clamp(s, min=1e-10))
+        O2 = O2 * O.norm(dim=(-2, -1), keepdim=True) / O2.norm(dim=(-2, -1), keepdim=True)
+        mm = torch.tensor(cfg.matrix_lr_mul or [1.0] * n, dtype=torch.float64).view(-1, 1, 1)
+        eff = step_lr * cfg.lr_mul * math.sqrt(max(1.0, r / c)) * mm
+        p = p - eff * O2 - step_lr * wd * cfg.wd_mul * (O2 * p >= 0) * p
+    return p, buf, s
+
+
+def test_normuon_reference_self_consistent():
+    """The scheduled reference reduces to the plain one with constant lr (guards the test code)."""
+    torch.manual_seed(3)
+    p0 = torch.randn(2, 8, 12) * 0.1
+    gs = [torch.randn(2, 8, 12) for _ in range(3)]
+    cfg = T.ParamConfig("normuon", "none")
+    a = ref_normuon(p0, gs, 0.02, 1.2, [0.9] * 3)
+    b = ref_normuon_sched(p0, gs, 0.02, 1.2, [1.0] * 3, [0.9] * 3, cfg)
+    for x, y in zip(a, b):
+        assert torch.allclose(x, y, rtol=1e-12, atol=1e-14)
+
+
+def test_normuon_with_polar_express_close_to_reference():
+    """End to end with the real bf16 Polar Express: within bf16 noise of the float64 reference."""
+    torch.manual_seed(4)
+    p0 = torch.randn(4, 32, 16) * 0.1
+    p = torch.nn.Parameter(p0.clone())
+    opt = single_opt({"w": p}, {"w": T.ParamConfig("normuon", "none")})
+    grads = [torch.randn(4, 32, 16) for _ in range(3)]
+    for g in grads:
+        p.grad = g.clone()
+        opt.step(do_adam=False)
+    p_ref, _, _ = ref_normuon(p0, grads, 0.023, 1.2, [0.95] * 3)
+    assert rel_err(p.data - p0, p_ref - p0.double()) < 0.03
+
+
+@pytest.mark.parametrize("steps", [1, 10])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_adam_matches_float64_reference(steps, dtype):
+    torch.manual_seed(5)
+    shapes = {"table": (30, 8), "vec": (7,)}
+    cfgs = {"table": T.ParamConfig("adam", "none", lr_mul=3.0, wd_mul=40.0, betas=(0.5, 0.95)),
+            "vec": T.ParamConfig("adam", "none", betas=(0.9, 0.99))}
+    p0 = {k: torch.randn(s).to(dtype) for k, s in shapes.items()}
+    params = {k: torch.nn.Parameter(v.clone()) for k, v in p0.items()}
+    opt = single_opt(params, cfgs, adam_lr=0.01, adam_wd=0.5)
+    grads = {k: [torch.randn(s).to(dtype) for _ in range(steps)] for k, s in shapes.items()}
+    for i in range(steps):
+        for k in shapes:
+            params[k].grad = grads[k][i].clone()
+        opt.step(do_adam=True)
+    for k, cfg in cfgs.items():
+        p_ref, m, v = ref_adam(p0[k], grads[k], 0.01, 0.5, cfg.betas, lr_mul=cfg.lr_mul, wd_mul=cfg.wd_mul)
+        got = master_of(opt, k)
+        assert rel_err(got - p0[k].float(), p_ref - p0[k].double()) < 1e-5
+        assert rel_err(opt.state[k]["exp_avg"].view(shapes[k]), m) < 1e-6
+        assert rel_err(opt.state[k]["exp_avg_sq"].view(shapes[k]), v) < 1e-6
+        assert opt.adam_steps[k] == steps
+
+
+def test_adam_waits_for_odd_steps_and_accumulates():
+    torch.manual_seed(6)
+    p0 = torch.randn(6, 4)
+    p = torch.nn.Parameter(p0.clone())
+    opt = single_opt({"e": p}, {"e": T.ParamConfig("adam", "none")})
+    g1, g2 = torch.randn(6, 4), torch.randn(6, 4)
+    p.grad = g1.clone()
+    opt.step(do_adam=False)
+    assert torch.equal(p.data, p0) and p.grad is not None  # untouched, gradient kept
+    p.grad += g2
+    opt.step(do_adam=True)
+    assert p.grad is None
+    p_ref, _, _ = ref_adam(p0, [g1 + g2], 0.008, 0.005, (0.9, 0.95))
+    assert rel_err(p.data - p0, p_ref - p0.double()) < 1e-5
+
+
+# ----------------------------------------------------------------------------------------------
+# Mantissa: bf16 + uint16 low bits behave exactly like fp32
+# ----------------------------------------------------------------------------------------------
+
+
+def test_mantissa_1000_tiny_updates_bit_exact():
+    torch.manual_seed(7)
+    init = torch.randn(64, 8).bfloat16()
+    p16 = torch.nn.Parameter(init.clone())
+    p32 = torch.nn.Parameter(init.float())
+    cfg = {"p": T.ParamConfig("adam", "none", betas=(0.9, 0.99))}
+    o16 = single_opt({"p": p16}, cfg, adam_lr=2e-5, adam_wd=10.0)
+    o32 = single_opt({"p": p32}, cfg, adam_lr=2e-5, adam_wd=10.0)
+    drift = torch.randn(64, 8).sign()
+    for _ in range(1000):
+        g = (drift + 0.5 * torch.randn(64, 8)).bfloat16()
+        p16.grad, p32.grad = g.clone(), g.float()
+        o16.step(do_adam=True)
+        o32.step(do_adam=True)
+    master = master_of(o16, "p")
+    assert torch.equal(master.view(torch.int32), p32.data.view(torch.int32))
+    # the stored bf16 is the fp32 master with its low half cut off
+    assert torch.equal(p16.data.view(torch.int16), (p32.data.view(torch.int32) >> 16).to(torch.int16))
+    # each update (~2e-5) is far below bf16 resolution (2^-8 relative), yet the total moved
+    # several bf16 steps: plain bf16 rounding would have left most entries where they started
+    moved = (p32.data - init.float()).abs() / init.float().abs().clamp_min(1e-3)
+    assert moved.median() > 2 ** -7
+    assert (p16.data != init).float().mean() > 0.5
+
+
+def test_mantissa_normuon_bit_exact():
+    torch.manual_seed(8)
+    init = (torch.randn(2, 16, 8) * 0.1).bfloat16()
+    p16, p32 = torch.nn.Parameter(init.clone()), torch.nn.Parameter(init.float())
+    cfg = {"w": T.ParamConfig("normuon", "none")}
+    o16 = single_opt({"w": p16}, cfg, normuon_lr=1e-4)
+    o32 = single_opt({"w": p32}, cfg, normuon_lr=1e-4)
+    for _ in range(50):
+        g = torch.randn(2, 16, 8).bfloat16()
+        p16.grad, p32.grad = g.clone(), g.float()
+        o16.step(do_adam=False)
+        o32.step(do_adam=False)
+    assert torch.equal(master_of(o16, "w").view(torch.int32), p32.data.view(torch.int32))
+    assert not torch.equal(p16.data, init)
+
+
+# ----------------------------------------------------------------------------------------------
+# A model-shaped parameter set, its gradients, and a driver shared by single and multi-rank runs
+# ----------------------------------------------------------------------------------------------
+
+BANK = 24  # divisible by 1, 2, 3, 4, 6, 8: the model pads banks to a multiple of the world size
+SHAPES = {
+    "qk_bank": ((BANK, 16, 16), torch.bfloat16),
+    "vo_bank": ((BANK, 16, 16), torch.bfloat16),
+    "mlp_bank": ((BANK, 32, 16), torch.bfloat16),
+    "proj": ((12, 20), torch.float32),
+    "embed": ((50, 16), torch.bfloat16),
+    "lm_head": ((16, 50), torch.bfloat16),
+    "value_embed": ((2, 50, 16), torch.bfloat16),
+    "bigram_embed": ((37, 16), torch.bfloat16),
+    "scalars": ((10,), torch.float32),
+    "gates": ((4, 12), torch.float32),
+    "local": ((3,), torch.float32),
+}
+LABELS = list(SHAPES)
+SCATTER_ORDER = ["mlp_bank", "vo_bank", "qk_bank", "lm_head", "embed", "value_embed", "bigram_embed",
+                 "proj", "gates", "scalars", "local"]
+WORK_ORDER = list(reversed(SCATTER_ORDER))
+NUM_STEPS = 5  # steps 1 and 3 run Adam; the untie happens before step 3
+UNTIE_AT = 3
+
+
+def make_configs():
+    return {
+        "qk_bank": T.ParamConfig("normuon", "sharded"),
+        "vo_bank": T.ParamConfig("normuon", "sharded", lr_mul=0.8),
+        "mlp_bank": T.ParamConfig("normuon", "sharded", matrix_lr_mul=(1.0, 2.0) * (BANK // 2)),
+        "proj": T.ParamConfig("normuon", "replicated", wd_mul=0.5),
+        "embed": T.ParamConfig("adam", "sharded", betas=(0.5, 0.95)),
+        "lm_head": T.ParamConfig("adam", "sharded", betas=(0.5, 0.95)),
+        "value_embed": T.ParamConfig("adam", "sharded", lr_mul=75.0, betas=(0.75, 0.95)),
+        "bigram_embed": T.ParamConfig("adam", "sharded_sparse", lr_mul=75.0, betas=(0.75, 0.95)),
+        "scalars": T.ParamConfig("adam", "replicated", betas=(0.9, 0.99)),
+        "gates": T.ParamConfig("adam", "replicated", wd_mul=0.0),
+        "local": T.ParamConfig("adam", "none"),
+    }
+
+
+def make_params():
+    g = torch.Generator().manual_seed(1234)
+    params = {}
+    for label, (shape, dtype) in SHAPES.items():
+        w = torch.randn(shape, generator=g) * 0.5
+        if label.endswith("_bank"):
+            w[-2:] = 0  # bank padding: zero matrices that must stay zero
+        params[label] = torch.nn.Parameter(w.to(dtype))
+    params["embed"].data.copy_(params["lm_head"].data.mT)  # tied: the model starts embed = head^T
+    return params
+
+
+def dyadic(shape, gen, k=2):
+    """Integers in [-k, k] over 16: sums and means of a few of them are exact in bf16."""
+    return torch.randint(-k, k + 1, shape, generator=gen).float() / 16
+
+
+def step_grads(step: int, world_size: int):
+    """Per-rank local gradients whose exact mean over ranks is a dyadic target.
+
+    Returns (targets, locals) with locals[r][label]. Rank W-1 completes the sum to W x target, so
+    every average is exactly representable and the 1-rank reference sees the same numbers.
+    The bigram table's local gradients touch only a few random rows per rank.
+    """
+    targets, locals_ = {}, [dict() for _ in range(world_size)]
+    for i, (label, (shape, dtype)) in enumerate(SHAPES.items()):
+        gen = torch.Generator().manual_seed(1000 * step + i)
+        target = dyadic(shape, gen)
+        if label.endswith("_bank"):
+            target[-2:] = 0
+        rest = [dyadic(shape, gen) for _ in range(world_size - 1)]
+        if label == "bigram_embed":
+            rows = shape[0]
+            target.zero_()
+            touched = torch.randperm(rows, generator=gen)[:6]
+            target[touched] = dyadic((6, shape[1]), gen)
+            for r in range(world_size - 1):
+                mask = torch.zeros(rows, 1)
+                mask[torch.randperm(rows, generator=gen)[:4]] = 1
+                rest[r] = rest[r] * mask
+        if label.endswith("_bank"):  # padding matrices get no gradient on any rank
+            for x in rest:
+                x[-2:] = 0
+        if label == "local":  # comms='none': every rank must hold the same gradient
+            rest = [target.clone() for _ in range(world_size - 1)]
+            last = target.clone()
+        else:
+            last = world_size * target - sum(rest, torch.zeros(shape))
+        targets[label] = target.to(dtype)
+        for r in range(world_size):
+            locals_[r][label] = (rest[r] if r < world_size - 1 else last).to(dtype)
+    return targets, locals_
+
+
+def drive(opt, params, grads_of_step, sparse_rows_of_step=None, steps=range(NUM_STEPS), untie_at=UNTIE_AT):
+    """Steps an optimizer like the training loop: Adam on odd steps, gradients accumulating, untie."""
+    for step in steps:
+        do_adam = step % 2 == 1
+        if sparse_rows_of_step is not None:
+            opt.prepare_sparse("bigram_embed", sparse_rows_of_step(step), launch=do_adam)
+        if step == untie_at:
+            opt.untie()
+        for label, g in grads_of_step(step).items():
+            p = params[label]
+            p.grad = g.clone() if p.grad is None else p.grad + g
+        opt.step(do_adam=do_adam, lr_scale=1.0 - 0.05 * step, momentum=0.85 + 0.02 * step)
+
+
+def build(params, **kw):
+    return T.NorMuonAdam(params, make_configs(), scatter_order=SCATTER_ORDER, work_order=WORK_ORDER,
+                         tied=("embed", "lm_head"), **kw)
+
+
+def reference_run(world_size: int):
+    """The single-process result given the exact global (mean) gradients of a world_size run."""
+    params = make_params()
+    opt = build(params)
+    drive(opt, params, lambda s: step_grads(s, world_size)[0])
+    return {k: p.data.clone() for k, p in params.items()}, opt.state_dict()
+
+
+def distributed_worker(rank: int, world_size: int, group=None):
+    """One rank of a distributed run; returns its params and state shards for each comms mode."""
+    torch.manual_seed(0)
+    out = {}
+    for mode in ("sparse", "dense") if world_size > 1 else ("sparse",):
+        params = make_params()
+        opt = build(params, sparse_threshold=1.0 if mode == "sparse" else 0.0, process_group=group)
+        assert (opt.world_size, opt.rank) == (world_size, rank)
+        rows = None
+        if mode == "sparse":
+            def rows(step):
+                g = step_grads(step, world_size)[1][rank]["bigram_embed"]
+                return g.float().abs().sum(1).nonzero().view(-1)
+        drive(opt, params, lambda s: step_grads(s, world_size)[1][rank], rows)
+        out[mode] = {"params": {k: p.data.clone() for k, p in params.items()},
+                     "state": opt.state_dict(),
+                     "layout": {k: (s.lo, s.real_rows, s.sharded) for k, s in opt.slots.items()},
+                     "bytes": dict(opt.comm.bytes_sent)}
+    try:  # a bank that does not divide the world size is refused with a one-line message
+        T.NorMuonAdam({"b": torch.nn.Parameter(torch.zeros(world_size + 1, 4, 4))},
+                      {"b": T.ParamConfig("normuon", "sharded")}, scatter_order=["b"], work_order=["b"],
+                      process_group=group)
+        out["bank_error"] = None
+    except ValueError as e:
+        out["bank_error"] = str(e)
+    return out
+
+
+def check_against_reference(results, world_size):
+    ref_params, ref_sd = reference_run(world_size)
+    for mode in results[0]:
+        if mode == "bank_error":
+            continue
+        for rank, res in enumerate(results):
+            got = res[mode]
+            assert got["state"]["tied"] is None and got["state"]["adam_steps"] == ref_sd["adam_steps"]
+            for label, ref in ref_params.items():
+                p = got["params"][label]
+                if ref.dtype == torch.float32:
+                    torch.testing.assert_close(p, ref, rtol=1e-6, atol=1e-7, msg=f"{mode} rank {rank} {label}")
+                else:  # bf16: at most one rounding step apart
+                    torch.testing.assert_close(p.float(), ref.float(), rtol=2 ** -7, atol=1e-6,
+                                               msg=f"{mode} rank {rank} {label}")
+            for label, ref_state in ref_sd["state"].items():
+                lo, real, sharded = got["layout"][label]
+                for name, ref_t in ref_state.items():
+                    t = got["state"]["state"][label][name]
+                    mine = ref_t[lo:lo + real] if sharded else ref_t
+                    if name == "mantissa":  # compare the fp32 masters the two halves encode
+                        rows = slice(lo, lo + real) if sharded else slice(None)
+                        ref_master = T._master_fp32(ref_params[label].reshape(ref_t.shape)[rows], mine)
+                        got_master = T._master_fp32(got["params"][label].reshape(ref_t.shape)[rows],
+                                                    t[:real] if sharded else t)
+                        torch.testing.assert_close(got_master, ref_master, rtol=1e-6, atol=1e-7,
+                                                   msg=f"{mode} rank {rank} {label} fp32 master")
+                        continue
+                    torch.testing.assert_close(t[:real] if sharded else t, mine, rtol=1e-6, atol=1e-7,
+                                               msg=f"{mode} rank {rank} {label}.{name}")
+                    if sharded:
+                        assert not t[real:].any(), f"padding rows of {label}.{name} must stay zero"
+    if "sparse" in results[0] and "dense" in results[0]:
+        for res in results:
+            for label in ref_params:
+                assert torch.equal(res["sparse"]["params"][label], res["dense"]["params"][label]), label
+        # rank 0 touches a few rows per step (rank W-1 completes the sums, so it touches many)
+        sparse, dense = (results[0][m]["bytes"]["bigram_embed"] for m in ("sparse", "dense"))
+        assert sparse < dense, (sparse, dense)
+
+
+# Starting a process costs seconds (importing torch), so one spawn of 8 gloo ranks hosts every
+# world size: all 8 together, then process subgroups side by side.
+PHASES = [[8], [4, 3, 1], [6, 2]]
+
+
+def all_world_sizes_worker(rank: int, world_size: int):
+    """Runs distributed_worker on each subgroup this rank belongs to; results keyed by group size."""
+    import torch.distributed as dist
+    out = {}
+    for phase in PHASES:
+        start, mine = 0, None
+        for size in phase:  # every rank creates every group, in the same order
+            ranks = list(range(start, start + size))
+            group = dist.new_group(ranks) if size < world_size else dist.group.WORLD
+            if rank in ranks:
+                mine = (size, ranks.index(rank), group)
+            start += size
+        if mine is not None:
+            size, sub_rank, group = mine
+            out[size] = distributed_worker(sub_rank, size, group)
+        dist.barrier()
+    return out
+
+
+@pytest.fixture(scope="module")
+def all_world_size_results():
+    per_rank = run_on_ranks(all_world_sizes_worker, 8, timeout=240)
+    results = {}
+    for phase in PHASES:
+        start = 0
+        for size in phase:
+            results[size] = [per_rank[r][size] for r in range(start, start + size)]
+            start += size
+    return results
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4, 6, 8])
+@pytest.mark.slow
+def test_distributed_equals_single_process(world_size, all_world_size_results):
+    results = all_world_size_results[world_size]
+    check_against_reference(results, world_size)
+    if world_size > 1:
+        err = results[0]["bank_error"]
+        assert err is not None and "divisible" in err and "\n" not in err
+
+
+def test_single_process_matches_reference_without_group():
+    """World size 1 with no process group at all (plain python)."""
+    params = make_params()
+    opt = build(params)
+    assert opt.world_size == 1
+    drive(opt, params, lambda s: step_grads(s, 1)[0])
+    ref_params, _ = reference_run(1)
+    for k in ref_params:
+        assert torch.equal(params[k].data, ref_params[k])
+    assert params["qk_bank"].data[-2:].abs().sum() == 0  # padding matrices stay zero
+    assert not torch.equal(params["embed"].data, params["lm_head"].data.mT)  # untied at step 3
+
+
+def _sum_of_ranks(rank, world_size, offset):
+    import torch.distributed as dist
+    t = torch.tensor([float(rank + offset)])
+    dist.all_reduce(t)
+    return (rank, world_size, t.item())
+
+
+def _fails_on_rank_one(rank, world_size):
+    if rank == 1:
+        raise RuntimeError("rank one says no")
+    return rank
+
+
+def test_run_on_ranks_harness():
+    assert run_on_ranks(_sum_of_ranks, 3, 10, timeout=60) == [(r, 3, 33.0) for r in range(3)]
+    with pytest.raises(Exception, match="rank one says no"):
+        run_on_ranks(_fails_on_rank_one, 2, timeout=60)
+
+
+@pytest.mark.slow
+def test_two_nodes_torchrun(tmp_path):
+    run_torchrun(os.path.abspath(__file__), nproc_per_node=2, nnodes=2, script_args=[tmp_path], timeout=120)
+    results = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(4)]
+    check_against_reference(results, 4)
+
+
+# ----------------------------------------------------------------------------------------------
+# Tying, checkpoints, schedules, compilation, errors
+# ----------------------------------------------------------------------------------------------
+
+
+def test_tied_embedding_follows_head_then_unties():
+    params = make_params()
+    opt = build(params)
+    assert torch.equal(params["embed"].data, params["lm_head"].data.mT)
+    drive(opt, params, lambda s: step_grads(s, 1)[0], steps=range(UNTIE_AT), untie_at=-1)
+    assert torch.equal(params["embed"].data, params["lm_head"].data.mT)
+    head_state = {k: v.clone() for k, v in opt.state["lm_head"].items()}
+    opt.untie()
+    for name, t in head_state.items():
+        assert torch.equal(opt.state["embed"][name], t.mT)
+    assert opt.adam_steps["embed"] == opt.adam_steps["lm_head"] == 1
+    drive(opt, params, lambda s: step_grads(s, 1)[0], steps=range(UNTIE_AT, NUM_STEPS), untie_at=-1)
+    assert not torch.equal(params["embed"].data, params["lm_head"].data.mT)
+    with pytest.raises(ValueError, match="not tied"):
+        opt.untie()
+
+
+@pytest.mark.parametrize("stop", [2, 4])  # checkpoint while tied, and after untie
+def test_state_dict_round_trip_continues_exactly(stop):
+    grads = lambda s: step_grads(s, 1)[0]  # noqa: E731
+    params = make_params()
+    opt = build(params)
+    drive(opt, params, grads)
+    # interrupted run: checkpoint after `stop` steps, rebuild everything, continue
+    params2 = make_params()
+    opt2 = build(params2)
+    drive(opt2, params2, grads, steps=range(stop))
+    ckpt = {"model": {k: p.data.clone() for k, p in params2.items()}, "opt": opt2.state_dict()}
+    drive(opt2, params2, grads, steps=range(stop, stop + 1))  # must not leak into the checkpoint
+    params3 = make_params()
+    for k, p in params3.items():
+        p.data.copy_(ckpt["model"][k])
+    opt3 = build(params3)
+    opt3.load_state_dict(ckpt["opt"])
+    drive(opt3, params3, grads, steps=range(stop, NUM_STEPS))
+    for k in params:
+        assert torch.equal(params3[k].data, params[k].data), k
+    sd, sd3 = opt.state_dict(), opt3.state_dict()
+    for label in sd["state"]:
+        for name, t in sd["state"][label].items():
+            assert torch.equal(sd3["state"][label][name], t)
+
+
+def test_load_state_dict_rejects_other_world_size():
+    params = make_params()
+    opt = build(params)
+    sd = opt.state_dict()
+    sd["world_size"] = 2
+    with pytest.raises(ValueError, match="same world size") as e:
+        opt.load_state_dict(sd)
+    assert "\n" not in str(e.value)
+
+
+def test_compiled_step_never_recompiles_on_schedule_changes():
+    import torch._dynamo
+    torch._dynamo.reset()
+    compiles = []
+
+    def counting_backend(gm, example_inputs):
+        compiles.append(gm)
+        return gm.forward
+
+    keep = ["qk_bank", "embed", "lm_head", "scalars"]
+    params = {k: p for k, p in make_params().items() if k in keep}
+    opt = T.NorMuonAdam(params, {k: v for k, v in make_configs().items() if k in keep},
+                        scatter_order=keep, work_order=keep, tied=("embed", "lm_head"), compile=counting_backend)
+    grads = lambda s: {k: g for k, g in step_grads(s, 1)[0].items() if k in keep}  # noqa: E731
+    drive(opt, params, grads, steps=range(2), untie_at=-1)
+    n_warm = len(compiles)
+    assert n_warm > 0
+    drive(opt, params, grads, steps=range(2, 6), untie_at=-1)
+    assert len(compiles) == n_warm, f"{len(compiles) - n_warm} recompiles when lr/momentum changed"
+    torch._dynamo.reset()
+
+
+def one_line_error(fn, match):
+    with pytest.raises(ValueError, match=match) as e:
+        fn()
+    assert "\n" not in str(e.value)
+
+
+def test_bad_configs_give_one_line_errors():
+    params = make_params()
+    cfgs = make_configs()
+    mk = lambda **kw: T.NorMuonAdam(params, cfgs, **{"scatter_order": SCATTER_ORDER,  # noqa: E731
+                                                       "work_order": WORK_ORDER, **kw})
+    one_line_error(lambda: mk(scatter_order=SCATTER_ORDER[1:]), "scatter_order is missing")
+    one_line_error(lambda: mk(work_order=WORK_ORDER + ["qk_bank"]), "work_order lists 'qk_bank' twice")
+    one_line_error(lambda: mk(work_order=WORK_ORDER + ["nope"]), "unknown label 'nope'")
+    one_line_error(lambda: T.ParamConfig("adam", "broadcast"), "comms='broadcast'")
+    one_line_error(lambda: T.ParamConfig("sgd"), "optimizer='sgd'")
+    one_line_error(lambda: T.ParamConfig("normuon", "sharded_sparse"), "sharded_sparse")
+    one_line_error(lambda: mk(orthogonalizer="svd"), "orthogonalizer='svd'")
+    one_line_error(lambda: mk(tied=("embed", "proj")), "tied")
+    one_line_error(lambda: T.NorMuonAdam(params, {k: v for k, v in cfgs.items() if k != "local"},
+                                         scatter_order=SCATTER_ORDER, work_order=WORK_ORDER),
+                   "no ParamConfig for parameter 'local'")
+    bad = dict(cfgs, mlp_bank=T.ParamConfig("normuon", "sharded", matrix_lr_mul=(1.0, 2.0)))
+    one_line_error(lambda: T.NorMuonAdam(params, bad, scatter_order=SCATTER_ORDER, work_order=WORK_ORDER),
+                   "matrix_lr_mul has 2 entries")
+    opt = build(params)
+    one_line_error(lambda: opt.prepare_sparse("embed", [1, 2]), "sharded_sparse")
+
+
+# ----------------------------------------------------------------------------------------------
+# torchrun worker (used by test_two_nodes_torchrun)
+# ----------------------------------------------------------------------------------------------
+
+if __name__ == "__main__":
+    import torch.distributed as dist
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    result = distributed_worker(rank, world)
+    dist.barrier()
+    dist.destroy_process_group()
+    torch.save(result, os.path.join(sys.argv[1], f"rank{rank}.pt"))
