@@ -283,13 +283,19 @@ def test_mlp_errors():
 # ----------------------------------------------------------------------------------------------
 
 
+# The Triton kernel and its CPU twin (the same fused algorithm in torch ops, row blocks of CE_CPU_ROWS)
+CE_IMPLS = [pytest.param(lambda: tk.softcapped_ce_mtp_triton, id="triton"),
+            pytest.param(lambda: tk.softcapped_ce_mtp_rows, id="rows")]
+
+
+@pytest.mark.parametrize("impl", CE_IMPLS)
 @pytest.mark.parametrize("V", [256, 300, 1000])
-def test_ce_k1_matches_cross_entropy(V):
+def test_ce_k1_matches_cross_entropy(V, impl):
     T = 33
     logits = (torch.randn(T, V) * 8).requires_grad_(True)
     targets = torch.randint(0, V, (T,))
     targets[0], targets[1] = V - 1, 0  # vocab edges
-    loss = tk.softcapped_ce_mtp_triton(logits, targets, torch.tensor([1.0]))
+    loss = impl()(logits, targets, torch.tensor([1.0]))
     lr = logits.detach().clone().requires_grad_(True)
     expected = F.cross_entropy(tk.softcap(lr), targets, reduction="none")
     assert loss.dtype == torch.float32 and loss.shape == (T,)
@@ -300,12 +306,13 @@ def test_ce_k1_matches_cross_entropy(V):
     assert_close_rel(g, gr, TOL[torch.float32])
 
 
-def test_ce_k3_matches_hand_written_sum():
+@pytest.mark.parametrize("impl", CE_IMPLS)
+def test_ce_k3_matches_hand_written_sum(impl):
     T, V = 24, 700
     logits = (torch.randn(T, V) * 6).requires_grad_(True)
     targets = torch.randint(0, V, (T,))
     w = torch.tensor([1.0, 0.5, 0.25])
-    loss = tk.softcapped_ce_mtp_triton(logits, targets, w)
+    loss = impl()(logits, targets, w)
     l64 = logits.detach().double().requires_grad_(True)
     expected = ce_mtp_float64(l64, targets, w.tolist())
     assert_close_rel(loss, expected, TOL[torch.float32])
@@ -320,13 +327,14 @@ def test_ce_k3_matches_hand_written_sum():
     assert_close_rel(tk.softcapped_ce_mtp_reference(logits.detach(), targets, w), expected, TOL[torch.float32])
 
 
+@pytest.mark.parametrize("impl", CE_IMPLS)
 @pytest.mark.parametrize("K", [1, 2, 3])
-def test_ce_bf16_logits_and_weights_as_data(K):
+def test_ce_bf16_logits_and_weights_as_data(K, impl):
     T, V = 16, 513
     logits = (torch.randn(T, V) * 5).bfloat16().requires_grad_(True)
     targets = torch.randint(0, V, (T,))
     w = torch.rand(K)
-    loss = tk.softcapped_ce_mtp_triton(logits, targets, w)
+    loss = impl()(logits, targets, w)
     lr = logits.detach().clone().requires_grad_(True)
     expected = tk.softcapped_ce_mtp_reference(lr, targets, w)
     assert_close_rel(loss, expected, TOL[torch.float32])  # the math is fp32 on bf16 inputs
@@ -346,16 +354,17 @@ def test_scale_rows_rounds_once_from_fp32():
     assert ((got.float() - expected).abs() <= expected.abs() * 2**-7).all()
 
 
-def test_ce_short_sequence_and_errors():
+@pytest.mark.parametrize("impl", CE_IMPLS)
+def test_ce_short_sequence_and_errors(impl):
     logits = torch.randn(2, 40)
     targets = torch.tensor([3, 7])
     w = torch.tensor([1.0, 0.5, 0.25])
-    assert_close_rel(tk.softcapped_ce_mtp_triton(logits, targets, w),
+    assert_close_rel(impl()(logits, targets, w),
                      ce_mtp_float64(logits, targets, w.tolist()), TOL[torch.float32])
     with pytest.raises(ValueError, match="1 to 3"):
-        tk.softcapped_ce_mtp_triton(logits, targets, torch.ones(4))
+        impl()(logits, targets, torch.ones(4))
     with pytest.raises(ValueError, match="targets"):
-        tk.softcapped_ce_mtp_triton(logits, torch.tensor([1]), w)
+        impl()(logits, torch.tensor([1]), w)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -408,6 +417,8 @@ def _opcheck_cases():
         ("relu2_mlp_fwd", (x, wu, wd)),
         ("relu2_mlp_bwd", (torch.randn(9, 16), x.detach(), wu.detach(), wd.detach(), post)),
         ("softcapped_ce_mtp_fwd", (logits, torch.randint(0, 50, (8,)), torch.tensor([1.0, 0.5]))),
+        ("softcapped_ce_mtp_rows", (torch.randn(40, 50, requires_grad=True), torch.randint(0, 50, (40,)),
+                                    torch.tensor([1.0, 0.5, 0.25]))),
         ("scale_rows", (torch.randn(8, 300).bfloat16(), torch.randn(8))),
         ("transpose_copy", (A, torch.empty(36, 20))),
         ("transpose_add", (A, torch.randn(36, 20))),
