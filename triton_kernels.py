@@ -655,6 +655,30 @@ def softcapped_ce_mtp_triton(logits: Tensor, targets: Tensor, mtp_weights: Tenso
 CE_CPU_ROWS = 16  # rows per block: 16 x 50304 fp32 values stay in the L2 cache
 
 
+def _ce_rows_block(logits: Tensor, tgt: Tensor, w: Tensor) -> tuple[Tensor, Tensor]:
+    """Loss (R,) and dloss/dlogits (R, V) of one block of rows; tgt and w (R, K). In-place ops keep
+    it to a few cache-resident passes over the block."""
+    z = logits.to(torch.float32, copy=True).add_(5.0).div_(7.5).sigmoid_().mul_(23.0)  # softcap
+    e = z.exp()                                                # z < 23: no overflow in fp32
+    total = e.sum(dim=1)
+    loss = (w * (total.log()[:, None] - z.gather(1, tgt))).sum(dim=1)
+    g = e.mul_((w.sum(dim=1) / total)[:, None])               # W * softmax(z)
+    g.scatter_add_(1, tgt, -w)                                 # - sum_k w_k onehot(target_k)
+    g.mul_(z.mul_(z.mul(-1.0 / 23.0).add_(1.0)).div_(7.5))    # dz/dlogits = z (1 - z/23) / 7.5
+    return loss, g.to(logits.dtype)
+
+
+def _scale_rows_block(grad: Tensor, scale: Tensor) -> Tensor:
+    return (grad.float() * scale[:, None]).to(grad.dtype)  # fp32 product, rounded once
+
+
+def _row_blocks(T: int, *tensors: Tensor):
+    """(start, stop, [row block of each tensor]) over the rows, CE_CPU_ROWS at a time."""
+    for a in range(0, T, CE_CPU_ROWS):
+        b = min(a + CE_CPU_ROWS, T)
+        yield a, b, [t[a:b] for t in tensors]
+
+
 @torch.library.custom_op("speedrun::softcapped_ce_mtp_rows", mutates_args=())
 def _ce_mtp_rows_op(logits: Tensor, targets: Tensor, mtp_weights: Tensor) -> tuple[Tensor, Tensor]:
     """Returns (per-token loss (T,) fp32, dloss/dlogits (T, V) in the logits' dtype)."""
@@ -662,22 +686,12 @@ def _ce_mtp_rows_op(logits: Tensor, targets: Tensor, mtp_weights: Tensor) -> tup
     K = mtp_weights.shape[0]
     loss = torch.empty(T, dtype=torch.float32, device=logits.device)
     grad = torch.empty((T, V), dtype=logits.dtype, device=logits.device)
-    positions = torch.arange(T, device=logits.device)
     # targets and weights of every (row, k); weight 0 where t + k - 1 runs past the sequence
-    idx = positions[:, None] + torch.arange(K, device=logits.device)[None, :]
+    idx = torch.arange(T, device=logits.device)[:, None] + torch.arange(K, device=logits.device)[None, :]
     tgt = targets.long()[idx.clamp(max=T - 1)]
     w = mtp_weights.float()[None, :] * (idx < T).float()
-    for a in range(0, T, CE_CPU_ROWS):
-        b = min(a + CE_CPU_ROWS, T)
-        z = logits[a:b].to(torch.float32, copy=True).add_(5.0).div_(7.5).sigmoid_().mul_(23.0)  # softcap
-        e = z.exp()                                                        # z < 23: no overflow in fp32
-        total = e.sum(dim=1)
-        picked = z.gather(1, tgt[a:b])
-        loss[a:b] = (w[a:b] * (total.log()[:, None] - picked)).sum(dim=1)
-        g = e.mul_((w[a:b].sum(dim=1) / total)[:, None])                   # W * softmax(z)
-        g.scatter_add_(1, tgt[a:b], -w[a:b])                               # - sum_k w_k onehot
-        g.mul_(z.mul_(z.mul(-1.0 / 23.0).add_(1.0)).div_(7.5))            # dz/dlogits = z (1 - z/23) / 7.5
-        grad[a:b] = g
+    for a, b, (lg, tg, wg) in _row_blocks(T, logits, tgt, w):
+        loss[a:b], grad[a:b] = _ce_rows_block(lg, tg, wg)
     return loss, grad
 
 
@@ -686,15 +700,20 @@ def _(logits, targets, mtp_weights):
     return logits.new_empty(logits.shape[0], dtype=torch.float32), torch.empty_like(logits)
 
 
+def _ce_mtp_rows_setup(ctx, inputs, output):
+    _ce_mtp_setup(ctx, inputs, output)
+    ctx.set_materialize_grads(False)  # no zero (T, V) tensor for the gradient output nobody uses
+
+
 def _ce_mtp_rows_backward(ctx, dloss, _dgrad):
     (grad,) = ctx.saved_tensors
     out = torch.empty_like(grad)
-    for a in range(0, grad.shape[0], 256):  # scaled in fp32 a block at a time, rounded once
-        out[a:a + 256] = grad[a:a + 256].float() * dloss[a:a + 256, None].float()
+    for a, b, (g, s) in _row_blocks(grad.shape[0], grad, dloss.float()):
+        out[a:b] = _scale_rows_block(g, s)
     return out, None, None
 
 
-_ce_mtp_rows_op.register_autograd(_ce_mtp_rows_backward, setup_context=_ce_mtp_setup)
+_ce_mtp_rows_op.register_autograd(_ce_mtp_rows_backward, setup_context=_ce_mtp_rows_setup)
 
 
 def softcapped_ce_mtp_rows(logits: Tensor, targets: Tensor, mtp_weights: Tensor) -> Tensor:
