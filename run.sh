@@ -5,6 +5,10 @@
 #                             ARGS pass through to train_gpt.py
 #   ./run.sh test [ARGS...]   the whole pytest suite (ARGS pass through to pytest)
 #   ./run.sh --dry-run [ARGS] set up, then print the launch command instead of running it
+#   ./run.sh bench [ARGS...]  kernel and optimizer benchmarks, then timed training steps of every stage
+#                             (ms/step, tokens/s, MFU, peak memory, projected run time); ARGS pass
+#                             through to tests/benchmarks/step_timing.py. On a CPU-only machine: the CPU
+#                             benchmarks and a short demo-preset timing. `./run.sh bench --dry-run` lists them.
 #
 # Environment: PYTHON (interpreter to use, default python3; a .venv here is used if present),
 #              NPROC (processes to launch; default: number of GPUs, or 2 on a CPU-only machine).
@@ -55,11 +59,39 @@ setup() {
 mode=train
 dry_run=0
 if [[ ${1:-} == test ]]; then mode=test; shift; fi
+if [[ ${1:-} == bench ]]; then mode=bench; shift; fi
 if [[ ${1:-} == --dry-run ]]; then dry_run=1; shift; fi
 
 if [[ $mode == test ]]; then
   setup requirements-dev.txt
   exec "$PY" -m pytest "$@"
+fi
+
+if [[ $mode == bench ]]; then
+  setup requirements.txt
+  gpus=$("$PY" -c 'import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)' 2>/dev/null || echo 0)
+  py=$(printf '%q' "$PY")  # the commands below are strings (printed, then eval'ed)
+  benches=("$py tests/bench_kernels.py" "$py tests/bench_optimizer.py")
+  if (( gpus > 0 )); then
+    # The speedrun preset reads the FineWeb train shards: fetch the first one if absent.
+    benches=("$py data/cached_fineweb10B.py 1" "${benches[@]}"
+             "$py -m torch.distributed.run --standalone --nproc_per_node=${NPROC:-$gpus} tests/benchmarks/step_timing.py")
+  else
+    benches+=("$py tests/benchmarks/step_timing.py --preset demo --steps 2 --warmup 0")
+  fi
+  echo "gpus: $gpus"
+  last=$(( ${#benches[@]} - 1 ))
+  for i in "${!benches[@]}"; do
+    cmd=${benches[$i]}
+    if (( i == last && $# )); then cmd="$cmd $(printf '%q ' "$@")"; fi
+    if (( dry_run )); then echo "bench: $cmd"; continue; fi
+    echo "==== $cmd"
+    eval "$cmd"
+  done
+  if (( gpus == 0 )); then
+    echo "GPU figures (kernel timings, the speedrun's ms/step, MFU, projected run time) need a CUDA GPU; this machine has none."
+  fi
+  exit 0
 fi
 
 setup requirements.txt

@@ -84,10 +84,25 @@ class Hyperparameters:
     val_seq_len: int = 65_536
     val_loss_every: int = 250                      # 0: only at the end
     log_dir: str = "logs"
-    save_every: int = 0                            # 0: a checkpoint only at the end
+    save_every: int = 0                            # checkpoint every N steps and at the end (0: none)
     checkpoint_dir: str = "checkpoints"
     resume: str = ""                               # checkpoint directory to continue from
     compile: bool = True
+    sample_tokens: int = 0                         # after training, print a sampled continuation this long
+    # ablations (every component can be switched off; defaults are the full recipe)
+    # Switched-off parameters stay in the model (checkpoints keep one layout) but are never read
+    # and are frozen by the optimizer. Other ablations use existing fields: --orthogonalizer,
+    # --paired_head_layers '()' is the same as --paired_heads false, and a constant
+    # --stage_batch_tokens turns the batch schedule off.
+    matrix_optimizer: str = "normuon"              # banks: normuon | muon (no variance reduction) | adamw
+    mtp: bool = True                               # multi-token prediction terms (false: next token only)
+    value_embeds: bool = True                      # value-embedding tables added to V
+    bigram_embed: bool = True                      # bigram hash embedding injected at every layer
+    smear: bool = True                             # one-token look-back on the embeddings
+    unet_skip: bool = True                         # gated skip from skip_from_layer to skip_to_layer
+    backout: bool = True                           # subtract a learned multiple of backout_layer's output
+    paired_heads: bool = True                      # paired-head attention on paired_head_layers
+    window_schedule: bool = True                   # false: the last stage's windows from step 0, no YaRN
     # run
     seed: int = 0
     run_id: str = ""  # empty: a fresh uuid per run
@@ -101,13 +116,15 @@ PRESETS: dict[str, dict] = {
         val_files="data/tinyshakespeare/tinyshakespeare_val_*.bin",
         val_tokens=32_768,
         num_layers=6, model_dim=256, num_heads=4, head_dim=64, mlp_hidden=1024,
-        bigram_vocab_size=50_021,
-        value_embed_layers=(1, 4, 5), long_window_layers=(2, 5), paired_head_layers=(0, 4),
+        bigram_vocab_size=20_011,
+        value_embed_layers=(1, 5), long_window_layers=(2, 5), paired_head_layers=(0, 4),
         no_attention_layers=(3,), skip_from_layer=1, skip_to_layer=3, backout_layer=3,
         window_block_size=64,
-        num_iterations=300, extension_iterations=6,
-        stage_batch_tokens=(8_192, 16_384, 24_576), stage_max_doc_len=(512, 1024, 1024),
-        val_seq_len=4096, val_loss_every=100,
+        num_iterations=60, extension_iterations=3,
+        stage_batch_tokens=(4_096, 8_192, 12_288), stage_max_doc_len=(512, 1024, 1024),
+        val_seq_len=1024, val_loss_every=20,
+        compile=False,  # inductor's CPU compile of every graph would take most of the demo's budget
+        sample_tokens=48,
     ),
     "test": dict(
         train_files="data/tinyshakespeare/tinyshakespeare_train_*.bin",
@@ -1361,6 +1378,9 @@ class GPT(nn.Module):
         short_blocks, long_blocks = int(short_blocks), int(long_blocks)
         bs = self.args.window_block_size
         ref, long_tokens = self.args.windows_init[1] * bs, long_blocks * bs
+        if not self.args.window_schedule:  # fixed windows: the last stage's, which are also the reference
+            short_blocks, long_blocks = (int(w) for w in self.args.stage_windows[-1])
+            ref = long_tokens = long_blocks * bs
         self.windows.copy_(torch.tensor([short_blocks * bs, long_tokens], dtype=torch.int32))
         self.rotary_freq.copy_(yarn_frequencies(self.rotary_base, ref, long_tokens))
         self.attn_scale.fill_(yarn_attention_scale(self.base_attn_scale, ref, long_tokens))
@@ -1402,11 +1422,12 @@ class GPT(nn.Module):
         q, k, v = F.linear(xn, w_qkv).view(T, 3, H, hd).unbind(1)
         q = apply_rotary(norm(q), cos, sin) * self.attn_scale
         k = apply_rotary(norm(k), cos, sin)
-        if i in self.ve_slot:
+        if i in self.ve_slot and self.args.value_embeds:
             jv = self.ve_slot[i]
             ve = F.embedding(ids, w["ve"][jv]).view(T, H, hd)
             v = v + (2 * self._gate(self.ve_gates[jv], xn)).to(v.dtype)[..., None] * ve
-        y = self._attend(q, k, v, doc, i in self.args.long_window_layers, i in self.args.paired_head_layers, masks)
+        paired = self.args.paired_heads and i in self.args.paired_head_layers
+        y = self._attend(q, k, v, doc, i in self.args.long_window_layers, paired, masks)
         return F.linear(y.reshape(T, H * hd), w["vo"][2 * j + 1])
 
     def hidden(self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor, bigram_ids: torch.Tensor) -> torch.Tensor:
@@ -1423,10 +1444,11 @@ class GPT(nn.Module):
         bigram_ids = torch.where(first, bigram_ids.view(-1), a.bigram_vocab_size - 1)
 
         e = F.embedding(ids, self.embed)
-        smear = (s[4 * L] * self._gate(self.smear_gate, e[1:]) * same_doc[:, None]).to(e.dtype)
-        e = torch.cat([e[:1], e[1:] + smear * e[:-1]])
+        if a.smear:
+            smear = (s[4 * L] * self._gate(self.smear_gate, e[1:]) * same_doc[:, None]).to(e.dtype)
+            e = torch.cat([e[:1], e[1:] + smear * e[:-1]])
         x0 = x = norm(e)
-        bigram = F.embedding(bigram_ids, self.bigram_embed)
+        bigram = F.embedding(bigram_ids, self.bigram_embed) if a.bigram_embed else None
 
         angles = torch.arange(T, device=ids.device, dtype=torch.float32)[:, None] * self.rotary_freq[None, :]
         cos, sin = angles.cos().to(e.dtype), angles.sin().to(e.dtype)
@@ -1437,9 +1459,9 @@ class GPT(nn.Module):
         mlp = self.mlp_bank.unbind(0)
         skip = backout = None
         for i in range(L):
-            if i == a.skip_to_layer:
+            if i == a.skip_to_layer and a.unet_skip:
                 x = x + self._gate(self.skip_gate, x).to(x.dtype) * skip
-            u = x + s[3 * L + i] * bigram
+            u = x if bigram is None else x + s[3 * L + i] * bigram
             h = self._attention(i, norm(u), ids, doc, cos, sin, masks, w) if i in self.attn_slot else None
             m = triton_kernels.relu2_mlp(norm(u if h is None else u + h), mlp[2 * i], mlp[2 * i + 1])
             x = s[i] * u + s[L + i] * (m if h is None else h + m) + s[2 * L + i] * x0
@@ -1447,7 +1469,7 @@ class GPT(nn.Module):
                 skip = x
             if i == a.backout_layer:
                 backout = x
-        return norm(x - s[4 * L + 1] * backout)
+        return norm(x - s[4 * L + 1] * backout if a.backout else x)
 
     def logits(self, input_ids, cu_seqlens, bigram_ids) -> torch.Tensor:
         """Softcapped fp32 logits (T, Vp) of the plain bf16 head (evaluation and tests)."""
@@ -1464,6 +1486,8 @@ class GPT(nn.Module):
                 z = triton_kernels.softcap(x[c: c + EVAL_CHUNK_TOKENS] @ self.lm_head)
                 total = total + F.cross_entropy(z, targets[c: c + EVAL_CHUNK_TOKENS], reduction="sum")
             return total / x.shape[0]
+        if not self.args.mtp:  # next-token term only, whatever the schedule's weights
+            mtp_weights = mtp_weights[:1]
         if self.args.fp8 and _native_fp8(x.device):  # elsewhere the emulation would only cost time
             logits = fp8_matmul(x, self.lm_head, FP8_HEAD_X_SCALE, FP8_HEAD_W_SCALE, FP8_HEAD_GRAD_SCALE * float(loss_scale))
         else:
@@ -1789,20 +1813,49 @@ def check_batch_split(args: Hyperparameters, world_size: int) -> int:
 # ----------------------------------------------------------------------------------------------
 
 
+MATRIX_OPTIMIZERS = ("normuon", "muon", "adamw")
+# matrix_optimizer='adamw' runs the banks through the recipe's Adam (odd steps, cautious decay) at
+# AdamW-like settings: a quarter of the embeddings' learning rate (0.002 by default; hidden matrices
+# want much smaller Adam steps than embedding rows) and decoupled decay of 0.1 x lr at the base lr.
+ADAMW_BANK_LR_MUL = 0.25
+ADAMW_BANK_DECAY = 0.1
+ADAMW_BANK_BETAS = (0.9, 0.95)
+
+
 def optimizer_configs(args: Hyperparameters, model: "GPT") -> dict[str, ParamConfig]:
-    """Per-label optimizer settings (SPEC section 5): NorMuon for the banks, Adam for the rest."""
+    """Per-label optimizer settings (SPEC section 5): NorMuon for the banks, Adam for the rest.
+
+    Ablations: --matrix_optimizer adamw moves the banks to Adam; parameters of a switched-off
+    component get lr and decay multipliers of 0 (they receive no gradient and must not drift)."""
+    if args.matrix_optimizer not in MATRIX_OPTIMIZERS:
+        raise ValueError(f"--matrix_optimizer {args.matrix_optimizer!r} is not one of {', '.join(MATRIX_OPTIMIZERS)}")
     down_x2 = tuple(2.0 if role.startswith("down.") else 1.0 for role in model.bank_roles["mlp_bank"])
     small = ParamConfig("adam", "replicated", betas=(0.9, 0.99), wd_mul=0.0)
-    return {
-        "qk_bank": ParamConfig("normuon", "sharded"),
-        "vo_bank": ParamConfig("normuon", "sharded"),
-        "mlp_bank": ParamConfig("normuon", "sharded", matrix_lr_mul=down_x2),
+    if args.matrix_optimizer == "adamw":
+        # Adam's decay is lr^2 * adam_wd * wd_mul (lr without lr_mul): pick wd_mul so that it equals
+        # ADAMW_BANK_DECAY times the bank's learning rate at the base lr.
+        base = args.adam_lr * args.adam_wd
+        wd_mul = ADAMW_BANK_DECAY * ADAMW_BANK_LR_MUL / base if base > 0 else 0.0
+        bank = ParamConfig("adam", "sharded", lr_mul=ADAMW_BANK_LR_MUL, wd_mul=wd_mul, betas=ADAMW_BANK_BETAS)
+        banks = {"qk_bank": bank, "vo_bank": bank, "mlp_bank": bank}
+    else:  # muon differs from normuon only in the optimizer's beta2 (build_optimizer)
+        banks = {"qk_bank": ParamConfig("normuon", "sharded"), "vo_bank": ParamConfig("normuon", "sharded"),
+                 "mlp_bank": ParamConfig("normuon", "sharded", matrix_lr_mul=down_x2)}
+    configs = {
+        **banks,
         "embed": ParamConfig("adam", "sharded", betas=(0.5, 0.95)),
         "lm_head": ParamConfig("adam", "sharded", betas=(0.5, 0.95)),
         "value_embed": ParamConfig("adam", "sharded", lr_mul=75.0, betas=(0.75, 0.95)),
         "bigram_embed": ParamConfig("adam", "sharded_sparse", lr_mul=75.0, betas=(0.75, 0.95)),
         "scalars": small, "ve_gates": small, "smear_gate": small, "skip_gate": small,
     }
+    switched_off = {"value_embed": not args.value_embeds, "ve_gates": not args.value_embeds,
+                    "bigram_embed": not args.bigram_embed, "smear_gate": not args.smear,
+                    "skip_gate": not args.unet_skip}
+    for label, off in switched_off.items():
+        if off:
+            configs[label] = dataclasses.replace(configs[label], lr_mul=0.0, wd_mul=0.0)
+    return configs
 
 
 # Big banks' reductions start first; small parameters are updated first so that the banks' reductions
@@ -1814,8 +1867,11 @@ WORK_ORDER = ("scalars", "ve_gates", "smear_gate", "skip_gate", "bigram_embed", 
 
 
 def build_optimizer(args: Hyperparameters, model: "GPT", device: torch.device) -> NorMuonAdam:
+    # Plain Muon is NorMuon with beta2 = 1: the second moment never leaves its zero start, so the
+    # per-neuron scale is one constant that the Frobenius renormalisation cancels exactly.
+    beta2 = 1.0 if args.matrix_optimizer == "muon" else 0.9
     return NorMuonAdam(model.params_by_label(), optimizer_configs(args, model),
-                       scatter_order=SCATTER_ORDER, work_order=WORK_ORDER,
+                       scatter_order=SCATTER_ORDER, work_order=WORK_ORDER, normuon_beta2=beta2,
                        normuon_lr=args.muon_lr, normuon_wd=args.muon_wd, adam_lr=args.adam_lr, adam_wd=args.adam_wd,
                        orthogonalizer=args.orthogonalizer, tied=("embed", "lm_head"),
                        compile=args.compile and device.type == "cuda")
@@ -2092,10 +2148,12 @@ def train(args: Hyperparameters, d: DistInfo) -> float:
     else:
         import resource
         log.write(f"peak memory (max RSS of rank 0): {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024} MiB")
-    if args.save_every == 0 and args.checkpoint_dir:
-        save_checkpoint(os.path.join(args.checkpoint_dir, run_id, f"step_{total:06d}"), total, model, opt, loader, args, d)
     if d.is_master:
         print(f"final val_loss {val_loss:.4f}, train_time {train_ms / 1000:.1f}s, log {log_path(log)}")
+        if args.sample_tokens:
+            prompt = "ROMEO:\n"
+            print(f"sample ({args.sample_tokens} tokens after {prompt!r}):\n"
+                  + generate(model, prompt, args.sample_tokens, d.device, seed=args.seed))
     return val_loss
 
 

@@ -1,0 +1,188 @@
+"""Timed training steps of every stage of a preset: ms/step, tokens/s, model FLOPs utilisation, peak
+memory and the projected time of the whole schedule.
+
+    torchrun --standalone --nproc_per_node=8 tests/benchmarks/step_timing.py     # speedrun preset on 8 GPUs
+    python tests/benchmarks/step_timing.py --preset demo --steps 4 --warmup 1    # a CPU: ms/step only
+    python tests/benchmarks/step_timing.py --smoke                               # tooling check (tests)
+
+Each stage (and the extension) runs --warmup untimed steps (compilation happens there) and then
+--steps timed ones with that stage's batch size, document length and windows, exactly as in
+train_gpt.train(): the same model, optimizer, loader and train_step. The embedding is untied before the
+third stage, as in the real run. Validation is not timed (the record clock stops for it too).
+
+Model FLOPs per training token (forward + backward = 3 x forward):
+    6 * (P_matrices + P_head) + sum over attention layers of 12 * num_heads * head_dim * keys(layer)
+P_matrices counts the real Q, K, V, O, MLP-up and MLP-down matrices (not the zero padding of the
+banks), P_head = model_dim * padded_vocab; keys(layer) is the mean number of keys a query attends to
+in that layer (sliding window cut at document starts, measured on the stage's batches; x2 on
+paired-head layers). Embedding look-ups, norms and the softcap are not counted. MFU divides by the
+dense bf16 peak of the GPUs (H100 SXM: 989 TFLOP/s each; --peak_tflops for others).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, REPO)
+
+import train_gpt as T  # noqa: E402
+
+H100_BF16_PEAK_TFLOPS = 989.4  # dense, SXM
+
+
+def matrix_params(model: T.GPT) -> int:
+    """Weights of the real attention and MLP matrices (bank padding excluded)."""
+    total = 0
+    for label, roles in model.bank_roles.items():
+        bank = getattr(model, label)
+        total += sum(1 for r in roles if r != "pad") * bank.shape[-2] * bank.shape[-1]
+    return total
+
+
+def mean_keys(cu_seqlens: torch.Tensor, num_tokens: int, window: int) -> float:
+    """Mean over the T queries of the number of keys they see: min(window, position in document + 1)."""
+    doc = T.document_ids(cu_seqlens.long(), num_tokens)
+    pos = torch.arange(num_tokens) - cu_seqlens.long()[doc]
+    return float((pos + 1).clamp(max=window).double().mean())
+
+
+def attention_flops_per_token(model: T.GPT, batches: list[T.Batch]) -> float:
+    """Attention score and value FLOPs (forward + backward) per token, averaged over `batches`."""
+    a = model.args
+    short, long = (int(w) for w in model.windows.tolist())
+    total = 0.0
+    for b in batches:
+        T_ = b.inputs.numel()
+        keys = {w: mean_keys(b.cu_seqlens, T_, w) for w in (short, long)}
+        for i in model.attn_layers:
+            k = keys[long if i in a.long_window_layers else short]
+            if a.paired_heads and i in a.paired_head_layers:
+                k *= 2
+            total += 12 * a.num_heads * a.head_dim * k
+    return total / len(batches)
+
+
+def flops_per_token(model: T.GPT, batches: list[T.Batch]) -> float:
+    a = model.args
+    return 6 * (matrix_params(model) + a.model_dim * a.padded_vocab_size) + attention_flops_per_token(model, batches)
+
+
+def stage_table(args: T.Hyperparameters) -> list[tuple[str, int, int]]:
+    """(name, first step, number of steps) of the three stages and the extension."""
+    s1, s2 = T.stage_starts(args)
+    rows = [("stage 1", 0, s1), ("stage 2", s1, s2 - s1), ("stage 3", s2, args.num_iterations - s2)]
+    if args.extension_iterations:
+        rows.append(("extension", args.num_iterations, args.extension_iterations))
+    return rows
+
+
+def peak_tflops(device: torch.device, override: float | None) -> float | None:
+    if override:
+        return override
+    if device.type == "cuda" and "H100" in torch.cuda.get_device_name(device):
+        return H100_BF16_PEAK_TFLOPS
+    return None
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", default="speedrun", choices=sorted(T.PRESETS))
+    ap.add_argument("--steps", type=int, default=30, help="timed steps per stage (rounded up to even: Adam steps on odd ones)")
+    ap.add_argument("--warmup", type=int, default=6, help="untimed steps per stage before timing (compilation)")
+    ap.add_argument("--compile", default="auto", choices=("auto", "true", "false"), help="auto: on CUDA only")
+    ap.add_argument("--peak_tflops", type=float, default=None, help="per-device dense bf16 peak for MFU (auto on H100)")
+    ap.add_argument("--smoke", action="store_true", help="test preset, one timed step per stage and no warm-up, on the CPU")
+    a, rest = ap.parse_known_args(argv)
+    if a.steps < 1 or a.warmup < 0:
+        raise SystemExit("error: --steps must be >= 1 and --warmup >= 0")
+    steps = a.steps + a.steps % 2  # whole (no Adam, Adam) pairs
+    if a.smoke:
+        a.preset, steps, a.warmup, a.compile = "test", 1, 0, "false"
+    args = T.parse_args(["--preset", a.preset, *rest])  # any train_gpt flag passes through
+    d = T.setup_distributed(force_cpu=a.smoke)
+    use_compile = d.device.type == "cuda" if a.compile == "auto" else a.compile == "true"
+    args = dataclasses.replace(args, compile=use_compile)
+    try:
+        run(args, d, steps, a.warmup, peak_tflops(d.device, a.peak_tflops))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run(args: T.Hyperparameters, d: T.DistInfo, steps: int, warmup: int, peak: float | None) -> list[dict]:
+    accum = T.check_batch_split(args, d.world_size)
+    slots = d.world_size * accum
+    torch.manual_seed(args.seed)
+    model = T.GPT(args, d.world_size).to(d.device)
+    if dist.is_initialized():
+        for p in model.parameters():
+            dist.broadcast(p.data, src=0)
+    opt = T.build_optimizer(args, model, d.device)
+    model_fn = torch.compile(model, dynamic=False) if args.compile else model
+    loader = T.DocumentLoader(args.train_files, args.bigram_vocab_size, d.rank, d.world_size)
+    mtp = torch.zeros(len(args.stage_mtp_start[0]), dtype=torch.float32, device=d.device)
+    if d.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(d.device)
+
+    say = print if d.is_master else (lambda *_, **__: None)
+    say(f"step timing: {args.num_layers} layers x {args.model_dim}, {d.world_size} rank(s) on {d.device.type}, {accum} accumulation step(s), "
+        f"compile {args.compile}, {warmup} warm-up + {steps} timed steps per stage")
+    results = []
+    for name, first, length in stage_table(args):
+        if name == "stage 3" and opt.tied:
+            opt.untie()
+        timed_batches, t0 = [], None
+        for i in range(warmup + steps):
+            if i == warmup:
+                T.cuda_synchronize(d.device)
+                t0 = time.perf_counter()
+            plan = T.plan_step(args, first + min(i, length - 1))
+            plan = dataclasses.replace(plan, do_adam=i % 2 == 1)  # alternate as in the real run
+            model.set_windows(*plan.windows)
+            batches = loader.next_step(plan.batch_tokens // slots, plan.max_doc_len, slots)
+            T.train_step(model_fn, opt, batches, plan, mtp, plan.batch_tokens // slots, d.device)
+            if i >= warmup and len(timed_batches) < 4:
+                timed_batches.extend(batches)
+        T.cuda_synchronize(d.device)
+        ms = 1000 * (time.perf_counter() - t0) / steps
+        if dist.is_initialized():  # the slowest rank sets the pace
+            t = torch.tensor([ms], dtype=torch.float64, device=d.device)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            ms = float(t)
+        fpt = flops_per_token(model, timed_batches)
+        results.append(dict(stage=name, steps=length, ms=ms, batch=plan.batch_tokens,
+                            tokens_per_s=plan.batch_tokens / (ms / 1000), flops_per_token=fpt))
+
+    say(f"\n{'stage':10s} {'steps':>6s} {'batch':>9s} {'ms/step':>9s} {'tokens/s':>12s} {'GFLOP/token':>12s} {'MFU':>7s}")
+    for r in results:
+        mfu = ""
+        if peak:
+            mfu = f"{r['flops_per_token'] * r['tokens_per_s'] / (d.world_size * peak * 1e12):7.1%}"
+            r["mfu"] = r["flops_per_token"] * r["tokens_per_s"] / (d.world_size * peak * 1e12)
+        say(f"{r['stage']:10s} {r['steps']:6d} {r['batch']:9,d} {r['ms']:9.2f} {r['tokens_per_s']:12,.0f} "
+            f"{r['flops_per_token'] / 1e9:12.3f} {mfu:>7s}")
+    total_s = sum(r["steps"] * r["ms"] for r in results) / 1000
+    say(f"projected training time of the whole schedule ({T.total_steps(args)} steps, validation excluded): {total_s:.1f} s")
+    say("FLOPs/token = 6*(P_matrices + P_head) + sum_attention_layers 12*num_heads*head_dim*keys(layer)"
+        f"  [P_matrices {matrix_params(model):,}, P_head {args.model_dim * args.padded_vocab_size:,}]")
+    if d.device.type == "cuda":
+        say(f"peak memory (rank 0): allocated {torch.cuda.max_memory_allocated(d.device) / 2**30:.2f} GiB, "
+            f"reserved {torch.cuda.max_memory_reserved(d.device) / 2**30:.2f} GiB")
+        if not peak:
+            say("MFU: unknown GPU peak; pass --peak_tflops (dense bf16 TFLOP/s per device)")
+    else:
+        import resource
+        say(f"peak memory (max RSS of rank 0): {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB")
+        say("GPU figures (MFU, the speedrun's ms/step and projected time) need a CUDA GPU: this ran on a CPU.")
+    return results
+
+
+if __name__ == "__main__":
+    main()

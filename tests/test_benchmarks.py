@@ -1,0 +1,335 @@
+"""Benchmarks and ablation switches: every switch against an independent way of removing the same
+component, the optimizer variants against hand-written updates, the benchmark arithmetic against
+hand-computed values and SPEC numbers, and a --smoke run of every benchmark script."""
+import dataclasses
+import math
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+import train_gpt as tg
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(REPO, "tests", "benchmarks"))
+
+import step_timing  # noqa: E402
+import token_efficiency as te  # noqa: E402
+
+# The test preset with a small vocabulary: the switches do not involve the vocabulary, and the CPU
+# cross-entropy over 50k logits would dominate the run time.
+TEST = tg.parse_args(["--preset", "test", "--compile", "false", "--vocab_size", "1000", "--padded_vocab_size", "1024"])
+
+
+def batch(T=256, starts=(0, 40, 130, 200), seed=0):
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, TEST.vocab_size, (T + 1,), generator=g)
+    cu = torch.tensor(list(starts) + [T] * (tg.max_docs_for(T) + 1 - len(starts)), dtype=torch.int32)
+    inputs = tokens[:-1].to(torch.int32)
+    return inputs, tokens[1:].clone(), cu, tg.bigram_hash(inputs, TEST.bigram_vocab_size)
+
+
+@torch.no_grad()
+def randomized(args, seed=0):
+    """A model whose every component contributes (the zero inits would hide most of them)."""
+    torch.manual_seed(seed)
+    model = tg.GPT(args)
+    g = torch.Generator().manual_seed(seed)
+    for name, p in model.named_parameters():
+        if name.endswith("bank"):
+            p.copy_((torch.randn(p.shape, generator=g) / math.sqrt(args.model_dim)).to(p.dtype))
+        elif name != "scalars":
+            p.copy_((0.5 * torch.randn(p.shape, generator=g)).to(p.dtype))
+    model.scalars.copy_(0.3 + 0.7 * torch.rand(model.scalars.shape, generator=g))
+    return model
+
+
+def loss_of(model, mtp=(1.0, 0.5, 0.25)):
+    inputs, targets, cu, bigrams = batch()
+    with torch.no_grad():
+        return float(model(inputs, targets, cu, bigrams, mtp_weights=torch.tensor(mtp), loss_scale=1 / 256))
+
+
+# ---- model switches: each equals another, independent way of removing the component ---------------
+
+def _zero_smear(m):
+    m.scalars[4 * m.args.num_layers] = 0.0
+
+
+def _zero_backout(m):
+    m.scalars[4 * m.args.num_layers + 1] = 0.0
+
+
+def _zero_bigram(m):
+    m.bigram_embed.zero_()
+
+
+def _zero_value_embeds(m):
+    m.value_embed.zero_()
+
+
+EQUIVALENTS = {
+    "smear": (_zero_smear, {}),
+    "backout": (_zero_backout, {}),
+    "bigram_embed": (_zero_bigram, {}),
+    "value_embeds": (_zero_value_embeds, {}),
+    "paired_heads": (None, {"paired_head_layers": ()}),
+}
+
+
+@pytest.mark.parametrize("switch", sorted(EQUIVALENTS))
+def test_switch_equals_removing_the_component(switch):
+    edit, arg_change = EQUIVALENTS[switch]
+    full = randomized(TEST)
+    off = randomized(dataclasses.replace(TEST, **{switch: False}))
+    reference = randomized(dataclasses.replace(TEST, **arg_change))
+    if edit:
+        with torch.no_grad():
+            edit(reference)
+    l_full, l_off, l_ref = loss_of(full), loss_of(off), loss_of(reference)
+    assert abs(l_full - l_off) > 1e-3, f"--{switch} false changed nothing"
+    assert l_off == pytest.approx(l_ref, abs=1e-5)
+
+
+def test_unet_skip_switch_removes_the_skip_path():
+    full = randomized(TEST)
+    off = randomized(dataclasses.replace(TEST, unet_skip=False))
+    reference = randomized(TEST)  # the full model with the skip's gate forced to zero
+    gate = reference._gate
+    reference._gate = lambda w, x: torch.zeros_like(gate(w, x)) if w is reference.skip_gate else gate(w, x)
+    assert abs(loss_of(full) - loss_of(off)) > 1e-3
+    assert loss_of(off) == pytest.approx(loss_of(reference), abs=1e-5)
+    inputs, targets, cu, bigrams = batch()
+    off(inputs, targets, cu, bigrams, mtp_weights=torch.tensor([1.0, 0.5, 0.25])).backward()
+    assert off.skip_gate.grad is None and off.qk_bank.grad is not None
+
+
+def test_mtp_switch_scores_the_next_token_only():
+    off = randomized(dataclasses.replace(TEST, mtp=False))
+    full = randomized(TEST)
+    assert loss_of(off, (1.0, 0.5, 0.25)) == pytest.approx(loss_of(full, (1.0, 0.0, 0.0)), abs=1e-5)
+    assert abs(loss_of(full, (1.0, 0.5, 0.25)) - loss_of(full, (1.0, 0.0, 0.0))) > 1e-2
+
+
+def test_window_schedule_switch_fixes_the_last_stage_windows_without_yarn():
+    model = tg.GPT(dataclasses.replace(TEST, window_schedule=False))
+    bs = TEST.window_block_size
+    short, long = TEST.stage_windows[-1]
+    for windows in (TEST.windows_init, TEST.stage_windows[0], TEST.extension_windows):
+        model.set_windows(*windows)
+        assert model.windows.tolist() == [short * bs, long * bs]
+        torch.testing.assert_close(model.rotary_freq, tg.rotary_base_frequencies(TEST.head_dim), rtol=0, atol=0)
+        assert float(model.attn_scale) == pytest.approx(model.base_attn_scale)
+    scheduled = tg.GPT(TEST)
+    scheduled.set_windows(short, long)
+    assert not torch.equal(scheduled.rotary_freq, model.rotary_freq)  # the schedule rescales (YaRN)
+
+
+# ---- optimizer switches --------------------------------------------------------------------------
+
+def _one_step(args, do_adam, seed=0):
+    model = randomized(args, seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    before = {k: v.detach().double().clone() for k, v in model.named_parameters()}
+    grads = {}
+    for name, p in model.named_parameters():
+        grads[name] = torch.randn(p.shape, generator=g).to(p.dtype)
+        p.grad = grads[name].clone()
+    opt = tg.build_optimizer(args, model, torch.device("cpu"))
+    opt.step(do_adam, lr_scale=1.0, momentum=0.9)
+    after = {label: tg._master_fp32(opt.slots[label].view(), opt.state[label].get("mantissa")).double()
+             .reshape(opt.slots[label].param.shape) if opt.state[label] else opt.slots[label].param.detach().double()
+             for label in opt.slots}
+    return model, before, grads, after
+
+
+def test_muon_is_normuon_without_variance_reduction():
+    args = dataclasses.replace(TEST, matrix_optimizer="muon")
+    model, before, grads, after = _one_step(args, do_adam=False)
+    m, lr, wd = torch.tensor(0.9), args.muon_lr, args.muon_wd
+    g = grads["mlp_bank"].float()                       # (8, 256, 64): tall matrices
+    buf = torch.zeros_like(g).lerp_(g, 1 - m)           # momentum buffer starts at zero
+    O = tg.polar_express(g.lerp(buf, m)).double()       # Nesterov look-ahead, then orthogonalize
+    roles = model.bank_roles["mlp_bank"]
+    mult = torch.tensor([2.0 * (2.0 if r.startswith("down.") else 1.0) for r in roles], dtype=torch.float64)
+    p = before["mlp_bank"]                              # shape factor sqrt(256/64) = 2, down-projections x2
+    expected = p - lr * mult.view(-1, 1, 1) * O - lr * wd * (O * p >= 0) * p
+    torch.testing.assert_close(after["mlp_bank"], expected, rtol=0, atol=2e-6)
+    # NorMuon's per-neuron scaling moves the update well away from that reference
+    _, _, _, normuon = _one_step(TEST, do_adam=False)
+    assert (normuon["mlp_bank"] - expected).abs().max() > 1e-3
+
+
+def test_adamw_puts_the_banks_on_adam():
+    args = dataclasses.replace(TEST, matrix_optimizer="adamw")
+    configs = tg.optimizer_configs(args, tg.GPT(args))
+    assert all(configs[b].optimizer == "adam" for b in ("qk_bank", "vo_bank", "mlp_bank"))
+    model, before, grads, after = _one_step(args, do_adam=True)
+    lr = args.adam_lr
+    bank_lr = lr * tg.ADAMW_BANK_LR_MUL
+    decay = tg.ADAMW_BANK_DECAY * bank_lr  # the decoupled decay per step at the base lr
+    p, g = before["mlp_bank"], grads["mlp_bank"].double()
+    update = torch.sign(g) * (g.abs() / (g.abs() + 1e-10))  # first bias-corrected Adam step
+    expected = p - bank_lr * update - decay * (update * p >= 0) * p
+    torch.testing.assert_close(after["mlp_bank"], expected, rtol=0, atol=2e-6)
+    # without Adam on this step the banks do not move (Adam parameters step on odd steps only)
+    _, before0, _, after0 = _one_step(args, do_adam=False)
+    torch.testing.assert_close(after0["mlp_bank"], before0["mlp_bank"], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("switch,labels", [("value_embeds", ("value_embed", "ve_gates")),
+                                           ("bigram_embed", ("bigram_embed",)), ("smear", ("smear_gate",)),
+                                           ("unet_skip", ("skip_gate",))])
+def test_switched_off_parameters_stay_frozen(switch, labels):
+    args = dataclasses.replace(TEST, **{switch: False})
+    _, before, _, after = _one_step(args, do_adam=True)
+    for label in labels:
+        torch.testing.assert_close(after[label], before[label], rtol=0, atol=0)
+    _, before_full, _, after_full = _one_step(TEST, do_adam=True)
+    assert all(not torch.equal(after_full[label], before_full[label]) for label in labels)
+
+
+def test_bad_matrix_optimizer_names_the_flag():
+    args = dataclasses.replace(TEST, matrix_optimizer="sgd")
+    with pytest.raises(ValueError, match="--matrix_optimizer 'sgd'"):
+        tg.build_optimizer(args, tg.GPT(args), torch.device("cpu"))
+
+
+def test_every_ablation_builds_a_model_and_optimizer():
+    base = te.recipe_args("test", "", "", 3072, 0, 1024, torch.device("cpu"))
+    seen = set()
+    for name, spec in te.ABLATIONS:
+        overrides = spec(base) if callable(spec) else spec
+        args = te.recipe_args("test", "", "", 3072, 0, 1024, torch.device("cpu"), overrides)
+        seen.update(k for k, v in overrides.items() if getattr(TEST, k) != v)
+        model = tg.GPT(args)
+        tg.build_optimizer(args, model, torch.device("cpu"))
+    new_fields = ("matrix_optimizer", "mtp", "value_embeds", "bigram_embed", "smear", "unet_skip", "backout",
+                  "paired_heads", "window_schedule")
+    assert set(new_fields) <= seen
+    assert {"orthogonalizer", "stage_batch_tokens"} <= seen
+
+
+# ---- benchmark arithmetic ------------------------------------------------------------------------
+
+def test_tokens_to_reach_and_ratio_by_hand():
+    classic = [(0, 10.0), (100, 6.0), (200, 5.0), (300, 5.5)]   # best 5.0 at 200 tokens
+    recipe = [(0, 10.0), (50, 6.0), (100, 4.0)]                  # crosses 5.0 half way from 50 to 100
+    assert te.best_point(classic) == (200, 5.0)
+    assert te.tokens_to_reach(recipe, 5.0) == pytest.approx(75.0)
+    assert te.efficiency_ratio(recipe, classic) == pytest.approx(75.0 / 200.0)
+    assert te.tokens_to_reach(recipe, 3.0) is None
+    assert te.efficiency_ratio([(0, 10.0), (100, 7.0)], classic) is None
+    assert te.loss_at(classic, 150) == pytest.approx(5.5)
+
+
+def test_schedule_is_sized_to_the_token_budget():
+    demo = dataclasses.replace(tg.Hyperparameters(), **tg.PRESETS["demo"])
+    for budget in (200_000, 2_000_000):
+        args = te.sized_for_tokens(demo, budget)
+        total = sum(te.schedule_tokens(args))
+        assert abs(total - budget) <= max(demo.stage_batch_tokens)
+        assert total == sum(tg.plan_step(args, s).batch_tokens for s in range(tg.total_steps(args)))
+    flat = te.constant_batch(demo)
+    assert flat * 3 == sum(demo.stage_batch_tokens) and flat % (128 * demo.micro_batches) == 0
+
+
+def test_classic_model_is_gpt2():
+    c = te.ClassicConfig(vocab_size=512, seq_len=32, num_layers=2, model_dim=32, num_heads=4, mlp_hidden=128)
+    model = te.ClassicGPT(c)
+    D, M, L = c.model_dim, c.mlp_hidden, c.num_layers
+    per_layer = (3 * D * D + 3 * D) + (D * D + D) + (D * M + M) + (M * D + D) + 4 * D
+    assert sum(p.numel() for p in model.parameters()) == c.vocab_size * D + c.seq_len * D + L * per_layer + 2 * D
+    idx = torch.randint(0, c.vocab_size, (2, c.seq_len))
+    # at init the tied head gives near-uniform predictions: loss ~ ln(vocab)
+    targets = torch.randint(0, c.vocab_size, (2, c.seq_len))
+    with torch.no_grad():
+        init_loss = float(model(idx, targets))
+    assert init_loss == pytest.approx(math.log(c.vocab_size), abs=0.05)
+    changed = idx.clone()
+    changed[:, 20:] = (changed[:, 20:] + 1) % c.vocab_size
+    a, b = model(idx), model(changed)
+    torch.testing.assert_close(a[:, :20], b[:, :20])           # causal: the future is invisible
+    assert not torch.allclose(a[:, 20:], b[:, 20:])
+    assert te.classic_lr(c, 0, 100) == pytest.approx(c.lr / 5)  # 5 warm-up steps
+    assert te.classic_lr(c, 4, 100) == pytest.approx(c.lr)
+    assert te.classic_lr(c, 99, 100) == pytest.approx(c.lr * c.min_lr_frac)
+    assert te.classic_lr(c, 52, 100) == pytest.approx(c.lr * (c.min_lr_frac + (1 - c.min_lr_frac) * 0.5))
+
+
+def test_flops_formula_counts_spec_shapes():
+    with torch.device("meta"):
+        model = tg.GPT(tg.Hyperparameters(), world_size=8)
+    assert step_timing.matrix_params(model) == 75_497_472                   # SPEC: block matrices
+    assert model.args.model_dim * model.args.padded_vocab_size == 38_633_472  # SPEC: LM head
+
+
+def test_mean_keys_matches_the_attention_mask():
+    inputs, _, cu, _ = batch()
+    doc = tg.document_ids(cu, inputs.numel())
+    for window in (1, 16, 64, 1000):
+        dense = tg.dense_attention_mask(doc, window)
+        assert step_timing.mean_keys(cu, inputs.numel(), window) == pytest.approx(float(dense.sum()) / inputs.numel())
+    model = tg.GPT(TEST)
+    model.set_windows(1, 3)
+    b = tg.Batch(inputs, None, cu, None)
+    per_head = 12 * TEST.head_dim * TEST.num_heads
+    expected = 0.0
+    for i in model.attn_layers:
+        keys = float(tg.dense_attention_mask(doc, int(model.windows[1 if i in TEST.long_window_layers else 0])).sum())
+        expected += per_head * keys / inputs.numel() * (2 if i in TEST.paired_head_layers else 1)
+    assert step_timing.attention_flops_per_token(model, [b]) == pytest.approx(expected)
+
+
+# ---- the scripts themselves ------------------------------------------------------------------------
+
+def run_script(*argv, timeout=300):
+    out = subprocess.run([sys.executable, *argv], cwd=REPO, capture_output=True, text=True, timeout=timeout)
+    assert out.returncode == 0, out.stdout + out.stderr
+    return out.stdout
+
+
+@pytest.mark.slow
+def test_token_efficiency_smoke():
+    out = run_script("tests/benchmarks/token_efficiency.py", "--smoke")
+    rows = [line.split() for line in out.splitlines() if line.strip() and line.split()[0].replace(",", "").isdigit()]
+    assert len(rows) == 5
+    for row in rows:
+        recipe, classic = float(row[1]), float(row[2])
+        assert 9.0 < recipe < 11.0 and 9.0 < classic < 11.0   # a few steps from ln(50304) = 10.83
+    assert "token-efficiency ratio:" in out
+
+
+@pytest.mark.slow
+def test_ablation_smoke():
+    out = run_script("tests/benchmarks/token_efficiency.py", "--smoke", "--ablate", "--only", "batch schedule")
+    table = out.split("switched off / replaced")[1].splitlines()
+    full = [line for line in table if line.startswith("full recipe ")][0].split()
+    batch_row = [line for line in table if line.startswith("batch schedule")][0].split()
+    assert float(full[-1]) > 9.0 and math.isfinite(float(batch_row[-2]))
+    assert float(batch_row[-1]) == pytest.approx(float(batch_row[-2]) - float(full[-1]), abs=2e-4)
+
+
+@pytest.mark.slow
+def test_step_timing_smoke():
+    out = run_script("tests/benchmarks/step_timing.py", "--smoke")
+    stages = [line.split() for line in out.splitlines()
+              if line.startswith(("stage ", "extension")) and line.split()[-5].replace(",", "").isdigit()]
+    assert [s[0] for s in stages] == ["stage", "stage", "stage", "extension"]
+    assert [int(s[3].replace(",", "")) for s in stages[:3]] == list(TEST.stage_batch_tokens)
+    assert "need a CUDA GPU" in out and "projected training time" in out
+
+
+def test_run_sh_bench_dry_run():
+    out = subprocess.run(["bash", "run.sh", "bench", "--dry-run"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    cmds = [line for line in out.stdout.splitlines() if line.startswith("bench: ")]
+    if torch.cuda.is_available():
+        assert any("step_timing.py" in c and "torch.distributed.run" in c for c in cmds)
+    else:
+        assert [c.split()[2] for c in cmds] == ["tests/bench_kernels.py", "tests/bench_optimizer.py",
+                                                "tests/benchmarks/step_timing.py"]
+        assert "need a CUDA GPU" in out.stdout
