@@ -2063,16 +2063,19 @@ def train(args: Hyperparameters, d: DistInfo) -> float:
     run_id = run_id[0]
     accum = check_batch_split(args, d.world_size)
     slots = d.world_size * accum
-    log = RunLog(args, run_id, d)
-    progress = Progress(d.is_master)
     total = total_steps(args)
 
     torch.manual_seed(args.seed)
-    model = GPT(args, d.world_size).to(d.device)
+    try:  # model and optimizer validate their configuration: a bad flag is one line, before any log
+        model = GPT(args, d.world_size).to(d.device)
+        opt = build_optimizer(args, model, d.device)
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
     if dist.is_initialized():
         for p in model.parameters():
             dist.broadcast(p.data, src=0)
-    opt = build_optimizer(args, model, d.device)
+    log = RunLog(args, run_id, d)
+    progress = Progress(d.is_master)
     model_fn = torch.compile(model, dynamic=False) if args.compile else model
     loader = DocumentLoader(args.train_files, args.bigram_vocab_size, d.rank, d.world_size)
     val_batches = validation_batches(args.val_files, args.val_tokens, min(args.val_seq_len, args.val_tokens),

@@ -109,3 +109,18 @@ def test_nan_stops_the_run(two_rank_run, tmp_path):
     assert "error: training loss is nan at step 3; stopping" in out
     log = open(tmp_path / "logs" / "nan.txt").read()
     assert "==== training ====" in log  # the log is kept
+
+
+@pytest.mark.parametrize("flag,value,message", [
+    ("--matrix_optimizer", "foo", "--matrix_optimizer 'foo' is not one of normuon, muon, adamw"),
+    ("--model_dim", "65", "--model_dim (65) must equal --num_heads * --head_dim"),
+    ("--stage_batch_tokens", "(502, 1000, 1500)", "does not split into 1 ranks x 4 accumulation steps"),
+    ("--num_layers", "four", "--num_layers 'four' is not a valid int"),
+])
+def test_bad_flags_are_one_line_errors(tmp_path, flag, value, message):
+    import subprocess
+    r = subprocess.run([sys.executable, SCRIPT, "--preset", "test", "--compile", "false", "--log_dir", str(tmp_path),
+                        flag, value], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert r.returncode != 0
+    assert r.stderr.strip().count("\n") == 0 and message in r.stderr, r.stderr
+    assert not list(tmp_path.glob("*.txt"))  # nothing written for a run that never started
