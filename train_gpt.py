@@ -15,7 +15,7 @@ import glob
 import math
 import os
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -79,7 +79,7 @@ class Hyperparameters:
     muon_wd: float = 1.2
     adam_lr: float = 0.008
     adam_wd: float = 0.005
-    orthogonalizer: str = "polar_express"          # or "gram_newton_schulz"
+    orthogonalizer: str = "polar_express"          # or "gram_newton_schulz", "auto" (Gram N-S for the MLP bank)
     # evaluation, logging, checkpoints
     val_seq_len: int = 65_536
     val_loss_every: int = 250                      # 0: only at the end

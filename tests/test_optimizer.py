@@ -453,12 +453,10 @@ def distributed_worker(rank: int, world_size: int, group=None):
         params = make_params()
         opt = build(params, sparse_threshold=1.0 if mode == "sparse" else 0.0, process_group=group)
         assert (opt.world_size, opt.rank) == (world_size, rank)
-        rows = None
-        if mode == "sparse":
-            def rows(step):
-                g = step_grads(step, world_size)[1][rank]["bigram_embed"]
-                return g.float().abs().sum(1).nonzero().view(-1)
-        drive(opt, params, lambda s: step_grads(s, world_size)[1][rank], rows)
+        def rows(step):
+            g = step_grads(step, world_size)[1][rank]["bigram_embed"]
+            return g.float().abs().sum(1).nonzero().view(-1)
+        drive(opt, params, lambda s: step_grads(s, world_size)[1][rank], rows if mode == "sparse" else None)
         out[mode] = {"params": {k: p.data.clone() for k, p in params.items()},
                      "state": opt.state_dict(),
                      "layout": {k: (s.lo, s.real_rows, s.sharded) for k, s in opt.slots.items()},
