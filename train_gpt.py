@@ -14,6 +14,7 @@ import dataclasses
 import glob
 import math
 import os
+import shutil
 import sys
 from dataclasses import dataclass
 
@@ -1056,10 +1057,12 @@ class NorMuonAdam:
         self.tied = None
 
     def state_dict(self) -> dict:
-        """This rank's optimizer state (shards), keyed by label; a deep copy."""
+        """This rank's optimizer state (shards), keyed by label; a deep copy. Taken between steps: it
+        includes the sparse rows declared since the last Adam step, whose gradients are still pending."""
         return {"world_size": self.world_size, "rank": self.rank,
                 "tied": list(self.tied) if self.tied else None,
                 "adam_steps": dict(self.adam_steps),
+                "sparse_rows": {label: torch.cat(ids) for label, ids in self._sparse_rows.items()},
                 "state": {label: {name: t.clone() for name, t in st.items()} for label, st in self.state.items()}}
 
     @torch.no_grad()
@@ -1082,7 +1085,7 @@ class NorMuonAdam:
             self.state[label] = ref if saved else {}
         self.tied = tuple(sd["tied"]) if sd["tied"] else None
         self.adam_steps = dict(sd["adam_steps"])
-        self._sparse_rows.clear()
+        self._sparse_rows = {label: [ids.clone()] for label, ids in sd["sparse_rows"].items()}
         self._sparse_plans.clear()
 
 
@@ -1657,18 +1660,15 @@ class DocumentLoader:
         self.shard, self.doc = 0, 0  # position: next document to hand out
         self._open(0)
 
-    def _open(self, shard: int) -> None:
-        self._current = (shard, _load_shard_with_index(self.files[shard]))
+    def _open(self, shard: int, data=None) -> None:
+        """Make `shard` current (reading it now unless its data is given) and prefetch the next one."""
+        self._current = (shard, data if data is not None else _load_shard_with_index(self.files[shard]))
         self._prefetch = self._pool.submit(_load_shard_with_index, self.files[(shard + 1) % len(self.files)])
 
     def _shard_data(self, shard: int):
         if self._current[0] != shard:
-            if shard == (self._current[0] + 1) % len(self.files):
-                data = self._prefetch.result()
-                self._current = (shard, data)
-                self._prefetch = self._pool.submit(_load_shard_with_index, self.files[(shard + 1) % len(self.files)])
-            else:
-                self._open(shard)
+            prefetched = shard == (self._current[0] + 1) % len(self.files)
+            self._open(shard, self._prefetch.result() if prefetched else None)
         return self._current[1]
 
     def _next_document(self) -> np.ndarray:
@@ -1883,10 +1883,10 @@ class RunLog:
 
     def __init__(self, args: Hyperparameters, run_id: str, d: DistInfo):
         self.file = None
+        self.path = os.path.join(args.log_dir, f"{run_id}.txt")  # written by rank 0 only
         if not d.is_master:
             return
         os.makedirs(args.log_dir, exist_ok=True)
-        self.path = os.path.join(args.log_dir, f"{run_id}.txt")
         self.file = open(self.path, "x", encoding="utf-8")  # never overwrite an earlier run's log
         here = os.path.dirname(os.path.abspath(__file__))
         for name in ("train_gpt.py", "triton_kernels.py"):
@@ -1940,7 +1940,6 @@ def save_checkpoint(path: str, step: int, model: nn.Module, opt: NorMuonAdam, lo
     tmp = path + ".tmp"
     if d.is_master:
         if os.path.exists(tmp):
-            import shutil
             shutil.rmtree(tmp)
         os.makedirs(tmp)
     if dist.is_initialized():
@@ -1957,7 +1956,6 @@ def save_checkpoint(path: str, step: int, model: nn.Module, opt: NorMuonAdam, lo
         dist.barrier()
     if d.is_master:
         if os.path.exists(path):
-            import shutil
             shutil.rmtree(path)
         os.replace(tmp, path)
     if dist.is_initialized():
@@ -2000,9 +1998,6 @@ def load_checkpoint(path: str, model: nn.Module, opt: NorMuonAdam, loader: Docum
     torch.set_rng_state(mine["rng"].cpu())
     for name, p in model.named_parameters():
         p.grad = mine["grads"].get(name)
-    pending = model.bigram_embed.grad
-    if pending is not None:  # re-declare the rows the pending sparse gradient touches
-        opt.prepare_sparse("bigram_embed", pending.float().abs().sum(1).nonzero().flatten())
     return meta["step"]
 
 
@@ -2083,8 +2078,13 @@ def train(args: Hyperparameters, d: DistInfo) -> float:
     mtp = torch.zeros(len(args.stage_mtp_start[0]), dtype=torch.float32, device=d.device)
     start_step = load_checkpoint(args.resume, model, opt, loader, args, d) if args.resume else 0
 
-    def set_windows(plan):
-        model.set_windows(*plan.windows)
+    windows = None
+
+    def set_windows(plan):  # the YaRN update runs only when the windows actually change
+        nonlocal windows
+        if plan.windows != windows:
+            model.set_windows(*plan.windows)
+            windows = plan.windows
 
     if args.compile:
         # Compile every graph the run needs (each stage, both Adam parities, untied, evaluation) on real
@@ -2092,18 +2092,19 @@ def train(args: Hyperparameters, d: DistInfo) -> float:
         t = time.perf_counter()
         saved_model = {k: v.clone() for k, v in model.state_dict().items()}
         saved_opt, saved_loader = opt.state_dict(), loader.state_dict()
-        warm = sorted({s for b in (0, *stage_starts(args), args.num_iterations) for s in (b, b + 1)} | {untie_step(args)})
+        firsts = {s for b in (0, *stage_starts(args), args.num_iterations) for s in (b, b + 1)} | {untie_step(args)}
+        warm = sorted(s for s in firsts if s < total)
         for step in warm:
-            if step >= total:
-                continue
             plan = plan_step(args, step)
             if step == untie_step(args) and opt.tied:
                 opt.untie()
             set_windows(plan)
-            train_step(model_fn, opt, loader.next_step(plan.batch_tokens // slots, plan.max_doc_len, slots),
-                       plan, mtp, plan.batch_tokens // slots, d.device)
-            evaluate(model_fn, val_batches[:1], d.device)
+            tokens = plan.batch_tokens // slots
+            train_step(model_fn, opt, loader.next_step(tokens, plan.max_doc_len, slots), plan, mtp, tokens, d.device)
+        evaluate(model_fn, val_batches[:1], d.device)  # windows are buffers: one evaluation graph serves all
         model.load_state_dict(saved_model)
+        model.zero_grad(set_to_none=True)  # Adam gradients of an even last warm-up step must not leak in
+        windows = None  # the restored buffers hold the initial windows again
         opt.load_state_dict(saved_opt)
         loader.load_state_dict(saved_loader)
         progress.show(f"compile warm-up: {len(warm)} steps in {time.perf_counter() - t:.0f}s", final=True)
@@ -2123,7 +2124,7 @@ def train(args: Hyperparameters, d: DistInfo) -> float:
                       f"step_avg:{train_ms / max(1, step - start_step):.2f}ms")
             progress.show(f"step {step}/{total}  val_loss {val_loss:.4f}  train_time {train_ms / 1000:.1f}s", final=True)
             if not math.isfinite(val_loss):
-                raise SystemExit(f"error: validation loss is {val_loss} at step {step}; stopping (log: {log_path(log)})")
+                raise SystemExit(f"error: validation loss is {val_loss} at step {step}; stopping (log: {log.path})")
             cuda_synchronize(d.device)
             t0 = time.perf_counter()
         if args.save_every and step > start_step and (step % args.save_every == 0 or last):
@@ -2135,10 +2136,11 @@ def train(args: Hyperparameters, d: DistInfo) -> float:
         if step == untie_step(args):
             opt.untie()
         set_windows(plan)
-        batches = loader.next_step(plan.batch_tokens // slots, plan.max_doc_len, slots)
-        loss = train_step(model_fn, opt, batches, plan, mtp, plan.batch_tokens // slots, d.device).item()
+        tokens = plan.batch_tokens // slots
+        batches = loader.next_step(tokens, plan.max_doc_len, slots)
+        loss = train_step(model_fn, opt, batches, plan, mtp, tokens, d.device).item()
         if not math.isfinite(loss):
-            raise SystemExit(f"error: training loss is {loss} at step {step}; stopping (log: {log_path(log)})")
+            raise SystemExit(f"error: training loss is {loss} at step {step}; stopping (log: {log.path})")
         now_ms = train_ms + 1000 * (time.perf_counter() - t0)
         done = step + 1 - start_step
         log.write(f"step:{step + 1}/{total} train_time:{now_ms:.0f}ms step_avg:{now_ms / done:.2f}ms")
@@ -2152,16 +2154,12 @@ def train(args: Hyperparameters, d: DistInfo) -> float:
         import resource
         log.write(f"peak memory (max RSS of rank 0): {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024} MiB")
     if d.is_master:
-        print(f"final val_loss {val_loss:.4f}, train_time {train_ms / 1000:.1f}s, log {log_path(log)}")
+        print(f"final val_loss {val_loss:.4f}, train_time {train_ms / 1000:.1f}s, log {log.path}")
         if args.sample_tokens:
             prompt = "ROMEO:\n"
             print(f"sample ({args.sample_tokens} tokens after {prompt!r}):\n"
                   + generate(model, prompt, args.sample_tokens, d.device, seed=args.seed))
     return val_loss
-
-
-def log_path(log: RunLog) -> str:
-    return getattr(log, "path", "on rank 0")
 
 
 # ----------------------------------------------------------------------------------------------

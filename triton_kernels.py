@@ -635,16 +635,20 @@ def _ce_mtp_backward(ctx, dloss, _dgrad):
 _ce_mtp_fwd_op.register_autograd(_ce_mtp_backward, setup_context=_ce_mtp_setup)
 
 
-def softcapped_ce_mtp_triton(logits: Tensor, targets: Tensor, mtp_weights: Tensor) -> Tensor:
-    """Triton path of `softcapped_ce_mtp`; runs on CUDA, or on CPU under TRITON_INTERPRET=1."""
+def _check_ce_args(logits: Tensor, targets: Tensor, mtp_weights: Tensor) -> None:
     if logits.dim() != 2:
         raise ValueError(f"softcapped_ce_mtp: logits must be (T, V), got shape {tuple(logits.shape)}")
-    if logits.stride(1) != 1:
-        logits = logits.contiguous()
     if targets.shape != (logits.shape[0],):
         raise ValueError(f"softcapped_ce_mtp: targets must be ({logits.shape[0]},), got {tuple(targets.shape)}")
     if mtp_weights.dim() != 1 or not 1 <= mtp_weights.shape[0] <= 3:
         raise ValueError(f"softcapped_ce_mtp: mtp_weights must be a 1-D tensor of 1 to 3 weights, got shape {tuple(mtp_weights.shape)}")
+
+
+def softcapped_ce_mtp_triton(logits: Tensor, targets: Tensor, mtp_weights: Tensor) -> Tensor:
+    """Triton path of `softcapped_ce_mtp`; runs on CUDA, or on CPU under TRITON_INTERPRET=1."""
+    _check_ce_args(logits, targets, mtp_weights)
+    if logits.stride(1) != 1:
+        logits = logits.contiguous()
     loss, _ = torch.ops.speedrun.softcapped_ce_mtp_fwd(logits, targets.contiguous(), mtp_weights.float().contiguous())
     return loss
 
@@ -718,11 +722,7 @@ _ce_mtp_rows_op.register_autograd(_ce_mtp_rows_backward, setup_context=_ce_mtp_r
 
 def softcapped_ce_mtp_rows(logits: Tensor, targets: Tensor, mtp_weights: Tensor) -> Tensor:
     """CPU path of `softcapped_ce_mtp`: the kernel's fused algorithm in torch ops, block of rows at a time."""
-    if logits.dim() != 2 or targets.shape != (logits.shape[0],):
-        raise ValueError(f"softcapped_ce_mtp: logits must be (T, V) and targets (T,), got {tuple(logits.shape)}"
-                         f" and {tuple(targets.shape)}")
-    if mtp_weights.dim() != 1 or not 1 <= mtp_weights.shape[0] <= 3:
-        raise ValueError(f"softcapped_ce_mtp: mtp_weights must be a 1-D tensor of 1 to 3 weights, got shape {tuple(mtp_weights.shape)}")
+    _check_ce_args(logits, targets, mtp_weights)
     loss, _ = torch.ops.speedrun.softcapped_ce_mtp_rows(logits, targets, mtp_weights)
     return loss
 
