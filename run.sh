@@ -101,6 +101,9 @@ if (( gpus > 0 )); then
   fetch=("$PY" data/cached_fineweb10B.py 9)
 else
   # No GPU: the CPU demo on the embedded tiny-Shakespeare shards, same code path over gloo.
+  # glibc hands every large freed block back to the OS, so each step page-faults its (T, 50304) logits
+  # and gradients in again; keeping freed memory in the heap makes CPU steps ~20% faster.
+  export MALLOC_MMAP_MAX_=${MALLOC_MMAP_MAX_:-0} MALLOC_TRIM_THRESHOLD_=${MALLOC_TRIM_THRESHOLD_:-68719476736}
   cmd=("$PY" -m torch.distributed.run --standalone --nproc_per_node="${NPROC:-2}" train_gpt.py --preset demo "$@")
   fetch=()
 fi

@@ -598,6 +598,22 @@ def _adam_update(grad, exp_avg, exp_avg_sq, param, mantissa, hp):
     _store_master(p, param, mantissa)
 
 
+ADAM_CPU_CHUNK = 1 << 16  # elements per slice of the CPU Adam update (its temporaries stay in cache)
+
+
+def _adam_update_sliced(grad, exp_avg, exp_avg_sq, param, mantissa, hp):
+    """_adam_update one flat slice at a time on a CPU. The update is elementwise, so the result is the
+    same bits; full-size temporaries would instead be allocated, page-faulted and streamed from memory
+    a dozen times per step, which made Adam over the embedding tables the CPU demo's slowest part."""
+    tensors = (grad, exp_avg, exp_avg_sq, param) + ((mantissa,) if mantissa is not None else ())
+    if grad.is_cuda or grad.numel() <= ADAM_CPU_CHUNK or not all(t.is_contiguous() for t in tensors):
+        return _adam_update(grad, exp_avg, exp_avg_sq, param, mantissa, hp)
+    flat = [t.view(-1) for t in tensors]
+    for a in range(0, grad.numel(), ADAM_CPU_CHUNK):
+        g, m, v, p, *rest = (t[a: a + ADAM_CPU_CHUNK] for t in flat)
+        _adam_update(g, m, v, p, rest[0] if rest else None, hp)
+
+
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or getattr(dist, "reduce_scatter_tensor", None)
 _all_gather = getattr(dist, "all_gather_single", None) or getattr(dist, "all_gather_into_tensor", None)
 
@@ -754,7 +770,7 @@ class NorMuonAdam:
             self._normuon_fn = torch.compile(_normuon_update, dynamic=False, backend=backend)
             self._adam_fn = torch.compile(_adam_update, dynamic=True, backend=backend)
         else:
-            self._normuon_fn, self._adam_fn = _normuon_update, _adam_update
+            self._normuon_fn, self._adam_fn = _normuon_update, _adam_update_sliced
 
     # ---------------------------------------------------------------- construction helpers
 
@@ -1177,6 +1193,46 @@ def dense_attention_mask(doc_ids: torch.Tensor, window, pos_div: int = 1) -> tor
     return attention_mask_mod(doc_ids, window, pos_div)(0, 0, idx[:, None], idx[None, :])
 
 
+CPU_ATTENTION_CHUNK = 256  # query slots per band of the CPU attention
+
+
+def banded_attention_mask(doc_ids: torch.Tensor, window, pos_div: int, chunk: int, span: int) -> torch.Tensor:
+    """attention_mask_mod restricted to bands, for banded_attention: (n/chunk, 1, chunk, chunk + span).
+
+    Band c holds query slots [c*chunk, (c+1)*chunk) and key slots [c*chunk - span, (c+1)*chunk); key
+    slots before 0 are padding and never pass."""
+    n = doc_ids.numel() * pos_div
+    q = torch.arange(n, device=doc_ids.device).view(-1, chunk)
+    k = q[:, :1] - span + torch.arange(chunk + span, device=doc_ids.device)
+    allowed = attention_mask_mod(doc_ids, window, pos_div)(0, 0, q[:, :, None], k.clamp(min=0)[:, None, :])
+    return (allowed & (k >= 0)[:, None, :])[:, None]
+
+
+def banded_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, span: int) -> torch.Tensor:
+    """SDPA of (1, H, n, hd) q, k, v under a sliding-window mask, in O(n * (chunk + span)) instead of O(n^2).
+
+    Exact when no query slot sees a key slot more than `span` slots back (window * pos_div covers it):
+    each band of `chunk` queries attends to its own keys and the `span` before them, with the mask of
+    banded_attention_mask (chunk = mask.shape[2])."""
+    _, H, n, hd = q.shape
+    chunk = mask.shape[2]
+
+    def bands(t):  # (1, H, n, hd) -> (n/chunk, H, chunk + span, hd), overlapping views of the left-padded keys
+        return F.pad(t, (0, 0, span, 0)).unfold(2, chunk + span, chunk)[0].permute(1, 0, 3, 2)
+
+    qb = q[0].view(H, n // chunk, chunk, hd).transpose(0, 1)
+    y = F.scaled_dot_product_attention(qb, bands(k), bands(v), attn_mask=mask, scale=1.0)
+    return y.transpose(0, 1).reshape(1, H, n, hd)
+
+
+def attention_band(n: int, span: int) -> int:
+    """Chunk for banded_attention of n slots with this span, or 0 where dense attention is as cheap."""
+    for chunk in (CPU_ATTENTION_CHUNK, CPU_ATTENTION_CHUNK // 2, CPU_ATTENTION_CHUNK // 4):
+        if n % chunk == 0 and chunk + span < n // 2:
+            return chunk
+    return 0
+
+
 def block_attention_mask(doc_ids: torch.Tensor, window, pos_div: int = 1,
                          block_size: int = FLEX_BLOCK_SIZE) -> BlockMask:
     """flex_attention BlockMask for attention_mask_mod, built from block-level bounds in O((n/bs)^2).
@@ -1385,6 +1441,7 @@ class GPT(nn.Module):
             short_blocks, long_blocks = (int(w) for w in self.args.stage_windows[-1])
             ref = long_tokens = long_blocks * bs
         self.windows.copy_(torch.tensor([short_blocks * bs, long_tokens], dtype=torch.int32))
+        self.window_tokens = (short_blocks * bs, long_tokens)  # the CPU attention's band, as Python ints
         self.rotary_freq.copy_(yarn_frequencies(self.rotary_base, ref, long_tokens))
         self.attn_scale.fill_(yarn_attention_scale(self.base_attn_scale, ref, long_tokens))
 
@@ -1410,10 +1467,16 @@ class GPT(nn.Module):
             if key not in masks:
                 masks[key] = block_attention_mask(doc, window, r)
             y = flex_attention(to_seq(q), to_seq(k), to_seq(v), block_mask=masks[key], scale=1.0)
-        else:  # flex_attention has no CPU backward: same mask, dense, through SDPA
+        else:  # flex_attention has no CPU backward: the same mask through SDPA, banded where that saves work
+            span = self.window_tokens[1 if long else 0] * r
+            chunk = attention_band(T * r, span)
             if key not in masks:
-                masks[key] = dense_attention_mask(doc, window, r)
-            y = F.scaled_dot_product_attention(to_seq(q), to_seq(k), to_seq(v), attn_mask=masks[key], scale=1.0)
+                masks[key] = (banded_attention_mask(doc, window, r, chunk, span) if chunk
+                              else dense_attention_mask(doc, window, r))
+            if chunk:
+                y = banded_attention(to_seq(q), to_seq(k), to_seq(v), masks[key], span)
+            else:
+                y = F.scaled_dot_product_attention(to_seq(q), to_seq(k), to_seq(v), attn_mask=masks[key], scale=1.0)
         if r == 2:
             return y[0].view(H // 2, T, 2, hd).transpose(0, 1).reshape(T, H, hd)
         return y[0].transpose(0, 1)
@@ -1495,7 +1558,7 @@ class GPT(nn.Module):
             logits = fp8_matmul(x, self.lm_head, FP8_HEAD_X_SCALE, FP8_HEAD_W_SCALE, FP8_HEAD_GRAD_SCALE * float(loss_scale))
         else:
             logits = x @ self.lm_head
-        return triton_kernels.softcapped_ce_mtp(logits, target_ids.view(-1), mtp_weights).sum() * loss_scale
+        return triton_kernels.softcapped_ce_mtp(logits, target_ids.view(-1), mtp_weights, grad_scale=loss_scale).sum() * loss_scale
 
 
 def count_parameters(args: Hyperparameters, world_size: int = 1) -> dict[str, tuple[int, ...]]:

@@ -28,6 +28,7 @@ Design notes (Hopper, sm_90):
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 import triton
@@ -656,20 +657,22 @@ def softcapped_ce_mtp_triton(logits: Tensor, targets: Tensor, mtp_weights: Tenso
 # The CPU twin of the kernel: the same one-pass algorithm (loss and dlogits together, per block of rows,
 # never a full fp32 (T, V) tensor) in plain torch ops. The autograd graph of the reference holds several
 # fp32 (T, V) intermediates; this is ~5x faster on a CPU, which is what makes the CPU demo practical.
-CE_CPU_ROWS = 16  # rows per block: 16 x 50304 fp32 values stay in the L2 cache
+CE_CPU_ROWS = 8  # rows per block: 8 x 50304 fp32 values stay in a 2 MiB L2 cache
 
 
-def _ce_rows_block(logits: Tensor, tgt: Tensor, w: Tensor) -> tuple[Tensor, Tensor]:
-    """Loss (R,) and dloss/dlogits (R, V) of one block of rows; tgt and w (R, K). In-place ops keep
-    it to a few cache-resident passes over the block."""
-    z = logits.to(torch.float32, copy=True).add_(5.0).div_(7.5).sigmoid_().mul_(23.0)  # softcap
+def _ce_rows_block(logits: Tensor, tgt: Tensor, w: Tensor, grad_out: Tensor, grad_scale: float) -> Tensor:
+    """Loss (R,) of one block of rows, writing grad_scale * dloss/dlogits (R, V) into grad_out; tgt and
+    w (R, K). In-place ops keep it to a few cache-resident passes over the block."""
+    z = logits.to(torch.float32, copy=True).mul_(1 / 7.5).add_(5 / 7.5).sigmoid_().mul_(23.0)  # softcap
     e = z.exp()                                                # z < 23: no overflow in fp32
     total = e.sum(dim=1)
     loss = (w * (total.log()[:, None] - z.gather(1, tgt))).sum(dim=1)
-    g = e.mul_((w.sum(dim=1) / total)[:, None])               # W * softmax(z)
-    g.scatter_add_(1, tgt, -w)                                 # - sum_k w_k onehot(target_k)
-    g.mul_(z.mul_(z.mul(-1.0 / 23.0).add_(1.0)).div_(7.5))    # dz/dlogits = z (1 - z/23) / 7.5
-    return loss, g.to(logits.dtype)
+    # dloss/dlogits = (W softmax(z) - sum_k w_k onehot(target_k)) * z (1 - z/23) / 7.5, the 1/7.5
+    # folded into the row scale and the one-hot weights; the last product is rounded once into grad_out
+    g = e.mul_((w.sum(dim=1) * (grad_scale / 7.5) / total)[:, None])
+    g.scatter_add_(1, tgt, w * (-grad_scale / 7.5))
+    torch.mul(g, torch.addcmul(z, z, z, value=-1 / 23.0), out=grad_out)
+    return loss
 
 
 def _scale_rows_block(grad: Tensor, scale: Tensor) -> Tensor:
@@ -684,8 +687,8 @@ def _row_blocks(T: int, *tensors: Tensor):
 
 
 @torch.library.custom_op("speedrun::softcapped_ce_mtp_rows", mutates_args=())
-def _ce_mtp_rows_op(logits: Tensor, targets: Tensor, mtp_weights: Tensor) -> tuple[Tensor, Tensor]:
-    """Returns (per-token loss (T,) fp32, dloss/dlogits (T, V) in the logits' dtype)."""
+def _ce_mtp_rows_op(logits: Tensor, targets: Tensor, mtp_weights: Tensor, grad_scale: float) -> tuple[Tensor, Tensor]:
+    """Returns (per-token loss (T,) fp32, grad_scale * dloss/dlogits (T, V) in the logits' dtype)."""
     T, V = logits.shape
     K = mtp_weights.shape[0]
     loss = torch.empty(T, dtype=torch.float32, device=logits.device)
@@ -694,40 +697,52 @@ def _ce_mtp_rows_op(logits: Tensor, targets: Tensor, mtp_weights: Tensor) -> tup
     idx = torch.arange(T, device=logits.device)[:, None] + torch.arange(K, device=logits.device)[None, :]
     tgt = targets.long()[idx.clamp(max=T - 1)]
     w = mtp_weights.float()[None, :] * (idx < T).float()
-    for a, b, (lg, tg, wg) in _row_blocks(T, logits, tgt, w):
-        loss[a:b], grad[a:b] = _ce_rows_block(lg, tg, wg)
+    for a, b, (lg, tg, wg, go) in _row_blocks(T, logits, tgt, w, grad):
+        loss[a:b] = _ce_rows_block(lg, tg, wg, go, grad_scale)
     return loss, grad
 
 
 @_ce_mtp_rows_op.register_fake
-def _(logits, targets, mtp_weights):
+def _(logits, targets, mtp_weights, grad_scale):
     return logits.new_empty(logits.shape[0], dtype=torch.float32), torch.empty_like(logits)
 
 
 def _ce_mtp_rows_setup(ctx, inputs, output):
     _ce_mtp_setup(ctx, inputs, output)
+    ctx.grad_scale = inputs[3]
     ctx.set_materialize_grads(False)  # no zero (T, V) tensor for the gradient output nobody uses
 
 
 def _ce_mtp_rows_backward(ctx, dloss, _dgrad):
     (grad,) = ctx.saved_tensors
+    if dloss.stride(0) == 0:  # one scale for every row (the loss was summed)
+        if not torch.compiler.is_compiling() and float(dloss[0]) == ctx.grad_scale:
+            return grad, None, None, None  # stored at exactly this scale: nothing left to do
+        return grad * (dloss[0].float() / ctx.grad_scale), None, None, None  # 0-D: one pass, bf16 result
     out = torch.empty_like(grad)
-    for a, b, (g, s) in _row_blocks(grad.shape[0], grad, dloss.float()):
+    for a, b, (g, s) in _row_blocks(grad.shape[0], grad, dloss.float() / ctx.grad_scale):
         out[a:b] = _scale_rows_block(g, s)
-    return out, None, None
+    return out, None, None, None
 
 
 _ce_mtp_rows_op.register_autograd(_ce_mtp_rows_backward, setup_context=_ce_mtp_rows_setup)
 
 
-def softcapped_ce_mtp_rows(logits: Tensor, targets: Tensor, mtp_weights: Tensor) -> Tensor:
-    """CPU path of `softcapped_ce_mtp`: the kernel's fused algorithm in torch ops, block of rows at a time."""
+def softcapped_ce_mtp_rows(logits: Tensor, targets: Tensor, mtp_weights: Tensor, grad_scale: float = 1.0) -> Tensor:
+    """CPU path of `softcapped_ce_mtp`: the kernel's fused algorithm in torch ops, block of rows at a time.
+
+    grad_scale is the gradient the caller expects to send back for every token (loss.sum() * s sends s):
+    dlogits are stored already multiplied by it, so that backward costs no pass over the (T, V) gradient.
+    Any other gradient is still exact (rescaled by dloss / grad_scale)."""
     _check_ce_args(logits, targets, mtp_weights)
-    loss, _ = torch.ops.speedrun.softcapped_ce_mtp_rows(logits, targets, mtp_weights)
+    grad_scale = float(torch.tensor(grad_scale, dtype=torch.float32))  # the value dloss will carry
+    if not (math.isfinite(grad_scale) and grad_scale != 0.0):
+        raise ValueError(f"softcapped_ce_mtp: grad_scale must be a finite non-zero number, got {grad_scale}")
+    loss, _ = torch.ops.speedrun.softcapped_ce_mtp_rows(logits, targets, mtp_weights, grad_scale)
     return loss
 
 
-def softcapped_ce_mtp(logits: Tensor, targets: Tensor, mtp_weights: Tensor) -> Tensor:
+def softcapped_ce_mtp(logits: Tensor, targets: Tensor, mtp_weights: Tensor, grad_scale: float = 1.0) -> Tensor:
     """Per-token softcapped cross-entropy with multi-token prediction; (T,) fp32.
 
     logits (T, V) (bf16 in training), targets (T,) int with targets[t] the token after position t,
@@ -735,10 +750,11 @@ def softcapped_ce_mtp(logits: Tensor, targets: Tensor, mtp_weights: Tensor) -> T
     loss[t] = sum_k w_k * (lse(z_t) - z_t[targets[t + k - 1]]), z = softcap(logits); targets past
     the end count with weight 0. Differentiable in logits. On CUDA the kernel computes the loss and
     writes dloss/dlogits in the same pass; the backward only scales the stored gradient.
+    grad_scale is a hint for the CPU twin (see softcapped_ce_mtp_rows); the result never depends on it.
     """
     if logits.is_cuda:
         return softcapped_ce_mtp_triton(logits, targets, mtp_weights)
-    return softcapped_ce_mtp_rows(logits, targets, mtp_weights)
+    return softcapped_ce_mtp_rows(logits, targets, mtp_weights, grad_scale)
 
 
 # ----------------------------------------------------------------------------------------------

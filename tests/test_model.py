@@ -154,6 +154,65 @@ def test_flex_forward_equals_sdpa_dense_forward(pos_div):
     torch.testing.assert_close(y_flex, y_sdpa, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("pos_div", [1, 2])
+@pytest.mark.parametrize("seed", range(3))
+def test_banded_attention_equals_dense_sdpa_forward_and_backward(pos_div, seed):
+    """The CPU attention's banded form (each band of queries sees only its own keys and `span` before
+    them) gives the dense-mask result in float64, values and gradients, including windows that end
+    exactly on a band edge and documents that cross bands."""
+    rng = np.random.default_rng(200 + seed)
+    T, H, hd = 96, 2, 8
+    doc, cu = random_layout(rng, T)
+    ids = tg.document_ids(cu, T)
+    g = torch.Generator().manual_seed(seed)
+    for window, chunk in ((1, 16), (7, 16), (16, 16), (33, 32), (40, 8)):
+        span = window * pos_div
+        w = torch.tensor(window, dtype=torch.int32)
+        q, k, v = (torch.randn(1, H, T * pos_div, hd, generator=g, dtype=torch.float64, requires_grad=True)
+                   for _ in range(3))
+        mask = tg.banded_attention_mask(ids, w, pos_div, chunk, span)
+        assert mask.shape == (T * pos_div // chunk, 1, chunk, chunk + span)
+        got = tg.banded_attention(q, k, v, mask, span)
+        want = F.scaled_dot_product_attention(q, k, v, attn_mask=tg.dense_attention_mask(ids, w, pos_div), scale=1.0)
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+        dy = torch.randn(got.shape, generator=g, dtype=torch.float64)
+        for a, b in zip(torch.autograd.grad(got, (q, k, v), dy), torch.autograd.grad(want, (q, k, v), dy)):
+            torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+def test_attention_band_only_where_it_saves_work():
+    assert tg.attention_band(6144, 1664) == tg.CPU_ATTENTION_CHUNK
+    assert tg.attention_band(6144 + 128, 64) == tg.CPU_ATTENTION_CHUNK // 2   # largest chunk dividing n
+    assert tg.attention_band(1024, 832) == 0     # band as wide as the sequence: dense
+    assert tg.attention_band(100, 4) == 0        # no chunk divides n: dense
+
+
+def test_model_with_banded_cpu_attention_equals_dense(monkeypatch):
+    """A whole forward and backward at a length where the CPU path bands its attention (paired and
+    unpaired layers, short and long windows) matches the same model forced onto dense masks."""
+    args = dataclasses.replace(TEST, window_block_size=32)
+    model = make_model(args)
+    randomize(model, seed=11)
+    model.set_windows(2, 5)
+    T = 1024
+    inputs, targets, cu = make_batch(T=T, starts=(0, 100, 450, 900))
+    big = bigrams(inputs)
+    assert tg.attention_band(2 * T, 2 * 5 * 32) and tg.attention_band(T, 2 * 32)
+
+    def run():
+        model.zero_grad(set_to_none=True)
+        loss = model(inputs, targets, cu, big, mtp_weights=torch.tensor([1.0, 0.5, 0.25]), loss_scale=1 / T)
+        loss.backward()
+        return loss.detach(), model.qk_bank.grad.float(), model.vo_bank.grad.float()
+
+    banded = run()
+    monkeypatch.setattr(tg, "attention_band", lambda n, span: 0)
+    dense = run()
+    assert abs(banded[0].item() - dense[0].item()) < 1e-3
+    for a, b in zip(banded[1:], dense[1:]):
+        assert (a - b).norm() / b.norm() < 2e-2
+
+
 # ---- attention semantics -------------------------------------------------------------------------
 
 

@@ -354,6 +354,33 @@ def test_scale_rows_rounds_once_from_fp32():
     assert ((got.float() - expected).abs() <= expected.abs() * 2**-7).all()
 
 
+def test_ce_rows_grad_scale_hint_never_changes_the_gradient():
+    """The CPU twin stores dlogits pre-multiplied by grad_scale so a summed, scaled loss costs no
+    backward pass; a matching scale, a different one, a per-row gradient and no hint all give the
+    reference gradient, and the hint's own path returns the stored tensor as is."""
+    T, V = 21, 777
+    logits = (torch.randn(T, V) * 5).bfloat16().requires_grad_(True)
+    targets = torch.randint(0, V, (T,))
+    w = torch.tensor([1.0, 0.5])
+    lr = logits.detach().clone().requires_grad_(True)
+    (want,) = torch.autograd.grad(tk.softcapped_ce_mtp_reference(lr, targets, w).sum() * 0.37, lr)
+    cases = {
+        "matching hint": (0.37, lambda loss: (loss.sum() * 0.37, None)),
+        "other hint": (2.5, lambda loss: (loss.sum() * 0.37, None)),
+        "per-row dloss": (0.37, lambda loss: (loss, torch.full((T,), 0.37))),
+        "no hint": (1.0, lambda loss: (loss.sum() * 0.37, None)),
+    }
+    for name, (hint, seed) in cases.items():
+        loss = tk.softcapped_ce_mtp_rows(logits, targets, w, grad_scale=hint)
+        assert_close_rel(loss, tk.softcapped_ce_mtp_reference(lr, targets, w), TOL[torch.float32])
+        out, dout = seed(loss)
+        (got,) = torch.autograd.grad(out, logits, dout)
+        assert got.dtype == torch.bfloat16, name
+        assert_close_rel(got, want, TOL[torch.bfloat16])
+    with pytest.raises(ValueError, match="grad_scale"):
+        tk.softcapped_ce_mtp_rows(logits, targets, w, grad_scale=0.0)
+
+
 @pytest.mark.parametrize("impl", CE_IMPLS)
 def test_ce_short_sequence_and_errors(impl):
     logits = torch.randn(2, 40)
@@ -418,7 +445,7 @@ def _opcheck_cases():
         ("relu2_mlp_bwd", (torch.randn(9, 16), x.detach(), wu.detach(), wd.detach(), post)),
         ("softcapped_ce_mtp_fwd", (logits, torch.randint(0, 50, (8,)), torch.tensor([1.0, 0.5]))),
         ("softcapped_ce_mtp_rows", (torch.randn(40, 50, requires_grad=True), torch.randint(0, 50, (40,)),
-                                    torch.tensor([1.0, 0.5, 0.25]))),
+                                    torch.tensor([1.0, 0.5, 0.25]), 0.25)),
         ("scale_rows", (torch.randn(8, 300).bfloat16(), torch.randn(8))),
         ("transpose_copy", (A, torch.empty(36, 20))),
         ("transpose_add", (A, torch.randn(36, 20))),
