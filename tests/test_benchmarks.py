@@ -292,14 +292,33 @@ def run_script(*argv, timeout=300):
 
 
 @pytest.mark.slow
-def test_token_efficiency_smoke():
-    out = run_script("tests/benchmarks/token_efficiency.py", "--smoke")
+def test_token_efficiency_smoke(tmp_path):
+    """Both halves trained in separate runs (--run, --save), then joined (--load): the table and ratio."""
+    for side in ("recipe", "classic"):
+        half = run_script("tests/benchmarks/token_efficiency.py", "--smoke", "--run", side, "--save", str(tmp_path))
+        assert f"{side}: best val loss" in half and (tmp_path / f"{side}.json").exists()
+    out = run_script("tests/benchmarks/token_efficiency.py", "--smoke", "--load", str(tmp_path))
     rows = [line.split() for line in out.splitlines() if line.strip() and line.split()[0].replace(",", "").isdigit()]
     assert len(rows) == 5
     for row in rows:
         recipe, classic = float(row[1]), float(row[2])
         assert 9.0 < recipe < 11.0 and 9.0 < classic < 11.0   # a few steps from ln(50304) = 10.83
     assert "token-efficiency ratio:" in out
+
+
+def test_token_efficiency_load_errors_are_one_line(tmp_path):
+    script = os.path.join(REPO, "tests", "benchmarks", "token_efficiency.py")
+
+    def err(*argv):
+        out = subprocess.run([sys.executable, script, *argv], cwd=REPO, capture_output=True, text=True, timeout=300)
+        assert out.returncode != 0 and out.stderr.count("\n") == 1, out.stderr
+        return out.stderr
+
+    assert "no recipe.json" in err("--load", str(tmp_path))
+    te.save_curve(str(tmp_path), "recipe", [(0, 10.8), (100, 9.0)], {"tokens": 100})
+    assert "--tokens 100" in err("--load", str(tmp_path), "--tokens", "200")
+    (tmp_path / "recipe.json").write_text("{not json")
+    assert "not a saved curve" in err("--load", str(tmp_path))
 
 
 @pytest.mark.slow

@@ -7,6 +7,11 @@ and what each component of the recipe contributes.
     python tests/benchmarks/token_efficiency.py --ablate             # one recipe run per switched-off component
     python tests/benchmarks/token_efficiency.py --smoke              # a few steps of each (the test suite runs this)
 
+The two sides can train in separate processes (e.g. one per core, OMP_NUM_THREADS=1) and be joined later:
+    python tests/benchmarks/token_efficiency.py --run recipe --save DIR &
+    python tests/benchmarks/token_efficiency.py --run classic --save DIR; wait
+    python tests/benchmarks/token_efficiency.py --load DIR          # the table and the ratio
+
 Recipe: train_gpt.train() itself (model, NorMuon + Adam, loader, schedule, every component) at the
 --preset model size (demo by default), with num_iterations chosen so that the whole schedule, extension
 included, consumes --tokens training tokens. Its validation losses are read back from its run log.
@@ -326,24 +331,71 @@ def efficiency_table(recipe, classic, budget: int) -> str:
     return "\n".join(lines)
 
 
+def save_curve(folder: str, name: str, curve: list[tuple[int, float]], meta: dict) -> None:
+    """Write one learning curve as JSON (temporary file + rename: never a half-written curve)."""
+    import json
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, f"{name}.json")
+    with open(path + ".tmp", "w", encoding="utf-8") as f:
+        json.dump({"curve": curve, **meta}, f, indent=1)
+    os.replace(path + ".tmp", path)
+
+
+def load_curve(folder: str, name: str, budget: int) -> tuple[list[tuple[int, float]], dict]:
+    import json
+    path = os.path.join(folder, f"{name}.json")
+    try:
+        data = json.load(open(path, encoding="utf-8"))
+    except FileNotFoundError:
+        raise SystemExit(f"error: --load {folder}: no {name}.json; run --run {name} --save {folder} first") from None
+    except ValueError as e:
+        raise SystemExit(f"error: --load {folder}: {name}.json is not a saved curve ({e})") from None
+    if data.get("tokens") != budget:
+        raise SystemExit(f"error: --load {folder}: {name}.json was measured at --tokens {data.get('tokens')}, "
+                         f"not {budget}; pass the same --tokens")
+    return [(int(t), float(v)) for t, v in data["curve"]], data
+
+
 def run_comparison(a, device: torch.device) -> float | None:
+    """Train the recipe and/or the classic baseline (--run), keep their curves (--save), and when both
+    curves are at hand (trained now or --load'ed) print the table and the ratio."""
     args = recipe_args(a.preset, a.train, a.val, a.tokens, a.evals, a.val_tokens, device, log_dir=a.log_dir)
     val_tokens = args.val_tokens
-    print(f"recipe: --preset {a.preset} {args.num_layers} layers x {args.model_dim}, {args.num_iterations}+"
-          f"{args.extension_iterations} steps, {sum(schedule_tokens(args)):,} tokens; train {args.train_files}")
-    t = time.perf_counter()
-    recipe = run_recipe(args, device, f"recipe_{os.getpid()}_{int(time.time())}")
-    recipe_s = time.perf_counter() - t
+    meta = {"tokens": a.tokens, "val_tokens": val_tokens, "preset": a.preset, "train": args.train_files,
+            "val": args.val_files, "device": device.type}
+    curves, seconds = {}, {}
+    if a.load:
+        for name in ("recipe", "classic"):
+            curves[name], data = load_curve(a.load, name, a.tokens)
+            seconds[name] = data.get("seconds", float("nan"))
+    if a.run in ("both", "recipe") and not a.load:
+        print(f"recipe: --preset {a.preset} {args.num_layers} layers x {args.model_dim}, {args.num_iterations}+"
+              f"{args.extension_iterations} steps, {sum(schedule_tokens(args)):,} tokens; train {args.train_files}",
+              flush=True)
+        t = time.perf_counter()
+        curves["recipe"] = run_recipe(args, device, f"recipe_{os.getpid()}_{int(time.time())}")
+        seconds["recipe"] = time.perf_counter() - t
     c = ClassicConfig(vocab_size=args.padded_vocab_size, seq_len=a.classic_seq_len, num_layers=args.num_layers,
                       model_dim=args.model_dim, num_heads=args.num_heads, mlp_hidden=args.mlp_hidden,
                       lr=a.classic_lr, batch_tokens=a.classic_batch_tokens)
-    print(f"classic: {c.num_layers} layers x {c.model_dim}, seq {c.seq_len}, batch {c.batch_tokens:,} tokens, "
-          f"AdamW lr {c.lr:g}, {max(1, a.tokens // c.batch_tokens)} steps")
-    t = time.perf_counter()
-    classic = run_classic(c, args.train_files, args.val_files, a.tokens, a.evals, val_tokens, device, a.seed)
-    classic_s = time.perf_counter() - t
-    print(f"\nvalidation loss on the first {val_tokens:,} val tokens "
-          f"(linear between evaluations; wall time recipe {recipe_s:.0f}s, classic {classic_s:.0f}s on {device.type})")
+    if a.run in ("both", "classic") and not a.load:
+        print(f"classic: {c.num_layers} layers x {c.model_dim}, seq {c.seq_len}, batch {c.batch_tokens:,} tokens, "
+              f"AdamW lr {c.lr:g}, {max(1, a.tokens // c.batch_tokens)} steps", flush=True)
+        t = time.perf_counter()
+        curves["classic"] = run_classic(c, args.train_files, args.val_files, a.tokens, a.evals, val_tokens, device, a.seed)
+        seconds["classic"] = time.perf_counter() - t
+    if a.save:
+        for name, curve in curves.items():
+            save_curve(a.save, name, curve, {**meta, "seconds": seconds[name]})
+        print(f"curves saved in {a.save}")
+    if len(curves) < 2:
+        name = next(iter(curves))
+        print(f"{name}: best val loss {best_point(curves[name])[1]:.4f} in {seconds[name]:.0f}s; "
+              f"the ratio needs both curves: --load {a.save or 'DIR'} once the other half is saved there")
+        return None
+    recipe, classic = curves["recipe"], curves["classic"]
+    print(f"\nvalidation loss on the first {val_tokens:,} val tokens (linear between evaluations; wall time "
+          f"recipe {seconds['recipe']:.0f}s, classic {seconds['classic']:.0f}s on {device.type})")
     print(efficiency_table(recipe, classic, a.tokens))
     ratio = efficiency_ratio(recipe, classic)
     best_tok, best_loss = best_point(classic)
@@ -397,6 +449,10 @@ def main(argv=None):
     ap.add_argument("--classic_lr", type=float, default=1e-3)
     ap.add_argument("--classic_seq_len", type=int, default=1024)
     ap.add_argument("--classic_batch_tokens", type=int, default=16_384)
+    ap.add_argument("--run", default="both", choices=("both", "recipe", "classic"),
+                    help="train only one side of the comparison (two processes can then share the machine)")
+    ap.add_argument("--save", default="", help="write the learning curves here as JSON")
+    ap.add_argument("--load", default="", help="print the comparison from curves saved with --save (no training)")
     ap.add_argument("--ablate", action="store_true", help="run the ablation table instead of the comparison")
     ap.add_argument("--only", default="", help="--ablate: comma-separated substrings of component names")
     ap.add_argument("--seed", type=int, default=0)
