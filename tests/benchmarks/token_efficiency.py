@@ -50,6 +50,7 @@ sys.path.insert(0, REPO)
 import train_gpt as T  # noqa: E402
 
 DEFAULT_TOKENS = 2_000_000
+SPEEDRUN = T.Hyperparameters()  # the recipe's learning rates default to the speedrun's
 # Ablations on a CPU: a demo-size recipe run trains ~750 tokens/s on 2 cores (most of it the 50k-way
 # softcapped cross-entropy), so 14 runs in under 30 minutes allow ~50k tokens each (two steps per stage
 # of the demo schedule), scored on 8k val tokens. On a GPU the comparison budget is affordable.
@@ -359,10 +360,10 @@ def load_curve(folder: str, name: str, budget: int) -> tuple[list[tuple[int, flo
 def run_comparison(a, device: torch.device) -> float | None:
     """Train the recipe and/or the classic baseline (--run), keep their curves (--save), and when both
     curves are at hand (trained now or --load'ed) print the table and the ratio."""
-    args = recipe_args(a.preset, a.train, a.val, a.tokens, a.evals, a.val_tokens, device, log_dir=a.log_dir)
+    args = recipe_args(a.preset, a.train, a.val, a.tokens, a.evals, a.val_tokens, device, a.recipe_lrs, a.log_dir)
     val_tokens = args.val_tokens
     meta = {"tokens": a.tokens, "val_tokens": val_tokens, "preset": a.preset, "train": args.train_files,
-            "val": args.val_files, "device": device.type}
+            "val": args.val_files, "device": device.type, "recipe_muon_lr": args.muon_lr, "recipe_adam_lr": args.adam_lr}
     curves, seconds = {}, {}
     if a.load:
         for name in ("recipe", "classic"):
@@ -370,8 +371,8 @@ def run_comparison(a, device: torch.device) -> float | None:
             seconds[name] = data.get("seconds", float("nan"))
     if a.run in ("both", "recipe") and not a.load:
         print(f"recipe: --preset {a.preset} {args.num_layers} layers x {args.model_dim}, {args.num_iterations}+"
-              f"{args.extension_iterations} steps, {sum(schedule_tokens(args)):,} tokens; train {args.train_files}",
-              flush=True)
+              f"{args.extension_iterations} steps, {sum(schedule_tokens(args)):,} tokens, NorMuon lr {args.muon_lr:g}, "
+              f"Adam lr {args.adam_lr:g}; train {args.train_files}", flush=True)
         t = time.perf_counter()
         curves["recipe"] = run_recipe(args, device, f"recipe_{os.getpid()}_{int(time.time())}")
         seconds["recipe"] = time.perf_counter() - t
@@ -409,7 +410,7 @@ def run_comparison(a, device: torch.device) -> float | None:
 
 def run_ablations(a, device: torch.device) -> list[tuple[str, float, float]]:
     only = [s.strip().lower() for s in a.only.split(",")] if a.only else None
-    base = recipe_args(a.preset, a.train, a.val, a.tokens, 0, a.val_tokens, device, log_dir=a.log_dir)
+    base = recipe_args(a.preset, a.train, a.val, a.tokens, 0, a.val_tokens, device, a.recipe_lrs, a.log_dir)
     print(f"ablations: --preset {a.preset}, {base.num_iterations}+{base.extension_iterations} steps, "
           f"{sum(schedule_tokens(base)):,} train tokens each, final val loss on {base.val_tokens:,} val tokens")
     rows, full = [], None
@@ -417,7 +418,7 @@ def run_ablations(a, device: torch.device) -> list[tuple[str, float, float]]:
         if only and name != "full recipe" and not any(o in name.lower() for o in only):
             continue
         overrides = spec(base) if callable(spec) else spec
-        args = recipe_args(a.preset, a.train, a.val, a.tokens, 0, a.val_tokens, device, overrides, a.log_dir)
+        args = recipe_args(a.preset, a.train, a.val, a.tokens, 0, a.val_tokens, device, {**a.recipe_lrs, **overrides}, a.log_dir)
         t = time.perf_counter()
         try:
             loss = run_recipe(args, device, f"ablate_{len(rows)}_{os.getpid()}_{int(time.time())}")[-1][1]
@@ -446,6 +447,9 @@ def main(argv=None):
     ap.add_argument("--preset", default="demo", choices=sorted(T.PRESETS), help="model size of both recipes")
     ap.add_argument("--evals", type=int, default=24, help="validation points per curve")
     ap.add_argument("--val_tokens", type=int, default=None, help="validation tokens (default: the preset's)")
+    ap.add_argument("--muon_lr", type=float, default=SPEEDRUN.muon_lr,
+                    help="recipe NorMuon lr (default: the speedrun's; the demo preset's higher rates suit only its 63 steps)")
+    ap.add_argument("--adam_lr", type=float, default=SPEEDRUN.adam_lr, help="recipe Adam lr (default: the speedrun's)")
     ap.add_argument("--classic_lr", type=float, default=1e-3)
     ap.add_argument("--classic_seq_len", type=int, default=1024)
     ap.add_argument("--classic_batch_tokens", type=int, default=16_384)
@@ -469,6 +473,7 @@ def main(argv=None):
     if a.ablate and device.type == "cpu" and a.tokens is None:
         a.tokens, a.val_tokens = ABLATE_CPU_TOKENS, a.val_tokens or ABLATE_CPU_VAL_TOKENS
     a.tokens = a.tokens or DEFAULT_TOKENS
+    a.recipe_lrs = {"muon_lr": a.muon_lr, "adam_lr": a.adam_lr}
     if a.tokens < 1 or a.evals < 0:
         raise SystemExit("error: --tokens must be >= 1 and --evals >= 0")
     with tempfile.TemporaryDirectory(prefix="bench_logs_") as tmp:
