@@ -51,9 +51,9 @@ import train_gpt as T  # noqa: E402
 
 DEFAULT_TOKENS = 2_000_000
 SPEEDRUN = T.Hyperparameters()  # the recipe's learning rates default to the speedrun's
-# Ablations on a CPU: a demo-size recipe run trains ~750 tokens/s on 2 cores (most of it the 50k-way
-# softcapped cross-entropy), so 14 runs in under 30 minutes allow ~50k tokens each (two steps per stage
-# of the demo schedule), scored on 8k val tokens. On a GPU the comparison budget is affordable.
+# Ablations on a CPU: a row of ~50k tokens (two steps per stage of the demo schedule, scored on 8k val
+# tokens) took ~70 s on one core, so the 14 rows fit in under 30 minutes on 2 cores with room to spare.
+# On a GPU the comparison budget is affordable.
 ABLATE_CPU_TOKENS = 49_152
 ABLATE_CPU_VAL_TOKENS = 8_192
 SMOKE_TOKENS = 3_072
