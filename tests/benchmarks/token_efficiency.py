@@ -32,6 +32,7 @@ import argparse
 import contextlib
 import dataclasses
 import io
+import json
 import math
 import os
 import re
@@ -334,7 +335,6 @@ def efficiency_table(recipe, classic, budget: int) -> str:
 
 def save_curve(folder: str, name: str, curve: list[tuple[int, float]], meta: dict) -> None:
     """Write one learning curve as JSON (temporary file + rename: never a half-written curve)."""
-    import json
     os.makedirs(folder, exist_ok=True)
     path = os.path.join(folder, f"{name}.json")
     with open(path + ".tmp", "w", encoding="utf-8") as f:
@@ -343,10 +343,10 @@ def save_curve(folder: str, name: str, curve: list[tuple[int, float]], meta: dic
 
 
 def load_curve(folder: str, name: str, budget: int) -> tuple[list[tuple[int, float]], dict]:
-    import json
     path = os.path.join(folder, f"{name}.json")
     try:
-        data = json.load(open(path, encoding="utf-8"))
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
     except FileNotFoundError:
         raise SystemExit(f"error: --load {folder}: no {name}.json; run --run {name} --save {folder} first") from None
     except ValueError as e:
@@ -364,6 +364,9 @@ def run_comparison(a, device: torch.device) -> float | None:
     val_tokens = args.val_tokens
     meta = {"tokens": a.tokens, "val_tokens": val_tokens, "preset": a.preset, "train": args.train_files,
             "val": args.val_files, "device": device.type, "recipe_muon_lr": args.muon_lr, "recipe_adam_lr": args.adam_lr}
+    c = ClassicConfig(vocab_size=args.padded_vocab_size, seq_len=a.classic_seq_len, num_layers=args.num_layers,
+                      model_dim=args.model_dim, num_heads=args.num_heads, mlp_hidden=args.mlp_hidden,
+                      lr=a.classic_lr, batch_tokens=a.classic_batch_tokens)
     curves, seconds = {}, {}
     if a.load:
         for name in ("recipe", "classic"):
@@ -376,9 +379,6 @@ def run_comparison(a, device: torch.device) -> float | None:
         t = time.perf_counter()
         curves["recipe"] = run_recipe(args, device, f"recipe_{os.getpid()}_{int(time.time())}")
         seconds["recipe"] = time.perf_counter() - t
-    c = ClassicConfig(vocab_size=args.padded_vocab_size, seq_len=a.classic_seq_len, num_layers=args.num_layers,
-                      model_dim=args.model_dim, num_heads=args.num_heads, mlp_hidden=args.mlp_hidden,
-                      lr=a.classic_lr, batch_tokens=a.classic_batch_tokens)
     if a.run in ("both", "classic") and not a.load:
         print(f"classic: {c.num_layers} layers x {c.model_dim}, seq {c.seq_len}, batch {c.batch_tokens:,} tokens, "
               f"AdamW lr {c.lr:g}, {max(1, a.tokens // c.batch_tokens)} steps", flush=True)
