@@ -38,7 +38,7 @@ class Hyperparameters:
     train_files: str = "data/fineweb10B/fineweb_train_*.bin"
     val_files: str = "data/fineweb10B/fineweb_val_*.bin"
     val_tokens: int = 10_485_760  # validation always covers exactly these tokens, for any world size
-    # model (SPEC section 3)
+    # model (README "Model")
     vocab_size: int = 50257
     padded_vocab_size: int = 50304
     num_layers: int = 11
@@ -57,8 +57,9 @@ class Hyperparameters:
     gate_channels: int = 12                        # input channels every small gate looks at
     window_block_size: int = 128                   # sliding windows are counted in blocks of this many tokens
     windows_init: tuple = (1, 3)                   # (short, long) windows in blocks at init; long = YaRN reference
+    attn_scale: float = 0.1                        # softmax scale at windows_init (x sqrt(128/head_dim)); YaRN grows it
     fp8: bool = True                               # FP8 LM head in training on GPUs with FP8 tensor cores
-    # schedule (SPEC section 6): three equal stages, then a short extension at the final settings
+    # schedule (README "Schedule"): three equal stages, then a short extension at the final settings
     num_iterations: int = 1270                     # scheduled steps; stage boundaries scale with it
     extension_iterations: int = 15
     micro_batches: int = 8                         # sequences per step over ranks x accumulation steps
@@ -66,16 +67,17 @@ class Hyperparameters:
     stage_max_doc_len: tuple = (896, 2048, 2048)   # documents are truncated to this many tokens
     stage_windows: tuple = ((1, 3), (3, 7), (5, 11))  # (short, long) attention windows in blocks
     extension_windows: tuple = (6, 13)
+    final_val_windows: tuple = (6, 20)             # the last validation's windows; YaRN stays at the extension's
     stage_lr_mult: tuple = (1.0, 1.52, 1.73)
-    cooldown_start: float = 0.4                    # fraction of num_iterations where the lr decay starts
+    cooldown_start: float = 0.4                    # lr decay starts at step int(cooldown_start * num_iterations)
     final_lr_mult: float = 0.15                    # lr multiplier at num_iterations and in the extension
     stage_mtp_start: tuple = ((1.0, 0.5, 0.25), (1.0, 0.5, 0.0), (1.0, 0.0, 0.0))  # weights of t+1, t+2, t+3
     stage_mtp_end: tuple = ((1.0, 0.5, 0.0), (1.0, 0.0, 0.0), (1.0, 0.0, 0.0))    # linear within each stage
     momentum_min: float = 0.85
     momentum_max: float = 0.95
-    momentum_warmup: float = 300 / 1270            # fraction of num_iterations: momentum_min -> max
-    momentum_cooldown: float = 50 / 1270           # last fraction of num_iterations: back to momentum_min
-    # optimizer (SPEC section 5)
+    momentum_warmup: float = 300 / 1270            # x num_iterations steps: momentum_min -> max
+    momentum_cooldown: float = 50 / 1270           # x num_iterations last steps of the run (extension included): back down
+    # optimizer (README "Update rules")
     muon_lr: float = 0.023
     muon_wd: float = 1.2
     adam_lr: float = 0.008
@@ -216,8 +218,8 @@ def setup_distributed(force_cpu: bool = False) -> DistInfo:
     else:
         device = torch.device("cpu")
     if world_size > 1 or "RANK" in os.environ:
-        if use_cuda:
-            dist.init_process_group("nccl", device_id=device)
+        if use_cuda:  # NCCL for GPU tensors; gloo for the few CPU tensors (the sparse exchange's counts)
+            dist.init_process_group("cuda:nccl,cpu:gloo", device_id=device)
         else:
             dist.init_process_group("gloo")
     return DistInfo(rank, world_size, local_rank, device)
@@ -229,7 +231,7 @@ def cuda_synchronize(device: torch.device) -> None:
 
 
 # ----------------------------------------------------------------------------------------------
-# FP8 custom ops: y = x @ w with float8 inputs and static scales (SPEC section 4)
+# FP8 custom ops: y = x @ w with float8 inputs and static scales (README "FP8")
 # ----------------------------------------------------------------------------------------------
 
 # The LM head is the single biggest matmul (T x 768 x 50304), so it runs in float8 on GPUs that have
@@ -366,7 +368,7 @@ def fp8_matmul(x: torch.Tensor, w: torch.Tensor, x_s: float, w_s: float, grad_s:
 
 
 # ----------------------------------------------------------------------------------------------
-# Orthogonalization: Polar Express and Gram Newton-Schulz (SPEC section 5)
+# Orthogonalization: Polar Express and Gram Newton-Schulz (README "Update rules")
 # ----------------------------------------------------------------------------------------------
 
 # Both functions map a gradient-like G (..., m, n) to an approximation of its polar factor U V^T
@@ -413,18 +415,28 @@ def _poly_of_gram(A: torch.Tensor, b: float, c: float) -> torch.Tensor:
     return torch.baddbmm(A, A, A, beta=b, alpha=c)
 
 
-def polar_express(G: torch.Tensor, coeffs=POLAR_EXPRESS_COEFFS) -> torch.Tensor:
-    """Polar Express orthogonalization of a matrix or a bank of matrices, in bf16.
+def polar_express(G: torch.Tensor, coeffs=POLAR_EXPRESS_COEFFS, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """Polar Express orthogonalization of a matrix or a bank of matrices, in bf16 (the record's).
 
-    Wide matrices iterate X <- a X + (b A + c A^2) X with A = X X^T; tall ones use the
-    right-multiplied form X <- a X + X (b A + c A^2) with A = X^T X, so the Gram matrix is always
-    the small side. Returns bf16 with G's shape.
+    X = bf16(G) / (||X||_F * 1.02 + 1e-6), norm and division in bf16. Wide and square matrices
+    iterate X <- a X + (b A + c A^2) X with A = X X^T; tall ones the right-multiplied form
+    X <- a X + X (b A + c A^2) with A = X^T X, so the Gram matrix is always the small side. For
+    matrices of more than 1024 rows (the MLP bank) the product with X is rounded to bf16 before a X
+    is added; smaller ones use one fused multiply-add. Returns `dtype` (bf16) with G's shape;
+    dtype=torch.float32 runs the same iteration in fp32 (CPUs without fast bf16, README "CPU dtype").
     """
-    X = _normalized_bank(G, torch.bfloat16)
+    if G.ndim < 2:
+        raise ValueError(f"orthogonalization needs matrices (..., m, n); got shape {tuple(G.shape)}")
+    X = G.reshape(-1, G.size(-2), G.size(-1)).to(dtype)
+    X = X / (X.norm(dim=(-2, -1), keepdim=True) * 1.02 + 1e-6)
     wide = X.size(-2) <= X.size(-1)
+    split = X.size(-2) > 1024
     for a, b, c in coeffs:
         B = _poly_of_gram(_gram_of(X, left=wide), b, c)
-        X = torch.baddbmm(X, B, X, beta=a) if wide else torch.baddbmm(X, X, B, beta=a)
+        if split:
+            X = a * X + (torch.bmm(B, X) if wide else torch.bmm(X, B))
+        else:
+            X = torch.baddbmm(X, B, X, beta=a) if wide else torch.baddbmm(X, X, B, beta=a)
     return X.reshape(G.shape)
 
 
@@ -481,7 +493,7 @@ ORTHOGONALIZERS = {"polar_express": polar_express, "gram_newton_schulz": gram_ne
 
 
 # ----------------------------------------------------------------------------------------------
-# Optimizer: one fused NorMuon + Adam step that owns all communication (SPEC section 5)
+# Optimizer: one fused NorMuon + Adam step that owns all communication (README "Optimizer")
 # ----------------------------------------------------------------------------------------------
 
 # Every parameter has a label and a ParamConfig. One NorMuonAdam.step() does all communication:
@@ -495,9 +507,11 @@ ORTHOGONALIZERS = {"polar_express": polar_express, "gram_newton_schulz": gram_ne
 #       wait for that reduction, update the local shard, launch the async all_gather of the shard
 #   phase 3 finalize: wait for the gathers; refresh the tied embedding from the head
 #
-# bf16 parameters keep the low 16 bits of their fp32 master value in a uint16 "mantissa" buffer
-# (optimizer state of the local shard): (bf16 bits << 16 | mantissa) is the exact fp32 value every
-# update is applied to, so tiny updates accumulate exactly as in fp32 at half the memory.
+# bf16 NorMuon parameters keep the low 16 bits of their fp32 master value in a uint16 "mantissa"
+# buffer (optimizer state of the local shard): (bf16 bits << 16 | mantissa) is the exact fp32 value
+# every update is applied to, and the new bf16 value is its top half (truncation), so tiny updates
+# accumulate exactly as in fp32 at half the memory. Adam computes in fp32 and rounds to nearest into
+# the parameter, with no mantissa (the record's two rules; README, "Update rules").
 
 OPTIMIZER_KINDS = ("normuon", "adam")
 COMMS_MODES = ("none", "replicated", "sharded", "sharded_sparse")
@@ -510,7 +524,8 @@ class ParamConfig:
     optimizer      'normuon' (matrices / banks of matrices) or 'adam'
     comms          'none' | 'replicated' | 'sharded' | 'sharded_sparse' (see the phase table above)
     lr_mul         multiplies the base learning rate of the parameter's optimizer
-    wd_mul         multiplies the weight decay (decay never includes lr_mul; wd_mul is its knob)
+    wd_mul         multiplies the weight decay. Decay per step scales with lr^2: NorMuon
+                   wd * wd_mul * lr * (lr * lr_mul * shape/matrix factors); Adam (lr * lr_mul)^2 * wd * wd_mul
     betas          Adam (beta1, beta2)
     matrix_lr_mul  NorMuon banks: one lr multiplier per matrix of the bank (e.g. x2 on the MLP
                    down-projections), on top of lr_mul and the shape factor sqrt(max(1, rows/cols))
@@ -558,67 +573,76 @@ def _store_master(value: torch.Tensor, param: torch.Tensor, mantissa: torch.Tens
     mantissa.view(torch.int16).copy_(bits.to(torch.int16))  # int32 -> int16 keeps the low 16 bits
 
 
-def _normuon_update(grad, momentum_buf, second_moment, param, mantissa, matrix_lr, hp, orthogonalize):
-    """One NorMuon step on a shard of matrices (k, rows, cols), in place.
+def normuon_variance_reduction(O: torch.Tensor, second_moment: torch.Tensor, beta2) -> torch.Tensor:
+    """Neuron-wise second moment of the orthogonalized update O (bf16, (k, rows, cols)), in place.
 
-    hp is a 1-D fp32 tensor [lr, lr * wd * wd_mul, momentum, beta2]: 0-D tensor entries, so a
-    compiled version never recompiles when the schedules move. matrix_lr (k, 1, 1) holds lr_mul,
-    the shape factor and the per-matrix multipliers.
+    One statistic per row of the longer side (per row if rows >= cols, else per column): the mean of
+    O^2 along the other dim, tracked as an EMA (no bias correction, starts at 0). O is divided by its
+    root and then rescaled so its Frobenius norm is unchanged; both norms come from the statistics
+    (||O||^2 = sum(mean) * size), and the combined scale is applied to O in bf16, as the record does.
+    """
+    red = -1 if O.size(-2) >= O.size(-1) else -2
+    mean_sq = O.float().square().mean(dim=red, keepdim=True)
+    size = O.size(red)
+    norm = (mean_sq.sum(dim=(-2, -1), keepdim=True) * size).sqrt()
+    second_moment.lerp_(mean_sq, 1 - beta2)
+    step = second_moment.clamp_min(1e-10).rsqrt()
+    new_norm = ((mean_sq * size) * step.square()).sum(dim=(-2, -1), keepdim=True).sqrt()
+    return O.mul_((step * (norm / new_norm.clamp_min(1e-10))).to(O.dtype))
+
+
+def _normuon_update(grad, momentum_buf, second_moment, param, mantissa, matrix_lr, hp, orthogonalize):
+    """One NorMuon step on a shard of matrices (k, rows, cols), in place (README, "Update rules").
+
+    hp is a 1-D fp32 tensor [lr, wd * wd_mul * lr, momentum, beta2] with lr = base lr x schedule:
+    0-D tensor entries, so a compiled version never recompiles when the schedules move. matrix_lr
+    (k, 1, 1) holds lr_mul x sqrt(max(1, rows/cols)) x the per-matrix multiplier, so the effective
+    lr is lr * matrix_lr and the decay per step is (wd * wd_mul * lr) * (lr * matrix_lr), i.e. it
+    scales with lr^2, never lr * wd.
     """
     lr, decay, momentum, beta2 = hp[0], hp[1], hp[2], hp[3]
     g = grad.float()
     momentum_buf.lerp_(g, 1 - momentum)
     g = g.lerp(momentum_buf, momentum)  # Nesterov: look ahead along the updated momentum
-    O = orthogonalize(g).float()
-    # Neuron-wise second moment of the orthogonalized update, one entry per row (or column) of
-    # the longer side; dividing by its root evens out per-neuron step sizes, then the Frobenius
-    # norm is restored so the overall step size stays that of the orthogonal update.
-    per_row = O.size(-2) >= O.size(-1)
-    v = O.square().mean(dim=-1 if per_row else -2, keepdim=True)
-    second_moment.lerp_(v, 1 - beta2)
-    norm = O.norm(dim=(-2, -1), keepdim=True)
-    O = O * second_moment.clamp_min(1e-10).rsqrt()
-    O = O * (norm / O.norm(dim=(-2, -1), keepdim=True).clamp_min(1e-10))
+    O = normuon_variance_reduction(orthogonalize(g), second_moment, beta2).float()
+    eff_lr = lr * matrix_lr
     p = _master_fp32(param, mantissa)
-    mask = (O * p >= 0).float()  # cautious decay: only where the update also shrinks the weight
-    p = p - (lr * matrix_lr) * O - (decay * mask) * p
-    _store_master(p, param, mantissa)
+    mask = (O * p >= 0).float()  # cautious decay (>= 0: a zero update, e.g. bank padding, still decays)
+    p = p - p * mask * (decay * eff_lr) - O * eff_lr
+    _store_master(p, param, mantissa)  # bf16: truncated to the top 16 bits, the rest kept in mantissa
 
 
-def _adam_update(grad, exp_avg, exp_avg_sq, param, mantissa, hp):
-    """One bias-corrected Adam step with cautious weight decay on a shard, in place.
+def _adam_update(grad, exp_avg, exp_avg_sq, param, hp):
+    """One Adam step with cautious weight decay on a shard, in place (README, "Update rules").
 
-    hp is a 1-D fp32 tensor [lr * lr_mul, decay, beta1, beta2, 1 - beta1^t, 1 - beta2^t, eps].
+    hp is a 1-D fp32 tensor [step_size, decay, beta1, beta2, eps] with lr = base lr x schedule x
+    lr_mul, step_size = lr * sqrt(1 - beta2^t) / (1 - beta1^t) and decay = lr^2 * wd * wd_mul:
+    eps goes on the uncorrected root, and the decay mask is strict and reads the update.
+    The result is rounded to nearest into the parameter (bf16 or fp32); Adam keeps no mantissa.
     """
-    lr, decay, beta1, beta2, bias1, bias2, eps = hp[0], hp[1], hp[2], hp[3], hp[4], hp[5], hp[6]
+    step_size, decay, beta1, beta2, eps = hp[0], hp[1], hp[2], hp[3], hp[4]
     g = grad.float()
-    exp_avg.lerp_(g, 1 - beta1)
-    exp_avg_sq.lerp_(g.square(), 1 - beta2)
-    update = (exp_avg / bias1) / ((exp_avg_sq / bias2).sqrt() + eps)
-    p = _master_fp32(param, mantissa)
-    mask = (update * p >= 0).float()
-    p = p - lr * update - (decay * mask) * p
-    _store_master(p, param, mantissa)
+    exp_avg.mul_(beta1).add_(g * (1 - beta1))
+    exp_avg_sq.mul_(beta2).add_(g.square() * (1 - beta2))
+    u = step_size * exp_avg / (exp_avg_sq.sqrt() + eps)
+    p = param.float()
+    u = u + (u * p > 0).float() * decay * p
+    param.copy_(p - u)
 
 
 ADAM_CPU_CHUNK = 1 << 16  # elements per slice of the CPU Adam update (its temporaries stay in cache)
 
 
-def _adam_update_sliced(grad, exp_avg, exp_avg_sq, param, mantissa, hp):
+def _adam_update_sliced(grad, exp_avg, exp_avg_sq, param, hp):
     """_adam_update one flat slice at a time on a CPU. The update is elementwise, so the result is the
     same bits; full-size temporaries would instead be allocated, page-faulted and streamed from memory
     a dozen times per step, which made Adam over the embedding tables the CPU demo's slowest part."""
-    tensors = (grad, exp_avg, exp_avg_sq, param) + ((mantissa,) if mantissa is not None else ())
+    tensors = (grad, exp_avg, exp_avg_sq, param)
     if grad.is_cuda or grad.numel() <= ADAM_CPU_CHUNK or not all(t.is_contiguous() for t in tensors):
-        return _adam_update(grad, exp_avg, exp_avg_sq, param, mantissa, hp)
+        return _adam_update(grad, exp_avg, exp_avg_sq, param, hp)
     flat = [t.view(-1) for t in tensors]
     for a in range(0, grad.numel(), ADAM_CPU_CHUNK):
-        g, m, v, p, *rest = (t[a: a + ADAM_CPU_CHUNK] for t in flat)
-        _adam_update(g, m, v, p, rest[0] if rest else None, hp)
-
-
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or getattr(dist, "reduce_scatter_tensor", None)
-_all_gather = getattr(dist, "all_gather_single", None) or getattr(dist, "all_gather_into_tensor", None)
+        _adam_update(*(t[a: a + ADAM_CPU_CHUNK] for t in flat), hp)
 
 
 class CommLayer:
@@ -642,7 +666,7 @@ class CommLayer:
     def reduce_scatter_avg(self, label, out, inp):
         W = self.world_size
         self._count(label, "reduce_scatter", inp.numel() * inp.element_size() * (W - 1) / W)
-        return _reduce_scatter(out, inp, op=dist.ReduceOp.AVG, group=self.group, async_op=True)
+        return dist.reduce_scatter_tensor(out, inp, op=dist.ReduceOp.AVG, group=self.group, async_op=True)
 
     def all_reduce_avg(self, label, t):
         W = self.world_size
@@ -651,7 +675,7 @@ class CommLayer:
 
     def all_gather(self, label, out, shard):
         self._count(label, "all_gather", shard.numel() * shard.element_size() * (self.world_size - 1))
-        return _all_gather(out, shard, group=self.group, async_op=True)
+        return dist.all_gather_into_tensor(out, shard, group=self.group, async_op=True)
 
     def all_to_all(self, label, out, inp, out_splits=None, in_splits=None):
         row_bytes = inp[:1].numel() * inp.element_size() if inp.numel() else 0
@@ -837,7 +861,7 @@ class NorMuonAdam:
         else:
             st["exp_avg"] = torch.zeros(shard, dtype=torch.float32, device=dev)
             st["exp_avg_sq"] = torch.zeros(shard, dtype=torch.float32, device=dev)
-        if slot.param.dtype == torch.bfloat16:
+        if slot.param.dtype == torch.bfloat16 and slot.cfg.optimizer == "normuon":
             st["mantissa"] = torch.zeros(shard, dtype=torch.uint16, device=dev)
         return st
 
@@ -858,13 +882,13 @@ class NorMuonAdam:
             cfg = self.slots[label].cfg
             if cfg.optimizer == "normuon":
                 lr = self.normuon_lr * lr_scale
-                rows.append([lr, lr * self.normuon_wd * cfg.wd_mul, momentum, self.normuon_beta2, 0.0, 0.0, 0.0])
+                rows.append([lr, self.normuon_wd * cfg.wd_mul * lr, momentum, self.normuon_beta2, 0.0])
             else:
-                lr = self.adam_lr * lr_scale
+                lr = self.adam_lr * lr_scale * cfg.lr_mul
                 t = self.adam_steps[label] + 1
                 b1, b2 = cfg.betas
-                rows.append([lr * cfg.lr_mul, lr * lr * self.adam_wd * cfg.wd_mul, b1, b2,
-                             1.0 - b1 ** t, 1.0 - b2 ** t, self.adam_eps])
+                rows.append([lr * math.sqrt(1.0 - b2 ** t) / (1.0 - b1 ** t), lr * lr * self.adam_wd * cfg.wd_mul,
+                             b1, b2, self.adam_eps])
         if not rows:
             return {}
         hp = torch.tensor(rows, dtype=torch.float32)
@@ -911,13 +935,14 @@ class NorMuonAdam:
             rows = (grad != 0).flatten(1).any(dim=1).nonzero().view(-1).cpu()
         send_counts = torch.bincount(rows // k, minlength=W)
         meta = torch.stack([send_counts, torch.full((W,), rows.numel(), dtype=torch.int64)], dim=1)
-        recv_meta = torch.empty_like(meta, device=dev)
-        self.comm.all_to_all(slot.label, recv_meta, meta.to(dev)).wait()
-        recv_meta = recv_meta.cpu()
+        # Counts travel as CPU tensors (gloo; on GPUs the process group is "cuda:nccl,cpu:gloo"), so the
+        # host knows the split sizes without waiting for the GPU, as in the record.
+        recv_meta = torch.empty_like(meta)
+        self.comm.all_to_all(slot.label, recv_meta, meta).wait()
         if int(recv_meta[:, 1].max()) > self.sparse_threshold * slot.rows:
             return _SparsePlan(dense=True)
         send, recv = send_counts.tolist(), recv_meta[:, 0].tolist()
-        rows = rows.to(dev)
+        rows = rows.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else rows
         recv_rows = torch.empty(sum(recv), dtype=torch.int64, device=dev)
         work = self.comm.all_to_all(slot.label, recv_rows, rows, recv, send)
         return _SparsePlan(False, rows, send, recv, recv_rows, work)
@@ -986,7 +1011,7 @@ class NorMuonAdam:
             self._normuon_fn(grad, st["momentum_buffer"], st["second_moment"], shard, st.get("mantissa"),
                              self._matrix_lr[slot.label], hp, self.orthogonalize)
         else:
-            self._adam_fn(grad, st["exp_avg"], st["exp_avg_sq"], shard, st.get("mantissa"), hp)
+            self._adam_fn(grad, st["exp_avg"], st["exp_avg_sq"], shard, hp)
             self.adam_steps[slot.label] += 1
         if not slot.sharded:
             return None
@@ -1026,19 +1051,21 @@ class NorMuonAdam:
         # phase 1: scatter
         reduced = {label: self._scatter(self.slots[label]) for label in active}
         # phase 2: work
-        gathers = []
+        gathers = {}
         active_set = set(active)
         for label in self.work_order:
             if label in active_set:
                 done = self._work(self.slots[label], reduced[label](), hps[label])
                 if done is not None:
-                    gathers.append(done)
-        # phase 3: finalize
-        for done in gathers:
-            done()
+                    gathers[label] = done
+        # phase 3: finalize. The head's gather is waited on first, so the tied embedding is refreshed
+        # while the other gathers are still in flight.
         if self.tied and do_adam:
             embed, head = (self.slots[t].param for t in self.tied)
+            gathers.pop(self.tied[1], lambda: None)()
             triton_kernels.transpose_copy(head.data, embed.data)
+        for done in gathers.values():
+            done()
         for label in active:
             self.slots[label].param.grad = None
 
@@ -1109,56 +1136,66 @@ class NorMuonAdam:
 
 
 # ----------------------------------------------------------------------------------------------
-# Model (SPEC section 3)
+# Model (README "Model")
 # ----------------------------------------------------------------------------------------------
 
 # Layout of one forward pass over a packed batch of T tokens (batch 1, several documents):
-#   e = embed[ids]; smear: e[t] += lambda * gate(e[t]) * e[t-1] (not across a document start)
-#   x0 = x = rms_norm(e)
-#   layer i: (skip_to: x += gate(x) * output of skip_from)
-#            u = x + bigram_lambda[i] * bigram_embed[hash(prev, cur)]
-#            h = attention(rms_norm(u))            (absent on no_attention_layers)
-#            m = mlp(rms_norm(u + h))
-#            x = resid[i] * u + post[i] * (h + m) + x0_lambda[i] * x0
+#   e = embed[ids]; smear: e[t] += smear_lambda * sigmoid(smear_gate . e[t][:12]) * e[t-1]
+#   x0 = rms_norm(e);  xb = bigram_embed[hash(prev, cur)];  x = x0 + bigram_lambdas[0] * xb
+#   layer i: skip_to layer: x += sigmoid(skip_lambda) * 2 sigmoid(skip_gate . x0[:12]) * (output of skip_from)
+#            attention sublayer (absent on no_attention_layers):
+#              x = resid_lambdas[i,0] x + post_lambdas[i,0] attn(rms_norm(x)) + x0_lambdas[i] x0
+#              x += bigram_lambdas[i] xb                                     (i > 0)
+#            MLP sublayer:  x = resid_lambdas[i,1] x + post_lambdas[i,1] mlp(rms_norm(x))
 #   x = rms_norm(x - backout_lambda * output of backout_layer); logits = softcap(x @ lm_head)
+# Attention: q, k, v = x (qkv_lambda W_qkv)^T, QK rms-norm, rotary on half of each head, value
+# embeddings added to v with per-head gates 2 sigmoid(W [x[:6], ve[:6]]), out = y (o_lambda W_o)^T.
 #
-# Parameters and their labels (the optimizer configures itself by label):
-#   qk_bank      (Nqk, H*hd, D) bf16  [2j] = Q, [2j+1] = K of the j-th attention layer, (out, in)
-#   vo_bank      (Nqk, H*hd, D) bf16  [2j] = V (out, in), [2j+1] = output projection (out=D, in=H*hd)
+# Parameters and their labels (the optimizer configures itself by label; README "Per-label table"):
+#   qk_bank      (Nqk, 2*hd, D) bf16  per attention layer j: H/2 Q groups then H/2 K groups of two
+#                heads each ((out, in), 2*hd rows), so layer j's rows [Q; K] are qk_bank[H*j : H*j + H]
+#   vo_bank      (Nvo, D, D) bf16  [2j] = V (out, in), [2j+1] = output projection (out, in)
 #   mlp_bank     (Nmlp, hidden, D) bf16  [2i] = up (out, in), [2i+1] = down stored (in, out)
-#                Banks are padded with zero matrices to a multiple of the world size; model.bank_roles
-#                names every entry ("q.3", "down.7", "pad", ...).
+#                Banks are padded with zero matrices to a multiple of the world size (an up-projection
+#                pad is initialised like the real ones, as in the record); model.bank_roles names every
+#                entry ("q.3.0", "down.7", "pad", ...).
 #   embed        (Vp, D) bf16   token embedding. While tied it is a copy of lm_head^T kept equal by the
 #                optimizer (which folds embed.grad^T into lm_head.grad): the forward always reads embed,
 #                so untying changes nothing here.
 #   lm_head      (D, Vp) bf16   stored (in, out) so the FP8 op gets it without a transpose
-#   value_embed  (n_ve, Vp, D) bf16  one table per value_embed_layers entry
+#   value_embeds (n_ve, Vp, D) bf16  one table per value_embed_layers entry
 #   bigram_embed (bigram_vocab_size, D) bf16, zero init
-#   scalars      (4L + 2,) fp32  [resid (L) | post (L) | x0_lambda (L) | bigram_lambda (L) | smear | backout]
-#   ve_gates     (n_ve, H, gate_channels) fp32   per-head value-embedding gates 2*sigmoid(W x[:12])
-#   smear_gate   (1, gate_channels) fp32;  skip_gate (1, gate_channels) fp32
-# Initialisation: Q, K, V, MLP-up uniform with std 0.5/sqrt(D); output projections and MLP-down zero
-# (each block starts as the identity); lm_head normal std 0.005 (logits ~0 so the loss starts at
-# ln(vocab)); value embeddings normal std 0.5 (the scale of V); bigram table and gates zero; resid and
-# post lambdas 1, x0 lambdas 0, bigram lambdas 0.1, smear and backout lambdas 0.
-# Parameters whose gradient is exactly zero at init (by the zero inits above, not by disconnection):
-# Q, K, V, value_embed and ve_gates (the output projection is zero), MLP-up (down is zero) and
-# smear_gate (smear lambda 0). They move from the second optimizer step on.
+#   scalars      (2L + 3,) fp32  [qkv_lambda, o_lambda] per layer, then smear, backout, skip lambdas
+#   resid_lambdas, post_lambdas (L, 2) fp32  [:, 0] attention sublayer, [:, 1] MLP sublayer
+#   x0_lambdas, bigram_lambdas (L,) fp32
+#   ve_gate_bank (n_ve, H, gate_channels) bf16;  smear_gate, skip_gate (1, gate_channels) bf16
+# Initialisation (the record's; README "Fidelity"): Q, K, V, MLP-up uniform with bound
+# sqrt(3) * 0.5 / sqrt(D) (1/32 at D = 768); output projections and MLP-down zero (each block starts as
+# the identity); lm_head normal std 0.005 and embed = lm_head^T; value embeddings 0.01 N(0, 1); bigram
+# table and all gates zero; qkv lambdas 0.5, o lambdas 1; resid lambdas sqrt(1.1) (1.046875 once cast
+# to bf16 at use), post lambdas 1; x0 lambdas 0, bigram lambdas 0.05; smear 0, backout 0.5, skip -1.5.
 
-YARN_ALPHA = 1.0   # frequencies turning fewer times than this over the reference window are fully interpolated
-YARN_BETA = 32.0   # ... and those turning more than this are left unchanged
 FLEX_BLOCK_SIZE = 128  # block-sparsity granularity of the GPU attention kernel
 EVAL_CHUNK_TOKENS = 8192  # evaluation computes logits and cross-entropy this many tokens at a time
+RMS_NORM_EPS = torch.finfo(torch.float32).eps  # F.rms_norm's own default for bf16 inputs (the record's)
 
 
 def norm(x: torch.Tensor) -> torch.Tensor:
-    """Weightless RMS norm over the last dim (explicit eps: bf16's own eps would swamp tiny inputs)."""
-    return F.rms_norm(x, (x.size(-1),), eps=1e-6)
+    """Weightless RMS norm over the last dim, eps = fp32 machine epsilon whatever the dtype."""
+    return F.rms_norm(x, (x.size(-1),), eps=RMS_NORM_EPS)
+
+
+def _wrap_int32(x):
+    """Two's-complement int32 wrap-around of int64 values (the record hashes in int32)."""
+    return (x + 2**31) % 2**32 - 2**31
 
 
 def bigram_hash(tokens, bigram_vocab_size: int):
-    """Hash of (previous, current) token for the bigram table: h[0] = B-1, then
-    h[t] = (36313*cur XOR 27191*prev) mod (B-1). Works on torch tensors and numpy arrays (int64 out)."""
+    """Hash of (previous, current) token for the bigram table, int32 arithmetic as in the record:
+    h[0] = B-1 (reserved), h[t] = ((36313*cur) XOR (27191*prev)) mod (B-1), with prev = tok[t-1] except at
+    position 1, where prev is the sentinel B-1 (the record reads prev after writing h[0]; 27191*(B-1)
+    wraps around in int32). mod is Python's, so h >= 0. Document starts are not special. Works on
+    torch tensors and numpy arrays (int64 out)."""
     mod = bigram_vocab_size - 1
     if isinstance(tokens, torch.Tensor):
         t = tokens.to(torch.int64)
@@ -1167,8 +1204,10 @@ def bigram_hash(tokens, bigram_vocab_size: int):
         t = np.asarray(tokens).astype(np.int64)
         out = np.empty_like(t)
     if len(t):
+        prev = t[:-1].clone() if isinstance(t, torch.Tensor) else t[:-1].copy()
+        prev[:1] = mod
         out[0] = mod
-        out[1:] = ((36313 * t[1:]) ^ (27191 * t[:-1])) % mod
+        out[1:] = _wrap_int32(_wrap_int32(36313 * t[1:]) ^ _wrap_int32(27191 * prev)) % mod
     return out
 
 
@@ -1272,39 +1311,49 @@ def block_attention_mask(doc_ids: torch.Tensor, window, pos_div: int = 1,
 
 
 def rotary_base_frequencies(head_dim: int) -> torch.Tensor:
-    """(head_dim/2,) angular frequencies: head_dim/4 of them (1/1024)^linspace(0, 1), then zeros, so
-    half of each head's dims rotate and the other half carry position-free content."""
-    n = head_dim // 4
-    f = (1 / 1024) ** torch.linspace(0, 1, n, dtype=torch.float32)
-    return torch.cat([f, torch.zeros(head_dim // 2 - n, dtype=torch.float32)])
+    """(head_dim/4,) angular frequencies (1/1024)^linspace(0, 1): 1 down to 1/1024 rad per position,
+    one per rotated pair; the other half of each head's dims carries position-free content."""
+    return (1 / 1024) ** torch.linspace(0, 1, head_dim // 4, dtype=torch.float32)
 
 
-def yarn_frequencies(base: torch.Tensor, ref_window: int, window: int) -> torch.Tensor:
-    """YaRN 'NTK-by-parts' rescale for a window grown from ref_window to window tokens.
-
-    A frequency making r = ref_window * f / 2pi turns over the reference window is kept if r >= beta
-    (its pattern inside the old window is unchanged), divided by s = window/ref_window if r <= alpha
-    (positional interpolation: the new window maps onto angles already seen), linear ramp in between.
-    A pure function of the current window, so shrinking back restores the base frequencies."""
-    s = window / ref_window
-    if s <= 1:
-        return base.clone()
-    ramp = ((ref_window * base / (2 * math.pi) - YARN_ALPHA) / (YARN_BETA - YARN_ALPHA)).clamp(0, 1)
-    return base * (ramp + (1 - ramp) / s)
+def yarn_update(freq: torch.Tensor, attn_scale: float, old: int, new: int) -> tuple[torch.Tensor, float]:
+    """One YaRN step for a long window grown from `old` to `new` tokens, applied to the current
+    (already rescaled) frequencies and softmax scale, as the record does at every stage start:
+    r = old * f / 2pi turns over the old window; w = clamp((r - 1) / 31, 0, 1);
+    f <- f * (old/new + w * (1 - old/new)), i.e. slow frequencies are interpolated, fast ones kept;
+    scale <- scale * (1 + 0.2 ln(new/old))."""
+    ratio = old / new
+    w = ((old * freq / (2 * math.pi) - 1) / 31).clamp(0, 1)
+    return freq * (ratio + w * (1 - ratio)), attn_scale * (1 + 0.2 * math.log(new / old))
 
 
-def yarn_attention_scale(base_scale: float, ref_window: int, window: int) -> float:
-    """Softmax scale after a window growth: YaRN's (0.1 ln s + 1) on both q and k, i.e. squared on
-    the logits, which keeps attention entropy roughly constant as more keys become visible."""
-    s = max(window / ref_window, 1.0)
-    return base_scale * (1 + 0.1 * math.log(s)) ** 2
+def yarn_state(args: Hyperparameters, long_blocks: int) -> tuple[torch.Tensor, float]:
+    """Rotary frequencies and softmax scale at a long window of `long_blocks` blocks: the YaRN updates
+    compound along the schedule's long windows (windows_init, each stage, the extension) up to it, so
+    the state is a function of the window alone (warm-up and resume land on the same values)."""
+    bs = args.window_block_size
+    freq = rotary_base_frequencies(args.head_dim)
+    scale = args.attn_scale * math.sqrt(128 / args.head_dim)
+    chain = [args.windows_init[1]] + [w[1] for w in (*args.stage_windows, args.extension_windows)]
+    chain = [w for w in dict.fromkeys(chain) if w < long_blocks] + [long_blocks]
+    old = chain[0]
+    for new in chain[1:]:
+        if new > old:
+            freq, scale = yarn_update(freq, scale, old * bs, new * bs)
+            old = new
+    return freq, scale
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate pairs (x[..., i], x[..., i + hd/2]) of x (T, H, hd) by the angles behind cos/sin (T, hd/2)."""
-    x1, x2 = x.chunk(2, dim=-1)
+    """Rotate the first half of each head of x (T, H, hd) as hd/4 interleaved pairs (2j, 2j+1) by the
+    angles behind cos/sin (T, hd/4): out[2j] = c x[2j] + s x[2j+1], out[2j+1] = c x[2j+1] - s x[2j].
+    The second half is unrotated."""
+    T, H, hd = x.shape
+    rot, rest = x.split(hd // 2, dim=-1)
+    x0, x1 = rot.view(T, H, hd // 4, 2).unbind(-1)
     c, s = cos[:, None, :], sin[:, None, :]
-    return torch.cat([x1 * c + x2 * s, x2 * c - x1 * s], dim=-1)
+    rot = torch.stack([x0 * c + x1 * s, x1 * c - x0 * s], dim=-1).view(T, H, hd // 2)
+    return torch.cat([rot, rest], dim=-1)
 
 
 def _check_model_args(args: Hyperparameters, world_size: int) -> None:
@@ -1338,8 +1387,10 @@ def _check_model_args(args: Hyperparameters, world_size: int) -> None:
         clash = sorted(set(getattr(args, name)) & set(args.no_attention_layers))
         if clash:
             fail(f"--{name} names layers {clash} that are in --no_attention_layers; remove them from one")
-    if args.paired_head_layers and args.num_heads % 2:
-        fail(f"--paired_head_layers needs an even --num_heads, got {args.num_heads}; or pass --paired_head_layers '()'")
+    if args.num_heads % 2:
+        fail(f"--num_heads must be even (Q and K live in the qk_bank as groups of two heads), got {args.num_heads}")
+    if args.gate_channels % 2:
+        fail(f"--gate_channels must be even (value-embedding gates read half from x, half from ve), got {args.gate_channels}")
     for name in ("skip_from_layer", "skip_to_layer", "backout_layer"):
         if not 0 <= getattr(args, name) < L:
             fail(f"--{name} must be a layer index in 0..{L - 1}, got {getattr(args, name)}")
@@ -1351,9 +1402,10 @@ def _check_model_args(args: Hyperparameters, world_size: int) -> None:
 
 class GPT(nn.Module):
     """The speedrun transformer (see the layout comment above). GPT(args, world_size) pads the banks
-    so every rank owns whole matrices."""
+    so every rank owns whole matrices. dtype is the storage and compute dtype of the bf16 parameters
+    (bf16; fp32 on CPUs without fast bf16 matmuls, README "CPU dtype")."""
 
-    def __init__(self, args: Hyperparameters, world_size: int = 1):
+    def __init__(self, args: Hyperparameters, world_size: int = 1, dtype: torch.dtype = torch.bfloat16):
         super().__init__()
         _check_model_args(args, world_size)
         self.args = args
@@ -1366,36 +1418,39 @@ class GPT(nn.Module):
         def padded(n):
             return -(-n // world_size) * world_size
 
-        n_qk, n_mlp = padded(2 * len(self.attn_layers)), padded(2 * L)
-        bf16, fp32 = torch.bfloat16, torch.float32
-        self.qk_bank = nn.Parameter(torch.empty(n_qk, H * hd, D, dtype=bf16))
-        self.vo_bank = nn.Parameter(torch.empty(n_qk, H * hd, D, dtype=bf16))
-        self.mlp_bank = nn.Parameter(torch.empty(n_mlp, args.mlp_hidden, D, dtype=bf16))
-        self.embed = nn.Parameter(torch.empty(V, D, dtype=bf16))
-        self.lm_head = nn.Parameter(torch.empty(D, V, dtype=bf16))
-        self.value_embed = nn.Parameter(torch.empty(len(args.value_embed_layers), V, D, dtype=bf16))
-        self.bigram_embed = nn.Parameter(torch.empty(args.bigram_vocab_size, D, dtype=bf16))
-        self.scalars = nn.Parameter(torch.empty(4 * L + 2, dtype=fp32))
-        self.ve_gates = nn.Parameter(torch.empty(len(args.value_embed_layers), H, C, dtype=fp32))
-        self.smear_gate = nn.Parameter(torch.empty(1, C, dtype=fp32))
-        self.skip_gate = nn.Parameter(torch.empty(1, C, dtype=fp32))
+        n_attn = len(self.attn_layers)
+        n_qk, n_vo, n_mlp = padded(H * n_attn), padded(2 * n_attn), padded(2 * L)
+        fp32 = torch.float32
+        self.qk_bank = nn.Parameter(torch.empty(n_qk, 2 * hd, D, dtype=dtype))
+        self.vo_bank = nn.Parameter(torch.empty(n_vo, H * hd, D, dtype=dtype))
+        self.mlp_bank = nn.Parameter(torch.empty(n_mlp, args.mlp_hidden, D, dtype=dtype))
+        self.scalars = nn.Parameter(torch.empty(2 * L + 3, dtype=fp32))
+        self.smear_gate = nn.Parameter(torch.empty(1, C, dtype=dtype))
+        self.ve_gate_bank = nn.Parameter(torch.empty(len(args.value_embed_layers), H, C, dtype=dtype))
+        self.lm_head = nn.Parameter(torch.empty(D, V, dtype=dtype))
+        self.bigram_embed = nn.Parameter(torch.empty(args.bigram_vocab_size, D, dtype=dtype))
+        self.post_lambdas = nn.Parameter(torch.empty(L, 2, dtype=fp32))
+        self.resid_lambdas = nn.Parameter(torch.empty(L, 2, dtype=fp32))
+        self.value_embeds = nn.Parameter(torch.empty(len(args.value_embed_layers), V, D, dtype=dtype))
+        self.embed = nn.Parameter(torch.empty(V, D, dtype=dtype))
+        self.x0_lambdas = nn.Parameter(torch.empty(L, dtype=fp32))
+        self.bigram_lambdas = nn.Parameter(torch.empty(L, dtype=fp32))
+        self.skip_gate = nn.Parameter(torch.empty(1, C, dtype=dtype))
         for name, p in self.named_parameters():
             p.label = name
 
-        attn_roles = [f"{kind}.{layer}" for layer in self.attn_layers for kind in ("q", "k")]
+        qk_roles = [f"{kind}.{layer}.{g}" for layer in self.attn_layers for kind in ("q", "k") for g in range(H // 2)]
         vo_roles = [f"{kind}.{layer}" for layer in self.attn_layers for kind in ("v", "o")]
         mlp_roles = [f"{kind}.{layer}" for layer in range(L) for kind in ("up", "down")]
         self.bank_roles = {
-            "qk_bank": attn_roles + ["pad"] * (n_qk - len(attn_roles)),
-            "vo_bank": vo_roles + ["pad"] * (n_qk - len(vo_roles)),
+            "qk_bank": qk_roles + ["pad"] * (n_qk - len(qk_roles)),
+            "vo_bank": vo_roles + ["pad"] * (n_vo - len(vo_roles)),
             "mlp_bank": mlp_roles + ["pad"] * (n_mlp - len(mlp_roles)),
         }
 
         # Window state: changed in place by set_windows so compiled graphs see new values, not new code.
-        self.base_attn_scale = 0.12 * math.sqrt(128 / hd)  # 0.12 at head_dim 128 (QK-normed logits)
-        self.register_buffer("rotary_base", rotary_base_frequencies(hd), persistent=False)
         self.register_buffer("rotary_freq", rotary_base_frequencies(hd))
-        self.register_buffer("attn_scale", torch.tensor(self.base_attn_scale, dtype=fp32))
+        self.register_buffer("attn_scale", torch.tensor(0.0, dtype=fp32))
         self.register_buffer("windows", torch.zeros(2, dtype=torch.int32))  # (short, long) in tokens
         self.reset_parameters()
         self.set_windows(*args.windows_init)
@@ -1408,51 +1463,56 @@ class GPT(nn.Module):
     @torch.no_grad()
     def reset_parameters(self) -> None:
         L, D = self.args.num_layers, self.args.model_dim
-        bound = math.sqrt(3) * 0.5 / math.sqrt(D)  # uniform with std 0.5/sqrt(D)
-        n_attn = len(self.attn_layers)
+        bound = math.sqrt(3) * 0.5 / math.sqrt(D)  # uniform with std 0.5/sqrt(D): 1/32 at D = 768
+
+        def uniform_(t):  # drawn in fp32, then cast (the record's order)
+            t.copy_(torch.empty(t.shape, dtype=torch.float32, device=t.device).uniform_(-bound, bound))
+
         for bank in (self.qk_bank, self.vo_bank, self.mlp_bank):
             bank.zero_()
-        self.qk_bank[: 2 * n_attn].uniform_(-bound, bound)
-        self.vo_bank[0: 2 * n_attn: 2].uniform_(-bound, bound)   # V; output projections stay zero
-        self.mlp_bank[0: 2 * L: 2].uniform_(-bound, bound)       # up; down stays zero
+        uniform_(self.qk_bank[: len(self.bank_roles["qk_bank"]) - self.bank_roles["qk_bank"].count("pad")])
+        uniform_(self.vo_bank[0: 2 * len(self.attn_layers): 2])  # V; output projections stay zero
+        uniform_(self.mlp_bank[0::2])  # up (a padding up-projection too); down stays zero
         self.lm_head.normal_(0.0, 0.005)
         self.embed.copy_(self.lm_head.T)
-        self.value_embed.normal_(0.0, 0.5)
+        self.value_embeds.normal_(0.0, 1.0).mul_(0.01)
         self.bigram_embed.zero_()
         s = self.scalars
-        s.zero_()
-        s[0:L] = 1.0           # resid lambdas
-        s[L:2 * L] = 1.0       # post lambdas
-        s[3 * L:4 * L] = 0.1   # bigram lambdas (x0 lambdas, smear and backout stay 0)
-        self.ve_gates.zero_()   # gates start at 2*sigmoid(0) = 1 (value embeddings) and 0.5 (skip, smear)
-        self.smear_gate.zero_()
-        self.skip_gate.zero_()
+        s[0: 2 * L: 2] = 0.5   # qkv lambdas (q and k are normed next, so in effect v's scale)
+        s[1: 2 * L: 2] = 1.0   # o lambdas
+        s[2 * L:] = torch.tensor([0.0, 0.5, -1.5])  # smear, backout, skip
+        self.resid_lambdas.fill_(math.sqrt(1.1))
+        self.post_lambdas.fill_(1.0)
+        self.x0_lambdas.zero_()
+        self.bigram_lambdas.fill_(0.05)
+        for gate in (self.smear_gate, self.ve_gate_bank, self.skip_gate):
+            gate.zero_()
 
     @torch.no_grad()
-    def set_windows(self, short_blocks: int, long_blocks: int) -> None:
-        """Set the sliding windows (in window_block_size blocks) and the matching YaRN state.
-
-        Frequencies and softmax scale are a function of the long window relative to windows_init's long
-        window, so any order of calls (including going back to the start after a warm-up) is exact."""
-        for name, v in (("short", short_blocks), ("long", long_blocks)):
-            if not isinstance(v, (int, np.integer)) or v < 1:
+    def set_windows(self, short_blocks: int, long_blocks: int, yarn_blocks: int | None = None) -> None:
+        """Set the sliding windows (in window_block_size blocks) and the YaRN state of the long window
+        yarn_blocks (default: long_blocks; the final validation widens the window without a YaRN step).
+        The state is a function of the window (yarn_state), so any order of calls is exact."""
+        for name, v in (("short", short_blocks), ("long", long_blocks), ("yarn", yarn_blocks)):
+            if v is not None and (not isinstance(v, (int, np.integer)) or v < 1):
                 raise ValueError(f"set_windows: {name} window must be a block count >= 1, got {v!r}")
         short_blocks, long_blocks = int(short_blocks), int(long_blocks)
-        bs = self.args.window_block_size
-        ref, long_tokens = self.args.windows_init[1] * bs, long_blocks * bs
-        if not self.args.window_schedule:  # fixed windows: the last stage's, which are also the reference
+        yarn_blocks = long_blocks if yarn_blocks is None else int(yarn_blocks)
+        if not self.args.window_schedule:  # fixed windows: the last stage's from step 0, no YaRN steps
             short_blocks, long_blocks = (int(w) for w in self.args.stage_windows[-1])
-            ref = long_tokens = long_blocks * bs
-        self.windows.copy_(torch.tensor([short_blocks * bs, long_tokens], dtype=torch.int32))
-        self.window_tokens = (short_blocks * bs, long_tokens)  # the CPU attention's band, as Python ints
-        self.rotary_freq.copy_(yarn_frequencies(self.rotary_base, ref, long_tokens))
-        self.attn_scale.fill_(yarn_attention_scale(self.base_attn_scale, ref, long_tokens))
+            yarn_blocks = self.args.windows_init[1]
+        bs = self.args.window_block_size
+        self.windows.copy_(torch.tensor([short_blocks * bs, long_blocks * bs], dtype=torch.int32))
+        self.window_tokens = (short_blocks * bs, long_blocks * bs)  # the CPU attention's band, as Python ints
+        freq, scale = yarn_state(self.args, yarn_blocks)
+        self.rotary_freq.copy_(freq)
+        self.attn_scale.fill_(scale)
 
     # -- forward -------------------------------------------------------------------------------
 
     def _gate(self, weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """sigmoid(W x[:, :gate_channels]) in fp32, (T, out)."""
-        return torch.sigmoid(x[:, : self.args.gate_channels].float() @ weight.T)
+        """sigmoid(x[:, :gate_channels] W^T) in x's dtype, (T, out)."""
+        return torch.sigmoid(F.linear(x[:, : self.args.gate_channels], weight.to(x.dtype)))
 
     def _attend(self, q, k, v, doc, long: bool, paired: bool, masks: dict) -> torch.Tensor:
         """Masked softmax attention of (T, H, hd) q, k, v (q already carries the softmax scale)."""
@@ -1485,60 +1545,67 @@ class GPT(nn.Module):
         return y[0].transpose(0, 1)
 
     def _attention(self, i, xn, ids, doc, cos, sin, masks, w) -> torch.Tensor:
-        T, H, hd = xn.shape[0], self.args.num_heads, self.args.head_dim
+        a = self.args
+        T, H, hd, half = xn.shape[0], a.num_heads, a.head_dim, a.gate_channels // 2
         j = self.attn_slot[i]
-        w_qkv = torch.cat([w["qk"][2 * j], w["qk"][2 * j + 1], w["vo"][2 * j]])
-        q, k, v = F.linear(xn, w_qkv).view(T, 3, H, hd).unbind(1)
-        q = apply_rotary(norm(q), cos, sin) * self.attn_scale
+        lam_qkv, lam_o = self.scalars[2 * i].to(xn.dtype), self.scalars[2 * i + 1].to(xn.dtype)
+        w_qkv = torch.cat([*w["qk"][H * j: H * j + H], w["vo"][2 * j]])  # [Q; K; V]
+        q, k, v = F.linear(xn, lam_qkv * w_qkv).view(T, 3, H, hd).unbind(1)
+        q = apply_rotary(norm(q), cos, sin) * self.attn_scale.to(xn.dtype)
         k = apply_rotary(norm(k), cos, sin)
-        if i in self.ve_slot and self.args.value_embeds:
+        if i in self.ve_slot and a.value_embeds:
             jv = self.ve_slot[i]
-            ve = F.embedding(ids, w["ve"][jv]).view(T, H, hd)
-            v = v + (2 * self._gate(self.ve_gates[jv], xn)).to(v.dtype)[..., None] * ve
-        paired = self.args.paired_heads and i in self.args.paired_head_layers
-        y = self._attend(q, k, v, doc, i in self.args.long_window_layers, paired, masks)
-        return F.linear(y.reshape(T, H * hd), w["vo"][2 * j + 1])
+            ve = F.embedding(ids, w["ve"][jv])
+            gate_in = torch.cat([xn[:, :half], ve[:, :half]], dim=-1)
+            v = v + 2 * self._gate(self.ve_gate_bank[jv], gate_in)[..., None] * ve.view(T, H, hd)
+        paired = a.paired_heads and i in a.paired_head_layers
+        y = self._attend(q, k, v, doc, i in a.long_window_layers, paired, masks)
+        return F.linear(y.reshape(T, H * hd), lam_o * w["vo"][2 * j + 1])
 
     def hidden(self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor, bigram_ids: torch.Tensor) -> torch.Tensor:
-        """Final normalised hidden states (T, D) bf16, the input of the LM head."""
+        """Final normalised hidden states (T, D), the input of the LM head."""
         a, s = self.args, self.scalars
         L = a.num_layers
         ids = input_ids.view(-1)
         T = ids.numel()
         doc = document_ids(cu_seqlens, T)
-        same_doc = doc[1:] == doc[:-1]  # (T-1,): position t+1 continues the document of t
-        # A bigram straddling a document start would leak the previous document: use the "no previous
-        # token" row there, as at position 0.
-        first = torch.cat([same_doc.new_zeros(1), same_doc])
-        bigram_ids = torch.where(first, bigram_ids.view(-1), a.bigram_vocab_size - 1)
 
         e = F.embedding(ids, self.embed)
-        if a.smear:
-            smear = (s[4 * L] * self._gate(self.smear_gate, e[1:]) * same_doc[:, None]).to(e.dtype)
-            e = torch.cat([e[:1], e[1:] + smear * e[:-1]])
-        x0 = x = norm(e)
-        bigram = F.embedding(bigram_ids, self.bigram_embed) if a.bigram_embed else None
+        dt = e.dtype
+        if a.smear:  # crosses document starts, as in the record
+            e = torch.cat([e[:1], e[1:] + s[2 * L].to(dt) * self._gate(self.smear_gate, e[1:]) * e[:-1]])
+        x0 = norm(e)
+        xb = F.embedding(bigram_ids.view(-1), self.bigram_embed) if a.bigram_embed else None
+        x = x0 if xb is None else x0 + self.bigram_lambdas[0].to(dt) * xb
+        resid, post = self.resid_lambdas.to(dt), self.post_lambdas.to(dt)
+        x0_lam, bigram_lam = self.x0_lambdas.to(dt), self.bigram_lambdas.to(dt)
 
         angles = torch.arange(T, device=ids.device, dtype=torch.float32)[:, None] * self.rotary_freq[None, :]
-        cos, sin = angles.cos().to(e.dtype), angles.sin().to(e.dtype)
+        cos, sin = angles.cos().to(dt), angles.sin().to(dt)
         masks: dict = {}
         # One unbind per stacked parameter: its backward stacks all matrix gradients into one buffer,
         # where indexing bank[i] would allocate and add a whole-bank zero gradient per use.
-        w = {"qk": self.qk_bank.unbind(0), "vo": self.vo_bank.unbind(0), "ve": self.value_embed.unbind(0)}
+        w = {"qk": self.qk_bank.unbind(0), "vo": self.vo_bank.unbind(0), "ve": self.value_embeds.unbind(0)}
         mlp = self.mlp_bank.unbind(0)
         skip = backout = None
         for i in range(L):
             if i == a.skip_to_layer and a.unet_skip:
-                x = x + self._gate(self.skip_gate, x).to(x.dtype) * skip
-            u = x if bigram is None else x + s[3 * L + i] * bigram
-            h = self._attention(i, norm(u), ids, doc, cos, sin, masks, w) if i in self.attn_slot else None
-            m = triton_kernels.relu2_mlp(norm(u if h is None else u + h), mlp[2 * i], mlp[2 * i + 1])
-            x = s[i] * u + s[L + i] * (m if h is None else h + m) + s[2 * L + i] * x0
+                skip_gate = 2 * self._gate(self.skip_gate, x0)
+                x = x + torch.sigmoid(s[2 * L + 2]).to(dt) * skip_gate * skip
+            if i in self.attn_slot:
+                h = self._attention(i, norm(x), ids, doc, cos, sin, masks, w)
+                x = resid[i, 0] * x + post[i, 0] * h + x0_lam[i] * x0
+                if i > 0 and xb is not None:
+                    x = x + bigram_lam[i] * xb
+            m = triton_kernels.relu2_mlp(norm(x), mlp[2 * i], mlp[2 * i + 1])
+            x = resid[i, 1] * x + post[i, 1] * m
             if i == a.skip_from_layer:
                 skip = x
             if i == a.backout_layer:
                 backout = x
-        return norm(x - s[4 * L + 1] * backout if a.backout else x)
+        if a.backout:
+            x = x - s[2 * L + 1].to(dt) * backout
+        return norm(x)
 
     def logits(self, input_ids, cu_seqlens, bigram_ids) -> torch.Tensor:
         """Softcapped fp32 logits (T, Vp) of the plain bf16 head (evaluation and tests)."""
@@ -1572,7 +1639,7 @@ def count_parameters(args: Hyperparameters, world_size: int = 1) -> dict[str, tu
 
 
 # ----------------------------------------------------------------------------------------------
-# Shard files: 256 x int32 header + uint16 GPT-2 token ids (SPEC section 2)
+# Shard files: 256 x int32 header + uint16 GPT-2 token ids (README "Data")
 # ----------------------------------------------------------------------------------------------
 
 SHARD_MAGIC = 20240520
@@ -1670,7 +1737,7 @@ def gpt2_encoding(rank_file: str | None = GPT2_TIKTOKEN_FILE):
 
 
 # ----------------------------------------------------------------------------------------------
-# Data loader: BOS-aligned packed batches with document boundaries and bigram ids (SPEC section 2)
+# Data loader: BOS-aligned packed batches with document boundaries and bigram ids (README "Data")
 # ----------------------------------------------------------------------------------------------
 
 
@@ -1793,7 +1860,7 @@ def validation_batches(pattern: str, num_tokens: int, seq_len: int, bigram_vocab
 
 
 # ----------------------------------------------------------------------------------------------
-# Schedule: what every step runs with (SPEC section 6)
+# Schedule: what every step runs with (README "Schedule")
 # ----------------------------------------------------------------------------------------------
 
 
@@ -1816,7 +1883,8 @@ def stage_starts(args: Hyperparameters) -> tuple[int, int]:
 
 
 def untie_step(args: Hyperparameters) -> int:
-    """Embedding and LM head separate at 2/3 of training, on an odd (Adam) step."""
+    """The last tied step: stage 3's first step made odd (847), so it is an Adam step; the embedding
+    gets its own Adam state (the head's, transposed) right after it, and its first own update is 849."""
     step = stage_starts(args)[1]
     return step if step % 2 else step + 1
 
@@ -1826,34 +1894,49 @@ def total_steps(args: Hyperparameters) -> int:
 
 
 def plan_step(args: Hyperparameters, step: int) -> StepPlan:
-    n = args.num_iterations
+    """Everything that changes with the step (README "Schedule"), for the speedrun:
+    lr multiplier s: the stage's multiplier until cd = int(0.4 * 1270) = 508, then
+        stage_mult * (1 - t) + 0.15 * t with t = (step - cd) / (1270 - cd), so s jumps up at 847;
+    momentum: 0.85 -> 0.95 over steps 0-300, 0.95, then down over the last 50 steps of the 1285;
+    MTP weights: linear in (step - stage start) / (stage end - stage start)."""
+    n, total = args.num_iterations, total_steps(args)
     bounds = (0, *stage_starts(args), n)
     stage = 3 if step >= n else sum(step >= b for b in bounds[1:3])
     s = min(stage, 2)
     if stage == 3:
         mtp, windows = args.stage_mtp_end[2], args.extension_windows
     else:
-        frac = (step - bounds[s]) / max(1, bounds[s + 1] - bounds[s] - 1)
+        frac = (step - bounds[s]) / (bounds[s + 1] - bounds[s])
         mtp = tuple(a + (b - a) * frac for a, b in zip(args.stage_mtp_start[s], args.stage_mtp_end[s]))
         windows = args.stage_windows[s]
-    cooldown_at = args.cooldown_start * n
+    cooldown_at = int(args.cooldown_start * n)
     if step >= n:
         lr_mult = args.final_lr_mult
     elif step < cooldown_at:
         lr_mult = args.stage_lr_mult[s]
     else:
-        w = (step - cooldown_at) / (n - cooldown_at)
+        w = min(1.0, (step - cooldown_at) / (n - cooldown_at))
         lr_mult = args.stage_lr_mult[s] * (1 - w) + args.final_lr_mult * w
     warmup, cooldown = round(args.momentum_warmup * n), round(args.momentum_cooldown * n)
     lo, hi = args.momentum_min, args.momentum_max
     if step < warmup:
         momentum = lo + (hi - lo) * step / warmup
-    elif step >= n - cooldown:
-        momentum = hi - (hi - lo) * min(1.0, (step - (n - cooldown)) / max(1, cooldown))
+    elif step > total - cooldown:
+        momentum = hi - (hi - lo) * (step - (total - cooldown)) / cooldown
     else:
         momentum = hi
     return StepPlan(step, stage, args.stage_batch_tokens[s], args.stage_max_doc_len[s], tuple(windows),
                     lr_mult, momentum, tuple(float(w) for w in mtp), step % 2 == 1)
+
+
+def warmup_steps(args: Hyperparameters) -> list[int]:
+    """The steps whose graphs the compile warm-up runs (the record's 14 for the speedrun): 0 and 1,
+    and two steps either side of each stage start (423, 847, 1270), which covers every batch size,
+    window, Adam parity and the untie."""
+    steps = {0, 1}
+    for b in (*stage_starts(args), args.num_iterations):
+        steps |= {b - 2, b - 1, b, b + 1}
+    return sorted(s for s in steps if 0 <= s < total_steps(args))
 
 
 def grad_accum_steps(args: Hyperparameters, world_size: int) -> int:
@@ -1889,47 +1972,56 @@ ADAMW_BANK_BETAS = (0.9, 0.95)
 
 
 def optimizer_configs(args: Hyperparameters, model: "GPT") -> dict[str, ParamConfig]:
-    """Per-label optimizer settings (SPEC section 5): NorMuon for the banks, Adam for the rest.
+    """Per-label optimizer settings (README "Per-label table"): NorMuon for the banks, Adam for the rest.
 
     Ablations: --matrix_optimizer adamw moves the banks to Adam; parameters of a switched-off
     component get lr and decay multipliers of 0 (they receive no gradient and must not drift)."""
     if args.matrix_optimizer not in MATRIX_OPTIMIZERS:
         raise ValueError(f"--matrix_optimizer {args.matrix_optimizer!r} is not one of {', '.join(MATRIX_OPTIMIZERS)}")
     down_x2 = tuple(2.0 if role.startswith("down.") else 1.0 for role in model.bank_roles["mlp_bank"])
-    small = ParamConfig("adam", "replicated", betas=(0.9, 0.99), wd_mul=0.0)
     if args.matrix_optimizer == "adamw":
-        # Adam's decay is lr^2 * adam_wd * wd_mul (lr without lr_mul): pick wd_mul so that it equals
+        # Adam's decay is (lr * lr_mul)^2 * adam_wd * wd_mul: pick wd_mul so that it equals
         # ADAMW_BANK_DECAY times the bank's learning rate at the base lr.
-        base = args.adam_lr * args.adam_wd
-        wd_mul = ADAMW_BANK_DECAY * ADAMW_BANK_LR_MUL / base if base > 0 else 0.0
+        bank_lr = args.adam_lr * ADAMW_BANK_LR_MUL
+        wd_mul = ADAMW_BANK_DECAY / (bank_lr * args.adam_wd) if bank_lr * args.adam_wd > 0 else 0.0
         bank = ParamConfig("adam", "sharded", lr_mul=ADAMW_BANK_LR_MUL, wd_mul=wd_mul, betas=ADAMW_BANK_BETAS)
         banks = {"qk_bank": bank, "vo_bank": bank, "mlp_bank": bank}
     else:  # muon differs from normuon only in the optimizer's beta2 (build_optimizer)
         banks = {"qk_bank": ParamConfig("normuon", "sharded"), "vo_bank": ParamConfig("normuon", "sharded"),
                  "mlp_bank": ParamConfig("normuon", "sharded", matrix_lr_mul=down_x2)}
-    configs = {
+    gates, lambdas = (0.9, 0.99), (0.9, 0.95)
+    configs = {  # the record's table (README "Per-label table"); x0/bigram lambdas and skip_gate: record #79's rows
         **banks,
-        "embed": ParamConfig("adam", "sharded", betas=(0.5, 0.95)),
-        "lm_head": ParamConfig("adam", "sharded", betas=(0.5, 0.95)),
-        "value_embed": ParamConfig("adam", "sharded", lr_mul=75.0, betas=(0.75, 0.95)),
-        "bigram_embed": ParamConfig("adam", "sharded_sparse", lr_mul=75.0, betas=(0.75, 0.95)),
-        "scalars": small, "ve_gates": small, "smear_gate": small, "skip_gate": small,
+        "scalars": ParamConfig("adam", "replicated", lr_mul=5.0, wd_mul=0.0, betas=gates),
+        "smear_gate": ParamConfig("adam", "replicated", lr_mul=0.01, wd_mul=0.0, betas=gates),
+        "ve_gate_bank": ParamConfig("adam", "replicated", lr_mul=1.0, wd_mul=1.0, betas=gates),
+        "lm_head": ParamConfig("adam", "sharded", lr_mul=1.0, wd_mul=150.0, betas=(0.5, 0.95)),
+        "bigram_embed": ParamConfig("adam", "sharded_sparse", lr_mul=75.0, wd_mul=5.0, betas=(0.75, 0.95)),
+        "post_lambdas": ParamConfig("adam", "replicated", lr_mul=1.0, wd_mul=0.0, betas=lambdas),
+        "resid_lambdas": ParamConfig("adam", "replicated", lr_mul=5.0, wd_mul=0.0, betas=lambdas),
+        "value_embeds": ParamConfig("adam", "sharded", lr_mul=75.0, wd_mul=5.0, betas=(0.75, 0.95)),
+        "embed": ParamConfig("adam", "sharded", lr_mul=1.0, wd_mul=150.0, betas=(0.5, 0.95)),
+        "x0_lambdas": ParamConfig("adam", "replicated", lr_mul=1.0, wd_mul=0.0, betas=lambdas),
+        "bigram_lambdas": ParamConfig("adam", "replicated", lr_mul=1.0, wd_mul=0.0, betas=lambdas),
+        "skip_gate": ParamConfig("adam", "replicated", lr_mul=0.05, wd_mul=0.0, betas=gates),
     }
-    switched_off = {"value_embed": not args.value_embeds, "ve_gates": not args.value_embeds,
-                    "bigram_embed": not args.bigram_embed, "smear_gate": not args.smear,
-                    "skip_gate": not args.unet_skip}
+    switched_off = {"value_embeds": not args.value_embeds, "ve_gate_bank": not args.value_embeds,
+                    "bigram_embed": not args.bigram_embed, "bigram_lambdas": not args.bigram_embed,
+                    "smear_gate": not args.smear, "skip_gate": not args.unet_skip}
     for label, off in switched_off.items():
         if off:
             configs[label] = dataclasses.replace(configs[label], lr_mul=0.0, wd_mul=0.0)
     return configs
 
 
-# Big banks' reductions start first; small parameters are updated first so that the banks' reductions
-# have time to land before their (long) orthogonalization.
-SCATTER_ORDER = ("mlp_bank", "vo_bank", "qk_bank", "lm_head", "embed", "value_embed", "bigram_embed",
-                 "scalars", "ve_gates", "smear_gate", "skip_gate")
-WORK_ORDER = ("scalars", "ve_gates", "smear_gate", "skip_gate", "bigram_embed", "value_embed", "embed",
-              "lm_head", "qk_bank", "vo_bank", "mlp_bank")
+# The record's orders. Scatter: big banks' reductions start first. Work: small parameters are updated
+# first so that the banks' reductions have landed before their (long) orthogonalization.
+SCATTER_ORDER = ("qk_bank", "vo_bank", "mlp_bank", "scalars", "smear_gate", "ve_gate_bank", "lm_head",
+                 "bigram_embed", "post_lambdas", "resid_lambdas", "value_embeds", "embed",
+                 "x0_lambdas", "bigram_lambdas", "skip_gate")
+WORK_ORDER = ("scalars", "smear_gate", "ve_gate_bank", "skip_gate", "post_lambdas", "resid_lambdas",
+              "x0_lambdas", "bigram_lambdas", "value_embeds", "bigram_embed", "lm_head", "embed",
+              "qk_bank", "vo_bank", "mlp_bank")
 
 
 def build_optimizer(args: Hyperparameters, model: "GPT", device: torch.device) -> NorMuonAdam:
@@ -2082,18 +2174,25 @@ def evaluate(model_fn, batches: list[Batch], device: torch.device) -> float:
     return (total / count).item()
 
 
+def grad_scale_for(args: Hyperparameters, world_size: int) -> float:
+    """Loss scale of every micro-batch: the loss is a sum over tokens (the record's), and the scale makes
+    the averaged gradient the record's whatever the world size: (1/8) x the gradient of the whole step's
+    summed loss, i.e. world_size / micro_batches (1 on 8 GPUs)."""
+    return world_size / args.micro_batches
+
+
 def train_step(model_fn, opt: NorMuonAdam, batches: list[Batch], plan: StepPlan, mtp: torch.Tensor,
-               tokens_per_micro: int, device: torch.device) -> torch.Tensor:
-    """Forward and backward of this rank's micro-batches, then one optimizer step; returns the mean
-    per-token training loss of this rank (a 0-D tensor, not synchronised)."""
-    mtp.copy_(torch.tensor(plan.mtp_weights, dtype=torch.float32))
-    scale = 1.0 / (tokens_per_micro * len(batches))  # gradients of the mean over this rank's tokens
+               grad_scale: float, device: torch.device) -> torch.Tensor:
+    """Forward and backward of this rank's micro-batches, then one optimizer step. Returns this rank's
+    summed training loss times grad_scale (a 0-D tensor; nothing here waits for the GPU)."""
+    weights = torch.tensor(plan.mtp_weights, dtype=torch.float32)
+    mtp.copy_(weights.pin_memory() if device.type == "cuda" else weights, non_blocking=True)
     for i, b in enumerate(batches):  # the bigram rows to exchange are known before backward: start now
         opt.prepare_sparse("bigram_embed", b.bigram_ids, launch=plan.do_adam and i == len(batches) - 1)
     loss = torch.zeros((), device=device)
     for b in batches:
         b = b.to(device)
-        micro = model_fn(b.inputs, b.targets, b.cu_seqlens, b.bigram_ids, mtp_weights=mtp, loss_scale=scale)
+        micro = model_fn(b.inputs, b.targets, b.cu_seqlens, b.bigram_ids, mtp_weights=mtp, loss_scale=grad_scale)
         micro.backward()
         loss += micro.detach()
     opt.step(plan.do_adam, lr_scale=plan.lr_mult, momentum=plan.momentum)
@@ -2144,13 +2243,24 @@ def train(args: Hyperparameters, d: DistInfo) -> float:
     mtp = torch.zeros(len(args.stage_mtp_start[0]), dtype=torch.float32, device=d.device)
     start_step = load_checkpoint(args.resume, model, opt, loader, args, d) if args.resume else 0
 
+    grad_scale = grad_scale_for(args, d.world_size)
     windows = None
 
-    def set_windows(plan):  # the YaRN update runs only when the windows actually change
+    def set_windows(w, yarn=None):  # the YaRN update runs only when the windows actually change
         nonlocal windows
-        if plan.windows != windows:
-            model.set_windows(*plan.windows)
-            windows = plan.windows
+        if (w, yarn) != windows:
+            model.set_windows(*w, yarn_blocks=yarn)
+            windows = (w, yarn)
+
+    def run_step(step):  # one training step, then the untie right after the last tied step (the record's)
+        plan = plan_step(args, step)
+        set_windows(plan.windows)
+        tokens = plan.batch_tokens // slots
+        loss = train_step(model_fn, opt, loader.next_step(tokens, plan.max_doc_len, slots), plan, mtp,
+                          grad_scale, d.device)
+        if step == untie_step(args):
+            opt.untie()
+        return plan, loss / (grad_scale * plan.batch_tokens / d.world_size)  # mean per token of this rank
 
     if args.compile:
         # Compile every graph the run needs (each stage, both Adam parities, untied, evaluation) on real
@@ -2158,16 +2268,11 @@ def train(args: Hyperparameters, d: DistInfo) -> float:
         t = time.perf_counter()
         saved_model = {k: v.clone() for k, v in model.state_dict().items()}
         saved_opt, saved_loader = opt.state_dict(), loader.state_dict()
-        firsts = {s for b in (0, *stage_starts(args), args.num_iterations) for s in (b, b + 1)} | {untie_step(args)}
-        warm = sorted(s for s in firsts if s < total)
+        warm = warmup_steps(args)
         for step in warm:
-            plan = plan_step(args, step)
-            if step == untie_step(args) and opt.tied:
-                opt.untie()
-            set_windows(plan)
-            tokens = plan.batch_tokens // slots
-            train_step(model_fn, opt, loader.next_step(tokens, plan.max_doc_len, slots), plan, mtp, tokens, d.device)
-        evaluate(model_fn, val_batches[:1], d.device)  # windows are buffers: one evaluation graph serves all
+            set_windows(plan_step(args, step).windows)
+            evaluate(model_fn, val_batches[:1], d.device)
+            run_step(step)
         model.load_state_dict(saved_model)
         model.zero_grad(set_to_none=True)  # Adam gradients of an even last warm-up step must not leak in
         windows = None  # the restored buffers hold the initial windows again
@@ -2179,12 +2284,26 @@ def train(args: Hyperparameters, d: DistInfo) -> float:
         raise SystemExit(f"error: checkpoint at step {start_step} is past the untie step but still tied")
     cuda_synchronize(d.device)
     train_ms, t0, val_loss = 0.0, time.perf_counter(), float("nan")
+    pending = None  # (step, loss tensor): read one step late, so the host never waits on the GPU mid-run
+
+    def check_loss(step, loss):
+        value = loss.item()
+        if not math.isfinite(value):
+            raise SystemExit(f"error: training loss is {value} at step {step}; stopping (log: {log.path})")
+        return value
+
     for step in range(start_step, total + 1):
         last = step == total
         if last or (args.val_loss_every and step % args.val_loss_every == 0):
             cuda_synchronize(d.device)
             train_ms += 1000 * (time.perf_counter() - t0)
-            set_windows(plan_step(args, min(step, total - 1)))
+            if pending is not None:
+                check_loss(*pending)
+                pending = None
+            if last:  # wider windows, YaRN kept at the extension's (the record's final validation)
+                set_windows(args.final_val_windows, plan_step(args, total - 1).windows[1])
+            else:
+                set_windows(plan_step(args, step).windows)
             val_loss = evaluate(model_fn, val_batches, d.device)
             log.write(f"step:{step}/{total} val_loss:{val_loss:.4f} train_time:{train_ms:.0f}ms "
                       f"step_avg:{train_ms / max(1, step - start_step):.2f}ms")
@@ -2198,21 +2317,16 @@ def train(args: Hyperparameters, d: DistInfo) -> float:
             t0 = time.perf_counter()  # checkpoint time is not training time
         if last:
             break
-        plan = plan_step(args, step)
-        if step == untie_step(args):
-            opt.untie()
-        set_windows(plan)
-        tokens = plan.batch_tokens // slots
-        batches = loader.next_step(tokens, plan.max_doc_len, slots)
-        loss = train_step(model_fn, opt, batches, plan, mtp, tokens, d.device).item()
-        if not math.isfinite(loss):
-            raise SystemExit(f"error: training loss is {loss} at step {step}; stopping (log: {log.path})")
+        plan, loss = run_step(step)
         now_ms = train_ms + 1000 * (time.perf_counter() - t0)
         done = step + 1 - start_step
         log.write(f"step:{step + 1}/{total} train_time:{now_ms:.0f}ms step_avg:{now_ms / done:.2f}ms")
-        eta = now_ms / done * (total - step - 1) / 1000
-        progress.show(f"step {step + 1}/{total}  loss {loss:.4f}  "
-                      f"{plan.batch_tokens / max(1e-9, now_ms / done / 1000):,.0f} tok/s  eta {eta:.0f}s")
+        if pending is not None:  # the previous step's loss: its kernels are done by now or nearly
+            shown = check_loss(*pending)
+            eta = now_ms / done * (total - step - 1) / 1000
+            progress.show(f"step {pending[0] + 1}/{total}  loss {shown:.4f}  "
+                          f"{plan.batch_tokens / max(1e-9, now_ms / done / 1000):,.0f} tok/s  eta {eta:.0f}s")
+        pending = (step, loss)
     if d.device.type == "cuda":
         log.write(f"peak memory allocated: {torch.cuda.max_memory_allocated(d.device) // 2**20} MiB "
                   f"reserved: {torch.cuda.max_memory_reserved(d.device) // 2**20} MiB")

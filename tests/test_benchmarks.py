@@ -40,9 +40,10 @@ def randomized(args, seed=0):
     for name, p in model.named_parameters():
         if name.endswith("bank"):
             p.copy_((torch.randn(p.shape, generator=g) / math.sqrt(args.model_dim)).to(p.dtype))
-        elif name != "scalars":
+        elif name == "scalars" or name.endswith("lambdas"):
+            p.copy_(0.3 + 0.7 * torch.rand(p.shape, generator=g))
+        else:
             p.copy_((0.5 * torch.randn(p.shape, generator=g)).to(p.dtype))
-    model.scalars.copy_(0.3 + 0.7 * torch.rand(model.scalars.shape, generator=g))
     return model
 
 
@@ -55,11 +56,11 @@ def loss_of(model, mtp=(1.0, 0.5, 0.25)):
 # ---- model switches: each equals another, independent way of removing the component ---------------
 
 def _zero_smear(m):
-    m.scalars[4 * m.args.num_layers] = 0.0
+    m.scalars[2 * m.args.num_layers] = 0.0
 
 
 def _zero_backout(m):
-    m.scalars[4 * m.args.num_layers + 1] = 0.0
+    m.scalars[2 * m.args.num_layers + 1] = 0.0
 
 
 def _zero_bigram(m):
@@ -67,7 +68,7 @@ def _zero_bigram(m):
 
 
 def _zero_value_embeds(m):
-    m.value_embed.zero_()
+    m.value_embeds.zero_()
 
 
 EQUIVALENTS = {
@@ -121,7 +122,7 @@ def test_window_schedule_switch_fixes_the_last_stage_windows_without_yarn():
         model.set_windows(*windows)
         assert model.windows.tolist() == [short * bs, long * bs]
         torch.testing.assert_close(model.rotary_freq, tg.rotary_base_frequencies(TEST.head_dim), rtol=0, atol=0)
-        assert float(model.attn_scale) == pytest.approx(model.base_attn_scale)
+        assert float(model.attn_scale) == pytest.approx(TEST.attn_scale * math.sqrt(128 / TEST.head_dim))
     scheduled = tg.GPT(TEST)
     scheduled.set_windows(short, long)
     assert not torch.equal(scheduled.rotary_freq, model.rotary_freq)  # the schedule rescales (YaRN)
@@ -142,6 +143,7 @@ def _one_step(args, do_adam, seed=0):
     after = {label: tg._master_fp32(opt.slots[label].view(), opt.state[label].get("mantissa")).double()
              .reshape(opt.slots[label].param.shape) if opt.state[label] else opt.slots[label].param.detach().double()
              for label in opt.slots}
+    model.opt = opt  # for tests that look at optimizer state
     return model, before, grads, after
 
 
@@ -155,7 +157,8 @@ def test_muon_is_normuon_without_variance_reduction():
     roles = model.bank_roles["mlp_bank"]
     mult = torch.tensor([2.0 * (2.0 if r.startswith("down.") else 1.0) for r in roles], dtype=torch.float64)
     p = before["mlp_bank"]                              # shape factor sqrt(256/64) = 2, down-projections x2
-    expected = p - lr * mult.view(-1, 1, 1) * O - lr * wd * (O * p >= 0) * p
+    eff = lr * mult.view(-1, 1, 1)
+    expected = p - eff * O - lr * wd * eff * (O * p >= 0) * p  # decay wd * lr * lr_eff
     torch.testing.assert_close(after["mlp_bank"], expected, rtol=0, atol=2e-6)
     # NorMuon's per-neuron scaling moves the update well away from that reference
     _, _, _, normuon = _one_step(TEST, do_adam=False)
@@ -171,24 +174,30 @@ def test_adamw_puts_the_banks_on_adam():
     bank_lr = lr * tg.ADAMW_BANK_LR_MUL
     decay = tg.ADAMW_BANK_DECAY * bank_lr  # the decoupled decay per step at the base lr
     p, g = before["mlp_bank"], grads["mlp_bank"].double()
-    update = torch.sign(g) * (g.abs() / (g.abs() + 1e-10))  # first bias-corrected Adam step
-    expected = p - bank_lr * update - decay * (update * p >= 0) * p
-    torch.testing.assert_close(after["mlp_bank"], expected, rtol=0, atol=2e-6)
+    update = bank_lr * g / (g.abs() + 1e-10 / math.sqrt(1 - 0.95))  # first Adam step, eps on the raw root
+    expected = (p - update - decay * (update * p > 0) * p).to(torch.bfloat16).double()  # rounded into bf16
+    got = after["mlp_bank"]
+    assert (got == expected).double().mean() > 0.99  # fp32 vs float64 arithmetic may flip a rare tie
+    assert ((got - expected).abs() <= expected.abs() * 2.0 ** -7).all()
     # without Adam on this step the banks do not move (Adam parameters step on odd steps only)
     _, before0, _, after0 = _one_step(args, do_adam=False)
     torch.testing.assert_close(after0["mlp_bank"], before0["mlp_bank"], rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("switch,labels", [("value_embeds", ("value_embed", "ve_gates")),
-                                           ("bigram_embed", ("bigram_embed",)), ("smear", ("smear_gate",)),
+@pytest.mark.parametrize("switch,labels", [("value_embeds", ("value_embeds", "ve_gate_bank")),
+                                           ("bigram_embed", ("bigram_embed", "bigram_lambdas")), ("smear", ("smear_gate",)),
                                            ("unet_skip", ("skip_gate",))])
 def test_switched_off_parameters_stay_frozen(switch, labels):
     args = dataclasses.replace(TEST, **{switch: False})
     _, before, _, after = _one_step(args, do_adam=True)
     for label in labels:
         torch.testing.assert_close(after[label], before[label], rtol=0, atol=0)
-    _, before_full, _, after_full = _one_step(TEST, do_adam=True)
-    assert all(not torch.equal(after_full[label], before_full[label]) for label in labels)
+    full, before_full, _, after_full = _one_step(TEST, do_adam=True)
+    for label in labels:
+        if label == "smear_gate":  # lr 8e-5 is below half a bf16 step of its values: Adam's rounding keeps
+            assert full.opt.state[label]["exp_avg"].abs().sum() > 0  # them (as in the record); the state moves
+        else:
+            assert not torch.equal(after_full[label], before_full[label]), label
 
 
 def test_bad_matrix_optimizer_names_the_flag():

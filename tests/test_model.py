@@ -42,10 +42,11 @@ def randomize(model: tg.GPT, seed=0):
                 bank[idx].zero_()
     rnd(model.lm_head, 0.3)
     rnd(model.embed, 0.05)
-    rnd(model.value_embed, 0.5)
+    rnd(model.value_embeds, 0.5)
     rnd(model.bigram_embed, 0.5)
-    model.scalars.copy_(0.3 + 0.7 * torch.rand(model.scalars.shape, generator=g))
-    for p in (model.ve_gates, model.smear_gate, model.skip_gate):
+    for p in (model.scalars, model.resid_lambdas, model.post_lambdas, model.x0_lambdas, model.bigram_lambdas):
+        p.copy_(0.3 + 0.7 * torch.rand(p.shape, generator=g))
+    for p in (model.ve_gate_bank, model.smear_gate, model.skip_gate):
         rnd(p, 0.5)
 
 
@@ -239,17 +240,25 @@ def test_attend_matches_float64_brute_force(paired):
 
 
 def test_document_isolation_is_bit_exact():
+    """Attention never crosses a document start. The smear and the bigram hash do (the record's): a
+    document's last token reaches the next document's first position, and through it that document."""
     model = make_model()
     randomize(model)
-    inputs, _, cu = make_batch()
+    inputs, _, cu = make_batch()  # documents [0, 30), [30, 70), [70, 100), [100, 128)
+    gen = torch.Generator().manual_seed(5)
     with torch.no_grad():
         base = model.logits(inputs, cu, bigrams(inputs))
         changed = inputs.clone()
-        changed[30:70] = torch.randint(0, 50257, (40,), generator=torch.Generator().manual_seed(5))
+        changed[30:69] = torch.randint(0, 50257, (39,), generator=gen)  # all of document 2 but its last token
         out = model.logits(changed, cu, bigrams(changed))
-    others = torch.cat([torch.arange(0, 30), torch.arange(70, 128)])
-    assert torch.equal(out[others], base[others])
-    assert not torch.allclose(out[30:70], base[30:70])
+        others = torch.cat([torch.arange(0, 30), torch.arange(70, 128)])
+        assert torch.equal(out[others], base[others])
+        assert not torch.allclose(out[30:70], base[30:70])
+        last = inputs.clone()
+        last[69] = (inputs[69] + 1) % 50257  # only document 2's last token
+        out = model.logits(last, cu, bigrams(last))
+    assert torch.equal(out[:69], base[:69]) and torch.equal(out[100:], base[100:])
+    assert not torch.allclose(out[70], base[70])  # the documented one-token look-back
 
 
 def test_causality_is_bit_exact():
@@ -286,30 +295,58 @@ def test_windows_limit_what_attention_sees():
 # ---- YaRN ----------------------------------------------------------------------------------------
 
 
-def test_yarn_frequencies_and_scale():
-    args = dataclasses.replace(TEST, window_block_size=128, windows_init=(1, 3))
-    model = make_model(args)
-    base = tg.rotary_base_frequencies(args.head_dim).double()
-    assert torch.equal(model.rotary_freq.double(), base)
-    ref, new = 3 * 128, 11 * 128
-    model.set_windows(5, 11)
-    s = new / ref
-    rotations = ref * base / (2 * math.pi)
-    ramp = ((rotations - 1) / 31).clamp(0, 1)
-    expected = base * (ramp + (1 - ramp) / s)
-    freq = model.rotary_freq.double()
-    torch.testing.assert_close(freq, expected, rtol=1e-6, atol=0)
-    above, below = rotations >= 32, (rotations <= 1) & (base > 0)
-    assert above.any() and below.any() and (~above & ~below & (base > 0)).any()
-    assert torch.equal(freq[above], base[above])               # high frequencies untouched
-    torch.testing.assert_close(freq[below], base[below] / s)   # low ones interpolated
-    assert torch.equal(freq[base == 0], base[base == 0])       # the unrotated half stays unrotated
-    expected_scale = 0.12 * math.sqrt(128 / args.head_dim) * (1 + 0.1 * math.log(s)) ** 2
-    assert model.attn_scale.item() == pytest.approx(expected_scale, rel=1e-6)
-    assert model.windows.tolist() == [5 * 128, 11 * 128]
+def yarn_step64(freq, scale, old, new):
+    """The record's YaRN rule, written out in float64 from its description."""
+    out = []
+    for f in freq:
+        r = old * f / (2 * math.pi)
+        w = min(max((r - 1) / 31, 0.0), 1.0)
+        out.append(f * (old / new + w * (1 - old / new)))
+    return out, scale * (1 + 0.2 * math.log(new / old))
+
+
+def test_yarn_frequencies_after_384_to_896_tokens():
+    """Speedrun shapes: the first stage change (long window 3 -> 7 blocks of 128) against float64."""
+    model = make_model(dataclasses.replace(tg.Hyperparameters(), num_layers=2, no_attention_layers=(),
+                                           value_embed_layers=(), long_window_layers=(1,), paired_head_layers=(),
+                                           skip_from_layer=0, skip_to_layer=1, backout_layer=1, model_dim=768,
+                                           mlp_hidden=64, padded_vocab_size=50304, bigram_vocab_size=64))
+    base = [1024 ** (-j / 31) for j in range(32)]  # omega_j = 1024^(-j/31): 1 down to 1/1024
+    torch.testing.assert_close(model.rotary_freq.double(), torch.tensor(base, dtype=torch.float64), rtol=1e-6, atol=0)
+    assert model.attn_scale.item() == pytest.approx(0.1, rel=1e-7)
+    model.set_windows(3, 7)
+    freq, scale = yarn_step64(base, 0.1, 384, 896)
+    torch.testing.assert_close(model.rotary_freq.double(), torch.tensor(freq, dtype=torch.float64), rtol=1e-6, atol=0)
+    assert model.attn_scale.item() == pytest.approx(scale, rel=1e-6)
+    assert model.windows.tolist() == [3 * 128, 7 * 128]
+    # both regimes occur: fast frequencies kept, slow ones divided by 896/384
+    assert freq[0] == base[0] and freq[-1] == pytest.approx(base[-1] * 384 / 896)
+
+
+def test_attention_scale_per_stage_and_final_validation():
+    """The record's table: 0.1, 0.116946, 0.127518, 0.131778, compounding on the long window; the final
+    validation's wider window (20 blocks) keeps the extension's YaRN state."""
+    args = tg.Hyperparameters()
+    model = make_model(dataclasses.replace(args, num_layers=2, no_attention_layers=(), value_embed_layers=(),
+                                           long_window_layers=(1,), paired_head_layers=(), skip_from_layer=0,
+                                           skip_to_layer=1, backout_layer=1, mlp_hidden=64, bigram_vocab_size=64))
+    freq64, scale64 = [1024 ** (-j / 31) for j in range(32)], 0.1
+    old = 3
+    for step, expected in ((0, 0.1), (423, 0.116946), (847, 0.127518), (1270, 0.131778)):
+        short, long = tg.plan_step(args, step).windows
+        model.set_windows(short, long)
+        if long != old:
+            freq64, scale64 = yarn_step64(freq64, scale64, old * 128, long * 128)
+            old = long
+        assert model.attn_scale.item() == pytest.approx(expected, abs=5e-7)
+        assert scale64 == pytest.approx(expected, abs=5e-7)
+        torch.testing.assert_close(model.rotary_freq.double(), torch.tensor(freq64, dtype=torch.float64), rtol=2e-6, atol=0)
+    ext = model.rotary_freq.clone()
+    model.set_windows(*args.final_val_windows, yarn_blocks=13)
+    assert model.windows.tolist() == [6 * 128, 20 * 128]
+    assert torch.equal(model.rotary_freq, ext) and model.attn_scale.item() == pytest.approx(0.131778, abs=5e-7)
     model.set_windows(1, 3)  # back to the start (warm-up restore): exactly the base state
-    assert torch.equal(model.rotary_freq.double(), base)
-    assert model.attn_scale.item() == pytest.approx(0.12 * math.sqrt(128 / args.head_dim), rel=1e-7)
+    assert model.attn_scale.item() == pytest.approx(0.1, rel=1e-7)
 
 
 def test_set_windows_rejects_bad_values():
@@ -339,7 +376,7 @@ def test_forward_backward_at_init():
         assert model(inputs, targets, cu, bigrams(inputs)).item() == pytest.approx(math.log(V), abs=0.01)
     # exactly-zero gradients at init come only from the documented zero inits
     grads = {label: p.grad for label, p in model.params_by_label().items()}
-    zero_at_init = {"qk_bank", "value_embed", "ve_gates", "smear_gate"}
+    zero_at_init = {"qk_bank", "value_embeds", "ve_gate_bank", "smear_gate", "post_lambdas", "bigram_lambdas"}
     for label, g in grads.items():
         assert g is not None, label
         assert (g.abs().sum() == 0) == (label in zero_at_init), label
@@ -356,15 +393,24 @@ def test_every_parameter_gets_a_gradient():
     randomize(model)
     inputs, targets, cu = make_batch()
     model(inputs, targets, cu, bigrams(inputs), mtp_weights=torch.tensor([1.0, 0.5]), loss_scale=0.01).backward()
+    # entries of a layer without attention are never read (as in the record): exactly those get no gradient
+    L, no_attn = TEST.num_layers, list(TEST.no_attention_layers)
+    dead = {name: torch.zeros(getattr(model, name).shape, dtype=torch.bool)
+            for name in ("scalars", "resid_lambdas", "post_lambdas", "x0_lambdas", "bigram_lambdas")}
+    for i in no_attn:
+        dead["scalars"][2 * i: 2 * i + 2] = True
+        dead["resid_lambdas"][i, 0] = dead["post_lambdas"][i, 0] = dead["x0_lambdas"][i] = True
+        dead["bigram_lambdas"][i] = i > 0  # bigram_lambdas[0] injects the bigram before layer 0
+    assert no_attn == [2] and dead["scalars"].sum() == 2
     for label, p in model.params_by_label().items():
         assert p.grad is not None and p.grad.dtype == p.dtype, label
         if label in model.bank_roles:
             for idx, role in enumerate(model.bank_roles[label]):
                 nz = p.grad[idx].abs().sum() > 0
                 assert nz == (role != "pad"), (label, role)
-        elif label == "scalars":
-            assert (p.grad != 0).all(), p.grad
-        elif label in ("value_embed", "ve_gates"):
+        elif label in dead:
+            assert torch.equal(p.grad != 0, ~dead[label]), (label, p.grad)
+        elif label in ("value_embeds", "ve_gate_bank"):
             assert all(p.grad[j].abs().sum() > 0 for j in range(p.shape[0])), label
         else:
             assert p.grad.abs().sum() > 0, label
@@ -403,13 +449,23 @@ def test_training_loss_is_scaled_sum_of_mtp_cross_entropies():
 
 
 def test_bigram_hash_matches_loop_for_torch_and_numpy():
+    """Position 0: the reserved row. Position 1: the sentinel B-1 stands in for the previous token and
+    27191 * 377279 wraps around in int32 (the record's quirk). Later positions: (prev, cur)."""
     rng = np.random.default_rng(0)
     toks = rng.integers(0, 50257, size=200)
     B = 377_280
-    ref = [B - 1] + [((36313 * int(c)) ^ (27191 * int(p))) % (B - 1) for p, c in zip(toks[:-1], toks[1:])]
+
+    def int32(x):  # two's-complement wrap, as the record's int32 tensors do
+        x &= 0xFFFFFFFF
+        return x - 2**32 if x >= 2**31 else x
+
+    prevs = [B - 1] + [int(p) for p in toks[1:-1]]
+    ref = [B - 1] + [int32(int32(36313 * int(c)) ^ int32(27191 * p)) % (B - 1) for p, c in zip(prevs, toks[1:])]
+    assert 27191 * (B - 1) >= 2**31  # the wrap really happens at position 1
+    assert ref[1] != ((36313 * int(toks[1])) ^ (27191 * int(toks[0]))) % (B - 1)
+    assert all(0 <= h < B - 1 for h in ref[1:])
     assert tg.bigram_hash(toks, B).tolist() == ref
     assert tg.bigram_hash(torch.from_numpy(toks.astype(np.uint16).astype(np.int32)), B).tolist() == ref
-    assert ref.count(B - 1) == 1  # the 'no previous token' row is used only at position 0
 
 
 # ---- shapes, presets, config errors --------------------------------------------------------------
@@ -417,30 +473,66 @@ def test_bigram_hash_matches_loop_for_torch_and_numpy():
 
 @pytest.mark.parametrize("world_size", [1, 2, 4, 8, 16])
 def test_speedrun_parameter_shapes_on_meta(world_size):
+    """The record's table of parameters (its MUDD parameters aside; README "Fidelity")."""
     shapes = tg.count_parameters(tg.Hyperparameters(), world_size)
     counts = {k: math.prod(v) for k, v in shapes.items()}
     print(f"world_size={world_size}: " + ", ".join(f"{k}={v:,}" for k, v in counts.items()),
           f"total={sum(counts.values()):,}")
     pad = lambda n: -(-n // world_size) * world_size  # noqa: E731
-    assert shapes["qk_bank"] == (pad(20), 768, 768)   # Q, K of 10 attention layers (layer 6 has none)
+    assert shapes["qk_bank"] == (pad(60), 256, 768)   # (layer, Q or K, head pair) of 10 attention layers
     assert shapes["vo_bank"] == (pad(20), 768, 768)
     assert shapes["mlp_bank"] == (pad(22), 3072, 768)
+    if world_size == 8:  # the record's padded banks: 64, 24 and 24 (12 x 2) matrices
+        assert (shapes["qk_bank"][0], shapes["vo_bank"][0], shapes["mlp_bank"][0]) == (64, 24, 24)
     assert shapes["embed"] == (50304, 768) and shapes["lm_head"] == (768, 50304)
-    assert shapes["value_embed"] == (5, 50304, 768)
+    assert shapes["value_embeds"] == (5, 50304, 768)
     assert shapes["bigram_embed"] == (377_280, 768)
-    assert shapes["scalars"] == (4 * 11 + 2,)
-    assert shapes["ve_gates"] == (5, 6, 12)
+    assert shapes["scalars"] == (2 * 11 + 3,)
+    assert shapes["resid_lambdas"] == shapes["post_lambdas"] == (11, 2)
+    assert shapes["ve_gate_bank"] == (5, 6, 12)
     assert shapes["smear_gate"] == (1, 12) and shapes["skip_gate"] == (1, 12)
-    # SPEC figures: ~75M block-matrix parameters (without padding), ~39M LM head
-    assert 20 * 768 * 768 * 2 + 22 * 3072 * 768 == 75_497_472
-    assert counts["lm_head"] == 38_633_472
+    assert 20 * 768 * 768 * 2 + 22 * 3072 * 768 == 75_497_472  # block matrices without padding
+    assert counts["lm_head"] == 38_633_472 and counts["bigram_embed"] == 289_751_040
+    assert counts["value_embeds"] == 193_167_360
+
+
+def test_speedrun_inits_match_the_record():
+    """Init statistics of table 1.2 of the record: uniform bound 1/32 (std 0.01804), lm_head std 0.005,
+    value embeddings 0.01 N(0, 1), lambdas and scalars, zero gates/projections, padding."""
+    args = dataclasses.replace(tg.Hyperparameters(), padded_vocab_size=8192, vocab_size=8000, bigram_vocab_size=1024)
+    model = make_model(args, world_size=8)
+    f = lambda t: t.float()  # noqa: E731
+    qk = f(model.qk_bank)
+    assert qk[:60].abs().max() <= 1 / 32 and qk[:60].std().item() == pytest.approx(1 / 32 / math.sqrt(3), rel=0.01)
+    assert (qk[60:] == 0).all()
+    vo = f(model.vo_bank)
+    assert vo[0:20:2].std().item() == pytest.approx(0.018042, rel=0.01) and (vo[1::2] == 0).all() and (vo[20:] == 0).all()
+    mlp = f(model.mlp_bank)
+    assert mlp[0::2].std().item() == pytest.approx(0.018042, rel=0.01)  # every up-projection, padding index 22 too
+    assert mlp[22].abs().max() > 0 and (mlp[1::2] == 0).all()
+    assert f(model.lm_head).std().item() == pytest.approx(0.005, rel=0.02)
+    assert torch.equal(model.embed, model.lm_head.T)
+    assert f(model.value_embeds).std().item() == pytest.approx(0.01, rel=0.02)
+    assert (model.bigram_embed == 0).all() and (model.ve_gate_bank == 0).all()
+    assert (model.smear_gate == 0).all() and (model.skip_gate == 0).all()
+    L = 11
+    expected = torch.tensor([0.5, 1.0] * L + [0.0, 0.5, -1.5])  # qkv/o lambdas, smear, backout, skip
+    assert torch.equal(model.scalars.data, expected)
+    assert torch.equal(model.resid_lambdas.data, torch.full((L, 2), math.sqrt(1.1)))
+    assert model.resid_lambdas.bfloat16()[0, 0].item() == 1.046875  # cast to bf16 at use
+    assert (model.post_lambdas == 1).all() and (model.x0_lambdas == 0).all()
+    assert torch.equal(model.bigram_lambdas.data, torch.full((L,), 0.05))
+    dtypes = {label: p.dtype for label, p in model.params_by_label().items()}
+    assert {k for k, v in dtypes.items() if v == torch.float32} == {
+        "scalars", "resid_lambdas", "post_lambdas", "x0_lambdas", "bigram_lambdas"}
 
 
 def test_bank_roles_cover_every_matrix_once():
     model = make_model(world_size=8)
     roles = model.bank_roles
     assert roles["mlp_bank"][:4] == ["up.0", "down.0", "up.1", "down.1"]
-    assert "q.2" not in roles["qk_bank"] and "q.3" in roles["qk_bank"]  # layer 2: no attention (test preset)
+    assert roles["qk_bank"][:2] == ["q.0.0", "k.0.0"]  # test preset: 2 heads, one pair per Q and K
+    assert not any(r.startswith("q.2.") for r in roles["qk_bank"]) and "q.3.0" in roles["qk_bank"]  # layer 2: no attention
     for name, r in roles.items():
         assert len(r) == getattr(model, name).shape[0] and len(r) % 8 == 0
         real = [x for x in r if x != "pad"]
@@ -451,10 +543,10 @@ def test_labels_are_unique_and_complete():
     model = make_model()
     labels = model.params_by_label()
     assert len(labels) == len(list(model.parameters()))
-    assert set(labels) == {"qk_bank", "vo_bank", "mlp_bank", "embed", "lm_head", "value_embed",
-                           "bigram_embed", "scalars", "ve_gates", "smear_gate", "skip_gate"}
-    for label, p in labels.items():
-        assert p.dtype == (torch.float32 if label in ("scalars", "ve_gates", "smear_gate", "skip_gate") else torch.bfloat16)
+    assert set(labels) == set(tg.SCATTER_ORDER) == set(tg.WORK_ORDER)
+    assert set(labels) == {"qk_bank", "vo_bank", "mlp_bank", "scalars", "smear_gate", "ve_gate_bank", "lm_head",
+                           "bigram_embed", "post_lambdas", "resid_lambdas", "value_embeds", "embed",
+                           "x0_lambdas", "bigram_lambdas", "skip_gate"}
     assert torch.equal(model.embed, model.lm_head.T)  # tied at init
 
 
@@ -479,7 +571,7 @@ def test_speedrun_preset_forward_backward_on_cpu():
 
 @pytest.mark.parametrize("override, message", [
     (dict(model_dim=96), "--model_dim"),
-    (dict(num_heads=1, head_dim=64), "--paired_head_layers needs an even --num_heads"),
+    (dict(num_heads=1, head_dim=64), "--num_heads must be even"),
     (dict(value_embed_layers=(1, 2)), "--value_embed_layers names layers \\[2\\]"),
     (dict(long_window_layers=(7,)), "--long_window_layers"),
     (dict(skip_from_layer=2, skip_to_layer=1), "--skip_from_layer"),
@@ -505,7 +597,10 @@ def test_model_fields_parse_from_command_line():
 
 @pytest.mark.slow
 def test_compiled_forward_backward_matches_eager_on_cpu():
-    model = make_model()
+    """fp32 weights (the CPU fp32 mode): compiled and eager then agree far below the effect of a window
+    change, which must reach the compiled graph through buffers."""
+    torch.manual_seed(0)
+    model = tg.GPT(TEST, dtype=torch.float32)
     randomize(model, seed=6)
     inputs, targets, cu = make_batch()
     big = bigrams(inputs)
@@ -519,13 +614,13 @@ def test_compiled_forward_backward_matches_eager_on_cpu():
         return loss.detach(), model.qk_bank.grad.clone(), model.lm_head.grad.clone()
 
     losses = []
-    for windows in ((1, 3), (2, 5)):  # a window change must reach the compiled graph (buffers, not constants)
+    for windows in ((1, 1), (8, 8)):  # a window change must reach the compiled graph (buffers, not constants)
         model.set_windows(*windows)
         eager, comp = run(model), run(compiled)
         losses.append((eager[0].item(), comp[0].item()))
         for a, b in zip(eager[1:], comp[1:]):
-            assert (a.float() - b.float()).norm() / a.float().norm() < 5e-2
+            assert (a.float() - b.float()).norm() / a.float().norm() < 1e-4
     change = abs(losses[1][0] - losses[0][0])
-    assert change > 1e-3
+    assert change > 1e-3, losses
     for e, c in losses:
-        assert abs(e - c) < change / 4, losses
+        assert abs(e - c) < change / 100, losses

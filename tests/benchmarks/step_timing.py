@@ -147,7 +147,7 @@ def run(args: T.Hyperparameters, d: T.DistInfo, steps: int, warmup: int, peak: f
             plan = dataclasses.replace(plan, do_adam=i % 2 == 1)  # alternate as in the real run
             model.set_windows(*plan.windows)
             batches = loader.next_step(plan.batch_tokens // slots, plan.max_doc_len, slots)
-            T.train_step(model_fn, opt, batches, plan, mtp, plan.batch_tokens // slots, d.device)
+            T.train_step(model_fn, opt, batches, plan, mtp, T.grad_scale_for(args, d.world_size), d.device)
             if i >= warmup and len(timed_batches) < 4:
                 timed_batches.extend(batches)
         T.cuda_synchronize(d.device)
