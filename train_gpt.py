@@ -252,7 +252,7 @@ FLAG_RANGES: dict[str, FlagRange] = {
 
 
 def check_args(args: Hyperparameters, world_size: int) -> None:
-    """Every flag checked at start-up, before the process group, model, loader or log:
+    """Every flag and shard checked at start-up, before the process group, model, loader or log:
     a bad one stops the run with one line naming it (SystemExit), never a traceback from later on."""
     for name, allowed in FLAG_RANGES.items():
         value = getattr(args, name)
@@ -270,6 +270,12 @@ def check_args(args: Hyperparameters, world_size: int) -> None:
     except ValueError as e:
         raise SystemExit(f"error: {e}") from None
     check_batch_split(args, world_size)
+    for what in ("train", "val"):  # headers only (size and magic): the loaders read them after the log is open
+        for path in find_shards(getattr(args, f"{what}_files"), what):
+            try:
+                read_shard_header(path)
+            except ShardError as e:
+                raise SystemExit(f"error: {e}") from None
 
 
 # ----------------------------------------------------------------------------------------------
