@@ -270,12 +270,16 @@ def check_args(args: Hyperparameters, world_size: int) -> None:
     except ValueError as e:
         raise SystemExit(f"error: {e}") from None
     check_batch_split(args, world_size)
-    for what in ("train", "val"):  # headers only (size and magic): the loaders read them after the log is open
+    tokens = {"train": 0, "val": 0}
+    for what in tokens:  # headers only (size and magic): the loaders read them after the log is open
         for path in find_shards(getattr(args, f"{what}_files"), what):
             try:
-                read_shard_header(path)
+                tokens[what] += read_shard_header(path)
             except ShardError as e:
                 raise SystemExit(f"error: {e}") from None
+    if tokens["val"] < args.val_tokens + 1:  # validation_batches' own check, before the log
+        raise SystemExit(f"error: --val_tokens {args.val_tokens} needs {args.val_tokens + 1} tokens but the val shards"
+                         f" {args.val_files!r} hold {tokens['val']}; lower --val_tokens")
 
 
 # ----------------------------------------------------------------------------------------------

@@ -58,7 +58,8 @@ def test_every_numeric_flag_has_a_range():
 @pytest.mark.parametrize("preset", sorted(tg.PRESETS))
 @pytest.mark.parametrize("world_size", [1, 2, 8])
 def test_presets_pass(preset, world_size):
-    args = tg.parse_args(["--preset", preset, "--train_files", TRAIN_SHARD, "--val_files", VAL_SHARD])
+    args = tg.parse_args(["--preset", preset, "--train_files", TRAIN_SHARD, "--val_files", VAL_SHARD,
+                          "--val_tokens", "32768"])  # tiny Shakespeare's val shard holds 36032 tokens
     tg.check_args(args, world_size)
 
 
@@ -180,6 +181,12 @@ def test_corrupt_train_shard(tmp_path, damage):
     bad.write_bytes(bytes(data) if damage == "bad_magic" else b"" if damage == "empty" else bytes(data[:-2]))
     msg = start_up_error(tmp_path, "--train_files", str(shards / "train_*.bin"))
     assert msg.startswith(f"error: {bad}: "), msg
+
+
+def test_val_tokens_beyond_the_val_shards(tmp_path):
+    msg = start_up_error(tmp_path, "--val_tokens", "65536", "--val_files", VAL_SHARD)
+    assert msg == (f"error: --val_tokens 65536 needs 65537 tokens but the val shards {VAL_SHARD!r} hold 36032;"
+                   " lower --val_tokens")
 
 
 def test_missing_shards(tmp_path):
