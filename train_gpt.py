@@ -189,6 +189,101 @@ def parse_args(argv: list[str] | None = None) -> Hyperparameters:
     return dataclasses.replace(args, **overrides)
 
 
+@dataclass(frozen=True)
+class FlagRange:
+    """Allowed values of a numeric flag: every number in it is in [lo, hi] (hi excluded if hi_open),
+    finite, an int if integer; a tuple flag has `shape` (None: any length, the same for siblings)."""
+    lo: float
+    hi: float = math.inf
+    hi_open: bool = False
+    integer: bool = False
+    shape: tuple = ()
+
+    def numbers(self, value, shape=None) -> list | None:
+        """The numbers in value, or None if it is not a number / a tuple of this shape."""
+        shape = self.shape if shape is None else shape
+        if not shape:
+            return [value] if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+        if not isinstance(value, (tuple, list)) or shape[0] not in (None, len(value)):
+            return None
+        parts = [self.numbers(v, shape[1:]) for v in value]
+        if any(p is None for p in parts) or len({len(p) for p in parts}) > 1:
+            return None
+        return [x for p in parts for x in p]
+
+    def allows(self, value) -> bool:
+        nums = self.numbers(value)
+        return nums is not None and all(
+            (isinstance(x, int) or not self.integer and math.isfinite(x))
+            and self.lo <= x and (x < self.hi if self.hi_open else x <= self.hi) for x in nums)
+
+    def __str__(self) -> str:
+        bounds = f">= {self.lo}" if self.hi == math.inf else f"in [{self.lo}, {self.hi}{')' if self.hi_open else ']'}"
+        if not self.shape:
+            return bounds if self.integer else f"a finite number {bounds}"
+        count = "a tuple of" if self.shape == (None,) else " x ".join(str(n or "K") for n in self.shape)
+        return f"{count} {'integers' if self.integer else 'finite numbers'} {bounds}"
+
+
+_AT_LEAST_0, _AT_LEAST_1 = FlagRange(0, integer=True), FlagRange(1, integer=True)
+_RATE, _FRACTION, _MOMENTUM = FlagRange(0), FlagRange(0, 1), FlagRange(0, 1, hi_open=True)
+_LAYERS = FlagRange(0, integer=True, shape=(None,))  # _check_model_args bounds them by num_layers
+_STAGES = 3
+
+# Every numeric field of Hyperparameters (tests/test_flags.py checks that none is missing).
+FLAG_RANGES: dict[str, FlagRange] = {
+    "val_tokens": _AT_LEAST_1, "vocab_size": _AT_LEAST_1, "padded_vocab_size": _AT_LEAST_1,
+    "num_layers": _AT_LEAST_1, "model_dim": _AT_LEAST_1, "num_heads": _AT_LEAST_1, "head_dim": _AT_LEAST_1,
+    "mlp_hidden": _AT_LEAST_1, "bigram_vocab_size": FlagRange(2, integer=True),
+    "value_embed_layers": _LAYERS, "long_window_layers": _LAYERS, "paired_head_layers": _LAYERS,
+    "no_attention_layers": _LAYERS, "skip_from_layer": _AT_LEAST_0, "skip_to_layer": _AT_LEAST_0,
+    "backout_layer": _AT_LEAST_0, "gate_channels": _AT_LEAST_1, "window_block_size": _AT_LEAST_1,
+    "windows_init": FlagRange(1, integer=True, shape=(2,)),
+    "num_iterations": _AT_LEAST_1, "extension_iterations": _AT_LEAST_0, "micro_batches": _AT_LEAST_1,
+    "stage_batch_tokens": FlagRange(1, integer=True, shape=(_STAGES,)),
+    "stage_max_doc_len": FlagRange(1, integer=True, shape=(_STAGES,)),
+    "stage_windows": FlagRange(1, integer=True, shape=(_STAGES, 2)),
+    "extension_windows": FlagRange(1, integer=True, shape=(2,)),
+    "stage_lr_mult": FlagRange(0, shape=(_STAGES,)), "cooldown_start": _FRACTION, "final_lr_mult": _RATE,
+    "stage_mtp_start": FlagRange(0, shape=(_STAGES, None)), "stage_mtp_end": FlagRange(0, shape=(_STAGES, None)),
+    "momentum_min": _MOMENTUM, "momentum_max": _MOMENTUM, "momentum_warmup": _FRACTION, "momentum_cooldown": _FRACTION,
+    "muon_lr": _RATE, "muon_wd": _RATE, "adam_lr": _RATE, "adam_wd": _RATE,
+    "val_seq_len": _AT_LEAST_1, "val_loss_every": _AT_LEAST_0, "save_every": _AT_LEAST_0,
+    "sample_tokens": _AT_LEAST_0, "seed": FlagRange(0, 2**63 - 1, integer=True),
+}
+
+
+def check_args(args: Hyperparameters, world_size: int) -> None:
+    """Every flag and shard checked at start-up, before the process group, model, loader or log:
+    a bad one stops the run with one line naming it (SystemExit), never a traceback from later on."""
+    for name, allowed in FLAG_RANGES.items():
+        value = getattr(args, name)
+        if not allowed.allows(value):
+            raise SystemExit(f"error: --{name} {value!r} must be {allowed}")
+    if len(args.stage_mtp_start[0]) != len(args.stage_mtp_end[0]) or not args.stage_mtp_start[0]:
+        raise SystemExit("error: --stage_mtp_start and --stage_mtp_end must give the same number (>= 1) of weights")
+    for name, choices in (("matrix_optimizer", MATRIX_OPTIMIZERS), ("orthogonalizer", sorted(ORTHOGONALIZERS))):
+        if getattr(args, name) not in choices:
+            raise SystemExit(f"error: --{name} {getattr(args, name)!r} is not one of {', '.join(choices)}")
+    if args.val_tokens % min(args.val_seq_len, args.val_tokens):
+        raise SystemExit(f"error: --val_tokens {args.val_tokens} must be a multiple of --val_seq_len {args.val_seq_len}")
+    try:
+        _check_model_args(args, world_size)
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
+    check_batch_split(args, world_size)
+    tokens = {"train": 0, "val": 0}
+    for what in tokens:  # headers only (size and magic): the loaders read them after the log is open
+        for path in find_shards(getattr(args, f"{what}_files"), what):
+            try:
+                tokens[what] += read_shard_header(path)
+            except ShardError as e:
+                raise SystemExit(f"error: {e}") from None
+    if tokens["val"] < args.val_tokens + 1:  # validation_batches' own check, before the log
+        raise SystemExit(f"error: --val_tokens {args.val_tokens} needs {args.val_tokens + 1} tokens but the val shards"
+                         f" {args.val_files!r} hold {tokens['val']}; lower --val_tokens")
+
+
 # ----------------------------------------------------------------------------------------------
 # Distributed setup
 # ----------------------------------------------------------------------------------------------
@@ -2349,6 +2444,7 @@ def train(args: Hyperparameters, d: DistInfo) -> float:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    check_args(args, int(os.environ.get("WORLD_SIZE", 1)))
     d = setup_distributed()
     try:
         train(args, d)

@@ -1,0 +1,194 @@
+"""Start-up checks: a bad flag or shard stops the run at once with one line naming it, before the
+process group, model, loader or log exist (check_args in train_gpt.py)."""
+import dataclasses
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+import train_gpt as tg  # noqa: E402
+
+SCRIPT = os.path.join(ROOT, "train_gpt.py")
+VAL_SHARD = os.path.join(ROOT, "data", "tinyshakespeare", "tinyshakespeare_val_000000.bin")
+TRAIN_SHARD = os.path.join(ROOT, "data", "tinyshakespeare", "tinyshakespeare_train_000001.bin")
+# The start-up error of a run that never got anywhere: one line, well inside this limit (the bug it
+# guards against compiled the model for 97 s first)
+QUICK_S = 60
+
+
+def start_up_error(tmp_path, *flags, world_size=1) -> str:
+    """check_args' SystemExit message for the test preset with these flags; the directories a run
+    would write to (log, checkpoints) are in tmp_path and must stay absent."""
+    args = tg.parse_args(["--preset", "test", "--log_dir", str(tmp_path / "logs"),
+                          "--checkpoint_dir", str(tmp_path / "ckpt"), *flags])
+    with pytest.raises(SystemExit) as e:
+        tg.check_args(args, world_size)
+    return one_line(str(e.value), tmp_path)
+
+
+def one_line(message: str, tmp_path) -> str:
+    assert message.startswith("error: ") and "\n" not in message.strip(), message
+    assert "Traceback" not in message
+    assert not (tmp_path / "logs").exists() and not (tmp_path / "ckpt").exists()
+    return message
+
+
+def run_script(tmp_path, *flags) -> str:
+    """train_gpt.py in a subprocess (compile on, as by default): its stderr, which must be one line."""
+    r = subprocess.run([sys.executable, SCRIPT, "--preset", "test", "--log_dir", str(tmp_path / "logs"),
+                        "--checkpoint_dir", str(tmp_path / "ckpt"), *flags],
+                       capture_output=True, text=True, timeout=QUICK_S, cwd=tmp_path)
+    assert r.returncode == 1, (r.returncode, r.stderr)
+    assert r.stdout == ""
+    return one_line(r.stderr, tmp_path)
+
+
+def test_every_numeric_flag_has_a_range():
+    defaults = tg.Hyperparameters()
+    numeric = {f.name for f in dataclasses.fields(tg.Hyperparameters)
+               if isinstance(getattr(defaults, f.name), (int, float, tuple))
+               and not isinstance(getattr(defaults, f.name), bool)}
+    assert numeric == set(tg.FLAG_RANGES), "add the new field's allowed range to FLAG_RANGES"
+
+
+@pytest.mark.parametrize("preset", sorted(tg.PRESETS))
+@pytest.mark.parametrize("world_size", [1, 2, 8])
+def test_presets_pass(preset, world_size):
+    args = tg.parse_args(["--preset", preset, "--train_files", TRAIN_SHARD, "--val_files", VAL_SHARD,
+                          "--val_tokens", "32768"])  # tiny Shakespeare's val shard holds 36032 tokens
+    tg.check_args(args, world_size)
+
+
+def test_negative_iterations_stop_at_once(tmp_path):
+    """The issue's case: it used to compile for 97 s and stop with "checkpoint at step 0 is past the
+    untie step but still tied"."""
+    assert run_script(tmp_path, "--num_iterations", "-3") == "error: --num_iterations -3 must be >= 1\n"
+
+
+@pytest.mark.parametrize("flag,value", [
+    ("--num_iterations", "0"), ("--extension_iterations", "-1"), ("--micro_batches", "0"),
+    ("--num_layers", "0"), ("--model_dim", "-64"), ("--head_dim", "0"), ("--mlp_hidden", "0"),
+    ("--bigram_vocab_size", "1"), ("--window_block_size", "0"), ("--val_tokens", "0"), ("--val_seq_len", "0"),
+    ("--val_loss_every", "-1"), ("--save_every", "-5"), ("--sample_tokens", "-1"), ("--seed", "-1"),
+    ("--skip_from_layer", "-1"),
+])
+def test_counts(tmp_path, flag, value):
+    msg = start_up_error(tmp_path, flag, value)
+    assert msg.startswith(f"error: {flag} {value} must be "), msg
+
+
+@pytest.mark.parametrize("flag,value,shown", [
+    ("--muon_lr", "-0.01", "-0.01"), ("--adam_lr", "nan", "nan"), ("--muon_wd", "inf", "inf"),
+    ("--adam_wd=-1e-3", None, "-0.001"),  # argparse takes a bare -1e-3 for an option ("--final_lr_mult", "-0.5", "-0.5"),
+    ("--stage_lr_mult", "(1.0, -1.0, 1.0)", "(1.0, -1.0, 1.0)"),
+    ("--stage_lr_mult", "(1.0, 1e999, 1.0)", "(1.0, inf, 1.0)"),  # a literal that overflows to inf
+])
+def test_rates(tmp_path, flag, value, shown):
+    msg = start_up_error(tmp_path, *([flag] if value is None else [flag, value]))
+    assert msg.startswith(f"error: {flag.split('=')[0]} {shown} must be ") and "finite number" in msg, msg
+
+
+@pytest.mark.parametrize("flag,value", [
+    ("--cooldown_start", "1.5"), ("--cooldown_start", "nan"), ("--momentum_warmup", "-0.1"),
+    ("--momentum_cooldown", "2"), ("--momentum_min", "-0.1"), ("--momentum_max", "1.0"),
+])
+def test_fractions_and_momentum(tmp_path, flag, value):
+    msg = start_up_error(tmp_path, flag, value)
+    assert msg.startswith(f"error: {flag} ") and " must be a finite number in [0, 1" in msg, msg
+
+
+@pytest.mark.parametrize("flag,value,expect", [
+    ("--stage_batch_tokens", "(512, 1024)", "must be 3 integers >= 1"),
+    ("--stage_batch_tokens", "(512, -1024, 1536)", "must be 3 integers >= 1"),
+    ("--stage_batch_tokens", "(512.0, 1024, 1536)", "must be 3 integers >= 1"),
+    ("--stage_max_doc_len", "(64, 128, 0)", "must be 3 integers >= 1"),
+    ("--stage_windows", "((1, 3), (3, 7))", "must be 3 x 2 integers >= 1"),
+    ("--stage_windows", "(1, 3)", "must be 3 x 2 integers >= 1"),
+    ("--stage_windows", "((1, 3), (3, 0), (5, 11))", "must be 3 x 2 integers >= 1"),
+    ("--extension_windows", "(6,)", "must be 2 integers >= 1"),
+    ("--windows_init", "(1, 'a')", "must be 2 integers >= 1"),
+    ("--stage_mtp_start", "((1.0, 0.5), (1.0, 0.5, 0.0), (1.0, 0.0, 0.0))", "must be 3 x K finite numbers >= 0"),
+    ("--stage_mtp_end", "((1.0, -0.5, 0.0), (1.0, 0.0, 0.0), (1.0, 0.0, 0.0))", "must be 3 x K finite numbers >= 0"),
+    ("--value_embed_layers", "(1, -3)", "must be a tuple of integers >= 0"),
+])
+def test_tuples(tmp_path, flag, value, expect):
+    msg = start_up_error(tmp_path, flag, value)
+    assert msg.startswith(f"error: {flag} (") and expect in msg, msg
+
+
+def test_tuple_cross_checks(tmp_path):
+    msg = start_up_error(tmp_path, "--stage_mtp_start", "((1.0, 0.5), (1.0, 0.5), (1.0, 0.0))")
+    assert "--stage_mtp_start and --stage_mtp_end must give the same number" in msg
+    msg = start_up_error(tmp_path, "--val_tokens", "1000")
+    assert msg == "error: --val_tokens 1000 must be a multiple of --val_seq_len 512"
+
+
+@pytest.mark.parametrize("flag,value,expect", [
+    ("--fp8", "maybe", "error: --fp8 'maybe' is not a valid true/false"),
+    ("--num_layers", "four", "error: --num_layers 'four' is not a valid int"),
+    ("--muon_lr", "fast", "error: --muon_lr 'fast' is not a valid float"),
+    ("--stage_windows", "((1, 3", "error: --stage_windows '((1, 3' is not a valid tuple"),
+    ("--num_iterationz", "5", "error: unknown argument '--num_iterationz'"),
+])
+def test_booleans_and_unparsable_values(tmp_path, flag, value, expect):
+    """parse_args itself turns these into one line, before check_args."""
+    with pytest.raises(SystemExit) as e:
+        tg.parse_args(["--preset", "test", "--log_dir", str(tmp_path / "logs"), flag, value])
+    assert one_line(str(e.value), tmp_path).startswith(expect), str(e.value)
+
+
+@pytest.mark.parametrize("flag,value,expect", [
+    ("--orthogonalizer", "foo", "error: --orthogonalizer 'foo' is not one of auto, gram_newton_schulz, polar_express"),
+    ("--matrix_optimizer", "sgd", "error: --matrix_optimizer 'sgd' is not one of normuon, muon, adamw"),
+])
+def test_string_choices(tmp_path, flag, value, expect):
+    assert start_up_error(tmp_path, flag, value) == expect
+
+
+def test_model_and_batch_split_checks_run_at_start_up(tmp_path):
+    """_check_model_args and check_batch_split keep their own checks; check_args runs both first."""
+    msg = start_up_error(tmp_path, "--model_dim", "65")
+    assert msg.startswith("error: model config: --model_dim (65) must equal --num_heads * --head_dim"), msg
+    msg = start_up_error(tmp_path, "--skip_from_layer", "7")
+    assert msg == "error: model config: --skip_from_layer must be a layer index in 0..3, got 7"
+    msg = start_up_error(tmp_path, world_size=3)
+    assert "(--stage_batch_tokens) does not split into 3 ranks x 2 accumulation steps" in msg, msg
+
+
+def test_truncated_val_shard_stops_at_once(tmp_path):
+    val = tmp_path / "data" / "val_000000.bin"
+    val.parent.mkdir()
+    val.write_bytes(open(VAL_SHARD, "rb").read()[:3000])
+    msg = run_script(tmp_path, "--val_files", str(tmp_path / "data" / "val_*.bin"))
+    assert msg.startswith(f"error: {val}: header says ") and "truncated or corrupt" in msg, msg
+
+
+@pytest.mark.parametrize("damage", ["bad_magic", "empty", "truncated"])
+def test_corrupt_train_shard(tmp_path, damage):
+    """Every train shard is checked at start-up, not only the first: a bad later shard would otherwise
+    stop the run when the loader's background thread reaches it."""
+    shards = tmp_path / "data"
+    shards.mkdir()
+    shutil.copy(TRAIN_SHARD, shards / "train_000001.bin")
+    bad = shards / "train_000002.bin"
+    data = bytearray(open(TRAIN_SHARD, "rb").read())
+    if damage == "bad_magic":
+        data[:4] = b"\0\0\0\0"
+    bad.write_bytes(bytes(data) if damage == "bad_magic" else b"" if damage == "empty" else bytes(data[:-2]))
+    msg = start_up_error(tmp_path, "--train_files", str(shards / "train_*.bin"))
+    assert msg.startswith(f"error: {bad}: "), msg
+
+
+def test_val_tokens_beyond_the_val_shards(tmp_path):
+    msg = start_up_error(tmp_path, "--val_tokens", "65536", "--val_files", VAL_SHARD)
+    assert msg == (f"error: --val_tokens 65536 needs 65537 tokens but the val shards {VAL_SHARD!r} hold 36032;"
+                   " lower --val_tokens")
+
+
+def test_missing_shards(tmp_path):
+    msg = start_up_error(tmp_path, "--val_files", str(tmp_path / "nothing_*.bin"))
+    assert msg.startswith(f"error: no val shards match '{tmp_path / 'nothing_*.bin'}'"), msg
