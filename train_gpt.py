@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import glob
 import math
 import os
@@ -91,6 +92,7 @@ class Hyperparameters:
     checkpoint_dir: str = "checkpoints"
     resume: str = ""                               # checkpoint directory to continue from
     compile: bool = True
+    cpu_dtype: str = "auto"                        # CPU only: bf16 | fp32 | auto (the faster, timed at start-up)
     sample_tokens: int = 0                         # after training, print a sampled continuation this long
     # ablations (every component can be switched off; defaults are the full recipe)
     # Switched-off parameters stay in the model (checkpoints keep one layout) but are never read
@@ -250,6 +252,7 @@ FLAG_RANGES: dict[str, FlagRange] = {
     "muon_lr": _RATE, "muon_wd": _RATE, "adam_lr": _RATE, "adam_wd": _RATE,
     "val_seq_len": _AT_LEAST_1, "val_loss_every": _AT_LEAST_0, "save_every": _AT_LEAST_0,
     "sample_tokens": _AT_LEAST_0, "seed": FlagRange(0, 2**63 - 1, integer=True),
+    "attn_scale": _RATE, "final_val_windows": FlagRange(1, integer=True, shape=(2,)),
 }
 
 
@@ -262,7 +265,8 @@ def check_args(args: Hyperparameters, world_size: int) -> None:
             raise SystemExit(f"error: --{name} {value!r} must be {allowed}")
     if len(args.stage_mtp_start[0]) != len(args.stage_mtp_end[0]) or not args.stage_mtp_start[0]:
         raise SystemExit("error: --stage_mtp_start and --stage_mtp_end must give the same number (>= 1) of weights")
-    for name, choices in (("matrix_optimizer", MATRIX_OPTIMIZERS), ("orthogonalizer", sorted(ORTHOGONALIZERS))):
+    for name, choices in (("matrix_optimizer", MATRIX_OPTIMIZERS), ("orthogonalizer", sorted(ORTHOGONALIZERS)),
+                          ("cpu_dtype", ("auto", *CPU_DTYPES))):
         if getattr(args, name) not in choices:
             raise SystemExit(f"error: --{name} {getattr(args, name)!r} is not one of {', '.join(choices)}")
     if args.val_tokens % min(args.val_seq_len, args.val_tokens):
@@ -323,6 +327,52 @@ def setup_distributed(force_cpu: bool = False) -> DistInfo:
 def cuda_synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+CPU_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def cpu_model(cpu_name_file: str = "/proc/cpuinfo") -> str:
+    """The CPU's model name (for logs), or the platform's processor string."""
+    import platform
+    try:
+        with open(cpu_name_file) as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def matmul_gflops(dtype: torch.dtype, m: int, k: int, n: int, seconds: float = 0.15) -> float:
+    """GFLOP/s of an (m, k) x (k, n) matmul in `dtype` on this CPU, timed for about `seconds`."""
+    import time
+    a, b = torch.randn(m, k).to(dtype), torch.randn(k, n).to(dtype)
+    a @ b  # warm-up: thread pool, oneDNN primitive creation
+    reps, t0 = 0, time.perf_counter()
+    while True:
+        a @ b
+        reps += 1
+        elapsed = time.perf_counter() - t0
+        if elapsed >= seconds or reps >= 1000:
+            return 2 * m * k * n * reps / elapsed / 1e9
+
+
+def choose_cpu_dtype(args: Hyperparameters) -> tuple[torch.dtype, str]:
+    """The dtype of the model's bf16 parameters on a CPU, and a line saying why (README "CPU dtype").
+
+    --cpu_dtype bf16 / fp32 forces it; auto times the model's MLP matmul shape in both and takes the
+    faster. CPU flags alone mislead: bf16 runs ~90x slower than fp32 on AVX2-only CPUs, a little slower
+    on AVX512-BF16 CPUs without AMX, and faster with AMX."""
+    if args.cpu_dtype != "auto":
+        return CPU_DTYPES[args.cpu_dtype], f"cpu dtype {args.cpu_dtype} (--cpu_dtype) on {cpu_model()}"
+    shape = (256, args.model_dim, args.mlp_hidden)
+    rates = {name: matmul_gflops(dtype, *shape) for name, dtype in CPU_DTYPES.items()}
+    best = max(rates, key=rates.get)
+    figures = ", ".join(f"{name} {rate:.1f}" for name, rate in rates.items())
+    return CPU_DTYPES[best], (f"cpu dtype {best} (auto: {'x'.join(map(str, shape))} matmul GFLOP/s per process: "
+                              f"{figures}; capability {torch.backends.cpu.get_cpu_capability()}) on {cpu_model()}")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -536,7 +586,7 @@ def polar_express(G: torch.Tensor, coeffs=POLAR_EXPRESS_COEFFS, dtype: torch.dty
 
 
 def gram_newton_schulz(G: torch.Tensor, coeffs=POLAR_EXPRESS_COEFFS, restart_after: int = 2,
-                       gram_dtype: torch.dtype = torch.float16) -> torch.Tensor:
+                       dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """The same polynomial iteration, run on the small Gram matrix instead of the full matrix.
 
     Every iterate has the form X_k = Q_k X_0 (wide case; tall matrices are transposed views), so it
@@ -547,8 +597,9 @@ def gram_newton_schulz(G: torch.Tensor, coeffs=POLAR_EXPRESS_COEFFS, restart_aft
     grow fastest during the first, steep iterations, so after `restart_after` iterations X is formed
     explicitly and R recomputed from it. The Gram work runs in fp16 (all entries are bounded by a
     few units; fp16 keeps 3 more mantissa bits than bf16); the result is bf16 with G's shape.
+    dtype=torch.float32 runs everything in fp32 and returns fp32 (the CPU fp32 mode).
     """
-    X = _normalized_bank(G, gram_dtype)
+    X = _normalized_bank(G, torch.float16 if dtype == torch.bfloat16 else dtype)
     tall = X.size(-2) > X.size(-1)
     if tall:
         X = X.mT.contiguous()
@@ -569,10 +620,10 @@ def gram_newton_schulz(G: torch.Tensor, coeffs=POLAR_EXPRESS_COEFFS, restart_aft
     X = torch.bmm(Q, X)
     if tall:
         X = X.mT
-    return X.to(torch.bfloat16).reshape(G.shape)
+    return X.to(dtype).reshape(G.shape)
 
 
-def orthogonalize_auto(G: torch.Tensor) -> torch.Tensor:
+def orthogonalize_auto(G: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """Gram Newton-Schulz where it saves FLOPs, Polar Express elsewhere.
 
     Per matrix with short side s and long side L, Polar Express costs ~20 s^2 L + 10 s^3 FLOPs
@@ -580,7 +631,7 @@ def orthogonalize_auto(G: torch.Tensor) -> torch.Tensor:
     bank: -29%) and loses on square matrices (attention banks: +33%).
     """
     m, n = G.shape[-2:]
-    return gram_newton_schulz(G) if max(m, n) >= 2 * min(m, n) else polar_express(G)
+    return (gram_newton_schulz(G, dtype=dtype) if max(m, n) >= 2 * min(m, n) else polar_express(G, dtype=dtype))
 
 
 ORTHOGONALIZERS = {"polar_express": polar_express, "gram_newton_schulz": gram_newton_schulz,
@@ -2073,7 +2124,8 @@ def optimizer_configs(args: Hyperparameters, model: "GPT") -> dict[str, ParamCon
     component get lr and decay multipliers of 0 (they receive no gradient and must not drift)."""
     if args.matrix_optimizer not in MATRIX_OPTIMIZERS:
         raise ValueError(f"--matrix_optimizer {args.matrix_optimizer!r} is not one of {', '.join(MATRIX_OPTIMIZERS)}")
-    down_x2 = tuple(2.0 if role.startswith("down.") else 1.0 for role in model.bank_roles["mlp_bank"])
+    # c_proj lr x2: every odd entry of the MLP bank (the down-projections, and the record's padding)
+    down_x2 = tuple(2.0 if i % 2 else 1.0 for i in range(len(model.bank_roles["mlp_bank"])))
     if args.matrix_optimizer == "adamw":
         # Adam's decay is (lr * lr_mul)^2 * adam_wd * wd_mul: pick wd_mul so that it equals
         # ADAMW_BANK_DECAY times the bank's learning rate at the base lr.
@@ -2126,7 +2178,8 @@ def build_optimizer(args: Hyperparameters, model: "GPT", device: torch.device) -
     return NorMuonAdam(model.params_by_label(), optimizer_configs(args, model),
                        scatter_order=SCATTER_ORDER, work_order=WORK_ORDER, normuon_beta2=beta2,
                        normuon_lr=args.muon_lr, normuon_wd=args.muon_wd, adam_lr=args.adam_lr, adam_wd=args.adam_wd,
-                       orthogonalizer=args.orthogonalizer, tied=("embed", "lm_head"),
+                       orthogonalizer=functools.partial(ORTHOGONALIZERS[args.orthogonalizer], dtype=model.qk_bank.dtype),
+                       tied=("embed", "lm_head"),
                        compile=args.compile and device.type == "cuda")
 
 
@@ -2134,7 +2187,7 @@ class RunLog:
     """logs/<run_id>.txt on rank 0: both source files, versions, hardware, hyperparameters, then the
     record lines. Lines are flushed as written, so a crash keeps everything up to it."""
 
-    def __init__(self, args: Hyperparameters, run_id: str, d: DistInfo):
+    def __init__(self, args: Hyperparameters, run_id: str, d: DistInfo, notes: list[str] = ()):
         self.file = None
         self.path = os.path.join(args.log_dir, f"{run_id}.txt")  # written by rank 0 only
         if not d.is_master:
@@ -2155,8 +2208,10 @@ class RunLog:
             self.write(f"hardware: {d.world_size} x {props.name} ({props.total_memory / 2**30:.0f} GiB), "
                        f"CUDA {torch.version.cuda}")
         else:
-            self.write(f"hardware: {d.world_size} CPU process(es) on {platform.processor() or platform.machine()}, "
+            self.write(f"hardware: {d.world_size} CPU process(es) on {cpu_model()}, "
                        f"{os.cpu_count()} cores, {torch.get_num_threads()} threads per process")
+        for note in notes:
+            self.write(note)
         self.write("==== hyperparameters ====")
         for f in dataclasses.fields(args):
             self.write(f"{f.name} = {getattr(args, f.name)!r}")
@@ -2320,17 +2375,28 @@ def train(args: Hyperparameters, d: DistInfo) -> float:
     slots = d.world_size * accum
     total = total_steps(args)
 
+    dtype, dtype_note = torch.bfloat16, None
+    if d.device.type == "cpu":  # every rank takes rank 0's choice
+        choice = [None]
+        if d.is_master:
+            dt, dtype_note = choose_cpu_dtype(args)
+            choice = [(str(dt).removeprefix("torch."), dtype_note)]
+        if dist.is_initialized():
+            dist.broadcast_object_list(choice, src=0)
+        dtype, dtype_note = getattr(torch, choice[0][0]), choice[0][1]
     torch.manual_seed(args.seed)
     try:  # model and optimizer validate their configuration: a bad flag is one line, before any log
-        model = GPT(args, d.world_size).to(d.device)
+        model = GPT(args, d.world_size, dtype=dtype).to(d.device)
         opt = build_optimizer(args, model, d.device)
     except ValueError as e:
         raise SystemExit(f"error: {e}") from None
     if dist.is_initialized():
         for p in model.parameters():
             dist.broadcast(p.data, src=0)
-    log = RunLog(args, run_id, d)
+    log = RunLog(args, run_id, d, notes=[dtype_note] if dtype_note else [])
     progress = Progress(d.is_master)
+    if dtype_note:
+        progress.show(dtype_note, final=True)
     model_fn = torch.compile(model, dynamic=False) if args.compile else model
     loader = DocumentLoader(args.train_files, args.bigram_vocab_size, d.rank, d.world_size)
     val_batches = validation_batches(args.val_files, args.val_tokens, min(args.val_seq_len, args.val_tokens),

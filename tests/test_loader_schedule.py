@@ -199,3 +199,16 @@ def test_batch_split_errors():
     assert tg.check_batch_split(args, 16) == 1
     with pytest.raises(SystemExit, match="does not split into 3 ranks x 3 accumulation steps"):
         tg.check_batch_split(args, 3)
+
+
+def test_loss_scale_gives_the_records_gradient_for_any_world_size():
+    """The record sums the loss over its 8 ranks' tokens (grad_scale 1) and averages gradients over 8
+    ranks. With W ranks of 8/W accumulation steps each, scale W/8 gives the same averaged gradient:
+    (1/W) * sum over ranks of (W/8) * (sum over that rank's tokens) = (1/8) * sum over all tokens."""
+    args = tg.parse_args([])
+    for world_size in (1, 2, 4, 8, 16):
+        scale = tg.grad_scale_for(args, world_size)
+        assert scale == world_size / 8
+        accum, ranks = tg.grad_accum_steps(args, world_size), world_size
+        # each token's gradient weight after the AVG all-reduce
+        assert scale / ranks == pytest.approx(1 / 8) and accum * ranks >= 8

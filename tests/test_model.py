@@ -394,7 +394,7 @@ def test_every_parameter_gets_a_gradient():
     inputs, targets, cu = make_batch()
     model(inputs, targets, cu, bigrams(inputs), mtp_weights=torch.tensor([1.0, 0.5]), loss_scale=0.01).backward()
     # entries of a layer without attention are never read (as in the record): exactly those get no gradient
-    L, no_attn = TEST.num_layers, list(TEST.no_attention_layers)
+    no_attn = list(TEST.no_attention_layers)
     dead = {name: torch.zeros(getattr(model, name).shape, dtype=torch.bool)
             for name in ("scalars", "resid_lambdas", "post_lambdas", "x0_lambdas", "bigram_lambdas")}
     for i in no_attn:

@@ -8,6 +8,7 @@ Run as a script under torchrun, this file is the worker of the multi-node test:
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import sys
@@ -64,6 +65,33 @@ def test_orthogonalizer_against_svd(fn, shape):
         assert dist_to_polar <= max(1 - lo, hi - 1) + 0.03
         # same singular vectors as the polar factor: O^T-projected onto U V^T is close to diagonal
         assert (o * P).sum() / P.norm() ** 2 > 0.9
+
+
+def polar_loop(G, split):
+    """Polar Express step by step as the record describes its precision: bf16 input, bf16 norm and
+    division, Gram and b A + c A^2 products, then either one fused a X + X B or X B rounded first."""
+    X = G.bfloat16()
+    X = X / (X.norm(dim=(-2, -1), keepdim=True) * 1.02 + 1e-6)
+    tall = X.size(-2) > X.size(-1)
+    for a, b, c in COEFFS:
+        A = X.mT @ X if tall else X @ X.mT
+        B = torch.baddbmm(A, A, A, beta=b, alpha=c)
+        if split:
+            X = a * X + (X @ B if tall else B @ X)
+        else:
+            X = torch.baddbmm(X, X, B, beta=a) if tall else torch.baddbmm(X, B, X, beta=a)
+    return X
+
+
+@pytest.mark.parametrize("rows, split", [(1100, True), (96, False)])
+def test_polar_express_rounds_like_the_record(rows, split):
+    """Matrices of more than 1024 rows (the MLP bank) round X B to bf16 before adding a X; smaller ones
+    use one fused multiply-add. The two differ in the last bits, so equality pins the choice."""
+    torch.manual_seed(3)
+    G = torch.randn(2, rows, 64)
+    got = T.polar_express(G)
+    assert torch.equal(got, polar_loop(G, split))
+    assert not torch.equal(got, polar_loop(G, not split))
 
 
 def test_band_is_tight_around_one():
@@ -802,3 +830,55 @@ if __name__ == "__main__":
     dist.barrier()
     dist.destroy_process_group()
     torch.save(result, os.path.join(sys.argv[1], f"rank{rank}.pt"))
+
+
+# ----------------------------------------------------------------------------------------------
+# The speedrun's per-label table and orders against record #89's (README "Per-label table")
+# ----------------------------------------------------------------------------------------------
+
+# label: (optimizer, comms, betas, lr_mul, wd_mul), copied by hand from the record's table; the last three
+# rows are record #79's labels for the components our model still has in their older form
+RECORD_TABLE = {
+    "qk_bank": ("normuon", "sharded", None, 1.0, 1.0),
+    "vo_bank": ("normuon", "sharded", None, 1.0, 1.0),
+    "mlp_bank": ("normuon", "sharded", None, 1.0, 1.0),
+    "scalars": ("adam", "replicated", (0.9, 0.99), 5.0, 0.0),
+    "smear_gate": ("adam", "replicated", (0.9, 0.99), 0.01, 0.0),
+    "ve_gate_bank": ("adam", "replicated", (0.9, 0.99), 1.0, 1.0),
+    "lm_head": ("adam", "sharded", (0.5, 0.95), 1.0, 150.0),
+    "bigram_embed": ("adam", "sharded_sparse", (0.75, 0.95), 75.0, 5.0),
+    "post_lambdas": ("adam", "replicated", (0.9, 0.95), 1.0, 0.0),
+    "resid_lambdas": ("adam", "replicated", (0.9, 0.95), 5.0, 0.0),
+    "value_embeds": ("adam", "sharded", (0.75, 0.95), 75.0, 5.0),
+    "embed": ("adam", "sharded", (0.5, 0.95), 1.0, 150.0),
+    "x0_lambdas": ("adam", "replicated", (0.9, 0.95), 1.0, 0.0),
+    "bigram_lambdas": ("adam", "replicated", (0.9, 0.95), 1.0, 0.0),
+    "skip_gate": ("adam", "replicated", (0.9, 0.99), 0.05, 0.0),
+}
+
+
+def test_speedrun_label_table_is_the_records():
+    args = T.parse_args([])
+    with torch.device("meta"):
+        model = T.GPT(args, 8)
+    configs = T.optimizer_configs(args, model)
+    assert list(configs) == list(RECORD_TABLE)  # the record's dict order is its scatter order
+    for label, (kind, comms, betas, lr_mul, wd_mul) in RECORD_TABLE.items():
+        cfg = configs[label]
+        assert (cfg.optimizer, cfg.comms, cfg.lr_mul, cfg.wd_mul) == (kind, comms, lr_mul, wd_mul), label
+        if betas:
+            assert cfg.betas == betas, label
+    # per-matrix multipliers: c_proj (odd entries of the MLP bank) x2; the shape factor makes c_fc 0.046
+    # and c_proj 0.092 at lr 0.023
+    assert configs["mlp_bank"].matrix_lr_mul == (1.0, 2.0) * 12
+    small = dataclasses.replace(args, padded_vocab_size=128, vocab_size=100, bigram_vocab_size=64)
+    opt = T.build_optimizer(small, T.GPT(small, 8), torch.device("cpu"))  # the record's banks, small tables
+    eff = {label: opt._matrix_lr[label].view(-1).tolist() for label in ("qk_bank", "vo_bank", "mlp_bank")}
+    assert eff["qk_bank"] == [1.0] * 64 and eff["vo_bank"] == [1.0] * 24 and eff["mlp_bank"] == [2.0, 4.0] * 12
+    assert T.SCATTER_ORDER[:12] == ("qk_bank", "vo_bank", "mlp_bank", "scalars", "smear_gate", "ve_gate_bank",
+                                    "lm_head", "bigram_embed", "post_lambdas", "resid_lambdas", "value_embeds", "embed")
+    record_work = ["scalars", "smear_gate", "ve_gate_bank", "post_lambdas", "resid_lambdas", "value_embeds",
+                   "bigram_embed", "lm_head", "embed", "qk_bank", "vo_bank", "mlp_bank"]
+    assert [w for w in T.WORK_ORDER if w in record_work] == record_work
+    assert (opt.adam_lr, opt.adam_wd, opt.adam_eps, opt.normuon_lr, opt.normuon_wd, opt.normuon_beta2) == \
+        (0.008, 0.005, 1e-10, 0.023, 1.2, 0.9)

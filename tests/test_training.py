@@ -124,3 +124,32 @@ def test_bad_flags_are_one_line_errors(tmp_path, flag, value, message):
     assert r.returncode != 0
     assert r.stderr.strip().count("\n") == 0 and message in r.stderr, r.stderr
     assert not list(tmp_path.glob("*.txt"))  # nothing written for a run that never started
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the GPU check runs it)")
+def test_training_step_never_waits_for_the_gpu():
+    """A whole training step (loader batches to the device, forward, backward, NorMuon and Adam) under
+    torch.cuda.set_sync_debug_mode("error"): any .item(), blocking copy or host branch on a device
+    value inside the step raises."""
+    import train_gpt as tg
+    args = tg.parse_args(["--preset", "test", "--compile", "false"])
+    device = torch.device("cuda")
+    model = tg.GPT(args).to(device)
+    opt = tg.build_optimizer(args, model, device)
+    loader = tg.DocumentLoader(args.train_files, args.bigram_vocab_size)
+    mtp = torch.zeros(len(args.stage_mtp_start[0]), device=device)
+    slots = tg.check_batch_split(args, 1)
+
+    def step(i):
+        plan = tg.plan_step(args, i)
+        batches = loader.next_step(plan.batch_tokens // slots, plan.max_doc_len, slots)
+        return tg.train_step(model, opt, batches, plan, mtp, tg.grad_scale_for(args, 1), device)
+
+    step(0), step(1)  # first calls: lazy initialisation, allocator growth
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        losses = [step(2), step(3)]  # an even (NorMuon only) and an odd (Adam too) step
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert all(torch.isfinite(x).item() for x in losses)
