@@ -2238,7 +2238,7 @@ class Progress:
             print(text, flush=True)
 
 
-CHECKPOINT_FORMAT = 1
+CHECKPOINT_FORMAT = 2  # 2: the record-#89 labels, no Adam mantissa
 
 
 def save_checkpoint(path: str, step: int, model: nn.Module, opt: NorMuonAdam, loader: DocumentLoader,

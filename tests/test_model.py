@@ -624,3 +624,12 @@ def test_compiled_forward_backward_matches_eager_on_cpu():
     assert change > 1e-3, losses
     for e, c in losses:
         assert abs(e - c) < change / 100, losses
+
+
+def test_rms_norm_eps_is_fp32_machine_epsilon():
+    """The record's F.rms_norm(x, eps=None) on bf16 uses fp32 epsilon (1.19e-7), not 1e-6: visible on
+    tiny inputs, where the eps term dominates."""
+    x = torch.full((1, 8), 1e-4)
+    expected = 1e-4 / math.sqrt(1e-8 + 2.0 ** -23)
+    assert tg.norm(x)[0, 0].item() == pytest.approx(expected, rel=1e-5)
+    assert abs(expected - 1e-4 / math.sqrt(1e-8 + 1e-6)) > 0.1  # eps 1e-6 gives 0.0995, not 0.278

@@ -47,6 +47,8 @@ def test_two_rank_run_log_and_learning(two_rank_run):
         assert f"==== {name} ====\n{source}\n" in log
     assert re.search(r"^python 3\.\d+\.\d+ torch 2\.14\.1\S* triton 3\.8\.\d+", log, re.M)
     assert "hardware: 2 CPU process(es)" in log and "orthogonalizer = 'polar_express'" in log
+    assert re.search(r"^cpu dtype (bf16|fp32) \(auto: 256x64x256 matmul GFLOP/s per process: bf16 [0-9.]+, "
+                     r"fp32 [0-9.]+; capability \w+\) on .+$", log, re.M)
     training = log.split("==== training ====\n", 1)[1].splitlines()
     steps = [STEP_LINE.match(line) for line in training]
     assert [int(m.group(1)) for m in steps if m] == list(range(1, 8))
