@@ -9,6 +9,32 @@ import os
 os.environ["TRITON_INTERPRET"] = "1"
 
 
+def inductor_cache_dir(env) -> str | None:
+    """The torch.compile cache directory a test run under `env` should use, or None for torch's own.
+
+    Inductor's CPU code is generated for one vector ISA (AVX-512: 16 floats a vector; AVX2: 8), picked
+    from ATEN_CPU_CAPABILITY when it is set, but its FX-graph cache key leaves the ISA out (torch
+    2.14). A run emulating an AVX2 machine (ATEN_CPU_CAPABILITY=avx2) and an ordinary run sharing
+    /tmp/torchinductor_$USER load each other's kernels, rebuilt for the other vector width: heap
+    corruption ("corrupted size vs. prev_size") or "index out of bounds" aborts in compiled tests. So
+    a run that sets the capability gets a cache of its own, which subprocesses inherit.
+    """
+    cap = env.get("ATEN_CPU_CAPABILITY", "").strip().lower()
+    if not cap:
+        return None
+    base = env.get("TORCHINDUCTOR_CACHE_DIR")
+    if base is None:
+        from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+        base = default_cache_dir()
+    suffix = f"_isa_{cap}"
+    return base if base.endswith(suffix) else base + suffix
+
+
+_cache_dir = inductor_cache_dir(os.environ)
+if _cache_dir is not None:
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = _cache_dir
+
+
 def _patch_interpreter_bf16_dot() -> None:
     """Make the interpreter's tl.dot correct for bf16 inputs.
 

@@ -2,6 +2,7 @@
 causality, losses against float64 references, gradients, parameter shapes and torch.compile."""
 import dataclasses
 import math
+import os
 
 import numpy as np
 import pytest
@@ -593,6 +594,20 @@ def test_model_fields_parse_from_command_line():
 
 
 # ---- torch.compile -------------------------------------------------------------------------------
+
+
+def test_emulated_cpu_capability_gets_its_own_inductor_cache():
+    """conftest keeps runs under ATEN_CPU_CAPABILITY (e.g. the AVX2 emulation) out of the shared cache."""
+    from conftest import inductor_cache_dir
+
+    assert inductor_cache_dir({}) is None
+    assert inductor_cache_dir({"TORCHINDUCTOR_CACHE_DIR": "/c"}) is None
+    assert inductor_cache_dir({"ATEN_CPU_CAPABILITY": "avx2", "TORCHINDUCTOR_CACHE_DIR": "/c"}) == "/c_isa_avx2"
+    assert inductor_cache_dir({"ATEN_CPU_CAPABILITY": "AVX2", "TORCHINDUCTOR_CACHE_DIR": "/c_isa_avx2"}) == "/c_isa_avx2"
+    default = inductor_cache_dir({"ATEN_CPU_CAPABILITY": "avx512"})
+    assert default.endswith("_isa_avx512") and os.path.basename(default).startswith("torchinductor")
+    if os.environ.get("ATEN_CPU_CAPABILITY"):  # this very run
+        assert os.environ["TORCHINDUCTOR_CACHE_DIR"].endswith("_isa_" + os.environ["ATEN_CPU_CAPABILITY"].lower())
 
 
 @pytest.mark.slow

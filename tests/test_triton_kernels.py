@@ -109,6 +109,35 @@ def test_transpose_references():
 # lower-triangle tiles walked by 3 persistent programs (exercising the triangle indexing).
 SYM_SHAPES = [(64, 64), (45, 70), (100, 37), (2, 33, 50), (3, 40, 29), (300, 40)]
 
+# The symmetric kernels are checked against float64 products of the same (rounded) inputs, never
+# against torch's or numpy's fp32 matmul: a CPU BLAS sums in an order that depends on the CPU's
+# vector ISA (AVX-512 vs AVX2 kernels), and the interpreter's tl.dot is numpy's BLAS. Against
+# float64 the only error is the kernel's own: fp32 accumulation (well under TOL[fp32] for these
+# K <= 300) and, for bf16 outputs, one rounding of the fp32 result (<= 2^-7 relative, < TOL[bf16]).
+
+
+def xxt64(A: torch.Tensor) -> torch.Tensor:
+    A64 = A.double()
+    return A64 @ A64.mT
+
+
+def xtx64(A: torch.Tensor) -> torch.Tensor:
+    A64 = A.double()
+    return A64.mT @ A64
+
+
+def assert_exactly_symmetric(out: torch.Tensor) -> None:
+    """Bitwise out == out^T, batched or not (Polar Express assumes it; the kernels guarantee it)."""
+    bad = (out != out.mT).sum().item()
+    assert bad == 0, f"{bad} elements differ from their mirror image"
+
+
+def symmetric_gram(shape, dtype) -> torch.Tensor:
+    """An exactly symmetric (..., m, m) matrix with O(1) entries, like the Polar Express Gram."""
+    X = torch.randn(*shape[:-2], shape[-1], 2 * shape[-1], dtype=torch.float64)
+    S = X @ X.mT / shape[-1]
+    return ((S + S.mT) / 2).to(dtype)  # a + b == b + a exactly; rounding is elementwise
+
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", SYM_SHAPES)
@@ -118,8 +147,8 @@ def test_xxt_matches_reference(shape, dtype):
     out = nan_like((*shape[:-2], m, m), dtype)
     got = tk.XXT_triton(A, out)
     assert got is out
-    assert_close_rel(out, tk.XXT_reference(A.float(), torch.empty(out.shape)), TOL[dtype])
-    assert torch.equal(out, out.mT), "mirrored tiles must make the output exactly symmetric"
+    assert_close_rel(out, xxt64(A), TOL[dtype])
+    assert_exactly_symmetric(out)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -129,20 +158,61 @@ def test_xtx_matches_reference(shape, dtype):
     n = shape[-1]
     out = nan_like((*shape[:-2], n, n), dtype)
     tk.XTX_triton(A, out)
-    assert_close_rel(out, tk.XTX_reference(A.float(), torch.empty(out.shape)), TOL[dtype])
-    assert torch.equal(out, out.mT)
+    assert_close_rel(out, xtx64(A), TOL[dtype])
+    assert_exactly_symmetric(out)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", [(64, 64), (45, 45), (3, 70, 70), (130, 130)])
 def test_ba_plus_caa_matches_reference(shape, dtype):
-    X = torch.randn(*shape[:-2], shape[-1], 2 * shape[-1])
-    S = (X @ X.mT / shape[-1]).to(dtype)  # symmetric, O(1) entries like the Polar Express Gram
+    S = symmetric_gram(shape, dtype)
+    assert_exactly_symmetric(S)
     alpha, beta = 15.878769915207462, -22.48329292557795
     out = nan_like(shape, dtype)
     tk.ba_plus_cAA_triton(S, alpha, beta, out)
-    expected = tk.ba_plus_cAA_reference(S.float(), alpha, beta, torch.empty(shape))
-    assert_close_rel(out, expected, TOL[dtype])
+    S64 = S.double()
+    assert_close_rel(out, alpha * (S64 @ S64) + beta * S64, TOL[dtype])
+    assert_exactly_symmetric(out)
+
+
+def _asymmetric_dot(monkeypatch):
+    """Make the interpreter's tl.dot round the upper triangle of every tile one ulp up.
+
+    (r, c) and (c, r) of a diagonal tile are separate dot products; a BLAS (or the tensor cores) may
+    sum them in different orders. This makes every tile's raw product asymmetric on any CPU, so the
+    test below fails unless the kernel makes its output symmetric by construction."""
+    import numpy as np
+    from triton.runtime import interpreter
+
+    builder = interpreter.InterpreterBuilder
+    original = builder.create_dot
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        out = original(self, a, b, d, input_precision, max_num_imprecise_acc)
+        data = out.data
+        upper = np.triu(np.ones(data.shape[-2:], dtype=bool), 1)
+        return interpreter.TensorHandle(np.where(upper, np.nextafter(data, np.inf), data), out.dtype.scalar)
+
+    monkeypatch.setattr(builder, "create_dot", create_dot)
+
+
+@pytest.mark.parametrize("mode", ["xxt", "xtx", "aa"])
+def test_symmetric_by_construction_whatever_the_dot_order(mode, monkeypatch):
+    _asymmetric_dot(monkeypatch)
+    if mode == "aa":
+        A = symmetric_gram((70, 70), torch.float32)  # 3 x 3 tiles, ragged last row of tiles
+        out = nan_like((70, 70), torch.float32)
+        tk.ba_plus_cAA_triton(A, 0.7, -1.3, out)
+        A64 = A.double()
+        expected = 0.7 * (A64 @ A64) - 1.3 * A64
+    else:
+        A = torch.randn(2, 70, 45)
+        n = 70 if mode == "xxt" else 45
+        out = nan_like((2, n, n), torch.float32)
+        (tk.XXT_triton if mode == "xxt" else tk.XTX_triton)(A, out)
+        expected = xxt64(A) if mode == "xxt" else xtx64(A)
+    assert_close_rel(out, expected, TOL[torch.float32])
+    assert_exactly_symmetric(out)
 
 
 def test_symmetric_float64_and_strided_input():
@@ -150,9 +220,11 @@ def test_symmetric_float64_and_strided_input():
     out = nan_like((90, 90), torch.float64)
     tk.XXT_triton(A, out)
     assert_close_rel(out, A @ A.T, TOL[torch.float64])
+    assert_exactly_symmetric(out)
     out = nan_like((50, 50), torch.float64)
     tk.XTX_triton(A, out)
     assert_close_rel(out, A.T @ A, TOL[torch.float64])
+    assert_exactly_symmetric(out)
 
 
 def test_symmetric_gpu_tile_config():
@@ -162,7 +234,8 @@ def test_symmetric_gpu_tile_config():
                 dict(BLOCK=64, BLOCK_K=64, num_warps=4, num_stages=4)):
         out = nan_like((2, 200, 200), torch.float32)
         tk._launch_sym(A, out, "xxt", config=cfg)
-        assert_close_rel(out, A @ A.mT, TOL[torch.float32])
+        assert_close_rel(out, xxt64(A), TOL[torch.float32])
+        assert_exactly_symmetric(out)
 
 
 def test_polar_express_iteration_with_kernels():
