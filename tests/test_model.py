@@ -498,7 +498,7 @@ def test_speedrun_parameter_shapes_on_meta(world_size):
 
 
 def test_speedrun_inits_match_the_record():
-    """Init statistics of table 1.2 of the record: uniform bound 1/32 (std 0.01804), lm_head std 0.005,
+    """Init statistics of the record's parameter table: uniform bound 1/32 (std 0.01804), lm_head std 0.005,
     value embeddings 0.01 N(0, 1), lambdas and scalars, zero gates/projections, padding."""
     args = dataclasses.replace(tg.Hyperparameters(), padded_vocab_size=8192, vocab_size=8000, bigram_vocab_size=1024)
     model = make_model(args, world_size=8)
