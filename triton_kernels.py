@@ -156,7 +156,7 @@ def _sym_mm_kernel(
             k_ok = offs_k + k0 < K
             a = tl.load(x_tile, mask=(offs_m[:, None] < N) & k_ok[None, :], other=0.0)
             b = tl.load(y_tile, mask=k_ok[:, None] & (offs_n[None, :] < N), other=0.0)
-            acc = tl.dot(a, b, acc, input_precision=PREC)
+            acc = tl.dot(a, b, acc, input_precision=PREC, out_dtype=acc.dtype)  # triton 3.6: fp32 unless told
             x_tile += BLOCK_K * sxk
             y_tile += BLOCK_K * syk
 
@@ -370,7 +370,7 @@ def _mm_epilogue_kernel(
             k_ok = offs_k + k0 < K
             a = tl.load(a_tile, mask=(offs_m[:, None] < M) & k_ok[None, :], other=0.0)
             b = tl.load(b_tile, mask=k_ok[:, None] & (offs_n[None, :] < N), other=0.0)
-            acc = tl.dot(a, b, acc, input_precision=PREC)
+            acc = tl.dot(a, b, acc, input_precision=PREC, out_dtype=acc.dtype)  # triton 3.6: fp32 unless told
             a_tile += BLOCK_K * sak
             b_tile += BLOCK_K * sbk
 
