@@ -34,6 +34,7 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+from torch._subclasses.fake_tensor import is_fake
 
 # ----------------------------------------------------------------------------------------------
 # Shared launch helpers
@@ -716,7 +717,9 @@ def _ce_mtp_rows_setup(ctx, inputs, output):
 def _ce_mtp_rows_backward(ctx, dloss, _dgrad):
     (grad,) = ctx.saved_tensors
     if dloss.stride(0) == 0:  # one scale for every row (the loss was summed)
-        if not torch.compiler.is_compiling() and float(dloss[0]) == ctx.grad_scale:
+        # torch 2.11's is_compiling() is False while AOTAutograd traces this backward (on fake tensors)
+        traced = torch.compiler.is_compiling() or is_fake(dloss)
+        if not traced and float(dloss[0]) == ctx.grad_scale:
             return grad, None, None, None  # stored at exactly this scale: nothing left to do
         return grad * (dloss[0].float() / ctx.grad_scale), None, None, None  # 0-D: one pass, bf16 result
     out = torch.empty_like(grad)
