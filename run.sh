@@ -1,21 +1,39 @@
 #!/usr/bin/env bash
 # One entry point: set-up (idempotent), then the main job, the tests or the benchmarks.
 #
-#   ./run.sh [ARGS...]        train: the speedrun on CUDA GPUs, the CPU demo (2 gloo processes) otherwise;
-#                             ARGS pass through to train_gpt.py
-#   ./run.sh test [ARGS...]   the whole pytest suite (ARGS pass through to pytest)
-#   ./run.sh --dry-run [ARGS] set up, then print the launch command instead of running it
-#   ./run.sh bench [ARGS...]  kernel and optimizer benchmarks, then timed training steps of every stage
-#                             (ms/step, tokens/s, MFU, peak memory, projected run time); ARGS pass
-#                             through to tests/benchmarks/step_timing.py. On a CPU-only machine: the CPU
-#                             benchmarks and a short demo-preset timing. `./run.sh bench --dry-run` lists them.
+#   ./run.sh [ARGS...]              train: the speedrun on CUDA GPUs, the CPU demo (2 gloo processes)
+#                                   otherwise; ARGS pass through to train_gpt.py
+#   ./run.sh test [ARGS...]         the whole pytest suite (ARGS pass through to pytest)
+#   ./run.sh test-oldest [ARGS...]  the quick tests (-m "not slow") on the oldest supported torch and
+#                                   triton (requirements-oldest.txt, in .venv-oldest); ARGS pass through
+#                                   to pytest (a -m of their own replaces "not slow")
+#   ./run.sh --dry-run [ARGS]       set up, then print the launch command instead of running it
+#   ./run.sh bench [ARGS...]        kernel and optimizer benchmarks, then timed training steps of every
+#                                   stage (ms/step, tokens/s, MFU, peak memory, projected run time); ARGS
+#                                   pass through to tests/benchmarks/step_timing.py. On a CPU-only machine:
+#                                   the CPU benchmarks and a short demo-preset timing.
+#                                   `./run.sh bench --dry-run` lists them.
 #
-# Environment: PYTHON (interpreter to use, default python3; a .venv here is used if present),
-#              NPROC (processes to launch; default: number of GPUs, or 2 on a CPU-only machine).
+# Interpreter. By default run.sh makes .venv here (python3 -m venv, Python >= 3.10) and installs the
+# pinned requirements into it when they are not already met; it never installs anywhere else.
+# PYTHON=/path/to/python uses that interpreter as it is, with no install at all (for a machine with a
+# preinstalled CUDA torch): it must have torch >= 2.11, triton >= 3.6, numpy and tiktoken, and for
+# `test` also pytest, scipy and matplotlib, or run.sh stops saying what is missing.
+# NPROC: processes to launch (default: number of GPUs, or 2 on a CPU-only machine).
 set -euo pipefail
 cd "$(dirname "$0")"
 
-if [[ -x .venv/bin/python ]]; then PY=.venv/bin/python; else PY=${PYTHON:-python3}; fi
+die() { echo "run.sh: $*" >&2; exit 1; }
+
+mode=train
+dry_run=0
+case ${1:-} in test | test-oldest | bench) mode=$1; shift ;; esac
+if [[ $mode != test* && ${1:-} == --dry-run ]]; then dry_run=1; shift; fi
+
+# "X.Y" of interpreter $1, exit status 1 when it is older than 3.10 (2 when it does not run at all).
+python_version() {
+  "$1" -c 'import sys; print("%d.%d" % sys.version_info[:2]); sys.exit(sys.version_info < (3, 10))' 2>/dev/null
+}
 
 # True when every pinned 'name==version' line of the given requirements file (and its -r includes)
 # is installed at that version, and every unpinned name is installed at all.
@@ -41,20 +59,97 @@ for req in lines(sys.argv[1]):
 PYEOF
 }
 
-setup() {
-  local req=$1
-  if ! "$PY" -c 'import sys; sys.exit(sys.version_info < (3, 10))' 2>/dev/null; then
-    echo "error: $PY is not Python >= 3.10; set PYTHON=/path/to/python3.11" >&2; exit 1
+# Prints what interpreter $PY lacks of the given modules ("name" or "name>=X.Y"), exit status 1 if
+# anything; prints nothing, status 0, when all are there.
+missing_modules() {
+  "$PY" - "$@" 2>/dev/null <<'PYEOF'
+import importlib, importlib.util, re, sys
+from importlib import metadata
+dists = metadata.packages_distributions()  # module -> distributions ('triton' may be 'pytorch-triton')
+missing = []
+for spec in sys.argv[1:]:
+    name, _, minimum = spec.partition(">=")
+    if importlib.util.find_spec(name) is None:
+        missing.append(spec)
+        continue
+    if not minimum:
+        continue
+    version = None
+    for dist in dists.get(name, []) + [name]:
+        try:
+            version = metadata.version(dist)
+            break
+        except metadata.PackageNotFoundError:
+            pass
+    if version is None:
+        try:
+            version = importlib.import_module(name).__version__
+        except Exception as e:
+            missing.append(f"{spec} (import failed: {type(e).__name__})")
+            continue
+    have = re.match(r"(\d+)\.(\d+)", version)
+    want = tuple(int(x) for x in minimum.split("."))
+    if have is None or tuple(int(x) for x in have.groups()) < want:
+        missing.append(f"{spec} (has {version})")
+if missing:
+    print(", ".join(missing))
+    sys.exit(1)
+PYEOF
+}
+
+# PYTHON=...: use that interpreter as it is. Checks only; installs nothing.
+use_given_python() {
+  local version missing
+  PY=$PYTHON
+  [[ $mode == test-oldest ]] && die "test-oldest makes and uses its own .venv-oldest (torch 2.11); unset PYTHON"
+  command -v "$PY" >/dev/null || die "PYTHON=$PY is not an executable; point it at a Python >= 3.10, or unset PYTHON to use .venv"
+  version=$(python_version "$PY") ||
+    die "PYTHON=$PY is Python ${version:-?}, not >= 3.10; point PYTHON at a newer one, or unset PYTHON to use .venv"
+  local need=("torch>=2.11" "triton>=3.6" numpy tiktoken)
+  [[ $mode == test ]] && need+=(pytest scipy matplotlib)
+  missing=$(missing_modules "${need[@]}") ||
+    die "PYTHON=$PY lacks ${missing:-the required packages}; install them there (pins: requirements*.txt), or unset PYTHON to use .venv"
+}
+
+# Default: make $1 (a venv here) if absent, then install $2 into it unless already met.
+use_venv() {
+  local venv=$1 req=$2 version
+  PY=$venv/bin/python
+  if [[ -x $PY ]]; then
+    version=$(python_version "$PY") ||
+      die "$venv has Python ${version:-?}, not >= 3.10; remove $venv and run again with python3 >= 3.10 on PATH"
+  else
+    command -v python3 >/dev/null ||
+      die "no python3 on PATH to make $venv; install Python >= 3.10, or set PYTHON=/path/to/python with the packages"
+    version=$(python_version python3) ||
+      die "python3 is Python ${version:-?}, $venv needs >= 3.10; put a newer python3 first on PATH, or set PYTHON=/path/to/python with the packages"
+    echo "run.sh: creating $venv (python3 -m venv, $(command -v python3), Python $version)" >&2
+    local existed=0
+    [[ -e $venv ]] && existed=1
+    if ! python3 -m venv "$venv"; then
+      (( existed )) || rm -rf "$venv"
+      die "python3 -m venv $venv failed (Debian/Ubuntu: apt-get install python3-venv)"
+    fi
   fi
   if requirements_met "$req"; then return; fi
-  echo "run.sh: installing $req into $("$PY" -c 'import sys; print(sys.prefix)')" >&2
-  if ! "$PY" -m pip install -r "$req"; then
-    # An externally managed system Python refuses installs: fall back to a private virtualenv.
-    echo "run.sh: installing into $PY failed; creating .venv" >&2
-    "$PY" -m venv .venv && PY=.venv/bin/python
-    "$PY" -m pip install -r "$req"
-  fi
+  echo "run.sh: installing $req into $venv (pip's own progress follows)" >&2
+  local start=$SECONDS
+  "$PY" -m pip install -r "$req" || die "pip install -r $req into $venv failed (see above)"
+  echo "run.sh: installed $req into $venv in $((SECONDS - start)) s" >&2
 }
+
+case $mode in
+  test) req=requirements-dev.txt ;;
+  test-oldest) req=requirements-oldest.txt ;;
+  *) req=requirements.txt ;;
+esac
+if [[ -n ${PYTHON:-} ]]; then
+  use_given_python
+elif [[ $mode == test-oldest ]]; then
+  use_venv .venv-oldest "$req"
+else
+  use_venv .venv "$req"
+fi
 
 # CPU training: glibc hands every large freed block back to the OS, so each step page-faults its
 # (T, 50304) logits and gradients in again; keeping freed memory in the heap makes CPU steps ~20% faster.
@@ -62,19 +157,16 @@ keep_freed_memory() {
   export MALLOC_MMAP_MAX_=${MALLOC_MMAP_MAX_:-0} MALLOC_TRIM_THRESHOLD_=${MALLOC_TRIM_THRESHOLD_:-68719476736}
 }
 
-mode=train
-dry_run=0
-if [[ ${1:-} == test ]]; then mode=test; shift; fi
-if [[ ${1:-} == bench ]]; then mode=bench; shift; fi
-if [[ ${1:-} == --dry-run ]]; then dry_run=1; shift; fi
-
 if [[ $mode == test ]]; then
-  setup requirements-dev.txt
   exec "$PY" -m pytest "$@"
 fi
 
+if [[ $mode == test-oldest ]]; then
+  "$PY" -c 'import sys, torch, triton; print(f"test-oldest: Python {sys.version.split()[0]}, torch {torch.__version__}, triton {triton.__version__}")'
+  exec "$PY" -m pytest -m "not slow" "$@"
+fi
+
 if [[ $mode == bench ]]; then
-  setup requirements.txt
   gpus=$("$PY" -c 'import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)' 2>/dev/null || echo 0)
   py=$(printf '%q' "$PY")  # the commands below are strings (printed, then eval'ed)
   benches=("$py tests/bench_kernels.py" "$py tests/bench_optimizer.py")
@@ -101,7 +193,6 @@ if [[ $mode == bench ]]; then
   exit 0
 fi
 
-setup requirements.txt
 gpus=$("$PY" -c 'import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)' 2>/dev/null || echo 0)
 if (( gpus > 0 )); then
   cmd=("$PY" -m torch.distributed.run --standalone --nproc_per_node="${NPROC:-$gpus}" train_gpt.py "$@")

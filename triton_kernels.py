@@ -36,6 +36,7 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+from torch._subclasses.fake_tensor import is_fake
 
 # ----------------------------------------------------------------------------------------------
 # Shared launch helpers
@@ -160,7 +161,7 @@ def _sym_mm_kernel(
             k_ok = offs_k + k0 < K
             a = tl.load(x_tile, mask=(offs_m[:, None] < N) & k_ok[None, :], other=0.0)
             b = tl.load(y_tile, mask=k_ok[:, None] & (offs_n[None, :] < N), other=0.0)
-            acc = tl.dot(a, b, acc, input_precision=PREC)
+            acc = tl.dot(a, b, acc, input_precision=PREC, out_dtype=acc.dtype)  # triton 3.6: fp32 unless told
             x_tile += BLOCK_K * sxk
             y_tile += BLOCK_K * syk
 
@@ -384,7 +385,7 @@ def _mm_epilogue_kernel(
             k_ok = offs_k + k0 < K
             a = tl.load(a_tile, mask=(offs_m[:, None] < M) & k_ok[None, :], other=0.0)
             b = tl.load(b_tile, mask=k_ok[:, None] & (offs_n[None, :] < N), other=0.0)
-            acc = tl.dot(a, b, acc, input_precision=PREC)
+            acc = tl.dot(a, b, acc, input_precision=PREC, out_dtype=acc.dtype)  # triton 3.6: fp32 unless told
             a_tile += BLOCK_K * sak
             b_tile += BLOCK_K * sbk
 
@@ -730,7 +731,9 @@ def _ce_mtp_rows_setup(ctx, inputs, output):
 def _ce_mtp_rows_backward(ctx, dloss, _dgrad):
     (grad,) = ctx.saved_tensors
     if dloss.stride(0) == 0:  # one scale for every row (the loss was summed)
-        if not torch.compiler.is_compiling() and float(dloss[0]) == ctx.grad_scale:
+        # torch 2.11's is_compiling() is False while AOTAutograd traces this backward (on fake tensors)
+        traced = torch.compiler.is_compiling() or is_fake(dloss)
+        if not traced and float(dloss[0]) == ctx.grad_scale:
             return grad, None, None, None  # stored at exactly this scale: nothing left to do
         return grad * (dloss[0].float() / ctx.grad_scale), None, None, None  # 0-D: one pass, bf16 result
     out = torch.empty_like(grad)

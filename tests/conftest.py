@@ -8,6 +8,13 @@ import os
 
 os.environ["TRITON_INTERPRET"] = "1"
 
+# torch.compile's on-disk cache defaults to /tmp/torchinductor_$USER, shared by every checkout (and
+# every version of this code) on the machine: an entry written there by another checkout's run made
+# test_compiled_forward_backward_matches_eager_on_cpu abort (Fatal Python error inside the cached
+# wrapper), and the same test passed with an empty cache. Each checkout keeps its own (gitignored).
+_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(_REPO, ".cache", "torchinductor"))
+
 
 def inductor_cache_dir(env) -> str | None:
     """The torch.compile cache directory a test run under `env` should use, or None for torch's own.

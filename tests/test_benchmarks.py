@@ -351,7 +351,8 @@ def test_step_timing_smoke():
 
 
 def test_run_sh_bench_dry_run():
-    out = subprocess.run(["bash", "run.sh", "bench", "--dry-run"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    out = subprocess.run(["bash", "run.sh", "bench", "--dry-run"], cwd=REPO, capture_output=True, text=True, timeout=120,
+                         env=dict(os.environ, PYTHON=sys.executable))  # this interpreter: no .venv, no install
     assert out.returncode == 0, out.stderr
     cmds = [line for line in out.stdout.splitlines() if line.startswith("bench: ")]
     if torch.cuda.is_available():

@@ -212,7 +212,8 @@ def test_fineweb_download_verifies_and_skips(tmp_path, monkeypatch):
 
 def test_run_sh_dry_run_on_cpu():
     r = subprocess.run([os.path.join(ROOT, "run.sh"), "--dry-run", "--num_iterations", "5"],
-                       capture_output=True, text=True, timeout=120, env=dict(os.environ, CUDA_VISIBLE_DEVICES=""))
+                       capture_output=True, text=True, timeout=120,
+                       env=dict(os.environ, CUDA_VISIBLE_DEVICES="", PYTHON=sys.executable))  # no .venv, no install
     assert r.returncode == 0, r.stderr
     assert "gpus: 0" in r.stdout
     launch = [line for line in r.stdout.splitlines() if line.startswith("launch:")]
