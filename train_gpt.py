@@ -794,6 +794,12 @@ def _adam_update_sliced(grad, exp_avg, exp_avg_sq, param, hp):
         _adam_update(*(t[a: a + ADAM_CPU_CHUNK] for t in flat), hp)
 
 
+# torch >= 2.12 names these collectives reduce_scatter_single / all_gather_single and deprecates the
+# *_tensor names, which are the only ones torch 2.11 has: take the new name where it exists.
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
 class CommLayer:
     """Async collectives for the optimizer, counting the bytes this rank sends, per label.
 
@@ -815,7 +821,7 @@ class CommLayer:
     def reduce_scatter_avg(self, label, out, inp):
         W = self.world_size
         self._count(label, "reduce_scatter", inp.numel() * inp.element_size() * (W - 1) / W)
-        return dist.reduce_scatter_tensor(out, inp, op=dist.ReduceOp.AVG, group=self.group, async_op=True)
+        return _reduce_scatter(out, inp, op=dist.ReduceOp.AVG, group=self.group, async_op=True)
 
     def all_reduce_avg(self, label, t):
         W = self.world_size
@@ -824,7 +830,7 @@ class CommLayer:
 
     def all_gather(self, label, out, shard):
         self._count(label, "all_gather", shard.numel() * shard.element_size() * (self.world_size - 1))
-        return dist.all_gather_into_tensor(out, shard, group=self.group, async_op=True)
+        return _all_gather(out, shard, group=self.group, async_op=True)
 
     def all_to_all(self, label, out, inp, out_splits=None, in_splits=None):
         row_bytes = inp[:1].numel() * inp.element_size() if inp.numel() else 0
