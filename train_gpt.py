@@ -378,6 +378,20 @@ def choose_cpu_dtype(args: Hyperparameters) -> tuple[torch.dtype, str]:
                               f"{figures}; capability {torch.backends.cpu.get_cpu_capability()}) on {cpu_model()}")
 
 
+def compute_dtype(args: Hyperparameters, d: DistInfo) -> tuple[torch.dtype, str | None]:
+    """The model's compute dtype: bf16 on GPUs; on CPUs rank 0's choose_cpu_dtype, taken by every rank
+    (timings differ between processes), with its log line."""
+    if d.device.type != "cpu":
+        return torch.bfloat16, None
+    choice = [None]
+    if d.is_master:
+        dtype, note = choose_cpu_dtype(args)
+        choice = [(str(dtype).removeprefix("torch."), note)]
+    if dist.is_initialized():
+        dist.broadcast_object_list(choice, src=0)
+    return getattr(torch, choice[0][0]), choice[0][1]
+
+
 # ----------------------------------------------------------------------------------------------
 # FP8 custom ops: y = x @ w with float8 inputs and static scales (README "FP8")
 # ----------------------------------------------------------------------------------------------
@@ -2387,15 +2401,7 @@ def train(args: Hyperparameters, d: DistInfo) -> float:
     slots = d.world_size * accum
     total = total_steps(args)
 
-    dtype, dtype_note = torch.bfloat16, None
-    if d.device.type == "cpu":  # every rank takes rank 0's choice
-        choice = [None]
-        if d.is_master:
-            dt, dtype_note = choose_cpu_dtype(args)
-            choice = [(str(dt).removeprefix("torch."), dtype_note)]
-        if dist.is_initialized():
-            dist.broadcast_object_list(choice, src=0)
-        dtype, dtype_note = getattr(torch, choice[0][0]), choice[0][1]
+    dtype, dtype_note = compute_dtype(args, d)
     torch.manual_seed(args.seed)
     try:  # model and optimizer validate their configuration: a bad flag is one line, before any log
         model = GPT(args, d.world_size, dtype=dtype).to(d.device)

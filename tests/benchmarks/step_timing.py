@@ -120,7 +120,7 @@ def run(args: T.Hyperparameters, d: T.DistInfo, steps: int, warmup: int, peak: f
     accum = T.check_batch_split(args, d.world_size)
     slots = d.world_size * accum
     torch.manual_seed(args.seed)
-    model = T.GPT(args, d.world_size).to(d.device)
+    model = T.GPT(args, d.world_size, dtype=T.compute_dtype(args, d)[0]).to(d.device)
     if dist.is_initialized():
         for p in model.parameters():
             dist.broadcast(p.data, src=0)
