@@ -548,15 +548,20 @@ POLAR_EXPRESS_COEFFS: tuple[tuple[float, float, float], ...] = (
 )
 
 
+def _as_bank(G: torch.Tensor) -> torch.Tensor:
+    """G (..., m, n) as a 3-D (batch, m, n) view, or a one-line error for a vector."""
+    if G.ndim < 2:
+        raise ValueError(f"orthogonalization needs matrices (..., m, n); got shape {tuple(G.shape)}")
+    return G.reshape(-1, G.size(-2), G.size(-1))
+
+
 def _normalized_bank(G: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """G / (||G||_F * 1.02 + 1e-6) per matrix, as a 3-D (batch, m, n) tensor of `dtype`.
 
     The norm is taken in fp32 whatever G's dtype: a bf16 norm of a large matrix is too coarse to
     keep the spectral norm safely below 1.
     """
-    if G.ndim < 2:
-        raise ValueError(f"orthogonalization needs matrices (..., m, n); got shape {tuple(G.shape)}")
-    G3 = G.reshape(-1, G.size(-2), G.size(-1))
+    G3 = _as_bank(G)
     norm = G3.float().norm(dim=(-2, -1), keepdim=True)
     return (G3.float() / (norm * 1.02 + 1e-6)).to(dtype)
 
@@ -587,9 +592,7 @@ def polar_express(G: torch.Tensor, coeffs=POLAR_EXPRESS_COEFFS, dtype: torch.dty
     is added; smaller ones use one fused multiply-add. Returns `dtype` (bf16) with G's shape;
     dtype=torch.float32 runs the same iteration in fp32 (CPUs without fast bf16, README "CPU dtype").
     """
-    if G.ndim < 2:
-        raise ValueError(f"orthogonalization needs matrices (..., m, n); got shape {tuple(G.shape)}")
-    X = G.reshape(-1, G.size(-2), G.size(-1)).to(dtype)
+    X = _as_bank(G).to(dtype)
     X = X / (X.norm(dim=(-2, -1), keepdim=True) * 1.02 + 1e-6)
     wide = X.size(-2) <= X.size(-1)
     split = X.size(-2) > 1024
@@ -1642,7 +1645,7 @@ class GPT(nn.Module):
 
         for bank in (self.qk_bank, self.vo_bank, self.mlp_bank):
             bank.zero_()
-        uniform_(self.qk_bank[: len(self.bank_roles["qk_bank"]) - self.bank_roles["qk_bank"].count("pad")])
+        uniform_(self.qk_bank[: self.args.num_heads * len(self.attn_layers)])  # H/2 Q + H/2 K groups per layer
         uniform_(self.vo_bank[0: 2 * len(self.attn_layers): 2])  # V; output projections stay zero
         uniform_(self.mlp_bank[0::2])  # up (a padding up-projection too); down stays zero
         fp32_draw(self.lm_head, lambda x: x.normal_(0.0, 0.005))
