@@ -42,20 +42,27 @@ class Hyperparameters:
     # model (README "Model")
     vocab_size: int = 50257
     padded_vocab_size: int = 50304
-    num_layers: int = 11
     model_dim: int = 768
     num_heads: int = 6
     head_dim: int = 128
     mlp_hidden: int = 3072
     bigram_vocab_size: int = 377_280
-    value_embed_layers: tuple = (1, 2, 8, 9, 10)  # one value-embedding table per listed layer
-    long_window_layers: tuple = (3, 10)            # the other attention layers use the short window
-    paired_head_layers: tuple = (0, 2, 5, 9)       # head pairs share one softmax over both heads' keys
-    no_attention_layers: tuple = (6,)              # MLP-only layers
-    skip_from_layer: int = 3                       # U-net skip: this layer's output ...
-    skip_to_layer: int = 6                         # ... is added (gated) to this layer's input
-    backout_layer: int = 7                         # its output is subtracted (learned multiple) before the head
-    gate_channels: int = 12                        # input channels every small gate looks at
+    layers: tuple = (                              # the per-layer table (README "Per-layer table")
+        "paired short",                             # 0
+        "attn short ve xsa",                        # 1
+        "paired short ve",                          # 2
+        "attn long offset xsa gate save_skip",      # 3
+        "attn short xsa post_gates",                # 4
+        "paired short",                             # 5
+        "skip",                                     # 6: no attention, the U-net skip from layer 3
+        "attn short xsa save_h",                    # 7
+        "attn short ve from_h",                     # 8
+        "paired short ve from_h",                   # 9
+        "attn long offset ve gate dc from_h mudd",  # 10
+    )
+    gate_channels: int = 12                        # input channels of the VE and smear gates
+    mudd_hidden: int = 64                          # hidden width of the MUDD gate and layer MLPs
+    dc_window: int = 112                           # DC's own window in tokens (keys t-111 .. t)
     window_block_size: int = 128                   # sliding windows are counted in blocks of this many tokens
     windows_init: tuple = (1, 3)                   # (short, long) windows in blocks at init; long = YaRN reference
     attn_scale: float = 0.1                        # softmax scale at windows_init (x sqrt(128/head_dim)); YaRN grows it
@@ -96,21 +103,31 @@ class Hyperparameters:
     sample_tokens: int = 0                         # after training, print a sampled continuation this long
     # ablations (every component can be switched off; defaults are the full recipe)
     # Switched-off parameters stay in the model (checkpoints keep one layout) but are never read
-    # and are frozen by the optimizer. Other ablations use existing fields: --orthogonalizer,
-    # --paired_head_layers '()' is the same as --paired_heads false, and a constant
-    # --stage_batch_tokens turns the batch schedule off.
+    # and are frozen by the optimizer. Table-level changes (which layers do what) edit --layers;
+    # --orthogonalizer and a constant --stage_batch_tokens are ablations through existing fields.
     matrix_optimizer: str = "normuon"              # banks: normuon | muon (no variance reduction) | adamw
     mtp: bool = True                               # multi-token prediction terms (false: next token only)
-    value_embeds: bool = True                      # value-embedding tables added to V
+    value_embeds: bool = True                      # value-embedding tables added to V ("ve" rows)
     bigram_embed: bool = True                      # bigram hash embedding injected at every layer
+    bigram_signs: bool = True                      # the bigram rows times a +-1 table keyed on (prev XOR cur)
     smear: bool = True                             # one-token look-back on the embeddings
-    unet_skip: bool = True                         # gated skip from skip_from_layer to skip_to_layer
-    backout: bool = True                           # subtract a learned multiple of backout_layer's output
-    paired_heads: bool = True                      # paired-head attention on paired_head_layers
+    unet_skip: bool = True                         # the "skip" row adds the save_skip layer's output
+    backout: bool = True                           # the post-loop MUDD mixing (its h coefficient starts at -0.5)
+    mudd: bool = True                              # false: MUDD coefficients are learned constants, not per token
+    paired_heads: bool = True                      # false: "paired" rows attend with plain heads
+    xsa: bool = True                               # "xsa" rows remove y's projection on the own value
+    attn_gates: bool = True                        # "gate" rows scale the attention output per head
+    dc: bool = True                                # "dc" rows add the dynamically composed heads term
+    key_offset: bool = True                        # "offset" rows shift K's unrotated half by one position
+    from_h: bool = True                            # "from_h" rows attend from norm(h); false: from the residual
     window_schedule: bool = True                   # false: the last stage's windows from step 0, no YaRN
     # run
     seed: int = 0
     run_id: str = ""  # empty: a fresh uuid per run
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
 
 
 # Presets override the speedrun defaults. "demo" trains on a CPU in minutes, "test" is tiny.
@@ -122,11 +139,11 @@ PRESETS: dict[str, dict] = {
         val_tokens=32_768,
         # width 128: the 50,304-wide LM head is most of a CPU step, and at width 256 an fp32 step (CPUs
         # without fast bf16) took ~2.3x as long for the same final loss (README "The CPU demo")
-        num_layers=6, model_dim=128, num_heads=2, head_dim=64, mlp_hidden=512,
+        model_dim=128, num_heads=2, head_dim=64, mlp_hidden=512,
         bigram_vocab_size=20_011,
-        value_embed_layers=(1, 5), long_window_layers=(2, 5), paired_head_layers=(0, 4),
-        no_attention_layers=(3,), skip_from_layer=1, skip_to_layer=3, backout_layer=3,
-        window_block_size=64,
+        layers=("paired short", "attn short ve xsa save_skip", "attn long offset xsa gate post_gates",
+                "skip save_h", "paired short ve from_h", "attn long offset ve gate dc from_h mudd"),
+        mudd_hidden=32, dc_window=56, window_block_size=64,
         num_iterations=75, extension_iterations=3,
         stage_batch_tokens=(4_096, 8_192, 12_288), stage_max_doc_len=(512, 1024, 1024),
         val_seq_len=1024, val_loss_every=25,
@@ -140,11 +157,11 @@ PRESETS: dict[str, dict] = {
     "test": dict(
         train_files="data/tinyshakespeare/tinyshakespeare_train_*.bin",
         val_files="data/tinyshakespeare/tinyshakespeare_val_*.bin",
-        num_layers=4, model_dim=64, num_heads=2, head_dim=32, mlp_hidden=256,
+        model_dim=64, num_heads=2, head_dim=32, mlp_hidden=256,
         bigram_vocab_size=4_001,
-        value_embed_layers=(1, 3), long_window_layers=(1, 3), paired_head_layers=(3,),
-        no_attention_layers=(2,), skip_from_layer=0, skip_to_layer=2, backout_layer=2,
-        window_block_size=16,
+        layers=("paired short save_skip", "attn long offset ve xsa gate post_gates", "skip save_h",
+                "attn long offset ve gate dc from_h mudd"),
+        mudd_hidden=16, dc_window=14, window_block_size=16,
         num_iterations=6, extension_iterations=1, micro_batches=4,
         stage_batch_tokens=(512, 1024, 1536), stage_max_doc_len=(64, 128, 128),
         val_tokens=2048, val_seq_len=512, val_loss_every=3,
@@ -232,17 +249,15 @@ class FlagRange:
 
 _AT_LEAST_0, _AT_LEAST_1 = FlagRange(0, integer=True), FlagRange(1, integer=True)
 _RATE, _FRACTION, _MOMENTUM = FlagRange(0), FlagRange(0, 1), FlagRange(0, 1, hi_open=True)
-_LAYERS = FlagRange(0, integer=True, shape=(None,))  # _check_model_args bounds them by num_layers
 _STAGES = 3
 
 # Every numeric field of Hyperparameters (tests/test_flags.py checks that none is missing).
 FLAG_RANGES: dict[str, FlagRange] = {
     "val_tokens": _AT_LEAST_1, "vocab_size": _AT_LEAST_1, "padded_vocab_size": _AT_LEAST_1,
-    "num_layers": _AT_LEAST_1, "model_dim": _AT_LEAST_1, "num_heads": _AT_LEAST_1, "head_dim": _AT_LEAST_1,
+    "model_dim": _AT_LEAST_1, "num_heads": _AT_LEAST_1, "head_dim": _AT_LEAST_1,
     "mlp_hidden": _AT_LEAST_1, "bigram_vocab_size": FlagRange(2, integer=True),
-    "value_embed_layers": _LAYERS, "long_window_layers": _LAYERS, "paired_head_layers": _LAYERS,
-    "no_attention_layers": _LAYERS, "skip_from_layer": _AT_LEAST_0, "skip_to_layer": _AT_LEAST_0,
-    "backout_layer": _AT_LEAST_0, "gate_channels": _AT_LEAST_1, "window_block_size": _AT_LEAST_1,
+    "gate_channels": _AT_LEAST_1, "mudd_hidden": _AT_LEAST_1, "dc_window": _AT_LEAST_1,
+    "window_block_size": _AT_LEAST_1,
     "windows_init": FlagRange(1, integer=True, shape=(2,)),
     "num_iterations": _AT_LEAST_1, "extension_iterations": _AT_LEAST_0, "micro_batches": _AT_LEAST_1,
     "stage_batch_tokens": FlagRange(1, integer=True, shape=(_STAGES,)),
@@ -1311,17 +1326,22 @@ class NorMuonAdam:
 # Model (README "Model")
 # ----------------------------------------------------------------------------------------------
 
-# Layout of one forward pass over a packed batch of T tokens (batch 1, several documents):
+# One forward pass over a packed batch of T tokens (batch 1, several documents); the per-layer table
+# (Hyperparameters.layers, README "Per-layer table") says what each layer does:
 #   e = embed[ids]; smear: e[t] += smear_lambda * sigmoid(smear_gate . e[t][:12]) * e[t-1]
-#   x0 = rms_norm(e);  xb = bigram_embed[hash(prev, cur)];  x = x0 + bigram_lambdas[0] * xb
-#   layer i: skip_to layer: x += sigmoid(skip_lambda) * 2 sigmoid(skip_gate . x0[:12]) * (output of skip_from)
-#            attention sublayer (absent on no_attention_layers):
-#              x = resid_lambdas[i,0] x + post_lambdas[i,0] attn(rms_norm(x)) + x0_lambdas[i] x0
-#              x += bigram_lambdas[i] xb                                     (i > 0)
-#            MLP sublayer:  x = resid_lambdas[i,1] x + post_lambdas[i,1] mlp(rms_norm(x))
-#   x = rms_norm(x - backout_lambda * output of backout_layer); logits = softcap(x @ lm_head)
-# Attention: q, k, v = x (qkv_lambda W_qkv)^T, QK rms-norm, rotary on half of each head, value
-# embeddings added to v with per-head gates 2 sigmoid(W [x[:6], ve[:6]]), out = y (o_lambda W_o)^T.
+#   xb = bigram_embed[hash(prev, cur)] * sign_table[(prev XOR cur) mod 8192]
+#   x0 = norm(e); pre = MUDD gate 0 (x0); x = cache0 = x0 + bigram gate(0) * xb
+#   layer i (post = MUDD gate 1 (x) at the start of the post_gates layer):
+#     "skip" row:  x += sigmoid(skip_lambda) * skip gate * (output of the save_skip layer)
+#     attention:   x = resid[i,0] x + post_l[i,0] attn(norm(x, or h on from_h rows)) + x0 gate(i) x0
+#                  x += bigram gate(i) xb                                            (i > 0)
+#     "mudd" row:  mu = MUDD layer 0 (x): mixes cache0, h and x into x and into V (README "MUDD")
+#     MLP:         x = resid[i,1] x + post_l[i,1] mlp(norm(x))        (mudd row: mu12 x + mu13 mlp)
+#   post-loop MUDD layer 1: x += m0 cache0 + m1 h + m2 (mudd layer input) + m3 ve0 + m4 (skip source)
+#   logits = softcap(norm(x) @ lm_head)
+# Attention: q, k, v = x (qkv_lambda W_qkv)^T, QK rms-norm, rotary on half of each head (paired rows:
+# interleaved slots), key offset, v += gated value embedding (+ MUDD's V on the mudd row), masked
+# softmax attention, DC term, XSA, linear output gate, out = y (o_lambda W_o)^T.
 #
 # Parameters and their labels (the optimizer configures itself by label; README "Per-label table"):
 #   qk_bank      (Nqk, 2*hd, D) bf16  per attention layer j: H/2 Q groups then H/2 K groups of two
@@ -1335,27 +1355,151 @@ class NorMuonAdam:
 #                optimizer (which folds embed.grad^T into lm_head.grad): the forward always reads embed,
 #                so untying changes nothing here.
 #   lm_head      (D, Vp) bf16   stored (in, out) so the FP8 op gets it without a transpose
-#   value_embeds (n_ve, Vp, D) bf16  one table per value_embed_layers entry
+#   value_embeds (n_ve, Vp, D) bf16  one table per "ve" row, in table order
 #   bigram_embed (bigram_vocab_size, D) bf16, zero init
-#   scalars      (2L + 3,) fp32  [qkv_lambda, o_lambda] per layer, then smear, backout, skip lambdas
+#   scalars      (2L + 2 padded to a multiple of 8,) fp32  [qkv_lambda, o_lambda] per layer, smear, skip
 #   resid_lambdas, post_lambdas (L, 2) fp32  [:, 0] attention sublayer, [:, 1] MLP sublayer
-#   x0_lambdas, bigram_lambdas (L,) fp32
-#   ve_gate_bank (n_ve, H, gate_channels) bf16;  smear_gate, skip_gate (1, gate_channels) bf16
+#   ve_gate_bank (n_ve, H, gate_channels) bf16;  smear_gate (1, gate_channels) bf16
+#   mudd_gate_w1 (2, M, D), mudd_gate_w2 (2, n_gate, M), mudd_gate_b2 (2, n_gate) bf16, _mudd_gate_scale
+#                () fp32: the two MUDD gate MLPs (per-token x0/bigram/skip gates, XSA, output gates, DC)
+#   mudd_w1 (2, M, D), mudd_w2 (2, 14, M), mudd_b2 (2, 14) bf16: the two MUDD layer MLPs
 # Initialisation (the record's; README "Fidelity"): Q, K, V, MLP-up uniform with bound
 # sqrt(3) * 0.5 / sqrt(D) (1/32 at D = 768); output projections and MLP-down zero (each block starts as
 # the identity); lm_head normal std 0.005 and embed = lm_head^T; value embeddings 0.01 N(0, 1); bigram
 # table and all gates zero; qkv lambdas 0.5, o lambdas 1; resid lambdas sqrt(1.1) (1.046875 once cast
-# to bf16 at use), post lambdas 1; x0 lambdas 0, bigram lambdas 0.05; smear 0, backout 0.5, skip -1.5.
+# to bf16 at use), post lambdas 1; smear 0, skip -1.5; MUDD first layers U(+-1/sqrt(D)), second layers
+# zero, biases as in mudd_gate_biases / MUDD_LAYER_BIASES.
 
 FLEX_BLOCK_SIZE = 128  # block-sparsity granularity of the GPU attention kernel
 EVAL_CHUNK_TOKENS = 8192  # evaluation computes logits and cross-entropy this many tokens at a time
 RMS_NORM_EPS = torch.finfo(torch.float32).eps  # F.rms_norm's own default for bf16 inputs (the record's)
+BIGRAM_SIGN_ROWS = 8192  # rows of the +-1 table the bigram embedding is multiplied by
+MUDD_LAYER_SCALE = 0.1   # fixed output scale of the MUDD layer MLPs (biases are stored x10)
+# MUDD layer MLP outputs and their biases before the x0.1 scale (the record's; README "MUDD"):
+# layer 0 (at the mudd row): 0-2 V from cache0/h/x, 3-5 x from cache0/h/x (x's is 1 + mu5), 6-7 VE
+# gates of the two head halves, 8 resid, 9 attention out, 10 cache0, 11 bigram, 12 resid, 13 MLP out;
+# layer 1 (after the loop): cache0, h (the backout, -0.5), mudd-layer input, ve0, skip source.
+MUDD_LAYER_OUTPUTS = (14, 5)
+MUDD_LAYER_BIASES = ({6: 20.0, 7: 20.0, 8: 10 * math.sqrt(1.1), 9: 10.0, 11: 0.5, 12: 10 * math.sqrt(1.1),
+                      13: 10.0}, {1: -5.0})
+# MUDD gate outputs' biases before the gate scale (0.1 at init): output gates start at 0.25, bigram
+# gates 0.05, the skip gate 0.5, DC's w1 1.0; everything else 0.
+MUDD_GATE_BIASES = {"gate": 2.5, "bigram": 0.5, "skip": 5.0, "dc_w1": 10.0}
+DC_CHUNK = 128  # query tokens per band of the DC term
 
 
 def norm(x: torch.Tensor) -> torch.Tensor:
     """Weightless RMS norm over the last dim, eps = fp32 machine epsilon whatever the dtype."""
     return F.rms_norm(x, (x.size(-1),), eps=RMS_NORM_EPS)
 
+
+# -- the per-layer table ------------------------------------------------------------------------
+
+LAYER_WORDS = {
+    "attn": "attention with plain heads", "paired": "paired-head attention in interleaved slots",
+    "skip": "no attention: the U-net skip from the save_skip layer instead",
+    "short": "short window", "long": "long window", "offset": "key offset", "ve": "takes a value-embedding table",
+    "xsa": "XSA", "gate": "linear attention output gate", "dc": "DC term",
+    "from_h": "attention reads norm(h)", "save_skip": "output is the skip source", "save_h": "output is h",
+    "post_gates": "MUDD gate 1 runs on the residual entering this layer", "mudd": "the MUDD layer (last)",
+}
+_SWITCHED_WORDS = {"xsa": "xsa", "gate": "attn_gates", "dc": "dc", "offset": "key_offset", "from_h": "from_h"}
+
+
+def parse_layer_table(rows) -> list[frozenset]:
+    """The table's rows as sets of words, checked; one-line ValueErrors name --layers and the row."""
+    def fail(i, msg):
+        raise ValueError(f"--layers row {i} ({rows[i]!r}): {msg}")
+
+    if not isinstance(rows, (tuple, list)) or not rows or not all(isinstance(r, str) for r in rows):
+        raise ValueError(f"--layers must be a non-empty tuple of strings (one row per layer), got {rows!r}")
+    table = []
+    for i, row in enumerate(rows):
+        words = row.split()
+        unknown = [w for w in words if w not in LAYER_WORDS]
+        if unknown:
+            fail(i, f"unknown word(s) {unknown}; known: {', '.join(LAYER_WORDS)}")
+        w = frozenset(words)
+        if len(w & {"attn", "paired", "skip"}) != 1:
+            fail(i, "needs exactly one of attn, paired, skip")
+        if "skip" in w and w & {"short", "long", "offset", "ve", "xsa", "gate", "dc", "from_h", "mudd"}:
+            fail(i, "a skip row has no attention, so no window/offset/ve/xsa/gate/dc/from_h/mudd")
+        if "skip" not in w and len(w & {"short", "long"}) != 1:
+            fail(i, "an attention row needs exactly one of short, long")
+        if "paired" in w and w & {"offset", "xsa", "dc"}:
+            fail(i, "paired rows take no offset, xsa or dc")
+        table.append(w)
+    L = len(table)
+
+    def where(word):
+        return [i for i, w in enumerate(table) if word in w]
+
+    for word in ("save_skip", "save_h", "post_gates", "mudd"):
+        if len(where(word)) != 1:
+            raise ValueError(f"--layers: exactly one row must say {word!r} ({LAYER_WORDS[word]}), got rows {where(word)}")
+    if where("mudd") != [L - 1]:
+        fail(where("mudd")[0], "the mudd row must be the last layer")
+    if where("post_gates")[0] == 0:
+        fail(0, "post_gates must come after layer 0 (gate 0 covers the layers before it)")
+    for i in where("skip"):
+        if i <= where("save_skip")[0]:
+            fail(i, "a skip row must come after the save_skip row")
+    for i in where("from_h") + where("mudd"):
+        if i <= where("save_h")[0]:
+            fail(i, "from_h and mudd rows must come after the save_h row")
+    if not where("ve"):
+        raise ValueError("--layers: at least one row must say 've' (the post-loop MUDD mixing reads table 0)")
+    return table
+
+
+def effective_layer_table(args: Hyperparameters) -> list[frozenset]:
+    """The table the forward reads: --layers with switched-off components' words removed."""
+    table = []
+    for w in parse_layer_table(args.layers):
+        w = {word for word in w if word not in _SWITCHED_WORDS or getattr(args, _SWITCHED_WORDS[word])}
+        if "paired" in w and not args.paired_heads:
+            w = (w - {"paired"}) | {"attn"}
+        table.append(frozenset(w))
+    return table
+
+
+def mudd_gate_layout(table: list[frozenset], num_heads: int) -> tuple[dict, dict]:
+    """Where each per-token coefficient sits in the outputs of MUDD gates 0 and 1.
+
+    Gate 0 serves the layers before the post_gates row, gate 1 the rest. In each: XSA alphas (H per xsa
+    row), output gates (H per gate row), then (x0, bigram) per attention row other than the mudd row,
+    the skip gate, DC w1 (H per dc row), DC w2 (H per dc row). On the record's table this is its layout:
+    26 coefficients for gate 0 and 41 for gate 1. Returns ({(kind, layer): (start, width)}, ...)."""
+    split = next(i for i, w in enumerate(table) if "post_gates" in w)
+    layouts = []
+    for layers in (range(split), range(split, len(table))):
+        pos, n = {}, 0
+
+        def take(kind, i, width):
+            nonlocal n
+            pos[kind, i] = (n, width)
+            n += width
+
+        for kind, word, width in (("xsa", "xsa", num_heads), ("gate", "gate", num_heads)):
+            for i in layers:
+                if word in table[i]:
+                    take(kind, i, width)
+        for i in layers:
+            if "skip" not in table[i] and "mudd" not in table[i]:
+                take("x0", i, 1)
+                take("bigram", i, 1)
+        for i in layers:
+            if "skip" in table[i]:
+                take("skip", i, 1)
+        for kind in ("dc_w1", "dc_w2"):
+            for i in layers:
+                if "dc" in table[i]:
+                    take(kind, i, num_heads)
+        layouts.append(pos)
+    return layouts[0], layouts[1]
+
+
+# -- embeddings ---------------------------------------------------------------------------------
 
 def _wrap_int32(x):
     """Two's-complement int32 wrap-around of int64 values (the record hashes in int32)."""
@@ -1383,6 +1527,15 @@ def bigram_hash(tokens, bigram_vocab_size: int):
     return out
 
 
+def bigram_sign_index(ids: torch.Tensor) -> torch.Tensor:
+    """Row of the +-1 sign table per position: 0 at position 0, else (tok[t-1] XOR tok[t]) mod 8192
+    (the real previous token, unlike the hash's position-1 sentinel)."""
+    ids = ids.to(torch.int64)
+    return torch.cat([torch.zeros_like(ids[:1]), torch.bitwise_xor(ids[:-1], ids[1:]) % BIGRAM_SIGN_ROWS])
+
+
+# -- attention masks ----------------------------------------------------------------------------
+
 def document_ids(cu_seqlens: torch.Tensor, num_tokens: int) -> torch.Tensor:
     """Index of the document each position belongs to (int64, (T,)), from padded document starts."""
     pos = torch.arange(num_tokens, dtype=cu_seqlens.dtype, device=cu_seqlens.device)
@@ -1392,12 +1545,13 @@ def document_ids(cu_seqlens: torch.Tensor, num_tokens: int) -> torch.Tensor:
 def attention_mask_mod(doc_ids: torch.Tensor, window, pos_div: int = 1):
     """The one definition of who may attend to whom, as a flex_attention mask_mod.
 
-    Query slot q sees key slot k iff their tokens q//pos_div, k//pos_div satisfy: causal, distance
-    below `window` tokens (so the window includes the token itself), same document. pos_div = 2 is the
-    paired-head layout, where slots 2t and 2t+1 are the two heads of a pair at token t."""
+    Query slot q sees key slot k iff q >= k, q - k <= window (so window + 1 keys, as the record's
+    window_size=(window, 0)) and their tokens q//pos_div, k//pos_div are in the same document.
+    pos_div = 2 is the paired-head layout (README "Paired heads"): slot 2t holds the first half of the
+    heads of token t, slot 2t+1 the second half; causality and the window count slots."""
     def mask_mod(b, h, q_idx, kv_idx):
-        q, k = (q_idx, kv_idx) if pos_div == 1 else (q_idx // pos_div, kv_idx // pos_div)
-        return (q >= k) & (q - k < window) & (doc_ids[q] == doc_ids[k])
+        dq, dk = (q_idx, kv_idx) if pos_div == 1 else (q_idx // pos_div, kv_idx // pos_div)
+        return (q_idx >= kv_idx) & (q_idx - kv_idx <= window) & (doc_ids[dq] == doc_ids[dk])
     return mask_mod
 
 
@@ -1422,12 +1576,18 @@ def banded_attention_mask(doc_ids: torch.Tensor, window, pos_div: int, chunk: in
     return (allowed & (k >= 0)[:, None, :])[:, None]
 
 
+def _bands(t: torch.Tensor, chunk: int, span: int) -> torch.Tensor:
+    """(n, F) -> (n/chunk, chunk + span, F): band c = rows [c*chunk - span, (c+1)*chunk) of the
+    zero-left-padded t, as overlapping views."""
+    return F.pad(t, (0, 0, span, 0)).unfold(0, chunk + span, chunk).transpose(1, 2)
+
+
 def banded_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, span: int) -> torch.Tensor:
     """SDPA of (1, H, n, hd) q, k, v under a sliding-window mask, in O(n * (chunk + span)) instead of O(n^2).
 
-    Exact when no query slot sees a key slot more than `span` slots back (window * pos_div covers it):
-    each band of `chunk` queries attends to its own keys and the `span` before them, with the mask of
-    banded_attention_mask (chunk = mask.shape[2])."""
+    Exact when no query slot sees a key slot more than `span` slots back: each band of `chunk` queries
+    attends to its own keys and the `span` before them, with the mask of banded_attention_mask
+    (chunk = mask.shape[2])."""
     _, H, n, hd = q.shape
     chunk = mask.shape[2]
 
@@ -1452,23 +1612,23 @@ def block_attention_mask(doc_ids: torch.Tensor, window, pos_div: int = 1,
     """flex_attention BlockMask for attention_mask_mod, built from block-level bounds in O((n/bs)^2).
 
     Evaluating the mask_mod on every (q, k) pair (create_block_mask) costs O(T^2) per step; instead each
-    block pair is classified from its token ranges: empty (no pair can pass), full (every pair passes,
-    the kernel skips the mask_mod) or partial (the mask_mod decides per element). Token distances in a
+    block pair is classified from its slot ranges: empty (no pair can pass), full (every pair passes,
+    the kernel skips the mask_mod) or partial (the mask_mod decides per element). Slot distances in a
     block pair cover [q_first - k_last, q_last - k_first]; document ids are non-decreasing."""
     n = doc_ids.numel() * pos_div
     if n % block_size:
         raise ValueError(f"attention: sequence of {n} slots is not a multiple of the {block_size}-token"
                          " attention block; make the tokens per rank a multiple of 128")
     nb = n // block_size
-    start = torch.arange(nb, device=doc_ids.device) * block_size
-    first, last = start // pos_div, (start + block_size - 1) // pos_div
-    d_first, d_last = doc_ids[first], doc_ids[last]
+    first = torch.arange(nb, device=doc_ids.device) * block_size
+    last = first + block_size - 1
+    d_first, d_last = doc_ids[first // pos_div], doc_ids[last // pos_div]
     lo = first[:, None] - last[None, :]   # smallest q - k in the block pair
     hi = last[:, None] - first[None, :]   # largest q - k
     docs_meet = (d_first[:, None] <= d_last[None, :]) & (d_first[None, :] <= d_last[:, None])
-    any_pass = (hi >= 0) & (lo < window) & docs_meet
+    any_pass = (hi >= 0) & (lo <= window) & docs_meet
     one_doc = (d_first == d_last)
-    all_pass = (lo >= 0) & (hi < window) & one_doc[:, None] & one_doc[None, :] & (d_first[:, None] == d_first[None, :])
+    all_pass = (lo >= 0) & (hi <= window) & one_doc[:, None] & one_doc[None, :] & (d_first[:, None] == d_first[None, :])
     partial = any_pass & ~all_pass
 
     def to_indices(blocks):
@@ -1481,6 +1641,8 @@ def block_attention_mask(doc_ids: torch.Tensor, window, pos_div: int = 1,
     return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=block_size,
                                     mask_mod=attention_mask_mod(doc_ids, window, pos_div), seq_lengths=(n, n))
 
+
+# -- rotary embeddings and YaRN -------------------------------------------------------------------
 
 def rotary_base_frequencies(head_dim: int) -> torch.Tensor:
     """(head_dim/4,) angular frequencies (1/1024)^linspace(0, 1): 1 down to 1/1024 rad per position,
@@ -1516,33 +1678,91 @@ def yarn_state(args: Hyperparameters, long_blocks: int) -> tuple[torch.Tensor, f
     return freq, scale
 
 
+def rotary_tables(freq: torch.Tensor, T: int, num_heads: int, dtype: torch.dtype) -> dict[str, tuple]:
+    """cos/sin tables in `dtype` at packed-buffer positions (not reset per document, as in the record).
+    "plain": (T, hd/4), position t. "paired": (T, H, hd/4), head h at position 2t + (h mod 2): the
+    record views each token's heads as pairs (2p, 2p+1) rotated at 2t and 2t+1 before slotting them, so
+    head 1 sits in slot 2t at position 2t+1 and head 4 in slot 2t+1 at position 2t (README "Paired heads")."""
+    angles = torch.arange(2 * T, device=freq.device, dtype=torch.float32)[:, None] * freq[None, :]
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    parity = torch.arange(num_heads, device=freq.device) % 2
+
+    def paired(t):
+        return t.view(T, 2, -1)[:, parity]
+
+    return {"plain": (cos[:T], sin[:T]), "paired": (paired(cos), paired(sin))}
+
+
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate the first half of each head of x (T, H, hd) as hd/4 interleaved pairs (2j, 2j+1) by the
-    angles behind cos/sin (T, hd/4): out[2j] = c x[2j] + s x[2j+1], out[2j+1] = c x[2j+1] - s x[2j].
-    The second half is unrotated."""
+    angles behind cos/sin ((T, hd/4), or (T, H, hd/4) per head): out[2j] = c x[2j] + s x[2j+1],
+    out[2j+1] = c x[2j+1] - s x[2j]. The second half is unrotated."""
     T, H, hd = x.shape
     rot, rest = x.split(hd // 2, dim=-1)
     x0, x1 = rot.view(T, H, hd // 4, 2).unbind(-1)
-    c, s = cos[:, None, :], sin[:, None, :]
+    c, s = (cos, sin) if cos.dim() == 3 else (cos[:, None, :], sin[:, None, :])
     rot = torch.stack([x0 * c + x1 * s, x1 * c - x0 * s], dim=-1).view(T, H, hd // 2)
     return torch.cat([rot, rest], dim=-1)
 
 
+# -- attention extras: key offset, XSA, DC -------------------------------------------------------
+
+def key_offset(k: torch.Tensor) -> torch.Tensor:
+    """k (T, H, hd) with its unrotated half taken from the previous packed position (position 0 keeps
+    its own; document starts are crossed, as in the record). Out of place: the record's compiled shift
+    reads the old values."""
+    rot, rest = k.split(k.shape[-1] // 2, dim=-1)
+    return torch.cat([rot, torch.cat([rest[:1], rest[:-1]])], dim=-1)
+
+
+def xsa(y: torch.Tensor, v: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor:
+    """y - tanh(alpha) <y, v> / max(|v|^2, 1e-8) v per token and head: removes (a learned part of) the
+    attention output's component along the token's own value. y, v (T, H, hd), alpha (T, H)."""
+    vv = (v * v).sum(-1, keepdim=True).clamp_min(1e-8)
+    return y - torch.tanh(alpha)[..., None] * ((y * v).sum(-1, keepdim=True) / vv) * v
+
+
+def dc_term(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_ids: torch.Tensor,
+            w1: torch.Tensor, w2: torch.Tensor, window: int) -> torch.Tensor:
+    """The DC correction (T, H, hd) added to the attention output (README "DC").
+
+    For token t over the keys s of its document with 0 <= t - s < window: P_h = softmax_s(q_h(t).k_h(s))
+    per head (q carries the softmax scale), A(t, s) = sum_h w1[t, h] P_h(t, s), and head h gets
+    w2[t, h] sum_s A(t, s) v_h(s). q, k, v (T, H, hd), w1, w2 (T, H). Banded: each chunk of DC_CHUNK
+    queries sees its own keys and the window - 1 before; the softmax runs in fp32."""
+    T, H, hd = q.shape
+    span = window - 1
+    n = -(-T // DC_CHUNK) * DC_CHUNK
+    if n != T:  # padding tokens sit after every real one, so causality hides them from real queries
+        q, k, v, w1 = (F.pad(t, (0, 0) * (t.dim() - 1) + (0, n - T)) for t in (q, k, v, w1))
+        doc_ids = torch.cat([doc_ids, doc_ids[-1:].expand(n - T)])
+    nb = n // DC_CHUNK
+    mask = banded_attention_mask(doc_ids, span, 1, DC_CHUNK, span)[:, 0]           # (nb, chunk, chunk+span)
+    kb = _bands(k.reshape(n, H * hd), DC_CHUNK, span).view(nb, DC_CHUNK + span, H, hd)
+    acc = torch.promote_types(q.dtype, torch.float32)  # fp32 for bf16 inputs
+    scores = torch.einsum("bqhd,bkhd->bhqk", q.view(nb, DC_CHUNK, H, hd), kb).to(acc)
+    p = scores.masked_fill(~mask[:, None], float("-inf")).softmax(-1)
+    a = torch.einsum("bhqk,bqh->bqk", p, w1.view(nb, DC_CHUNK, H).to(acc)).to(v.dtype)
+    out = torch.bmm(a, _bands(v.reshape(n, H * hd), DC_CHUNK, span)).view(n, H, hd)[:T]
+    return out * w2[..., None]
+
+
+# -- the model ------------------------------------------------------------------------------------
+
 def _check_model_args(args: Hyperparameters, world_size: int) -> None:
     """One-line ValueErrors naming the flag, before any tensor is allocated."""
-    L = args.num_layers
-
     def fail(msg):
         raise ValueError(f"model config: {msg}")
 
     if world_size < 1:
         fail(f"world_size must be >= 1, got {world_size}")
-    for name in ("num_layers", "model_dim", "num_heads", "head_dim", "mlp_hidden", "window_block_size", "gate_channels"):
+    for name in ("model_dim", "num_heads", "head_dim", "mlp_hidden", "window_block_size", "gate_channels",
+                 "mudd_hidden", "dc_window"):
         if getattr(args, name) < 1:
             fail(f"--{name} must be >= 1, got {getattr(args, name)}")
     if args.num_heads * args.head_dim != args.model_dim:
         fail(f"--model_dim ({args.model_dim}) must equal --num_heads * --head_dim ({args.num_heads}*{args.head_dim});"
-             " value embeddings are added to V and the banks hold square attention matrices")
+             " value embeddings and MUDD's V are added to V, and the banks hold square attention matrices")
     if args.head_dim % 4:
         fail(f"--head_dim must be a multiple of 4 (half of it rotates, in pairs), got {args.head_dim}")
     if args.padded_vocab_size < args.vocab_size:
@@ -1551,25 +1771,17 @@ def _check_model_args(args: Hyperparameters, world_size: int) -> None:
         fail(f"--bigram_vocab_size must be >= 2, got {args.bigram_vocab_size}")
     if args.gate_channels > args.model_dim:
         fail(f"--gate_channels ({args.gate_channels}) must be <= --model_dim ({args.model_dim})")
-    for name in ("value_embed_layers", "long_window_layers", "paired_head_layers", "no_attention_layers"):
-        layers = getattr(args, name)
-        if not all(isinstance(i, int) and 0 <= i < L for i in layers) or len(set(layers)) != len(layers):
-            fail(f"--{name} {layers!r} must list distinct layer indices in 0..{L - 1}")
-    for name in ("value_embed_layers", "long_window_layers", "paired_head_layers"):
-        clash = sorted(set(getattr(args, name)) & set(args.no_attention_layers))
-        if clash:
-            fail(f"--{name} names layers {clash} that are in --no_attention_layers; remove them from one")
     if args.num_heads % 2:
-        fail(f"--num_heads must be even (Q and K live in the qk_bank as groups of two heads), got {args.num_heads}")
+        fail(f"--num_heads must be even (Q and K live in the qk_bank as groups of two heads; paired rows"
+             f" put half of the heads in each slot), got {args.num_heads}")
     if args.gate_channels % 2:
         fail(f"--gate_channels must be even (value-embedding gates read half from x, half from ve), got {args.gate_channels}")
-    for name in ("skip_from_layer", "skip_to_layer", "backout_layer"):
-        if not 0 <= getattr(args, name) < L:
-            fail(f"--{name} must be a layer index in 0..{L - 1}, got {getattr(args, name)}")
-    if args.skip_from_layer >= args.skip_to_layer:
-        fail(f"--skip_from_layer ({args.skip_from_layer}) must be below --skip_to_layer ({args.skip_to_layer})")
     if len(args.windows_init) != 2 or not all(isinstance(w, int) and w >= 1 for w in args.windows_init):
         fail(f"--windows_init must be (short, long) block counts >= 1, got {args.windows_init!r}")
+    try:
+        parse_layer_table(args.layers)
+    except ValueError as e:
+        fail(str(e))
 
 
 class GPT(nn.Module):
@@ -1581,35 +1793,47 @@ class GPT(nn.Module):
         super().__init__()
         _check_model_args(args, world_size)
         self.args = args
-        L, D, H, hd = args.num_layers, args.model_dim, args.num_heads, args.head_dim
-        V, C = args.padded_vocab_size, args.gate_channels
-        self.attn_layers = [i for i in range(L) if i not in args.no_attention_layers]
+        D, H, hd = args.model_dim, args.num_heads, args.head_dim
+        V, C, M = args.padded_vocab_size, args.gate_channels, args.mudd_hidden
+        full = parse_layer_table(args.layers)   # shapes follow the full table, whatever is switched off
+        self.table = effective_layer_table(args)  # what the forward does
+        L = len(full)
+        self.attn_layers = [i for i, w in enumerate(full) if "skip" not in w]
         self.attn_slot = {layer: j for j, layer in enumerate(self.attn_layers)}
-        self.ve_slot = {layer: j for j, layer in enumerate(args.value_embed_layers)}
+        self.ve_slot = {layer: j for j, layer in enumerate(i for i, w in enumerate(full) if "ve" in w)}
+        self.post_gates_layer = next(i for i, w in enumerate(full) if "post_gates" in w)
+        self.gate_layout = mudd_gate_layout(full, H)
+        self.gate_outputs = tuple(sum(width for _, width in layout.values()) for layout in self.gate_layout)
 
-        def padded(n):
-            return -(-n // world_size) * world_size
+        def padded(n, multiple=world_size):
+            return -(-n // multiple) * multiple
 
         n_attn = len(self.attn_layers)
         n_qk, n_vo, n_mlp = padded(H * n_attn), padded(2 * n_attn), padded(2 * L)
+        n_ve = len(self.ve_slot)
         fp32 = torch.float32
+        self.lm_head = nn.Parameter(torch.empty(D, V, dtype=dtype))
+        self.embed = nn.Parameter(torch.empty(V, D, dtype=dtype))
+        self.value_embeds = nn.Parameter(torch.empty(n_ve, V, D, dtype=dtype))
+        self.ve_gate_bank = nn.Parameter(torch.empty(n_ve, H, C, dtype=dtype))
         self.qk_bank = nn.Parameter(torch.empty(n_qk, 2 * hd, D, dtype=dtype))
         self.vo_bank = nn.Parameter(torch.empty(n_vo, H * hd, D, dtype=dtype))
         self.mlp_bank = nn.Parameter(torch.empty(n_mlp, args.mlp_hidden, D, dtype=dtype))
-        self.scalars = nn.Parameter(torch.empty(2 * L + 3, dtype=fp32))
         self.smear_gate = nn.Parameter(torch.empty(1, C, dtype=dtype))
-        self.ve_gate_bank = nn.Parameter(torch.empty(len(args.value_embed_layers), H, C, dtype=dtype))
-        self.lm_head = nn.Parameter(torch.empty(D, V, dtype=dtype))
         self.bigram_embed = nn.Parameter(torch.empty(args.bigram_vocab_size, D, dtype=dtype))
         self.post_lambdas = nn.Parameter(torch.empty(L, 2, dtype=fp32))
         self.resid_lambdas = nn.Parameter(torch.empty(L, 2, dtype=fp32))
-        self.value_embeds = nn.Parameter(torch.empty(len(args.value_embed_layers), V, D, dtype=dtype))
-        self.embed = nn.Parameter(torch.empty(V, D, dtype=dtype))
-        self.x0_lambdas = nn.Parameter(torch.empty(L, dtype=fp32))
-        self.bigram_lambdas = nn.Parameter(torch.empty(L, dtype=fp32))
-        self.skip_gate = nn.Parameter(torch.empty(1, C, dtype=dtype))
+        self.scalars = nn.Parameter(torch.empty(padded(2 * L + 2, 8), dtype=fp32))  # the record pads to 8
+        self.mudd_w1 = nn.Parameter(torch.empty(2, M, D, dtype=dtype))
+        self.mudd_w2 = nn.Parameter(torch.empty(2, max(MUDD_LAYER_OUTPUTS), M, dtype=dtype))
+        self.mudd_b2 = nn.Parameter(torch.empty(2, max(MUDD_LAYER_OUTPUTS), dtype=dtype))
+        self._mudd_gate_scale = nn.Parameter(torch.empty((), dtype=fp32))
+        self.mudd_gate_w1 = nn.Parameter(torch.empty(2, M, D, dtype=dtype))
+        self.mudd_gate_w2 = nn.Parameter(torch.empty(2, max(self.gate_outputs), M, dtype=dtype))
+        self.mudd_gate_b2 = nn.Parameter(torch.empty(2, max(self.gate_outputs), dtype=dtype))
         for name, p in self.named_parameters():
             p.label = name
+        self.register_buffer("bigram_sign_table", torch.empty(BIGRAM_SIGN_ROWS, D, dtype=dtype))
 
         qk_roles = [f"{kind}.{layer}.{g}" for layer in self.attn_layers for kind in ("q", "k") for g in range(H // 2)]
         vo_roles = [f"{kind}.{layer}" for layer in self.attn_layers for kind in ("v", "o")]
@@ -1623,7 +1847,7 @@ class GPT(nn.Module):
         # Window state: changed in place by set_windows so compiled graphs see new values, not new code.
         self.register_buffer("rotary_freq", rotary_base_frequencies(hd))
         self.register_buffer("attn_scale", torch.tensor(0.0, dtype=fp32))
-        self.register_buffer("windows", torch.zeros(2, dtype=torch.int32))  # (short, long) in tokens
+        self.register_buffer("windows", torch.zeros(2, dtype=torch.int32))  # (short, long) in tokens / slots
         self.reset_parameters()
         self.set_windows(*args.windows_init)
 
@@ -1640,8 +1864,8 @@ class GPT(nn.Module):
         def fp32_draw(t, fill):  # drawn in fp32, then cast (the record's order for the banks), so a bf16
             t.copy_(fill(torch.empty(t.shape, dtype=torch.float32, device=t.device)))  # and an fp32 model match
 
-        def uniform_(t):
-            fp32_draw(t, lambda x: x.uniform_(-bound, bound))
+        def uniform_(t, b=bound):
+            fp32_draw(t, lambda x: x.uniform_(-b, b))
 
         for bank in (self.qk_bank, self.vo_bank, self.mlp_bank):
             bank.zero_()
@@ -1653,15 +1877,26 @@ class GPT(nn.Module):
         fp32_draw(self.value_embeds, lambda x: x.normal_(0.0, 1.0).mul_(0.01))
         self.bigram_embed.zero_()
         s = self.scalars
+        s.zero_()
         s[0: 2 * L: 2] = 0.5   # qkv lambdas (q and k are normed next, so in effect v's scale)
         s[1: 2 * L: 2] = 1.0   # o lambdas
-        s[2 * L:] = torch.tensor([0.0, 0.5, -1.5])  # smear, backout, skip
+        s[2 * L + 1] = -1.5    # skip lambda (sigmoid 0.18); smear lambda s[2L] = 0: smear starts off
         self.resid_lambdas.fill_(math.sqrt(1.1))
         self.post_lambdas.fill_(1.0)
-        self.x0_lambdas.zero_()
-        self.bigram_lambdas.fill_(0.05)
-        for gate in (self.smear_gate, self.ve_gate_bank, self.skip_gate):
-            gate.zero_()
+        self.smear_gate.zero_()
+        self.ve_gate_bank.zero_()
+        for w1 in (self.mudd_w1, self.mudd_gate_w1):  # nn.Linear's default init: U(+-1/sqrt(fan_in))
+            uniform_(w1, 1 / math.sqrt(D))
+        for p in (self.mudd_w2, self.mudd_b2, self.mudd_gate_w2, self.mudd_gate_b2):
+            p.zero_()
+        for k, biases in enumerate(MUDD_LAYER_BIASES):
+            for idx, value in biases.items():
+                self.mudd_b2[k, idx] = value
+        for k, layout in enumerate(self.gate_layout):
+            for (kind, _), (start, width) in layout.items():
+                self.mudd_gate_b2[k, start: start + width] = MUDD_GATE_BIASES.get(kind, 0.0)
+        self._mudd_gate_scale.fill_(0.1)
+        fp32_draw(self.bigram_sign_table, lambda x: x.normal_().sign_())
 
     @torch.no_grad()
     def set_windows(self, short_blocks: int, long_blocks: int, yarn_blocks: int | None = None) -> None:
@@ -1689,15 +1924,32 @@ class GPT(nn.Module):
         """sigmoid(x[:, :gate_channels] W^T) in x's dtype, (T, out)."""
         return torch.sigmoid(F.linear(x[:, : self.args.gate_channels], weight.to(x.dtype)))
 
+    def _mudd_gate(self, k: int, x: torch.Tensor) -> torch.Tensor:
+        """MUDD gate k's per-token coefficients (T, n_k) = (W2 gelu(W1 x) + b2) * gate scale in x's dtype
+        (exact erf GELU); with --mudd false the learned constants b2 * scale."""
+        n = self.gate_outputs[k]
+        b2, scale = self.mudd_gate_b2[k, :n], self._mudd_gate_scale.to(x.dtype)
+        if not self.args.mudd:
+            return (b2 * scale).expand(x.shape[0], n)
+        return F.linear(F.gelu(F.linear(x, self.mudd_gate_w1[k])), self.mudd_gate_w2[k, :n], b2) * scale
+
+    def _mudd_layer(self, k: int, x: torch.Tensor) -> torch.Tensor:
+        """MUDD layer MLP k's per-token coefficients (T, n_k), fixed scale 0.1 (see MUDD_LAYER_BIASES)."""
+        n = MUDD_LAYER_OUTPUTS[k]
+        b2 = self.mudd_b2[k, :n]
+        if not self.args.mudd:
+            return (b2 * MUDD_LAYER_SCALE).expand(x.shape[0], n)
+        return F.linear(F.gelu(F.linear(x, self.mudd_w1[k])), self.mudd_w2[k, :n], b2) * MUDD_LAYER_SCALE
+
     def _attend(self, q, k, v, doc, long: bool, paired: bool, masks: dict) -> torch.Tensor:
-        """Masked softmax attention of (T, H, hd) q, k, v (q already carries the softmax scale)."""
+        """Masked softmax attention of (T, H, hd) q, k, v (q already carries the softmax scale). Paired:
+        (T, H, hd) is viewed as (2T, H/2, hd), so slot 2t holds heads 0..H/2-1 of token t and slot 2t+1
+        the others; head j attends over the stream of heads j and j + H/2 (README "Paired heads")."""
         T, H, hd = q.shape
         r = 2 if paired else 1
 
-        def to_seq(t):  # (T, H, hd) -> (1, H/r, r*T, hd); paired: slot 2t+j is head 2p+j at token t
-            if r == 2:
-                return t.view(T, H // 2, 2, hd).transpose(0, 1).reshape(1, H // 2, 2 * T, hd)
-            return t.transpose(0, 1).unsqueeze(0)
+        def to_seq(t):  # (T, H, hd) -> (1, H/r, r*T, hd)
+            return t.reshape(r * T, H // r, hd).transpose(0, 1).unsqueeze(0)
 
         key = (long, r)
         window = self.windows[1 if long else 0]
@@ -1706,7 +1958,7 @@ class GPT(nn.Module):
                 masks[key] = block_attention_mask(doc, window, r)
             y = flex_attention(to_seq(q), to_seq(k), to_seq(v), block_mask=masks[key], scale=1.0)
         else:  # flex_attention has no CPU backward: the same mask through SDPA, banded where that saves work
-            span = self.window_tokens[1 if long else 0] * r
+            span = self.window_tokens[1 if long else 0]
             chunk = attention_band(T * r, span)
             if key not in masks:
                 masks[key] = (banded_attention_mask(doc, window, r, chunk, span) if chunk
@@ -1715,71 +1967,114 @@ class GPT(nn.Module):
                 y = banded_attention(to_seq(q), to_seq(k), to_seq(v), masks[key], span)
             else:
                 y = F.scaled_dot_product_attention(to_seq(q), to_seq(k), to_seq(v), attn_mask=masks[key], scale=1.0)
-        if r == 2:
-            return y[0].view(H // 2, T, 2, hd).transpose(0, 1).reshape(T, H, hd)
-        return y[0].transpose(0, 1)
+        return y[0].transpose(0, 1).reshape(T, H, hd)
 
-    def _attention(self, i, xn, ids, doc, cos, sin, masks, w) -> torch.Tensor:
-        a = self.args
-        T, H, hd, half = xn.shape[0], a.num_heads, a.head_dim, a.gate_channels // 2
+    def _attention(self, i, xn, ve, ve_gate, aux_v, doc, rope, masks, coef, w) -> torch.Tensor:
+        """Layer i's attention sublayer on the normed input xn (T, D); ve (T, D) or None is this row's
+        value embedding with per-head gates ve_gate (T, H) (None: from ve_gate_bank); aux_v is MUDD's V."""
+        a, row = self.args, self.table[i]
+        T, H, hd = xn.shape[0], a.num_heads, a.head_dim
         j = self.attn_slot[i]
         lam_qkv, lam_o = self.scalars[2 * i].to(xn.dtype), self.scalars[2 * i + 1].to(xn.dtype)
         w_qkv = torch.cat([*w["qk"][H * j: H * j + H], w["vo"][2 * j]])  # [Q; K; V]
         q, k, v = F.linear(xn, lam_qkv * w_qkv).view(T, 3, H, hd).unbind(1)
+        paired = "paired" in row
+        cos, sin = rope["paired" if paired else "plain"]
         q = apply_rotary(norm(q), cos, sin) * self.attn_scale.to(xn.dtype)
         k = apply_rotary(norm(k), cos, sin)
-        if i in self.ve_slot and a.value_embeds:
-            jv = self.ve_slot[i]
-            ve = F.embedding(ids, w["ve"][jv])
-            gate_in = torch.cat([xn[:, :half], ve[:, :half]], dim=-1)
-            v = v + 2 * self._gate(self.ve_gate_bank[jv], gate_in)[..., None] * ve.view(T, H, hd)
-        paired = a.paired_heads and i in a.paired_head_layers
-        y = self._attend(q, k, v, doc, i in a.long_window_layers, paired, masks)
+        if "offset" in row:
+            k = key_offset(k)
+        if ve is not None:
+            if ve_gate is None:  # 2 sigmoid(W [x[:C/2], ve[:C/2]]): one gate per head, 1 at init
+                half = a.gate_channels // 2
+                ve_gate = 2 * self._gate(self.ve_gate_bank[self.ve_slot[i]], torch.cat([xn[:, :half], ve[:, :half]], dim=-1))
+            v = v + ve_gate[..., None] * ve.view(T, H, hd)
+        if aux_v is not None:
+            v = v + aux_v
+        y = self._attend(q, k, v, doc, "long" in row, paired, masks)
+        if "dc" in row:
+            w1 = F.rms_norm(coef("dc_w1", i).float(), (H,), eps=1e-6).to(xn.dtype)
+            y = y + dc_term(q, k, v, doc, w1, coef("dc_w2", i), a.dc_window)
+        if "xsa" in row:
+            y = xsa(y, v, coef("xsa", i))
+        if "gate" in row:  # linear, no sigmoid: 0.25 at init
+            y = y * coef("gate", i)[..., None]
         return F.linear(y.reshape(T, H * hd), lam_o * w["vo"][2 * j + 1])
+
+    def _mlp(self, xn: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
+        return triton_kernels.relu2_mlp(xn, w_up, w_down)
 
     def hidden(self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor, bigram_ids: torch.Tensor) -> torch.Tensor:
         """Final normalised hidden states (T, D), the input of the LM head."""
-        a, s = self.args, self.scalars
-        L = a.num_layers
+        a, s, table = self.args, self.scalars, self.table
+        L, H, hd = len(table), a.num_heads, a.head_dim
         ids = input_ids.view(-1)
         T = ids.numel()
         doc = document_ids(cu_seqlens, T)
 
         e = F.embedding(ids, self.embed)
         dt = e.dtype
+        # One unbind per stacked parameter: its backward stacks all matrix gradients into one buffer,
+        # where indexing bank[i] would allocate and add a whole-bank zero gradient per use.
+        w = {"qk": self.qk_bank.unbind(0), "vo": self.vo_bank.unbind(0)}
+        mlp = self.mlp_bank.unbind(0)
+        ve = [F.embedding(ids, t) for t in self.value_embeds.unbind(0)] if a.value_embeds else None
+        xb = None
+        if a.bigram_embed:
+            xb = F.embedding(bigram_ids.view(-1), self.bigram_embed)
+            if a.bigram_signs:
+                xb = xb * self.bigram_sign_table[bigram_sign_index(ids)]
         if a.smear:  # crosses document starts, as in the record
             e = torch.cat([e[:1], e[1:] + s[2 * L].to(dt) * self._gate(self.smear_gate, e[1:]) * e[:-1]])
         x0 = norm(e)
-        xb = F.embedding(bigram_ids.view(-1), self.bigram_embed) if a.bigram_embed else None
-        x = x0 if xb is None else x0 + self.bigram_lambdas[0].to(dt) * xb
-        resid, post = self.resid_lambdas.to(dt), self.post_lambdas.to(dt)
-        x0_lam, bigram_lam = self.x0_lambdas.to(dt), self.bigram_lambdas.to(dt)
+        gates = [self._mudd_gate(0, x0), None]
 
-        angles = torch.arange(T, device=ids.device, dtype=torch.float32)[:, None] * self.rotary_freq[None, :]
-        cos, sin = angles.cos().to(dt), angles.sin().to(dt)
+        def coef(kind, i):  # layer i's per-token coefficients from MUDD gate 0 or 1
+            k = int(i >= self.post_gates_layer)
+            start, width = self.gate_layout[k][kind, i]
+            return gates[k][:, start: start + width]
+
+        x = cache0 = x0 if xb is None else x0 + coef("bigram", 0) * xb
+        resid, post = self.resid_lambdas.to(dt), self.post_lambdas.to(dt)
+        rope = rotary_tables(self.rotary_freq, T, H, dt)
         masks: dict = {}
-        # One unbind per stacked parameter: its backward stacks all matrix gradients into one buffer,
-        # where indexing bank[i] would allocate and add a whole-bank zero gradient per use.
-        w = {"qk": self.qk_bank.unbind(0), "vo": self.vo_bank.unbind(0), "ve": self.value_embeds.unbind(0)}
-        mlp = self.mlp_bank.unbind(0)
-        skip = backout = None
-        for i in range(L):
-            if i == a.skip_to_layer and a.unet_skip:
-                skip_gate = 2 * self._gate(self.skip_gate, x0)
-                x = x + torch.sigmoid(s[2 * L + 2]).to(dt) * skip_gate * skip
-            if i in self.attn_slot:
-                h = self._attention(i, norm(x), ids, doc, cos, sin, masks, w)
-                x = resid[i, 0] * x + post[i, 0] * h + x0_lam[i] * x0
+        skip_src = h = mudd_in = None
+        for i, row in enumerate(table):
+            if i == self.post_gates_layer:
+                gates[1] = self._mudd_gate(1, x)  # from the raw residual entering this layer
+            ve_i = ve[self.ve_slot[i]] if ve is not None and i in self.ve_slot else None
+            if "skip" in row:
+                if a.unet_skip:
+                    x = x + torch.sigmoid(s[2 * L + 1]).to(dt) * coef("skip", i) * skip_src
+            elif "mudd" in row:
+                mudd_in = x
+                mu = self._mudd_layer(0, x)
+                m = [mu[:, c: c + 1] for c in range(MUDD_LAYER_OUTPUTS[0])]
+                aux_v = (m[0] * cache0 + m[1] * h + m[2] * x).view(T, H, hd)
+                x = (1 + m[5]) * x + m[3] * cache0 + m[4] * h
+                ve_gate = torch.cat([m[6].expand(T, H // 2), m[7].expand(T, H // 2)], dim=1)
+                y = self._attention(i, norm(h if "from_h" in row else x), ve_i, ve_gate, aux_v,
+                                    doc, rope, masks, coef, w)
+                x = m[8] * x + m[9] * y + m[10] * cache0
+                if xb is not None:
+                    x = x + m[11] * xb
+            else:
+                y = self._attention(i, norm(h if "from_h" in row else x), ve_i, None, None, doc, rope, masks, coef, w)
+                x = resid[i, 0] * x + post[i, 0] * y + coef("x0", i) * x0
                 if i > 0 and xb is not None:
-                    x = x + bigram_lam[i] * xb
-            m = triton_kernels.relu2_mlp(norm(x), mlp[2 * i], mlp[2 * i + 1])
-            x = resid[i, 1] * x + post[i, 1] * m
-            if i == a.skip_from_layer:
-                skip = x
-            if i == a.backout_layer:
-                backout = x
-        if a.backout:
-            x = x - s[2 * L + 1].to(dt) * backout
+                    x = x + coef("bigram", i) * xb
+            out = self._mlp(norm(x), mlp[2 * i], mlp[2 * i + 1])
+            x = m[12] * x + m[13] * out if "mudd" in row else resid[i, 1] * x + post[i, 1] * out
+            if "save_skip" in row:
+                skip_src = x
+            if "save_h" in row:
+                h = x
+        if a.backout:  # post-loop MUDD layer 1; its h coefficient starts at -0.5 (the backout)
+            m = self._mudd_layer(1, x)
+            x = x + m[:, 0:1] * cache0 + m[:, 1:2] * h + m[:, 2:3] * mudd_in  # the record's order of sums
+            if ve is not None:
+                x = x + m[:, 3:4] * ve[0]
+            x = x + m[:, 4:5] * skip_src
         return norm(x)
 
     def logits(self, input_ids, cu_seqlens, bigram_ids) -> torch.Tensor:
@@ -2166,7 +2461,7 @@ def optimizer_configs(args: Hyperparameters, model: "GPT") -> dict[str, ParamCon
         banks = {"qk_bank": ParamConfig("normuon", "sharded"), "vo_bank": ParamConfig("normuon", "sharded"),
                  "mlp_bank": ParamConfig("normuon", "sharded", matrix_lr_mul=down_x2)}
     gates, lambdas = (0.9, 0.99), (0.9, 0.95)
-    configs = {  # the record's table (README "Per-label table"); x0/bigram lambdas and skip_gate: record #79's rows
+    configs = {  # the record's table (README "Per-label table")
         **banks,
         "scalars": ParamConfig("adam", "replicated", lr_mul=5.0, wd_mul=0.0, betas=gates),
         "smear_gate": ParamConfig("adam", "replicated", lr_mul=0.01, wd_mul=0.0, betas=gates),
@@ -2177,13 +2472,17 @@ def optimizer_configs(args: Hyperparameters, model: "GPT") -> dict[str, ParamCon
         "resid_lambdas": ParamConfig("adam", "replicated", lr_mul=5.0, wd_mul=0.0, betas=lambdas),
         "value_embeds": ParamConfig("adam", "sharded", lr_mul=75.0, wd_mul=5.0, betas=(0.75, 0.95)),
         "embed": ParamConfig("adam", "sharded", lr_mul=1.0, wd_mul=150.0, betas=(0.5, 0.95)),
-        "x0_lambdas": ParamConfig("adam", "replicated", lr_mul=1.0, wd_mul=0.0, betas=lambdas),
-        "bigram_lambdas": ParamConfig("adam", "replicated", lr_mul=1.0, wd_mul=0.0, betas=lambdas),
-        "skip_gate": ParamConfig("adam", "replicated", lr_mul=0.05, wd_mul=0.0, betas=gates),
+        "mudd_w1": ParamConfig("adam", "replicated", lr_mul=0.25, wd_mul=1.0, betas=gates),
+        "mudd_w2": ParamConfig("adam", "replicated", lr_mul=0.25, wd_mul=1.0, betas=gates),
+        "mudd_b2": ParamConfig("adam", "replicated", lr_mul=0.25, wd_mul=0.0, betas=gates),
+        "mudd_gate_w1": ParamConfig("adam", "replicated", lr_mul=0.1, wd_mul=1.0, betas=gates),
+        "mudd_gate_w2": ParamConfig("adam", "replicated", lr_mul=0.1, wd_mul=1.0, betas=gates),
+        "mudd_gate_b2": ParamConfig("adam", "replicated", lr_mul=0.1, wd_mul=0.0, betas=gates),
+        "_mudd_gate_scale": ParamConfig("adam", "replicated", lr_mul=0.1, wd_mul=0.0, betas=gates),
     }
     switched_off = {"value_embeds": not args.value_embeds, "ve_gate_bank": not args.value_embeds,
-                    "bigram_embed": not args.bigram_embed, "bigram_lambdas": not args.bigram_embed,
-                    "smear_gate": not args.smear, "skip_gate": not args.unet_skip}
+                    "bigram_embed": not args.bigram_embed, "smear_gate": not args.smear,
+                    **{label: not args.mudd for label in ("mudd_w1", "mudd_w2", "mudd_gate_w1", "mudd_gate_w2")}}
     for label, off in switched_off.items():
         if off:
             configs[label] = dataclasses.replace(configs[label], lr_mul=0.0, wd_mul=0.0)
@@ -2193,11 +2492,11 @@ def optimizer_configs(args: Hyperparameters, model: "GPT") -> dict[str, ParamCon
 # The record's orders. Scatter: big banks' reductions start first. Work: small parameters are updated
 # first so that the banks' reductions have landed before their (long) orthogonalization.
 SCATTER_ORDER = ("qk_bank", "vo_bank", "mlp_bank", "scalars", "smear_gate", "ve_gate_bank", "lm_head",
-                 "bigram_embed", "post_lambdas", "resid_lambdas", "value_embeds", "embed",
-                 "x0_lambdas", "bigram_lambdas", "skip_gate")
-WORK_ORDER = ("scalars", "smear_gate", "ve_gate_bank", "skip_gate", "post_lambdas", "resid_lambdas",
-              "x0_lambdas", "bigram_lambdas", "value_embeds", "bigram_embed", "lm_head", "embed",
-              "qk_bank", "vo_bank", "mlp_bank")
+                 "bigram_embed", "post_lambdas", "resid_lambdas", "value_embeds", "embed", "mudd_w1", "mudd_w2",
+                 "mudd_b2", "mudd_gate_w1", "mudd_gate_w2", "mudd_gate_b2", "_mudd_gate_scale")
+WORK_ORDER = ("scalars", "smear_gate", "ve_gate_bank", "mudd_b2", "mudd_gate_b2", "_mudd_gate_scale",
+              "post_lambdas", "resid_lambdas", "mudd_w2", "mudd_gate_w2", "value_embeds", "bigram_embed",
+              "mudd_w1", "mudd_gate_w1", "lm_head", "embed", "qk_bank", "vo_bank", "mlp_bank")
 
 
 def build_optimizer(args: Hyperparameters, model: "GPT", device: torch.device) -> NorMuonAdam:

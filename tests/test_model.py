@@ -45,10 +45,14 @@ def randomize(model: tg.GPT, seed=0):
     rnd(model.embed, 0.05)
     rnd(model.value_embeds, 0.5)
     rnd(model.bigram_embed, 0.5)
-    for p in (model.scalars, model.resid_lambdas, model.post_lambdas, model.x0_lambdas, model.bigram_lambdas):
+    for p in (model.scalars, model.resid_lambdas, model.post_lambdas):
         p.copy_(0.3 + 0.7 * torch.rand(p.shape, generator=g))
-    for p in (model.ve_gate_bank, model.smear_gate, model.skip_gate):
+    for p in (model.ve_gate_bank, model.smear_gate):
         rnd(p, 0.5)
+    for p in (model.mudd_w2, model.mudd_gate_w2):  # per-token MUDD coefficients around their biases
+        rnd(p, 0.5)
+    for p in (model.mudd_b2, model.mudd_gate_b2):
+        p.add_((0.5 * torch.randn(p.shape, generator=g)).to(p.dtype))
 
 
 def make_model(args=TEST, world_size=1, seed=0):
@@ -60,12 +64,13 @@ def make_model(args=TEST, world_size=1, seed=0):
 
 
 def brute_force_mask(doc_of_token, window, pos_div):
+    """The record's rule in slots: causal, at most `window` slots back (window + 1 keys), same document
+    (slot s belongs to token s // pos_div)."""
     n = len(doc_of_token) * pos_div
     m = np.zeros((n, n), dtype=bool)
     for qs in range(n):
         for ks in range(n):
-            q, k = qs // pos_div, ks // pos_div
-            m[qs, ks] = k <= q and q - k < window and doc_of_token[q] == doc_of_token[k]
+            m[qs, ks] = ks <= qs and qs - ks <= window and doc_of_token[qs // pos_div] == doc_of_token[ks // pos_div]
     return torch.from_numpy(m)
 
 
@@ -122,8 +127,8 @@ def test_block_mask_applies_exactly_the_dense_mask(seed):
     T, bs = 96, 16
     doc, cu = random_layout(rng, T)
     ids = tg.document_ids(cu, T)
-    # 15, 47 (2, 18): a block pair's largest (smallest) token distance lands exactly on the window edge
-    for window in (2, 3, 15, 16, 18, 40, 47, 1000):
+    # 15, 47 (1, 16): a block pair's largest (smallest) slot distance lands exactly on the window edge
+    for window in (1, 2, 15, 16, 17, 40, 47, 1000):
         for pos_div in (1, 2):
             w = torch.tensor(window, dtype=torch.int32)
             bm = tg.block_attention_mask(ids, w, pos_div, block_size=bs)
@@ -168,7 +173,7 @@ def test_banded_attention_equals_dense_sdpa_forward_and_backward(pos_div, seed):
     ids = tg.document_ids(cu, T)
     g = torch.Generator().manual_seed(seed)
     for window, chunk in ((1, 16), (7, 16), (16, 16), (33, 32), (40, 8)):
-        span = window * pos_div
+        span = window  # the window counts slots: a query sees at most `window` slots back
         w = torch.tensor(window, dtype=torch.int32)
         q, k, v = (torch.randn(1, H, T * pos_div, hd, generator=g, dtype=torch.float64, requires_grad=True)
                    for _ in range(3))
@@ -199,7 +204,7 @@ def test_model_with_banded_cpu_attention_equals_dense(monkeypatch):
     T = 1024
     inputs, targets, cu = make_batch(T=T, starts=(0, 100, 450, 900))
     big = bigrams(inputs)
-    assert tg.attention_band(2 * T, 2 * 5 * 32) and tg.attention_band(T, 2 * 32)
+    assert tg.attention_band(2 * T, 2 * 32) and tg.attention_band(T, 5 * 32)  # paired rows: short windows
 
     def run():
         model.zero_grad(set_to_none=True)
@@ -219,31 +224,40 @@ def test_model_with_banded_cpu_attention_equals_dense(monkeypatch):
 
 
 @pytest.mark.parametrize("paired", [False, True])
-def test_attend_matches_float64_brute_force(paired):
-    """Paired heads: a query of either head of a pair normalises over the keys of both heads."""
+@pytest.mark.parametrize("heads", [2, 6])
+def test_attend_matches_float64_brute_force(paired, heads):
+    """A loop over tokens and heads. Paired (the record's slots): head h of token t is slot
+    2t + h // (H/2); head h attends over heads h mod H/2 and h mod H/2 + H/2 of earlier slots, at most
+    `window` slots back, so a first-half head does not see its partner of the same token."""
     model = make_model()
-    T, H, hd = 40, 2, 8
+    T, H, hd = 40, heads, 8
     doc = torch.tensor([0] * 15 + [1] * 25)
     model.windows.copy_(torch.tensor([6, 11], dtype=torch.int32))
+    model.window_tokens = (6, 11)
     g = torch.Generator().manual_seed(1)
     q, k, v = (torch.randn(T, H, hd, generator=g, dtype=torch.float64) for _ in range(3))
     got = model._attend(q, k, v, doc, long=True, paired=paired, masks={})
     want = torch.zeros(T, H, hd, dtype=torch.float64)
+    half = H // 2
     for t in range(T):
-        keys = [s for s in range(T) if s <= t and t - s < 11 and doc[s] == doc[t]]
         for h in range(H):
-            heads = [0, 1] if paired else [h]
-            logits = torch.tensor([float(q[t, h] @ k[s, hk]) for s in keys for hk in heads], dtype=torch.float64)
+            if paired:
+                qs = 2 * t + h // half
+                pairs = [(s // 2, (s % 2) * half + h % half) for s in range(qs + 1)
+                         if qs - s <= 11 and doc[s // 2] == doc[t]]
+            else:
+                pairs = [(s, h) for s in range(t + 1) if t - s <= 11 and doc[s] == doc[t]]
+            logits = torch.tensor([float(q[t, h] @ k[s, hk]) for s, hk in pairs], dtype=torch.float64)
             p = torch.softmax(logits, 0)
-            vals = torch.stack([v[s, hk] for s in keys for hk in heads])
-            want[t, h] = p @ vals
+            want[t, h] = p @ torch.stack([v[s, hk] for s, hk in pairs])
     torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
 
 
 def test_document_isolation_is_bit_exact():
     """Attention never crosses a document start. The smear and the bigram hash do (the record's): a
-    document's last token reaches the next document's first position, and through it that document."""
-    model = make_model()
+    document's last token reaches the next document's first position, and through it that document.
+    So does the key offset (test_key_offset_crosses_documents); it is off here."""
+    model = make_model(dataclasses.replace(TEST, key_offset=False))
     randomize(model)
     inputs, _, cu = make_batch()  # documents [0, 30), [30, 70), [70, 100), [100, 128)
     gen = torch.Generator().manual_seed(5)
@@ -282,13 +296,13 @@ def test_windows_limit_what_attention_sees():
     model = make_model()
     randomize(model, seed=4)
     inputs, _, cu = make_batch(starts=(0,))
-    model.set_windows(1, 2)  # 16 and 32 tokens; 4 layers reach at most 4 * 31 tokens back ...
+    model.set_windows(1, 2)  # 16 slots (8 tokens) on the paired layer 0, 32 tokens on layers 1 and 3
     with torch.no_grad():
         base = model.logits(inputs, cu, bigrams(inputs))
         changed = inputs.clone()
         changed[0] = (changed[0] + 7) % 50257
         out = model.logits(changed, cu, bigrams(changed))
-    # ... attention layers are 0, 1, 3; long windows on 1 and 3: reach 15 + 31 + 31 tokens (+1 smear/bigram)
+    # reach: 8 + 2 * (32 + 1 key offset) tokens, + 1 smear + 1 bigram = 76 (layer 2 has no attention)
     assert torch.equal(out[80:], base[80:])
     assert not torch.allclose(out[:40], base[:40])
 
@@ -308,9 +322,7 @@ def yarn_step64(freq, scale, old, new):
 
 def test_yarn_frequencies_after_384_to_896_tokens():
     """Speedrun shapes: the first stage change (long window 3 -> 7 blocks of 128) against float64."""
-    model = make_model(dataclasses.replace(tg.Hyperparameters(), num_layers=2, no_attention_layers=(),
-                                           value_embed_layers=(), long_window_layers=(1,), paired_head_layers=(),
-                                           skip_from_layer=0, skip_to_layer=1, backout_layer=1, model_dim=768,
+    model = make_model(dataclasses.replace(tg.Hyperparameters(), layers=("attn short ve save_skip save_h", "attn long from_h mudd post_gates"),
                                            mlp_hidden=64, padded_vocab_size=50304, bigram_vocab_size=64))
     base = [1024 ** (-j / 31) for j in range(32)]  # omega_j = 1024^(-j/31): 1 down to 1/1024
     torch.testing.assert_close(model.rotary_freq.double(), torch.tensor(base, dtype=torch.float64), rtol=1e-6, atol=0)
@@ -328,9 +340,7 @@ def test_attention_scale_per_stage_and_final_validation():
     """The record's table: 0.1, 0.116946, 0.127518, 0.131778, compounding on the long window; the final
     validation's wider window (20 blocks) keeps the extension's YaRN state."""
     args = tg.Hyperparameters()
-    model = make_model(dataclasses.replace(args, num_layers=2, no_attention_layers=(), value_embed_layers=(),
-                                           long_window_layers=(1,), paired_head_layers=(), skip_from_layer=0,
-                                           skip_to_layer=1, backout_layer=1, mlp_hidden=64, bigram_vocab_size=64))
+    model = make_model(dataclasses.replace(args, layers=("attn short ve save_skip save_h", "attn long from_h mudd post_gates"), mlp_hidden=64, bigram_vocab_size=64))
     freq64, scale64 = [1024 ** (-j / 31) for j in range(32)], 0.1
     old = 3
     for step, expected in ((0, 0.1), (423, 0.116946), (847, 0.127518), (1270, 0.131778)):
@@ -377,7 +387,9 @@ def test_forward_backward_at_init():
         assert model(inputs, targets, cu, bigrams(inputs)).item() == pytest.approx(math.log(V), abs=0.01)
     # exactly-zero gradients at init come only from the documented zero inits
     grads = {label: p.grad for label, p in model.params_by_label().items()}
-    zero_at_init = {"qk_bank", "value_embeds", "ve_gate_bank", "smear_gate", "post_lambdas", "bigram_lambdas"}
+    # (Q, K, V and their gates/embeddings feed zero output projections; MUDD's first layers feed zero
+    # second layers)
+    zero_at_init = {"qk_bank", "value_embeds", "ve_gate_bank", "smear_gate", "post_lambdas", "mudd_w1", "mudd_gate_w1"}
     for label, g in grads.items():
         assert g is not None, label
         assert (g.abs().sum() == 0) == (label in zero_at_init), label
@@ -394,15 +406,23 @@ def test_every_parameter_gets_a_gradient():
     randomize(model)
     inputs, targets, cu = make_batch()
     model(inputs, targets, cu, bigrams(inputs), mtp_weights=torch.tensor([1.0, 0.5]), loss_scale=0.01).backward()
-    # entries of a layer without attention are never read (as in the record): exactly those get no gradient
-    no_attn = list(TEST.no_attention_layers)
+    # entries that are never read (as in the record) are exactly those without gradient: the skip row's
+    # attention lambdas, the mudd row's lambdas (MUDD mixes instead) and VE gate, the scalars' padding,
+    # the unused outputs of the smaller MUDD layer / gate
+    L, skip_row, mudd_row = 4, 2, 3
     dead = {name: torch.zeros(getattr(model, name).shape, dtype=torch.bool)
-            for name in ("scalars", "resid_lambdas", "post_lambdas", "x0_lambdas", "bigram_lambdas")}
-    for i in no_attn:
-        dead["scalars"][2 * i: 2 * i + 2] = True
-        dead["resid_lambdas"][i, 0] = dead["post_lambdas"][i, 0] = dead["x0_lambdas"][i] = True
-        dead["bigram_lambdas"][i] = i > 0  # bigram_lambdas[0] injects the bigram before layer 0
-    assert no_attn == [2] and dead["scalars"].sum() == 2
+            for name in ("scalars", "resid_lambdas", "post_lambdas", "ve_gate_bank", "mudd_w2", "mudd_b2",
+                         "mudd_gate_w2", "mudd_gate_b2")}
+    dead["scalars"][2 * skip_row: 2 * skip_row + 2] = True
+    dead["scalars"][2 * L + 2:] = True
+    for name in ("resid_lambdas", "post_lambdas"):
+        dead[name][skip_row, 0] = True
+        dead[name][mudd_row] = True
+    dead["ve_gate_bank"][model.ve_slot[mudd_row]] = True
+    dead["mudd_w2"][1, 5:] = dead["mudd_b2"][1, 5:] = True
+    for k, n in enumerate(model.gate_outputs):
+        dead["mudd_gate_w2"][k, n:] = dead["mudd_gate_b2"][k, n:] = True
+    assert model.gate_outputs == (2, 13) and dead["scalars"].sum() == 8
     for label, p in model.params_by_label().items():
         assert p.grad is not None and p.grad.dtype == p.dtype, label
         if label in model.bank_roles:
@@ -474,7 +494,7 @@ def test_bigram_hash_matches_loop_for_torch_and_numpy():
 
 @pytest.mark.parametrize("world_size", [1, 2, 4, 8, 16])
 def test_speedrun_parameter_shapes_on_meta(world_size):
-    """The record's table of parameters (its MUDD parameters aside; README "Fidelity")."""
+    """The record's table of parameters (table 1.2; README "Fidelity"), about 643.75M elements at 8 ranks."""
     shapes = tg.count_parameters(tg.Hyperparameters(), world_size)
     counts = {k: math.prod(v) for k, v in shapes.items()}
     print(f"world_size={world_size}: " + ", ".join(f"{k}={v:,}" for k, v in counts.items()),
@@ -488,10 +508,15 @@ def test_speedrun_parameter_shapes_on_meta(world_size):
     assert shapes["embed"] == (50304, 768) and shapes["lm_head"] == (768, 50304)
     assert shapes["value_embeds"] == (5, 50304, 768)
     assert shapes["bigram_embed"] == (377_280, 768)
-    assert shapes["scalars"] == (2 * 11 + 3,)
+    assert shapes["scalars"] == (24,)  # 11 x (qkv, o), smear, skip; a multiple of 8
     assert shapes["resid_lambdas"] == shapes["post_lambdas"] == (11, 2)
     assert shapes["ve_gate_bank"] == (5, 6, 12)
-    assert shapes["smear_gate"] == (1, 12) and shapes["skip_gate"] == (1, 12)
+    assert shapes["smear_gate"] == (1, 12)
+    assert shapes["mudd_w1"] == shapes["mudd_gate_w1"] == (2, 64, 768) and shapes["_mudd_gate_scale"] == ()
+    assert shapes["mudd_w2"] == (2, 14, 64) and shapes["mudd_b2"] == (2, 14)
+    assert shapes["mudd_gate_w2"] == (2, 41, 64) and shapes["mudd_gate_b2"] == (2, 41)
+    if world_size == 8:
+        assert abs(sum(counts.values()) - 643.75e6) < 0.01e6
     assert 20 * 768 * 768 * 2 + 22 * 3072 * 768 == 75_497_472  # block matrices without padding
     assert counts["lm_head"] == 38_633_472 and counts["bigram_embed"] == 289_751_040
     assert counts["value_embeds"] == 193_167_360
@@ -515,17 +540,16 @@ def test_speedrun_inits_match_the_record():
     assert torch.equal(model.embed, model.lm_head.T)
     assert f(model.value_embeds).std().item() == pytest.approx(0.01, rel=0.02)
     assert (model.bigram_embed == 0).all() and (model.ve_gate_bank == 0).all()
-    assert (model.smear_gate == 0).all() and (model.skip_gate == 0).all()
+    assert (model.smear_gate == 0).all()
     L = 11
-    expected = torch.tensor([0.5, 1.0] * L + [0.0, 0.5, -1.5])  # qkv/o lambdas, smear, backout, skip
+    expected = torch.tensor([0.5, 1.0] * L + [0.0, -1.5])  # qkv/o lambdas, smear, skip
     assert torch.equal(model.scalars.data, expected)
     assert torch.equal(model.resid_lambdas.data, torch.full((L, 2), math.sqrt(1.1)))
     assert model.resid_lambdas.bfloat16()[0, 0].item() == 1.046875  # cast to bf16 at use
-    assert (model.post_lambdas == 1).all() and (model.x0_lambdas == 0).all()
-    assert torch.equal(model.bigram_lambdas.data, torch.full((L,), 0.05))
+    assert (model.post_lambdas == 1).all()
     dtypes = {label: p.dtype for label, p in model.params_by_label().items()}
     assert {k for k, v in dtypes.items() if v == torch.float32} == {
-        "scalars", "resid_lambdas", "post_lambdas", "x0_lambdas", "bigram_lambdas"}
+        "scalars", "resid_lambdas", "post_lambdas", "_mudd_gate_scale"}
 
 
 def test_bank_roles_cover_every_matrix_once():
@@ -547,7 +571,8 @@ def test_labels_are_unique_and_complete():
     assert set(labels) == set(tg.SCATTER_ORDER) == set(tg.WORK_ORDER)
     assert set(labels) == {"qk_bank", "vo_bank", "mlp_bank", "scalars", "smear_gate", "ve_gate_bank", "lm_head",
                            "bigram_embed", "post_lambdas", "resid_lambdas", "value_embeds", "embed",
-                           "x0_lambdas", "bigram_lambdas", "skip_gate"}
+                           "mudd_w1", "mudd_w2", "mudd_b2", "mudd_gate_w1", "mudd_gate_w2", "mudd_gate_b2",
+                           "_mudd_gate_scale"}
     assert torch.equal(model.embed, model.lm_head.T)  # tied at init
 
 
@@ -573,9 +598,13 @@ def test_speedrun_preset_forward_backward_on_cpu():
 @pytest.mark.parametrize("override, message", [
     (dict(model_dim=96), "--model_dim"),
     (dict(num_heads=1, head_dim=64), "--num_heads must be even"),
-    (dict(value_embed_layers=(1, 2)), "--value_embed_layers names layers \\[2\\]"),
-    (dict(long_window_layers=(7,)), "--long_window_layers"),
-    (dict(skip_from_layer=2, skip_to_layer=1), "--skip_from_layer"),
+    (dict(layers=("paired short save_skip", "skip save_h ve", "attn long post_gates", "attn long ve from_h mudd")),
+     "--layers row 1 \\('skip save_h ve'\\): a skip row has no attention"),
+    (dict(layers=("paired short xsa", "attn long ve save_skip save_h post_gates", "attn long from_h mudd")),
+     "paired rows take no offset, xsa or dc"),
+    (dict(layers=("attn short ve save_skip save_h", "attn long from_h mudd post_gates", "attn short")),
+     "the mudd row must be the last layer"),
+    (dict(layers=("attn short ve save_skip", "attn long from_h mudd post_gates")), "exactly one row must say 'save_h'"),
     (dict(head_dim=30, num_heads=2, model_dim=60), "--head_dim"),
     (dict(windows_init=(1,)), "--windows_init"),
     (dict(padded_vocab_size=100), "--padded_vocab_size"),
@@ -587,8 +616,8 @@ def test_bad_config_gives_one_line_error(override, message):
 
 
 def test_model_fields_parse_from_command_line():
-    args = tg.parse_args(["--preset", "test", "--paired_head_layers", "()", "--fp8", "false", "--windows_init", "(2, 4)"])
-    assert args.paired_head_layers == () and args.fp8 is False and args.windows_init == (2, 4)
+    args = tg.parse_args(["--preset", "test", "--paired_heads", "false", "--fp8", "false", "--windows_init", "(2, 4)"])
+    assert args.paired_heads is False and args.fp8 is False and args.windows_init == (2, 4)
     model = tg.GPT(args)
     assert model.windows.tolist() == [2 * 16, 4 * 16]
 

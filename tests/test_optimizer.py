@@ -836,8 +836,7 @@ if __name__ == "__main__":
 # The speedrun's per-label table and orders against record #89's (README "Per-label table")
 # ----------------------------------------------------------------------------------------------
 
-# label: (optimizer, comms, betas, lr_mul, wd_mul), copied by hand from the record's table; the last three
-# rows are record #79's labels for the components our model still has in their older form
+# label: (optimizer, comms, betas, lr_mul, wd_mul), copied by hand from the record's table
 RECORD_TABLE = {
     "qk_bank": ("normuon", "sharded", None, 1.0, 1.0),
     "vo_bank": ("normuon", "sharded", None, 1.0, 1.0),
@@ -851,9 +850,13 @@ RECORD_TABLE = {
     "resid_lambdas": ("adam", "replicated", (0.9, 0.95), 5.0, 0.0),
     "value_embeds": ("adam", "sharded", (0.75, 0.95), 75.0, 5.0),
     "embed": ("adam", "sharded", (0.5, 0.95), 1.0, 150.0),
-    "x0_lambdas": ("adam", "replicated", (0.9, 0.95), 1.0, 0.0),
-    "bigram_lambdas": ("adam", "replicated", (0.9, 0.95), 1.0, 0.0),
-    "skip_gate": ("adam", "replicated", (0.9, 0.99), 0.05, 0.0),
+    "mudd_w1": ("adam", "replicated", (0.9, 0.99), 0.25, 1.0),
+    "mudd_w2": ("adam", "replicated", (0.9, 0.99), 0.25, 1.0),
+    "mudd_b2": ("adam", "replicated", (0.9, 0.99), 0.25, 0.0),
+    "mudd_gate_w1": ("adam", "replicated", (0.9, 0.99), 0.1, 1.0),
+    "mudd_gate_w2": ("adam", "replicated", (0.9, 0.99), 0.1, 1.0),
+    "mudd_gate_b2": ("adam", "replicated", (0.9, 0.99), 0.1, 0.0),
+    "_mudd_gate_scale": ("adam", "replicated", (0.9, 0.99), 0.1, 0.0),
 }
 
 
@@ -875,10 +878,9 @@ def test_speedrun_label_table_is_the_records():
     opt = T.build_optimizer(small, T.GPT(small, 8), torch.device("cpu"))  # the record's banks, small tables
     eff = {label: opt._matrix_lr[label].view(-1).tolist() for label in ("qk_bank", "vo_bank", "mlp_bank")}
     assert eff["qk_bank"] == [1.0] * 64 and eff["vo_bank"] == [1.0] * 24 and eff["mlp_bank"] == [2.0, 4.0] * 12
-    assert T.SCATTER_ORDER[:12] == ("qk_bank", "vo_bank", "mlp_bank", "scalars", "smear_gate", "ve_gate_bank",
-                                    "lm_head", "bigram_embed", "post_lambdas", "resid_lambdas", "value_embeds", "embed")
-    record_work = ["scalars", "smear_gate", "ve_gate_bank", "post_lambdas", "resid_lambdas", "value_embeds",
-                   "bigram_embed", "lm_head", "embed", "qk_bank", "vo_bank", "mlp_bank"]
-    assert [w for w in T.WORK_ORDER if w in record_work] == record_work
+    assert T.SCATTER_ORDER == tuple(RECORD_TABLE)
+    assert T.WORK_ORDER == ("scalars", "smear_gate", "ve_gate_bank", "mudd_b2", "mudd_gate_b2", "_mudd_gate_scale",
+                            "post_lambdas", "resid_lambdas", "mudd_w2", "mudd_gate_w2", "value_embeds", "bigram_embed",
+                            "mudd_w1", "mudd_gate_w1", "lm_head", "embed", "qk_bank", "vo_bank", "mlp_bank")
     assert (opt.adam_lr, opt.adam_wd, opt.adam_eps, opt.normuon_lr, opt.normuon_wd, opt.normuon_beta2) == \
         (0.008, 0.005, 1e-10, 0.023, 1.2, 0.9)

@@ -117,7 +117,7 @@ def test_nan_stops_the_run(two_rank_run, tmp_path):
     ("--matrix_optimizer", "foo", "--matrix_optimizer 'foo' is not one of normuon, muon, adamw"),
     ("--model_dim", "65", "--model_dim (65) must equal --num_heads * --head_dim"),
     ("--stage_batch_tokens", "(502, 1000, 1500)", "does not split into 1 ranks x 4 accumulation steps"),
-    ("--num_layers", "four", "--num_layers 'four' is not a valid int"),
+    ("--mudd_hidden", "four", "--mudd_hidden 'four' is not a valid int"),
 ])
 def test_bad_flags_are_one_line_errors(tmp_path, flag, value, message):
     import subprocess

@@ -46,32 +46,45 @@ def matrix_params(model: T.GPT) -> int:
     return total
 
 
-def mean_keys(cu_seqlens: torch.Tensor, num_tokens: int, window: int) -> float:
-    """Mean over the T queries of the number of keys they see: min(window, position in document + 1)."""
+def mean_keys(cu_seqlens: torch.Tensor, num_tokens: int, window: int, pos_div: int = 1) -> float:
+    """Mean over the query slots of the number of key slots they see under tg.attention_mask_mod:
+    min(window + 1, slot position in its document + 1); pos_div = 2 is the paired-head layout."""
     doc = T.document_ids(cu_seqlens.long(), num_tokens)
     pos = torch.arange(num_tokens) - cu_seqlens.long()[doc]
-    return float((pos + 1).clamp(max=window).double().mean())
+    slots = (pos_div * pos[:, None] + torch.arange(pos_div)[None, :]).flatten()
+    return float((slots + 1).clamp(max=window + 1).double().mean())
 
 
 def attention_flops_per_token(model: T.GPT, batches: list[T.Batch]) -> float:
-    """Attention score and value FLOPs (forward + backward) per token, averaged over `batches`."""
+    """Attention score and value FLOPs (forward + backward) per token, averaged over `batches`: per
+    query slot and key slot 4 * head_dim per head, x3 with the backward; paired rows have twice the
+    slots and half the heads per slot. DC adds the same over its own window."""
     a = model.args
     short, long = (int(w) for w in model.windows.tolist())
     total = 0.0
     for b in batches:
         T_ = b.inputs.numel()
-        keys = {w: mean_keys(b.cu_seqlens, T_, w) for w in (short, long)}
         for i in model.attn_layers:
-            k = keys[long if i in a.long_window_layers else short]
-            if a.paired_heads and i in a.paired_head_layers:
-                k *= 2
-            total += 12 * a.num_heads * a.head_dim * k
+            row = model.table[i]
+            keys = mean_keys(b.cu_seqlens, T_, long if "long" in row else short, 2 if "paired" in row else 1)
+            if "dc" in row:
+                keys += mean_keys(b.cu_seqlens, T_, a.dc_window - 1)
+            total += 12 * a.num_heads * a.head_dim * keys
     return total / len(batches)
+
+
+def mudd_params(model: T.GPT) -> int:
+    """Weights of the MUDD gate and layer MLPs that run per token (both first layers of each, the rows of
+    the second layers that are read)."""
+    a = model.args
+    outputs = (*model.gate_outputs, *T.MUDD_LAYER_OUTPUTS)
+    return sum(a.mudd_hidden * (a.model_dim + n) for n in outputs)
 
 
 def flops_per_token(model: T.GPT, batches: list[T.Batch]) -> float:
     a = model.args
-    return 6 * (matrix_params(model) + a.model_dim * a.padded_vocab_size) + attention_flops_per_token(model, batches)
+    dense = matrix_params(model) + mudd_params(model) + a.model_dim * a.padded_vocab_size
+    return 6 * dense + attention_flops_per_token(model, batches)
 
 
 def stage_table(args: T.Hyperparameters) -> list[tuple[str, int, int]]:
