@@ -13,6 +13,7 @@ import argparse
 import dataclasses
 import functools
 import glob
+import heapq
 import math
 import os
 import shutil
@@ -658,6 +659,53 @@ ORTHOGONALIZERS = {"polar_express": polar_express, "gram_newton_schulz": gram_ne
                    "auto": orthogonalize_auto}
 
 
+def orthogonalization_flops(rows: int, cols: int, orthogonalizer="polar_express") -> int:
+    """FLOPs to orthogonalize one rows x cols matrix, counted like torch's FlopCounterMode (2 per
+    multiply-add, symmetric products counted dense). With s the short side and L the long one:
+    Polar Express 5 x (4 s^2 L + 2 s^3); Gram Newton-Schulz 8 s^2 L + 32 s^3 (module docstrings).
+    orthogonalizer: a name, one of the functions (or a functools.partial of one); anything else is
+    costed as Polar Express. Ownership balances these counts (README "Ownership")."""
+    fn = getattr(orthogonalizer, "func", orthogonalizer)
+    name = next((k for k, f in ORTHOGONALIZERS.items() if fn is f or fn == k), "polar_express")
+    s, L = min(rows, cols), max(rows, cols)
+    if name == "auto":
+        name = "gram_newton_schulz" if L >= 2 * s else "polar_express"
+    if name == "gram_newton_schulz":
+        return 8 * s * s * L + 32 * s ** 3
+    return len(POLAR_EXPRESS_COEFFS) * (4 * s * s * L + 2 * s ** 3)
+
+
+OWNERSHIPS = ("balanced", "padded")
+
+
+def padded_splits(n: int, world_size: int, label: str = "bank") -> tuple[int, ...]:
+    """The record's ownership: every rank owns n / world_size consecutive matrices of each bank, so the
+    bank must be padded with zero matrices to a multiple of the world size (GPT's bank_padding)."""
+    if n % world_size:
+        raise ValueError(f"NorMuonAdam: bank {label!r} has {n} matrices, not divisible by the world size {world_size};"
+                         f" pad the bank with zero matrices to a multiple of {world_size} or use ownership='balanced'")
+    return (n // world_size,) * world_size
+
+
+def balanced_splits(banks: dict[str, tuple[int, int]], world_size: int) -> dict[str, tuple[int, ...]]:
+    """FLOP-balanced ownership of every matrix of every bank, for any world size, without padding.
+
+    banks: label -> (number of matrices, FLOPs of one). Longest-processing-time first over all banks
+    together: matrices by falling cost (ties in dict order), each to the rank with the least work so
+    far (the lowest rank on ties). The result is per label the count each rank owns; ownership within
+    a bank is contiguous in rank order, so the gradient rows a rank owns stay one slice of the bank.
+    """
+    counts = {label: [0] * world_size for label in banks}
+    heap = [(0, r) for r in range(world_size)]  # (load, rank): the least-loaded rank, lowest on ties
+    items = sorted(((cost, i, label) for i, (label, (n, cost)) in enumerate(banks.items()) for _ in range(n)),
+                   key=lambda t: (-t[0], t[1]))
+    for cost, _, label in items:
+        work, r = heapq.heappop(heap)
+        counts[label][r] += 1
+        heapq.heappush(heap, (work + cost, r))
+    return {label: tuple(c) for label, c in counts.items()}
+
+
 # ----------------------------------------------------------------------------------------------
 # Optimizer: one fused NorMuon + Adam step that owns all communication (README "Optimizer")
 # ----------------------------------------------------------------------------------------------
@@ -849,6 +897,25 @@ class CommLayer:
         self._count(label, "all_gather", shard.numel() * shard.element_size() * (self.world_size - 1))
         return _all_gather(out, shard, group=self.group, async_op=True)
 
+    def reduce_scatter_uneven(self, label, out, inp, splits):
+        """Each rank's rows of every owner's block (splits[r] rows for rank r) to that owner: out
+        (world_size * splits[rank], ...) stacks all ranks' copies of this rank's block, for the
+        caller to average. An all_to_all, as reduce_scatter needs equal blocks; it sends the rows
+        this rank does not own, the same bytes as a ring reduce_scatter of equal blocks."""
+        row = inp[0].numel() * inp.element_size() if inp.size(0) else 0
+        self._count(label, "reduce_scatter", (inp.size(0) - splits[self.rank]) * row)
+        return dist.all_to_all_single(out, inp, [splits[self.rank]] * self.world_size, list(splits),
+                                      group=self.group, async_op=True)
+
+    def all_gather_uneven(self, label, out, shard, splits):
+        """Every owner's block (splits[r] rows) into out on every rank, by all_to_all (all_gather
+        needs equal blocks); returns the function that waits. Sends the shard to each other rank."""
+        W = self.world_size
+        self._count(label, "all_gather", shard.numel() * shard.element_size() * (W - 1))
+        inp = shard.repeat(W, *([1] * (shard.ndim - 1)))
+        work = dist.all_to_all_single(out, inp, list(splits), [shard.size(0)] * W, group=self.group, async_op=True)
+        return lambda: (work.wait(), inp)[0]  # inp lives until the exchange is done
+
     def all_to_all(self, label, out, inp, out_splits=None, in_splits=None):
         row_bytes = inp[:1].numel() * inp.element_size() if inp.numel() else 0
         if in_splits is None:
@@ -871,15 +938,21 @@ class _Slot:
     real_rows: int        # owned rows that exist (the rest is padding)
     sharded: bool         # split over ranks (sharded / sharded_sparse with more than one rank)
     world_size: int
+    splits: tuple | None = None  # sharded NorMuon banks: matrices each rank owns (README "Ownership")
 
     @property
     def rows(self) -> int:
         return self.shape[0]
 
     @property
+    def uneven(self) -> bool:
+        """Owned blocks of different sizes (balanced banks): the collectives are all_to_alls."""
+        return self.sharded and self.splits is not None and len(set(self.splits)) > 1
+
+    @property
     def even(self) -> bool:
         """Sharded with no padding: shards are slices of the parameter and gathers run in place."""
-        return self.sharded and self.shard_rows * self.world_size == self.rows
+        return self.sharded and not self.uneven and self.shard_rows * self.world_size == self.rows
 
     def view(self) -> torch.Tensor:
         return self.param.data.view(self.shape)
@@ -904,6 +977,9 @@ class NorMuonAdam:
     untie(); the model initialises the embedding as head^T, the optimizer refreshes it after every
     Adam step. orthogonalizer: 'polar_express' | 'gram_newton_schulz' | 'auto' (the cheaper of the
     two per bank shape) | a callable (bank -> bf16 bank).
+    ownership: how the matrices of sharded NorMuon banks are split over ranks (README "Ownership"):
+    'balanced' (FLOP-balanced, any bank size and world size) or 'padded' (the record's: n / world_size
+    consecutive matrices per rank; banks must be padded to a multiple of the world size).
     compile: False (eager), True (torch.compile, inductor) or a torch.compile backend (name or callable).
     sparse_threshold: sharded_sparse tables use the dense reduce_scatter when some rank touched
     more than this fraction of the rows (0 forces dense).
@@ -918,7 +994,7 @@ class NorMuonAdam:
                  normuon_beta2: float = 0.9, adam_lr: float = 0.008, adam_wd: float = 0.005,
                  adam_eps: float = 1e-10, orthogonalizer="polar_express",
                  tied: tuple[str, str] | None = None, process_group=None,
-                 sparse_threshold: float = 0.5, compile=False):
+                 sparse_threshold: float = 0.5, ownership: str = "balanced", compile=False):
         params, configs = dict(params), dict(configs)
         for label in params:
             if label not in configs:
@@ -945,9 +1021,13 @@ class NorMuonAdam:
         else:
             raise ValueError(f"NorMuonAdam: orthogonalizer={orthogonalizer!r}; choose one of {sorted(ORTHOGONALIZERS)}")
 
+        if ownership not in OWNERSHIPS:
+            raise ValueError(f"NorMuonAdam: ownership={ownership!r}; choose one of {', '.join(OWNERSHIPS)}")
+        self.ownership = ownership
         self.slots: dict[str, _Slot] = {}
         for label, p in params.items():
             self.slots[label] = self._layout(label, p, configs[label])
+        self._own_matrices()
         self.tied = None
         if tied is not None:  # parameters are never touched here: a restored checkpoint may be untied
             self._check_tied(tuple(tied))
@@ -998,9 +1078,6 @@ class NorMuonAdam:
             shape = (p.numel() // (p.size(-2) * p.size(-1)), p.size(-2), p.size(-1))
             if cfg.matrix_lr_mul is not None and len(cfg.matrix_lr_mul) != shape[0]:
                 raise ValueError(f"NorMuonAdam: {label!r} has {shape[0]} matrices but matrix_lr_mul has {len(cfg.matrix_lr_mul)} entries")
-            if cfg.comms == "sharded" and shape[0] % W:
-                raise ValueError(f"NorMuonAdam: bank {label!r} has {shape[0]} matrices, not divisible by the world size {W};"
-                                 f" pad the bank with zero matrices to a multiple of {W}")
         else:
             shape = (p.numel() // p.size(-1), p.size(-1)) if p.ndim >= 2 else (p.numel(), 1)
         sharded = cfg.comms in ("sharded", "sharded_sparse") and W > 1
@@ -1008,6 +1085,20 @@ class NorMuonAdam:
         lo = self.rank * k if sharded else 0
         real = max(0, min(k, shape[0] - lo))
         return _Slot(label, p, cfg, shape, k, lo, real, sharded, W)
+
+    def _own_matrices(self) -> None:
+        """Give each rank its matrices of every sharded NorMuon bank: a contiguous block per bank whose
+        size comes from padded_splits or balanced_splits (README "Ownership")."""
+        banks = {label: (slot.rows, orthogonalization_flops(*slot.shape[1:], self.orthogonalize))
+                 for label in self.scatter_order if (slot := self.slots[label]).sharded
+                 and slot.cfg.optimizer == "normuon"}
+        if self.ownership == "padded":
+            splits = {label: padded_splits(n, self.world_size, label) for label, (n, _) in banks.items()}
+        else:
+            splits = balanced_splits(banks, self.world_size)
+        for label, split in splits.items():
+            k, lo = split[self.rank], sum(split[:self.rank])
+            self.slots[label] = dataclasses.replace(self.slots[label], shard_rows=k, lo=lo, real_rows=k, splits=split)
 
     def _check_tied(self, tied):
         if len(tied) != 2 or any(t not in self.slots for t in tied):
@@ -1142,6 +1233,14 @@ class NorMuonAdam:
             if not plan.dense:
                 return self._scatter_sparse(slot, g, plan)
         k = slot.shard_rows
+        if slot.uneven:
+            recv = g.new_empty((W * k, *slot.shape[1:]))
+            work = self.comm.reduce_scatter_uneven(label, recv, g, slot.splits)
+
+            def average():  # in fp32, rounded once to the gradient dtype, as in the sparse exchange
+                work.wait()
+                return (recv.view(W, k, *slot.shape[1:]).float().sum(0) / W).to(g.dtype)
+            return average
         if not slot.even:
             padded = g.new_zeros((k * W, *slot.shape[1:]))
             padded[:slot.rows] = g
@@ -1169,7 +1268,7 @@ class NorMuonAdam:
         view = slot.view()
         if not slot.sharded:
             return view
-        if slot.even:
+        if slot.even or slot.uneven:
             return view[slot.lo:slot.lo + slot.shard_rows]
         shard = view.new_zeros((slot.shard_rows, *slot.shape[1:]))
         shard[:slot.real_rows] = view[slot.lo:slot.lo + slot.real_rows]
@@ -1180,14 +1279,17 @@ class NorMuonAdam:
         st = self.state[slot.label]
         shard = self._param_shard(slot)
         if slot.cfg.optimizer == "normuon":
-            self._normuon_fn(grad, st["momentum_buffer"], st["second_moment"], shard, st.get("mantissa"),
-                             self._matrix_lr[slot.label], hp, self.orthogonalize)
+            if shard.size(0):  # a balanced bank may give this rank none of its matrices
+                self._normuon_fn(grad, st["momentum_buffer"], st["second_moment"], shard, st.get("mantissa"),
+                                 self._matrix_lr[slot.label], hp, self.orthogonalize)
         else:
             self._adam_fn(grad, st["exp_avg"], st["exp_avg_sq"], shard, hp)
             self.adam_steps[slot.label] += 1
         if not slot.sharded:
             return None
         view = slot.view()
+        if slot.uneven:
+            return self.comm.all_gather_uneven(slot.label, view, shard, slot.splits)
         if slot.even:
             work = self.comm.all_gather(slot.label, view, shard)  # in place: shard is a slice of view
             return work.wait

@@ -1,0 +1,207 @@
+"""Distributed NorMuon beyond equal blocks (README "Ownership"): FLOP-balanced ownership of bank
+matrices with uneven collectives, 3-D and 4-D banks slice by slice, QK-Clip, the optimizer on its
+own, and tensor-parallel orthogonalization. All on CPU; multi-rank runs use gloo.
+
+Every distributed result is compared with a single-process run of the same global gradients
+(dyadic, so every average is exact), bit for bit where the arithmetic is the same.
+"""
+from __future__ import annotations
+
+import os
+import re
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import train_gpt as T  # noqa: E402
+from dist_utils import run_on_ranks  # noqa: E402
+
+README = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")
+
+
+# ----------------------------------------------------------------------------------------------
+# Ownership: FLOP counts and longest-processing-time first
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["polar_express", "gram_newton_schulz", "auto"])
+@pytest.mark.parametrize("shape", [(256, 768), (768, 768), (3072, 768), (40, 24)])
+def test_flop_formula_matches_torch_flop_counter(name, shape):
+    """The closed-form cost ownership balances equals torch's count of the orthogonalizer itself."""
+    from torch.utils.flop_counter import FlopCounterMode
+    with FlopCounterMode(display=False) as fc:
+        T.ORTHOGONALIZERS[name](torch.empty(1, *shape, device="meta"))
+    assert T.orthogonalization_flops(*shape, name) == fc.get_total_flops()
+    # a functools.partial (build_optimizer's dtype argument) is costed as the function it wraps
+    import functools
+    fn = functools.partial(T.ORTHOGONALIZERS[name], dtype=torch.float32)
+    assert T.orthogonalization_flops(*shape, fn) == fc.get_total_flops()
+
+
+def test_balanced_splits_by_hand():
+    """Costs 5 (x3) and 2 (x4) on 2 ranks, worked by hand: 5->r0, 5->r1, 5->r0 (tie: lowest rank),
+    then the 2s go to r1 (5, 7, 9 < 10), r1, r1, and the last to r0 (10 < 11): loads 12 and 11."""
+    assert T.balanced_splits({"a": (3, 5), "b": (4, 2)}, 2) == {"a": (2, 1), "b": (1, 3)}
+    assert T.balanced_splits({"a": (3, 5)}, 1) == {"a": (3,)}
+    assert T.balanced_splits({"a": (2, 5)}, 3) == {"a": (1, 1, 0)}  # a rank may own nothing
+
+
+def speedrun_banks():
+    """The speedrun's unpadded banks (record section 1.3): 60 Q/K groups 256 x 768, 20 V/O 768 x 768,
+    22 MLP 3072 x 768."""
+    return {"qk_bank": (60, 256, 768), "vo_bank": (20, 768, 768), "mlp_bank": (22, 3072, 768)}
+
+
+def rank_flops(splits, banks):
+    return [sum(splits[label][r] * T.orthogonalization_flops(r_, c_) for label, (_, r_, c_) in banks.items())
+            for r in range(len(next(iter(splits.values()))))]
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 5, 6, 7, 8, 16, 32, 64])
+def test_balanced_ownership_of_the_speedrun_banks(world_size):
+    banks = speedrun_banks()
+    costs = {label: (n, T.orthogonalization_flops(r, c)) for label, (n, r, c) in banks.items()}
+    splits = T.balanced_splits(costs, world_size)
+    for label, (n, _, _) in banks.items():
+        assert sum(splits[label]) == n  # every matrix owned once, no padding
+    loads = rank_flops(splits, banks)
+    # LPT's guarantee: the busiest rank exceeds the least busy one by at most one matrix's cost
+    assert max(loads) - min(loads) <= max(cost for _, cost in costs.values())
+    # padding: n / W consecutive matrices per rank after rounding each bank up to a multiple of W
+    padded = {label: T.padded_splits(-(-n // world_size) * world_size, world_size) for label, (n, _, _) in banks.items()}
+    assert max(loads) <= max(rank_flops(padded, banks))
+
+
+def test_padded_splits_are_the_records_and_refuse_a_remainder():
+    assert T.padded_splits(64, 8) == (8,) * 8  # record: 8 qk groups, 3 vo and 3 mlp matrices per rank
+    assert T.padded_splits(24, 8) == (3,) * 8
+    with pytest.raises(ValueError, match="not divisible by the world size 8") as e:
+        T.padded_splits(60, 8, "qk_bank")
+    assert "\n" not in str(e.value)
+
+
+# ----------------------------------------------------------------------------------------------
+# Balanced ownership on gloo: world sizes 1, 2, 3, 5, 6, 8 equal the single-process step
+# ----------------------------------------------------------------------------------------------
+
+# Bank sizes that divide none of the world sizes above 1; a 4-D bank (experts x heads of matrices)
+# whose slices are owned one by one; one Adam parameter so both optimizers share the step.
+BAL_SHAPES = {
+    "qk": ((21, 8, 24), torch.bfloat16),
+    "vo": ((7, 24, 24), torch.bfloat16),
+    "mlp": ((11, 48, 24), torch.bfloat16),
+    "experts": ((3, 2, 16, 8), torch.float32),
+    "table": ((13, 8), torch.bfloat16),
+}
+BAL_STEPS = 3
+
+
+def bal_configs():
+    return {"qk": T.ParamConfig("normuon", "sharded"),
+            "vo": T.ParamConfig("normuon", "sharded", lr_mul=0.8),
+            "mlp": T.ParamConfig("normuon", "sharded", matrix_lr_mul=tuple(1.0 + (i % 2) for i in range(11))),
+            "experts": T.ParamConfig("normuon", "sharded", wd_mul=0.5),
+            "table": T.ParamConfig("adam", "sharded", betas=(0.5, 0.95))}
+
+
+def dyadic(shape, gen, k=2):
+    """Integers in [-k, k] over 16: means of a few of them are exact in bf16."""
+    return torch.randint(-k, k + 1, shape, generator=gen).float() / 16
+
+
+def bal_grads(step, world_size):
+    """(global mean gradients, per-rank local gradients) with exact means (the last rank completes)."""
+    targets, locals_ = {}, [{} for _ in range(world_size)]
+    for i, (label, (shape, dtype)) in enumerate(BAL_SHAPES.items()):
+        gen = torch.Generator().manual_seed(100 * step + i)
+        target = dyadic(shape, gen) * (4.0 ** i)  # banks of different scales
+        rest = [dyadic(shape, gen) * (4.0 ** i) for _ in range(world_size - 1)]
+        last = world_size * target - sum(rest, torch.zeros(shape))
+        targets[label] = target.to(dtype)
+        for r in range(world_size):
+            locals_[r][label] = (rest[r] if r < world_size - 1 else last).to(dtype)
+    return targets, locals_
+
+
+def bal_params():
+    g = torch.Generator().manual_seed(7)
+    return {label: torch.nn.Parameter((torch.randn(shape, generator=g) * 0.3).to(dtype))
+            for label, (shape, dtype) in BAL_SHAPES.items()}
+
+
+def bal_run(grads_of_step, **kw):
+    params = bal_params()
+    labels = list(params)
+    opt = T.NorMuonAdam(params, bal_configs(), scatter_order=labels, work_order=labels[::-1], **kw)
+    for step in range(BAL_STEPS):
+        for label, g in grads_of_step(step).items():
+            params[label].grad = g.clone()
+        opt.step(do_adam=step % 2 == 1, lr_scale=1.0 - 0.1 * step, momentum=0.85 + 0.03 * step)
+    layout = {label: (s.lo, s.shard_rows, s.splits) for label, s in opt.slots.items()}
+    return {"params": {k: p.data.clone() for k, p in params.items()}, "state": opt.state_dict()["state"],
+            "layout": layout, "bytes": dict(opt.comm.bytes_by_op)}
+
+
+def balanced_worker(rank, world_size, group=None):
+    return bal_run(lambda s: bal_grads(s, world_size)[1][rank], process_group=group)
+
+
+PHASES = [[8], [5, 3], [6, 2]]  # one spawn of 8 gloo ranks hosts world sizes 8, 5, 3, 6 and 2
+
+
+def phases_worker(rank, world_size):
+    import torch.distributed as dist
+    out = {}
+    for phase in PHASES:
+        start, mine = 0, None
+        for size in phase:  # every rank creates every group, in the same order
+            ranks = list(range(start, start + size))
+            group = dist.new_group(ranks) if size < world_size else dist.group.WORLD
+            if rank in ranks:
+                mine = (size, ranks.index(rank), group)
+            start += size
+        size, sub_rank, group = mine
+        out[size] = balanced_worker(sub_rank, size, group)
+        dist.barrier()
+    return out
+
+
+@pytest.fixture(scope="module")
+def balanced_results():
+    per_rank = run_on_ranks(phases_worker, 8, timeout=240)
+    results = {1: [bal_run(lambda s: bal_grads(s, 1)[0])]}
+    for phase in PHASES:
+        start = 0
+        for size in phase:
+            results[size] = [per_rank[r][size] for r in range(start, start + size)]
+            start += size
+    return results
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world_size", [1, 2, 3, 5, 6, 8])
+def test_balanced_ownership_equals_single_process_bitwise(world_size, balanced_results):
+    ref = bal_run(lambda s: bal_grads(s, world_size)[0])  # one process, the same global gradients
+    results = balanced_results[world_size]
+    expected = T.balanced_splits({label: (int(torch.tensor(shape[:-2]).prod()), T.orthogonalization_flops(*shape[-2:]))
+                                  for label, (shape, _) in BAL_SHAPES.items() if label != "table"}, world_size)
+    for rank, got in enumerate(results):
+        for label in BAL_SHAPES:
+            assert torch.equal(got["params"][label], ref["params"][label]), (world_size, rank, label)
+        for label, split in expected.items():
+            lo, k, splits = got["layout"][label]
+            assert (lo, k) == (sum(split[:rank]), split[rank]), (label, got["layout"][label])
+            assert splits == (split if world_size > 1 else None)  # one rank: nothing is sharded
+            for name, t in got["state"][label].items():  # this rank's slice of the reference state
+                assert torch.equal(t, ref["state"][label][name][lo:lo + k]), (world_size, rank, label, name)
+            # bytes: the rows this rank does not own (reduce-scatter), its own block to every other rank
+            matrix = BAL_SHAPES[label][0][-2] * BAL_SHAPES[label][0][-1] * got["params"][label].element_size()
+            n = sum(split)
+            assert got["bytes"].get((label, "reduce_scatter"), 0) == BAL_STEPS * (n - k) * matrix * (world_size > 1)
+            assert got["bytes"].get((label, "all_gather"), 0) == BAL_STEPS * k * (world_size - 1) * matrix
+    if world_size in (5, 6, 8):  # the sizes were chosen so that these worlds own uneven blocks
+        assert any(len(set(s)) > 1 for s in expected.values())
