@@ -85,6 +85,8 @@ class Hyperparameters:
     adam_lr: float = 0.008
     adam_wd: float = 0.005
     orthogonalizer: str = "polar_express"          # or "gram_newton_schulz", "auto" (Gram N-S for the MLP bank)
+    bank_ownership: str = "padded"                 # the record's: banks padded to a multiple of the world size;
+                                                   # "balanced": unpadded banks, FLOP-balanced owners (README "Ownership")
     # evaluation, logging, checkpoints
     val_seq_len: int = 65_536
     val_loss_every: int = 250                      # 0: only at the end
@@ -270,7 +272,7 @@ def check_args(args: Hyperparameters, world_size: int) -> None:
     if len(args.stage_mtp_start[0]) != len(args.stage_mtp_end[0]) or not args.stage_mtp_start[0]:
         raise SystemExit("error: --stage_mtp_start and --stage_mtp_end must give the same number (>= 1) of weights")
     for name, choices in (("matrix_optimizer", MATRIX_OPTIMIZERS), ("orthogonalizer", sorted(ORTHOGONALIZERS)),
-                          ("cpu_dtype", ("auto", *CPU_DTYPES))):
+                          ("cpu_dtype", ("auto", *CPU_DTYPES)), ("bank_ownership", OWNERSHIPS)):
         if getattr(args, name) not in choices:
             raise SystemExit(f"error: --{name} {getattr(args, name)!r} is not one of {', '.join(choices)}")
     if args.val_tokens % min(args.val_seq_len, args.val_tokens):
@@ -1674,6 +1676,14 @@ def _check_model_args(args: Hyperparameters, world_size: int) -> None:
         fail(f"--windows_init must be (short, long) block counts >= 1, got {args.windows_init!r}")
 
 
+def bank_padding(n: int, world_size: int, args: Hyperparameters) -> int:
+    """Matrices a bank of n real ones holds: padded ownership (the record's) needs a multiple of the
+    world size, balanced ownership none (README "Ownership")."""
+    if args.bank_ownership not in OWNERSHIPS:
+        raise ValueError(f"model config: --bank_ownership {args.bank_ownership!r} is not one of {', '.join(OWNERSHIPS)}")
+    return -(-n // world_size) * world_size if args.bank_ownership == "padded" else n
+
+
 class GPT(nn.Module):
     """The speedrun transformer (see the layout comment above). GPT(args, world_size) pads the banks
     so every rank owns whole matrices. dtype is the storage and compute dtype of the bf16 parameters
@@ -1690,7 +1700,7 @@ class GPT(nn.Module):
         self.ve_slot = {layer: j for j, layer in enumerate(args.value_embed_layers)}
 
         def padded(n):
-            return -(-n // world_size) * world_size
+            return bank_padding(n, world_size, args)
 
         n_attn = len(self.attn_layers)
         n_qk, n_vo, n_mlp = padded(H * n_attn), padded(2 * n_attn), padded(2 * L)
@@ -2310,7 +2320,7 @@ def build_optimizer(args: Hyperparameters, model: "GPT", device: torch.device) -
                        scatter_order=SCATTER_ORDER, work_order=WORK_ORDER, normuon_beta2=beta2,
                        normuon_lr=args.muon_lr, normuon_wd=args.muon_wd, adam_lr=args.adam_lr, adam_wd=args.adam_wd,
                        orthogonalizer=functools.partial(ORTHOGONALIZERS[args.orthogonalizer], dtype=model.qk_bank.dtype),
-                       tied=("embed", "lm_head"),
+                       tied=("embed", "lm_head"), ownership=args.bank_ownership,
                        compile=args.compile and device.type == "cuda")
 
 

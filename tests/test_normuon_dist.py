@@ -205,3 +205,61 @@ def test_balanced_ownership_equals_single_process_bitwise(world_size, balanced_r
             assert got["bytes"].get((label, "all_gather"), 0) == BAL_STEPS * k * (world_size - 1) * matrix
     if world_size in (5, 6, 8):  # the sizes were chosen so that these worlds own uneven blocks
         assert any(len(set(s)) > 1 for s in expected.values())
+
+
+# ----------------------------------------------------------------------------------------------
+# The training script: --bank_ownership padded (the record's, default) or balanced
+# ----------------------------------------------------------------------------------------------
+
+
+def test_bank_ownership_flag_sets_the_model_padding():
+    padded = T.count_parameters(T.Hyperparameters(), 8)
+    balanced = T.count_parameters(T.Hyperparameters(bank_ownership="balanced"), 8)
+    assert [padded[k][0] for k in ("qk_bank", "vo_bank", "mlp_bank")] == [64, 24, 24]  # the record's (1.3)
+    assert [balanced[k][0] for k in ("qk_bank", "vo_bank", "mlp_bank")] == [60, 20, 22]
+    assert T.bank_padding(22, 8, T.Hyperparameters()) == 24 and T.bank_padding(22, 8, T.Hyperparameters(bank_ownership="balanced")) == 22
+    with pytest.raises(ValueError, match="--bank_ownership 'even'"):
+        T.bank_padding(22, 8, T.Hyperparameters(bank_ownership="even"))
+
+
+TEST_ARGS = T.Hyperparameters(**{**T.PRESETS["test"], "bank_ownership": "balanced"})
+
+
+def model_step_worker(rank, world_size):
+    """The test preset's model with balanced ownership: two optimizer steps (NorMuon, then both)."""
+    torch.manual_seed(0)
+    model = T.GPT(TEST_ARGS, world_size)
+    opt = T.build_optimizer(TEST_ARGS, model, torch.device("cpu"))
+    params = model.params_by_label()
+    for step in range(2):
+        for i, (label, p) in enumerate(params.items()):
+            gen = torch.Generator().manual_seed(10 * step + i)
+            target = dyadic(p.shape, gen)
+            rest = [dyadic(p.shape, gen) for _ in range(world_size - 1)]
+            mine = rest[rank] if rank < world_size - 1 else world_size * target - sum(rest, torch.zeros(p.shape))
+            g = mine.to(p.dtype)
+            p.grad = g if p.grad is None else p.grad + g
+        opt.step(do_adam=step == 1)
+    return {label: p.data.clone() for label, p in params.items()}, {k: s.splits for k, s in opt.slots.items()}
+
+
+@pytest.mark.slow
+def test_balanced_model_on_three_ranks_equals_one():
+    one, _ = model_step_worker(0, 1)
+    for got, splits in run_on_ranks(model_step_worker, 3, timeout=120):
+        assert splits["qk_bank"] is not None and len(set(splits["qk_bank"] + splits["mlp_bank"])) > 1
+        for label in one:
+            assert torch.equal(got[label], one[label]), label
+
+
+def test_ownership_benchmark_prints_the_figures():
+    import subprocess
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bench_ownership.py")
+    out = subprocess.run([sys.executable, script], capture_output=True, text=True, timeout=120, check=True).stdout
+    rows = {int(line.split()[0]): line.replace("|", " ").split() for line in out.splitlines() if line.strip()[:1].isdigit()}
+    assert sorted(rows) == [1, 2, 3, 4, 5, 6, 7, 8, 16, 32, 64]
+    pe = lambda r, c: 5 * (4 * min(r, c) ** 2 * max(r, c) + 2 * min(r, c) ** 3)  # noqa: E731
+    # 8 ranks, padded: 8 Q/K groups, 3 V/O and 3 MLP matrices each (the record's split)
+    assert float(rows[8][1]) == round((8 * pe(256, 768) + 3 * pe(768, 768) + 3 * pe(3072, 768)) / 1e9, 1)
+    ideal8 = (60 * pe(256, 768) + 20 * pe(768, 768) + 22 * pe(3072, 768)) / 8 / 1e9
+    assert float(rows[8][4]) < 1.01 * ideal8 < float(rows[8][1])  # balanced max within 1% of the ideal
