@@ -828,6 +828,19 @@ def _normuon_update(grad, momentum_buf, second_moment, param, mantissa, matrix_l
     _store_master(p, param, mantissa)  # bf16: truncated to the top 16 bits, the rest kept in mantissa
 
 
+QK_CLIP_TAU = 100.0  # MuonClip's threshold on the largest pre-softmax attention logit
+
+
+def qk_clip_(param, mantissa, max_logits, tau: float) -> None:
+    """QK-Clip (MuonClip) on the owned matrices of a Q or K weight bank (k, rows, cols), in place:
+    rows whose head's largest pre-softmax logit of the step exceeds tau are scaled by
+    sqrt(tau / max_logit), so that q.k of that head, scaled on both sides, peaks at tau. max_logits
+    broadcasts to (k, rows, 1) (one entry per head of those rows). Applied to the fp32 master value
+    (README "Update rules")."""
+    scale = (tau / max_logits.float().clamp_min(tau)).sqrt()
+    _store_master(_master_fp32(param, mantissa) * scale, param, mantissa)
+
+
 def _adam_update(grad, exp_avg, exp_avg_sq, param, hp):
     """One Adam step with cautious weight decay on a shard, in place (README, "Update rules").
 
@@ -982,6 +995,8 @@ class NorMuonAdam:
     ownership: how the matrices of sharded NorMuon banks are split over ranks (README "Ownership"):
     'balanced' (FLOP-balanced, any bank size and world size) or 'padded' (the record's: n / world_size
     consecutive matrices per rank; banks must be padded to a multiple of the world size).
+    qk_clip: False (off), True (tau = QK_CLIP_TAU = 100) or tau: step(max_logits=...) then clips the
+    NorMuon banks it names after their update (qk_clip_).
     compile: False (eager), True (torch.compile, inductor) or a torch.compile backend (name or callable).
     sparse_threshold: sharded_sparse tables use the dense reduce_scatter when some rank touched
     more than this fraction of the rows (0 forces dense).
@@ -996,7 +1011,7 @@ class NorMuonAdam:
                  normuon_beta2: float = 0.9, adam_lr: float = 0.008, adam_wd: float = 0.005,
                  adam_eps: float = 1e-10, orthogonalizer="polar_express",
                  tied: tuple[str, str] | None = None, process_group=None,
-                 sparse_threshold: float = 0.5, ownership: str = "balanced", compile=False):
+                 sparse_threshold: float = 0.5, ownership: str = "balanced", qk_clip=False, compile=False):
         params, configs = dict(params), dict(configs)
         for label in params:
             if label not in configs:
@@ -1016,6 +1031,7 @@ class NorMuonAdam:
         self.normuon_beta2 = normuon_beta2
         self.adam_lr, self.adam_wd, self.adam_eps = adam_lr, adam_wd, adam_eps
         self.sparse_threshold = float(sparse_threshold)
+        self.qk_clip_tau = None if qk_clip is False else QK_CLIP_TAU if qk_clip is True else float(qk_clip)
         if callable(orthogonalizer):
             self.orthogonalize = orthogonalizer
         elif orthogonalizer in ORTHOGONALIZERS:
@@ -1276,7 +1292,7 @@ class NorMuonAdam:
         shard[:slot.real_rows] = view[slot.lo:slot.lo + slot.real_rows]
         return shard
 
-    def _work(self, slot: _Slot, grad: torch.Tensor, hp: torch.Tensor):
+    def _work(self, slot: _Slot, grad: torch.Tensor, hp: torch.Tensor, max_logits=None):
         """Update the local shard; return a function that completes its all_gather (or None)."""
         st = self.state[slot.label]
         shard = self._param_shard(slot)
@@ -1284,6 +1300,9 @@ class NorMuonAdam:
             if shard.size(0):  # a balanced bank may give this rank none of its matrices
                 self._normuon_fn(grad, st["momentum_buffer"], st["second_moment"], shard, st.get("mantissa"),
                                  self._matrix_lr[slot.label], hp, self.orthogonalize)
+            if max_logits is not None:  # QK-Clip on the owned rows, before they are gathered
+                m = torch.broadcast_to(torch.as_tensor(max_logits, device=shard.device), (slot.rows, slot.shape[1], 1))
+                qk_clip_(shard, st.get("mantissa"), m[slot.lo:slot.lo + slot.shard_rows], self.qk_clip_tau)
         else:
             self._adam_fn(grad, st["exp_avg"], st["exp_avg_sq"], shard, hp)
             self.adam_steps[slot.label] += 1
@@ -1304,13 +1323,20 @@ class NorMuonAdam:
         return finish
 
     @torch.no_grad()
-    def step(self, do_adam: bool = True, lr_scale: float = 1.0, momentum: float | None = None) -> None:
+    def step(self, do_adam: bool = True, lr_scale: float = 1.0, momentum: float | None = None,
+             max_logits: dict | None = None) -> None:
         """One optimizer step: NorMuon every call, Adam only when do_adam (odd steps).
 
         lr_scale multiplies every base learning rate (the lr schedule); momentum is the NorMuon
         momentum for this step (default: the constructor's). Both reach the update functions as
-        tensor entries, so compiled updates never recompile when they change.
+        tensor entries, so compiled updates never recompile when they change. max_logits (with
+        qk_clip on): label of a Q or K bank -> the step's largest logit per head, broadcastable to
+        the bank's (matrices, rows, 1), the same on every rank.
         """
+        max_logits = dict(max_logits or {})
+        for label in max_logits:
+            if self.qk_clip_tau is None or label not in self.slots or self.slots[label].cfg.optimizer != "normuon":
+                raise ValueError(f"NorMuonAdam.step: max_logits[{label!r}] needs qk_clip on and a normuon label")
         momentum = self.normuon_momentum if momentum is None else momentum
         skip = self.tied[0] if self.tied else None
         active = [label for label in self.scatter_order
@@ -1331,7 +1357,7 @@ class NorMuonAdam:
         active_set = set(active)
         for label in self.work_order:
             if label in active_set:
-                done = self._work(self.slots[label], reduced[label](), hps[label])
+                done = self._work(self.slots[label], reduced[label](), hps[label], max_logits.get(label))
                 if done is not None:
                     gathers[label] = done
         # phase 3: finalize. The head's gather is waited on first, so the tied embedding is refreshed

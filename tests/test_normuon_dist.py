@@ -263,3 +263,85 @@ def test_ownership_benchmark_prints_the_figures():
     assert float(rows[8][1]) == round((8 * pe(256, 768) + 3 * pe(768, 768) + 3 * pe(3072, 768)) / 1e9, 1)
     ideal8 = (60 * pe(256, 768) + 20 * pe(768, 768) + 22 * pe(3072, 768)) / 8 / 1e9
     assert float(rows[8][4]) < 1.01 * ideal8 < float(rows[8][1])  # balanced max within 1% of the ideal
+
+
+# ----------------------------------------------------------------------------------------------
+# 3-D and 4-D banks: every slice is its own matrix
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_stacked_banks_update_slice_by_slice(dtype):
+    """A stack of matrices scaled 1e-3 ... 1e3 (as a 3-D and as a 4-D bank) steps exactly like each
+    matrix stepped alone: normalisation, orthogonalization and the second moment are per slice."""
+    g = torch.Generator().manual_seed(11)
+    scales = torch.tensor([1e-3, 1.0, 30.0, 1e3]).view(4, 1, 1)
+    p0 = (torch.randn(4, 12, 20, generator=g) * scales).to(dtype)
+    grads = [(torch.randn(4, 12, 20, generator=g) * scales).to(dtype) for _ in range(3)]
+
+    def run(shape, pieces):
+        params = {f"w{i}": torch.nn.Parameter(p.clone().reshape(shape)) for i, p in enumerate(pieces(p0))}
+        labels = list(params)
+        opt = T.NorMuonAdam(params, {k: T.ParamConfig("normuon", "none") for k in labels},
+                            scatter_order=labels, work_order=labels)
+        for gr in grads:
+            for (label, p), piece in zip(params.items(), pieces(gr)):
+                p.grad = piece.clone().reshape(shape)
+            opt.step(do_adam=False)
+        return torch.cat([p.data.reshape(-1, 12, 20) for p in params.values()])
+
+    alone = run((1, 12, 20), lambda t: t.split(1))
+    assert torch.equal(run((4, 12, 20), lambda t: [t]), alone)
+    assert torch.equal(run((2, 2, 12, 20), lambda t: [t]), alone)
+    # the stack as one 48 x 20 matrix shares one normalisation and polar factor: slice 0 moves half as far
+    whole = run((1, 48, 20), lambda t: [t])
+    step = lambda r: (r[0].double() - p0[0].double()).norm().item()  # noqa: E731
+    assert step(alone) > 1.8 * step(whole), (step(alone), step(whole))
+
+
+# ----------------------------------------------------------------------------------------------
+# QK-Clip
+# ----------------------------------------------------------------------------------------------
+
+
+def head_logits(x, wq, wk):
+    """Pre-softmax logits per head of an attention without QK-norm: (H, T, T) in float64."""
+    q = torch.einsum("td,hed->hte", x.double(), wq.double())
+    k = torch.einsum("td,hed->hte", x.double(), wk.double())
+    return q @ k.mT / wq.size(1) ** 0.5
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_qk_clip_brings_the_large_head_to_tau(world_size):
+    out = run_on_ranks(qk_clip_worker, world_size, timeout=60) if world_size > 1 else [qk_clip_worker(0, 1, None)]
+    for before, after, wq0, wq in out:
+        assert before[0].max() > 150 and before[1].max() < 100  # head 0 forced above tau = 100
+        assert after[0].max().item() == pytest.approx(100.0, rel=1e-5)  # clipped to tau exactly
+        assert torch.equal(wq[1], wq0[1]) and torch.equal(after[1], before[1])  # head 1 untouched
+
+
+def qk_clip_worker(rank, world_size, group="world"):
+    g = torch.Generator().manual_seed(5)
+    H, hd, D = 2, 8, 16
+    x = torch.randn(10, D, generator=g)
+    wq, wk = torch.randn(H, hd, D, generator=g) * 0.3, torch.randn(H, hd, D, generator=g) * 0.3
+    wq[0] *= 40.0  # a head whose logits blow up
+    before = head_logits(x, wq, wk)
+    params = {"wq": torch.nn.Parameter(wq.clone()), "wk": torch.nn.Parameter(wk.clone())}
+    opt = T.NorMuonAdam(params, {k: T.ParamConfig("normuon", "sharded") for k in params}, scatter_order=list(params),
+                        work_order=list(params), normuon_lr=0.0, qk_clip=True)  # lr 0: only the clip moves weights
+    for p in params.values():
+        p.grad = torch.randn(p.shape, generator=g)
+    m = before.flatten(1).max(dim=1).values.float().view(H, 1, 1)  # the step's largest logit per head
+    opt.step(do_adam=False, max_logits={"wq": m, "wk": m})
+    after = head_logits(x, params["wq"].data, params["wk"].data)
+    return before, after, wq, params["wq"].data.clone()
+
+
+def test_qk_clip_is_off_by_default():
+    p = {"wq": torch.nn.Parameter(torch.randn(2, 4, 8))}
+    opt = T.NorMuonAdam(p, {"wq": T.ParamConfig("normuon", "none")}, scatter_order=["wq"], work_order=["wq"])
+    assert opt.qk_clip_tau is None and T.QK_CLIP_TAU == 100.0
+    p["wq"].grad = torch.randn(2, 4, 8)
+    with pytest.raises(ValueError, match="needs qk_clip on"):
+        opt.step(do_adam=False, max_logits={"wq": torch.tensor(1e4)})
