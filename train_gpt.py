@@ -661,6 +661,46 @@ ORTHOGONALIZERS = {"polar_express": polar_express, "gram_newton_schulz": gram_ne
                    "auto": orthogonalize_auto}
 
 
+TP_MODES = ("duplicated", "distributed", "blockwise")
+
+
+def tensor_parallel_orthogonalize(shard: torch.Tensor, mode: str, shard_dim: int, group=None,
+                                  dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """Polar Express of a matrix (or bank) split over the ranks of `group` along shard_dim (-2: row
+    shards, -1: column shards, equal sizes); returns this rank's shard of the result (README
+    "Tensor-parallel orthogonalization").
+
+    duplicated   all_gather the whole matrix, run polar_express on it on every rank, keep the shard
+    distributed  the iteration on shards: the Gram matrix over the unsplit side, X^T X for row shards
+                 or X X^T for column shards, is a sum of per-shard products, all_reduced (fp32, as
+                 is the Frobenius norm); the same polynomial as polar_express, in fp32, cast to dtype
+    blockwise    polar_express of the shard alone: no communication, an approximation
+    """
+    if mode not in TP_MODES:
+        raise ValueError(f"tensor_parallel_orthogonalize: mode={mode!r}; choose one of {', '.join(TP_MODES)}")
+    dim = shard_dim % shard.ndim
+    if dim < shard.ndim - 2:
+        raise ValueError(f"tensor_parallel_orthogonalize: shard_dim must be -2 or -1, got {shard_dim}")
+    if mode == "blockwise":
+        return polar_express(shard, dtype=dtype)
+    W, rank = dist.get_world_size(group), dist.get_rank(group)
+    if mode == "duplicated":
+        parts = [torch.empty_like(shard) for _ in range(W)]
+        dist.all_gather(parts, shard.contiguous(), group=group)
+        return polar_express(torch.cat(parts, dim=dim), dtype=dtype).chunk(W, dim=dim)[rank].contiguous()
+    X = _as_bank(shard).float()
+    sq = X.square().sum(dim=(-2, -1), keepdim=True)
+    dist.all_reduce(sq, group=group)
+    X = X / (sq.sqrt() * 1.02 + 1e-6)
+    rows = dim == shard.ndim - 2  # row shards share the columns: X^T X is summed over the shards
+    for a, b, c in POLAR_EXPRESS_COEFFS:
+        A = X.mT @ X if rows else X @ X.mT
+        dist.all_reduce(A, group=group)
+        B = b * A + c * (A @ A)
+        X = a * X + (X @ B if rows else B @ X)
+    return X.to(dtype).reshape(shard.shape)
+
+
 def orthogonalization_flops(rows: int, cols: int, orthogonalizer="polar_express") -> int:
     """FLOPs to orthogonalize one rows x cols matrix, counted like torch's FlopCounterMode (2 per
     multiply-add, symmetric products counted dense). With s the short side and L the long one:

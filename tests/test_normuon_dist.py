@@ -377,3 +377,48 @@ def test_readme_example_runs_on_one_and_two_ranks():
     assert owners == {"0.weight": (0, 1), "2.weight": (1, 0)}  # the README's statement
     for label in one:  # identical data on both ranks: the averages are exact, so every bit agrees
         assert torch.equal(p0[label], one[label]) and torch.equal(p1[label], one[label]), label
+
+
+# ----------------------------------------------------------------------------------------------
+# Tensor-parallel orthogonalization (a matrix split over ranks)
+# ----------------------------------------------------------------------------------------------
+
+
+def poly64(G):
+    """Polar Express's polynomial in float64 on whole matrices (left form; the same function as the right)."""
+    X = G.double()
+    X = X / (X.norm(dim=(-2, -1), keepdim=True) * 1.02 + 1e-6)
+    for a, b, c in T.POLAR_EXPRESS_COEFFS:
+        A = X @ X.mT
+        X = a * X + (b * A + c * A @ A) @ X
+    return X
+
+
+def tp_worker(rank, world_size):
+    out = {}
+    for shape in ((2, 24, 40), (2, 40, 24)):
+        G = torch.randn(shape, generator=torch.Generator().manual_seed(3))
+        for dim in (-2, -1):
+            shard = G.chunk(world_size, dim=dim)[rank]
+            res = {mode: T.tensor_parallel_orthogonalize(shard, mode, dim) for mode in T.TP_MODES}
+            res["distributed32"] = T.tensor_parallel_orthogonalize(shard, "distributed", dim, dtype=torch.float32)
+            out[shape, dim] = (shard, res)
+    return out
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_tensor_parallel_modes_against_the_unsharded_matrix(world_size):
+    def rel(a, b):
+        return ((a.double() - b.double()).norm() / b.double().norm()).item()
+    for rank, out in enumerate(run_on_ranks(tp_worker, world_size, timeout=60)):
+        for (shape, dim), (shard, res) in out.items():
+            G = torch.randn(shape, generator=torch.Generator().manual_seed(3))
+            mine = lambda full: full.chunk(world_size, dim=dim)[rank]  # noqa: E731
+            # duplicated: the unsharded bf16 Polar Express, bit for bit
+            assert torch.equal(res["duplicated"], mine(T.polar_express(G)))
+            # distributed: the same polynomial; in fp32 within 1e-5 of float64, in bf16 within bf16 noise
+            assert rel(res["distributed32"], mine(poly64(G))) < 1e-5
+            assert rel(res["distributed"], mine(T.polar_express(G))) < 0.03
+            # blockwise: each shard orthogonalized on its own, which is not the whole matrix's factor
+            assert torch.equal(res["blockwise"], T.polar_express(shard))
+            assert rel(res["blockwise"], mine(poly64(G))) > 0.1
