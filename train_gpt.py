@@ -13,6 +13,7 @@ import argparse
 import dataclasses
 import functools
 import glob
+import heapq
 import math
 import os
 import shutil
@@ -91,6 +92,8 @@ class Hyperparameters:
     adam_lr: float = 0.008
     adam_wd: float = 0.005
     orthogonalizer: str = "polar_express"          # or "gram_newton_schulz", "auto" (Gram N-S for the MLP bank)
+    bank_ownership: str = "padded"                 # the record's: banks padded to a multiple of the world size;
+                                                   # "balanced": unpadded banks, FLOP-balanced owners (README "Ownership")
     # evaluation, logging, checkpoints
     val_seq_len: int = 65_536
     val_loss_every: int = 250                      # 0: only at the end
@@ -284,7 +287,7 @@ def check_args(args: Hyperparameters, world_size: int) -> None:
     if len(args.stage_mtp_start[0]) != len(args.stage_mtp_end[0]) or not args.stage_mtp_start[0]:
         raise SystemExit("error: --stage_mtp_start and --stage_mtp_end must give the same number (>= 1) of weights")
     for name, choices in (("matrix_optimizer", MATRIX_OPTIMIZERS), ("orthogonalizer", sorted(ORTHOGONALIZERS)),
-                          ("cpu_dtype", ("auto", *CPU_DTYPES))):
+                          ("cpu_dtype", ("auto", *CPU_DTYPES)), ("bank_ownership", OWNERSHIPS)):
         if getattr(args, name) not in choices:
             raise SystemExit(f"error: --{name} {getattr(args, name)!r} is not one of {', '.join(choices)}")
     if args.val_tokens % min(args.val_seq_len, args.val_tokens):
@@ -673,6 +676,93 @@ ORTHOGONALIZERS = {"polar_express": polar_express, "gram_newton_schulz": gram_ne
                    "auto": orthogonalize_auto}
 
 
+TP_MODES = ("duplicated", "distributed", "blockwise")
+
+
+def tensor_parallel_orthogonalize(shard: torch.Tensor, mode: str, shard_dim: int, group=None,
+                                  dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """Polar Express of a matrix (or bank) split over the ranks of `group` along shard_dim (-2: row
+    shards, -1: column shards, equal sizes); returns this rank's shard of the result (README
+    "Tensor-parallel orthogonalization").
+
+    duplicated   all_gather the whole matrix, run polar_express on it on every rank, keep the shard
+    distributed  the iteration on shards: the Gram matrix over the unsplit side, X^T X for row shards
+                 or X X^T for column shards, is a sum of per-shard products, all_reduced (fp32, as
+                 is the Frobenius norm); the same polynomial as polar_express, in fp32, cast to dtype
+    blockwise    polar_express of the shard alone: no communication, an approximation
+    """
+    if mode not in TP_MODES:
+        raise ValueError(f"tensor_parallel_orthogonalize: mode={mode!r}; choose one of {', '.join(TP_MODES)}")
+    dim = shard_dim % shard.ndim
+    if dim < shard.ndim - 2:
+        raise ValueError(f"tensor_parallel_orthogonalize: shard_dim must be -2 or -1, got {shard_dim}")
+    if mode == "blockwise":
+        return polar_express(shard, dtype=dtype)
+    W, rank = dist.get_world_size(group), dist.get_rank(group)
+    if mode == "duplicated":
+        parts = [torch.empty_like(shard) for _ in range(W)]
+        dist.all_gather(parts, shard.contiguous(), group=group)
+        return polar_express(torch.cat(parts, dim=dim), dtype=dtype).chunk(W, dim=dim)[rank].contiguous()
+    X = _as_bank(shard).float()
+    sq = X.square().sum(dim=(-2, -1), keepdim=True)
+    dist.all_reduce(sq, group=group)
+    X = X / (sq.sqrt() * 1.02 + 1e-6)
+    rows = dim == shard.ndim - 2  # row shards share the columns: X^T X is summed over the shards
+    for a, b, c in POLAR_EXPRESS_COEFFS:
+        A = X.mT @ X if rows else X @ X.mT
+        dist.all_reduce(A, group=group)
+        B = b * A + c * (A @ A)
+        X = a * X + (X @ B if rows else B @ X)
+    return X.to(dtype).reshape(shard.shape)
+
+
+def orthogonalization_flops(rows: int, cols: int, orthogonalizer="polar_express") -> int:
+    """FLOPs to orthogonalize one rows x cols matrix, counted like torch's FlopCounterMode (2 per
+    multiply-add, symmetric products counted dense). With s the short side and L the long one:
+    Polar Express 5 x (4 s^2 L + 2 s^3); Gram Newton-Schulz 8 s^2 L + 32 s^3 (module docstrings).
+    orthogonalizer: a name, one of the functions (or a functools.partial of one); anything else is
+    costed as Polar Express. Ownership balances these counts (README "Ownership")."""
+    fn = getattr(orthogonalizer, "func", orthogonalizer)
+    name = next((k for k, f in ORTHOGONALIZERS.items() if fn is f or fn == k), "polar_express")
+    s, L = min(rows, cols), max(rows, cols)
+    if name == "auto":
+        name = "gram_newton_schulz" if L >= 2 * s else "polar_express"
+    if name == "gram_newton_schulz":
+        return 8 * s * s * L + 32 * s ** 3
+    return len(POLAR_EXPRESS_COEFFS) * (4 * s * s * L + 2 * s ** 3)
+
+
+OWNERSHIPS = ("balanced", "padded")
+
+
+def padded_splits(n: int, world_size: int, label: str = "bank") -> tuple[int, ...]:
+    """The record's ownership: every rank owns n / world_size consecutive matrices of each bank, so the
+    bank must be padded with zero matrices to a multiple of the world size (GPT's bank_padding)."""
+    if n % world_size:
+        raise ValueError(f"NorMuonAdam: bank {label!r} has {n} matrices, not divisible by the world size {world_size};"
+                         f" pad the bank with zero matrices to a multiple of {world_size} or use ownership='balanced'")
+    return (n // world_size,) * world_size
+
+
+def balanced_splits(banks: dict[str, tuple[int, int]], world_size: int) -> dict[str, tuple[int, ...]]:
+    """FLOP-balanced ownership of every matrix of every bank, for any world size, without padding.
+
+    banks: label -> (number of matrices, FLOPs of one). Longest-processing-time first over all banks
+    together: matrices by falling cost (ties in dict order), each to the rank with the least work so
+    far (the lowest rank on ties). The result is per label the count each rank owns; ownership within
+    a bank is contiguous in rank order, so the gradient rows a rank owns stay one slice of the bank.
+    """
+    counts = {label: [0] * world_size for label in banks}
+    heap = [(0, r) for r in range(world_size)]  # (load, rank): the least-loaded rank, lowest on ties
+    items = sorted(((cost, i, label) for i, (label, (n, cost)) in enumerate(banks.items()) for _ in range(n)),
+                   key=lambda t: (-t[0], t[1]))
+    for cost, _, label in items:
+        work, r = heapq.heappop(heap)
+        counts[label][r] += 1
+        heapq.heappush(heap, (work + cost, r))
+    return {label: tuple(c) for label, c in counts.items()}
+
+
 # ----------------------------------------------------------------------------------------------
 # Optimizer: one fused NorMuon + Adam step that owns all communication (README "Optimizer")
 # ----------------------------------------------------------------------------------------------
@@ -793,6 +883,19 @@ def _normuon_update(grad, momentum_buf, second_moment, param, mantissa, matrix_l
     _store_master(p, param, mantissa)  # bf16: truncated to the top 16 bits, the rest kept in mantissa
 
 
+QK_CLIP_TAU = 100.0  # MuonClip's threshold on the largest pre-softmax attention logit
+
+
+def qk_clip_(param, mantissa, max_logits, tau: float) -> None:
+    """QK-Clip (MuonClip) on the owned matrices of a Q or K weight bank (k, rows, cols), in place:
+    rows whose head's largest pre-softmax logit of the step exceeds tau are scaled by
+    sqrt(tau / max_logit), so that q.k of that head, scaled on both sides, peaks at tau. max_logits
+    broadcasts to (k, rows, 1) (one entry per head of those rows). Applied to the fp32 master value
+    (README "Update rules")."""
+    scale = (tau / max_logits.float().clamp_min(tau)).sqrt()
+    _store_master(_master_fp32(param, mantissa) * scale, param, mantissa)
+
+
 def _adam_update(grad, exp_avg, exp_avg_sq, param, hp):
     """One Adam step with cautious weight decay on a shard, in place (README, "Update rules").
 
@@ -864,6 +967,25 @@ class CommLayer:
         self._count(label, "all_gather", shard.numel() * shard.element_size() * (self.world_size - 1))
         return _all_gather(out, shard, group=self.group, async_op=True)
 
+    def reduce_scatter_uneven(self, label, out, inp, splits):
+        """Each rank's rows of every owner's block (splits[r] rows for rank r) to that owner: out
+        (world_size * splits[rank], ...) stacks all ranks' copies of this rank's block, for the
+        caller to average. An all_to_all, as reduce_scatter needs equal blocks; it sends the rows
+        this rank does not own, the same bytes as a ring reduce_scatter of equal blocks."""
+        row = inp[0].numel() * inp.element_size() if inp.size(0) else 0
+        self._count(label, "reduce_scatter", (inp.size(0) - splits[self.rank]) * row)
+        return dist.all_to_all_single(out, inp, [splits[self.rank]] * self.world_size, list(splits),
+                                      group=self.group, async_op=True)
+
+    def all_gather_uneven(self, label, out, shard, splits):
+        """Every owner's block (splits[r] rows) into out on every rank, by all_to_all (all_gather
+        needs equal blocks); returns the function that waits. Sends the shard to each other rank."""
+        W = self.world_size
+        self._count(label, "all_gather", shard.numel() * shard.element_size() * (W - 1))
+        inp = shard.repeat(W, *([1] * (shard.ndim - 1)))
+        work = dist.all_to_all_single(out, inp, list(splits), [shard.size(0)] * W, group=self.group, async_op=True)
+        return lambda: (work.wait(), inp)[0]  # inp lives until the exchange is done
+
     def all_to_all(self, label, out, inp, out_splits=None, in_splits=None):
         row_bytes = inp[:1].numel() * inp.element_size() if inp.numel() else 0
         if in_splits is None:
@@ -886,15 +1008,21 @@ class _Slot:
     real_rows: int        # owned rows that exist (the rest is padding)
     sharded: bool         # split over ranks (sharded / sharded_sparse with more than one rank)
     world_size: int
+    splits: tuple | None = None  # sharded NorMuon banks: matrices each rank owns (README "Ownership")
 
     @property
     def rows(self) -> int:
         return self.shape[0]
 
     @property
+    def uneven(self) -> bool:
+        """Owned blocks of different sizes (balanced banks): the collectives are all_to_alls."""
+        return self.sharded and self.splits is not None and len(set(self.splits)) > 1
+
+    @property
     def even(self) -> bool:
         """Sharded with no padding: shards are slices of the parameter and gathers run in place."""
-        return self.sharded and self.shard_rows * self.world_size == self.rows
+        return self.sharded and not self.uneven and self.shard_rows * self.world_size == self.rows
 
     def view(self) -> torch.Tensor:
         return self.param.data.view(self.shape)
@@ -919,6 +1047,11 @@ class NorMuonAdam:
     untie(); the model initialises the embedding as head^T, the optimizer refreshes it after every
     Adam step. orthogonalizer: 'polar_express' | 'gram_newton_schulz' | 'auto' (the cheaper of the
     two per bank shape) | a callable (bank -> bf16 bank).
+    ownership: how the matrices of sharded NorMuon banks are split over ranks (README "Ownership"):
+    'balanced' (FLOP-balanced, any bank size and world size) or 'padded' (the record's: n / world_size
+    consecutive matrices per rank; banks must be padded to a multiple of the world size).
+    qk_clip: False (off), True (tau = QK_CLIP_TAU = 100) or tau: step(max_logits=...) then clips the
+    NorMuon banks it names after their update (qk_clip_).
     compile: False (eager), True (torch.compile, inductor) or a torch.compile backend (name or callable).
     sparse_threshold: sharded_sparse tables use the dense reduce_scatter when some rank touched
     more than this fraction of the rows (0 forces dense).
@@ -933,7 +1066,7 @@ class NorMuonAdam:
                  normuon_beta2: float = 0.9, adam_lr: float = 0.008, adam_wd: float = 0.005,
                  adam_eps: float = 1e-10, orthogonalizer="polar_express",
                  tied: tuple[str, str] | None = None, process_group=None,
-                 sparse_threshold: float = 0.5, compile=False):
+                 sparse_threshold: float = 0.5, ownership: str = "balanced", qk_clip=False, compile=False):
         params, configs = dict(params), dict(configs)
         for label in params:
             if label not in configs:
@@ -953,6 +1086,7 @@ class NorMuonAdam:
         self.normuon_beta2 = normuon_beta2
         self.adam_lr, self.adam_wd, self.adam_eps = adam_lr, adam_wd, adam_eps
         self.sparse_threshold = float(sparse_threshold)
+        self.qk_clip_tau = None if qk_clip is False else QK_CLIP_TAU if qk_clip is True else float(qk_clip)
         if callable(orthogonalizer):
             self.orthogonalize = orthogonalizer
         elif orthogonalizer in ORTHOGONALIZERS:
@@ -960,9 +1094,13 @@ class NorMuonAdam:
         else:
             raise ValueError(f"NorMuonAdam: orthogonalizer={orthogonalizer!r}; choose one of {sorted(ORTHOGONALIZERS)}")
 
+        if ownership not in OWNERSHIPS:
+            raise ValueError(f"NorMuonAdam: ownership={ownership!r}; choose one of {', '.join(OWNERSHIPS)}")
+        self.ownership = ownership
         self.slots: dict[str, _Slot] = {}
         for label, p in params.items():
             self.slots[label] = self._layout(label, p, configs[label])
+        self._own_matrices()
         self.tied = None
         if tied is not None:  # parameters are never touched here: a restored checkpoint may be untied
             self._check_tied(tuple(tied))
@@ -1013,9 +1151,6 @@ class NorMuonAdam:
             shape = (p.numel() // (p.size(-2) * p.size(-1)), p.size(-2), p.size(-1))
             if cfg.matrix_lr_mul is not None and len(cfg.matrix_lr_mul) != shape[0]:
                 raise ValueError(f"NorMuonAdam: {label!r} has {shape[0]} matrices but matrix_lr_mul has {len(cfg.matrix_lr_mul)} entries")
-            if cfg.comms == "sharded" and shape[0] % W:
-                raise ValueError(f"NorMuonAdam: bank {label!r} has {shape[0]} matrices, not divisible by the world size {W};"
-                                 f" pad the bank with zero matrices to a multiple of {W}")
         else:
             shape = (p.numel() // p.size(-1), p.size(-1)) if p.ndim >= 2 else (p.numel(), 1)
         sharded = cfg.comms in ("sharded", "sharded_sparse") and W > 1
@@ -1023,6 +1158,20 @@ class NorMuonAdam:
         lo = self.rank * k if sharded else 0
         real = max(0, min(k, shape[0] - lo))
         return _Slot(label, p, cfg, shape, k, lo, real, sharded, W)
+
+    def _own_matrices(self) -> None:
+        """Give each rank its matrices of every sharded NorMuon bank: a contiguous block per bank whose
+        size comes from padded_splits or balanced_splits (README "Ownership")."""
+        banks = {label: (slot.rows, orthogonalization_flops(*slot.shape[1:], self.orthogonalize))
+                 for label in self.scatter_order if (slot := self.slots[label]).sharded
+                 and slot.cfg.optimizer == "normuon"}
+        if self.ownership == "padded":
+            splits = {label: padded_splits(n, self.world_size, label) for label, (n, _) in banks.items()}
+        else:
+            splits = balanced_splits(banks, self.world_size)
+        for label, split in splits.items():
+            k, lo = split[self.rank], sum(split[:self.rank])
+            self.slots[label] = dataclasses.replace(self.slots[label], shard_rows=k, lo=lo, real_rows=k, splits=split)
 
     def _check_tied(self, tied):
         if len(tied) != 2 or any(t not in self.slots for t in tied):
@@ -1157,6 +1306,14 @@ class NorMuonAdam:
             if not plan.dense:
                 return self._scatter_sparse(slot, g, plan)
         k = slot.shard_rows
+        if slot.uneven:
+            recv = g.new_empty((W * k, *slot.shape[1:]))
+            work = self.comm.reduce_scatter_uneven(label, recv, g, slot.splits)
+
+            def average():  # in fp32, rounded once to the gradient dtype, as in the sparse exchange
+                work.wait()
+                return (recv.view(W, k, *slot.shape[1:]).float().sum(0) / W).to(g.dtype)
+            return average
         if not slot.even:
             padded = g.new_zeros((k * W, *slot.shape[1:]))
             padded[:slot.rows] = g
@@ -1184,25 +1341,31 @@ class NorMuonAdam:
         view = slot.view()
         if not slot.sharded:
             return view
-        if slot.even:
+        if slot.even or slot.uneven:
             return view[slot.lo:slot.lo + slot.shard_rows]
         shard = view.new_zeros((slot.shard_rows, *slot.shape[1:]))
         shard[:slot.real_rows] = view[slot.lo:slot.lo + slot.real_rows]
         return shard
 
-    def _work(self, slot: _Slot, grad: torch.Tensor, hp: torch.Tensor):
+    def _work(self, slot: _Slot, grad: torch.Tensor, hp: torch.Tensor, max_logits=None):
         """Update the local shard; return a function that completes its all_gather (or None)."""
         st = self.state[slot.label]
         shard = self._param_shard(slot)
         if slot.cfg.optimizer == "normuon":
-            self._normuon_fn(grad, st["momentum_buffer"], st["second_moment"], shard, st.get("mantissa"),
-                             self._matrix_lr[slot.label], hp, self.orthogonalize)
+            if shard.size(0):  # a balanced bank may give this rank none of its matrices
+                self._normuon_fn(grad, st["momentum_buffer"], st["second_moment"], shard, st.get("mantissa"),
+                                 self._matrix_lr[slot.label], hp, self.orthogonalize)
+            if max_logits is not None:  # QK-Clip on the owned rows, before they are gathered
+                m = torch.broadcast_to(torch.as_tensor(max_logits, device=shard.device), (slot.rows, slot.shape[1], 1))
+                qk_clip_(shard, st.get("mantissa"), m[slot.lo:slot.lo + slot.shard_rows], self.qk_clip_tau)
         else:
             self._adam_fn(grad, st["exp_avg"], st["exp_avg_sq"], shard, hp)
             self.adam_steps[slot.label] += 1
         if not slot.sharded:
             return None
         view = slot.view()
+        if slot.uneven:
+            return self.comm.all_gather_uneven(slot.label, view, shard, slot.splits)
         if slot.even:
             work = self.comm.all_gather(slot.label, view, shard)  # in place: shard is a slice of view
             return work.wait
@@ -1215,13 +1378,20 @@ class NorMuonAdam:
         return finish
 
     @torch.no_grad()
-    def step(self, do_adam: bool = True, lr_scale: float = 1.0, momentum: float | None = None) -> None:
+    def step(self, do_adam: bool = True, lr_scale: float = 1.0, momentum: float | None = None,
+             max_logits: dict | None = None) -> None:
         """One optimizer step: NorMuon every call, Adam only when do_adam (odd steps).
 
         lr_scale multiplies every base learning rate (the lr schedule); momentum is the NorMuon
         momentum for this step (default: the constructor's). Both reach the update functions as
-        tensor entries, so compiled updates never recompile when they change.
+        tensor entries, so compiled updates never recompile when they change. max_logits (with
+        qk_clip on): label of a Q or K bank -> the step's largest logit per head, broadcastable to
+        the bank's (matrices, rows, 1), the same on every rank.
         """
+        max_logits = dict(max_logits or {})
+        for label in max_logits:
+            if self.qk_clip_tau is None or label not in self.slots or self.slots[label].cfg.optimizer != "normuon":
+                raise ValueError(f"NorMuonAdam.step: max_logits[{label!r}] needs qk_clip on and a normuon label")
         momentum = self.normuon_momentum if momentum is None else momentum
         skip = self.tied[0] if self.tied else None
         active = [label for label in self.scatter_order
@@ -1242,7 +1412,7 @@ class NorMuonAdam:
         active_set = set(active)
         for label in self.work_order:
             if label in active_set:
-                done = self._work(self.slots[label], reduced[label](), hps[label])
+                done = self._work(self.slots[label], reduced[label](), hps[label], max_logits.get(label))
                 if done is not None:
                     gathers[label] = done
         # phase 3: finalize. The head's gather is waited on first, so the tied embedding is refreshed
@@ -1784,6 +1954,14 @@ def _check_model_args(args: Hyperparameters, world_size: int) -> None:
         fail(str(e))
 
 
+def bank_padding(n: int, world_size: int, args: Hyperparameters) -> int:
+    """Matrices a bank of n real ones holds: padded ownership (the record's) needs a multiple of the
+    world size, balanced ownership none (README "Ownership")."""
+    if args.bank_ownership not in OWNERSHIPS:
+        raise ValueError(f"model config: --bank_ownership {args.bank_ownership!r} is not one of {', '.join(OWNERSHIPS)}")
+    return -(-n // world_size) * world_size if args.bank_ownership == "padded" else n
+
+
 class GPT(nn.Module):
     """The speedrun transformer (see the layout comment above). GPT(args, world_size) pads the banks
     so every rank owns whole matrices. dtype is the storage and compute dtype of the bf16 parameters
@@ -1805,8 +1983,8 @@ class GPT(nn.Module):
         self.gate_layout = mudd_gate_layout(full, H)
         self.gate_outputs = tuple(sum(width for _, width in layout.values()) for layout in self.gate_layout)
 
-        def padded(n, multiple=world_size):
-            return -(-n // multiple) * multiple
+        def padded(n):
+            return bank_padding(n, world_size, args)
 
         n_attn = len(self.attn_layers)
         n_qk, n_vo, n_mlp = padded(H * n_attn), padded(2 * n_attn), padded(2 * L)
@@ -1823,7 +2001,7 @@ class GPT(nn.Module):
         self.bigram_embed = nn.Parameter(torch.empty(args.bigram_vocab_size, D, dtype=dtype))
         self.post_lambdas = nn.Parameter(torch.empty(L, 2, dtype=fp32))
         self.resid_lambdas = nn.Parameter(torch.empty(L, 2, dtype=fp32))
-        self.scalars = nn.Parameter(torch.empty(padded(2 * L + 2, 8), dtype=fp32))  # the record pads to 8
+        self.scalars = nn.Parameter(torch.empty(-(-(2 * L + 2) // 8) * 8, dtype=fp32))  # the record pads to 8
         self.mudd_w1 = nn.Parameter(torch.empty(2, M, D, dtype=dtype))
         self.mudd_w2 = nn.Parameter(torch.empty(2, max(MUDD_LAYER_OUTPUTS), M, dtype=dtype))
         self.mudd_b2 = nn.Parameter(torch.empty(2, max(MUDD_LAYER_OUTPUTS), dtype=dtype))
@@ -2507,7 +2685,7 @@ def build_optimizer(args: Hyperparameters, model: "GPT", device: torch.device) -
                        scatter_order=SCATTER_ORDER, work_order=WORK_ORDER, normuon_beta2=beta2,
                        normuon_lr=args.muon_lr, normuon_wd=args.muon_wd, adam_lr=args.adam_lr, adam_wd=args.adam_wd,
                        orthogonalizer=functools.partial(ORTHOGONALIZERS[args.orthogonalizer], dtype=model.qk_bank.dtype),
-                       tied=("embed", "lm_head"),
+                       tied=("embed", "lm_head"), ownership=args.bank_ownership,
                        compile=args.compile and device.type == "cuda")
 
 

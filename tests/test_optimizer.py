@@ -557,12 +557,15 @@ def reference_run(world_size: int):
 
 
 def distributed_worker(rank: int, world_size: int, group=None):
-    """One rank of a distributed run; returns its params and state shards for each comms mode."""
+    """One rank of a distributed run; returns its params and state shards for each comms mode:
+    'sparse' (balanced bank ownership, sparse bigram exchange) and 'dense' (the record's padded
+    ownership, dense bigram reduce_scatter)."""
     torch.manual_seed(0)
     out = {}
     for mode in ("sparse", "dense") if world_size > 1 else ("sparse",):
         params = make_params()
-        opt = build(params, sparse_threshold=1.0 if mode == "sparse" else 0.0, process_group=group)
+        opt = build(params, sparse_threshold=1.0 if mode == "sparse" else 0.0, process_group=group,
+                    ownership="balanced" if mode == "sparse" else "padded")
         assert (opt.world_size, opt.rank) == (world_size, rank)
         def rows(step):
             g = step_grads(step, world_size)[1][rank]["bigram_embed"]
@@ -572,10 +575,10 @@ def distributed_worker(rank: int, world_size: int, group=None):
                      "state": opt.state_dict(),
                      "layout": {k: (s.lo, s.real_rows, s.sharded) for k, s in opt.slots.items()},
                      "bytes": dict(opt.comm.bytes_sent)}
-    try:  # a bank that does not divide the world size is refused with a one-line message
+    try:  # with padded ownership, a bank that does not divide the world size is refused in one line
         T.NorMuonAdam({"b": torch.nn.Parameter(torch.zeros(world_size + 1, 4, 4))},
                       {"b": T.ParamConfig("normuon", "sharded")}, scatter_order=["b"], work_order=["b"],
-                      process_group=group)
+                      process_group=group, ownership="padded")
         out["bank_error"] = None
     except ValueError as e:
         out["bank_error"] = str(e)

@@ -1,0 +1,424 @@
+"""Distributed NorMuon beyond equal blocks (README "Ownership"): FLOP-balanced ownership of bank
+matrices with uneven collectives, 3-D and 4-D banks slice by slice, QK-Clip, the optimizer on its
+own, and tensor-parallel orthogonalization. All on CPU; multi-rank runs use gloo.
+
+Every distributed result is compared with a single-process run of the same global gradients
+(dyadic, so every average is exact), bit for bit where the arithmetic is the same.
+"""
+from __future__ import annotations
+
+import os
+import re
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import train_gpt as T  # noqa: E402
+from dist_utils import run_on_ranks  # noqa: E402
+
+README = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")
+
+
+# ----------------------------------------------------------------------------------------------
+# Ownership: FLOP counts and longest-processing-time first
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["polar_express", "gram_newton_schulz", "auto"])
+@pytest.mark.parametrize("shape", [(256, 768), (768, 768), (3072, 768), (40, 24)])
+def test_flop_formula_matches_torch_flop_counter(name, shape):
+    """The closed-form cost ownership balances equals torch's count of the orthogonalizer itself."""
+    from torch.utils.flop_counter import FlopCounterMode
+    with FlopCounterMode(display=False) as fc:
+        T.ORTHOGONALIZERS[name](torch.empty(1, *shape, device="meta"))
+    assert T.orthogonalization_flops(*shape, name) == fc.get_total_flops()
+    # a functools.partial (build_optimizer's dtype argument) is costed as the function it wraps
+    import functools
+    fn = functools.partial(T.ORTHOGONALIZERS[name], dtype=torch.float32)
+    assert T.orthogonalization_flops(*shape, fn) == fc.get_total_flops()
+
+
+def test_balanced_splits_by_hand():
+    """Costs 5 (x3) and 2 (x4) on 2 ranks, worked by hand: 5->r0, 5->r1, 5->r0 (tie: lowest rank),
+    then the 2s go to r1 (5, 7, 9 < 10), r1, r1, and the last to r0 (10 < 11): loads 12 and 11."""
+    assert T.balanced_splits({"a": (3, 5), "b": (4, 2)}, 2) == {"a": (2, 1), "b": (1, 3)}
+    assert T.balanced_splits({"a": (3, 5)}, 1) == {"a": (3,)}
+    assert T.balanced_splits({"a": (2, 5)}, 3) == {"a": (1, 1, 0)}  # a rank may own nothing
+
+
+def speedrun_banks():
+    """The speedrun's unpadded banks (record section 1.3): 60 Q/K groups 256 x 768, 20 V/O 768 x 768,
+    22 MLP 3072 x 768."""
+    return {"qk_bank": (60, 256, 768), "vo_bank": (20, 768, 768), "mlp_bank": (22, 3072, 768)}
+
+
+def rank_flops(splits, banks):
+    return [sum(splits[label][r] * T.orthogonalization_flops(r_, c_) for label, (_, r_, c_) in banks.items())
+            for r in range(len(next(iter(splits.values()))))]
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 5, 6, 7, 8, 16, 32, 64])
+def test_balanced_ownership_of_the_speedrun_banks(world_size):
+    banks = speedrun_banks()
+    costs = {label: (n, T.orthogonalization_flops(r, c)) for label, (n, r, c) in banks.items()}
+    splits = T.balanced_splits(costs, world_size)
+    for label, (n, _, _) in banks.items():
+        assert sum(splits[label]) == n  # every matrix owned once, no padding
+    loads = rank_flops(splits, banks)
+    # LPT's guarantee: the busiest rank exceeds the least busy one by at most one matrix's cost
+    assert max(loads) - min(loads) <= max(cost for _, cost in costs.values())
+    # padding: n / W consecutive matrices per rank after rounding each bank up to a multiple of W
+    padded = {label: T.padded_splits(-(-n // world_size) * world_size, world_size) for label, (n, _, _) in banks.items()}
+    assert max(loads) <= max(rank_flops(padded, banks))
+
+
+def test_padded_splits_are_the_records_and_refuse_a_remainder():
+    assert T.padded_splits(64, 8) == (8,) * 8  # record: 8 qk groups, 3 vo and 3 mlp matrices per rank
+    assert T.padded_splits(24, 8) == (3,) * 8
+    with pytest.raises(ValueError, match="not divisible by the world size 8") as e:
+        T.padded_splits(60, 8, "qk_bank")
+    assert "\n" not in str(e.value)
+
+
+# ----------------------------------------------------------------------------------------------
+# Balanced ownership on gloo: world sizes 1, 2, 3, 5, 6, 8 equal the single-process step
+# ----------------------------------------------------------------------------------------------
+
+# Bank sizes that divide none of the world sizes above 1; a 4-D bank (experts x heads of matrices)
+# whose slices are owned one by one; one Adam parameter so both optimizers share the step.
+BAL_SHAPES = {
+    "qk": ((21, 8, 24), torch.bfloat16),
+    "vo": ((7, 24, 24), torch.bfloat16),
+    "mlp": ((11, 48, 24), torch.bfloat16),
+    "experts": ((3, 2, 16, 8), torch.float32),
+    "table": ((13, 8), torch.bfloat16),
+}
+BAL_STEPS = 3
+
+
+def bal_configs():
+    return {"qk": T.ParamConfig("normuon", "sharded"),
+            "vo": T.ParamConfig("normuon", "sharded", lr_mul=0.8),
+            "mlp": T.ParamConfig("normuon", "sharded", matrix_lr_mul=tuple(1.0 + (i % 2) for i in range(11))),
+            "experts": T.ParamConfig("normuon", "sharded", wd_mul=0.5),
+            "table": T.ParamConfig("adam", "sharded", betas=(0.5, 0.95))}
+
+
+def dyadic(shape, gen, k=2):
+    """Integers in [-k, k] over 16: means of a few of them are exact in bf16."""
+    return torch.randint(-k, k + 1, shape, generator=gen).float() / 16
+
+
+def bal_grads(step, world_size):
+    """(global mean gradients, per-rank local gradients) with exact means (the last rank completes)."""
+    targets, locals_ = {}, [{} for _ in range(world_size)]
+    for i, (label, (shape, dtype)) in enumerate(BAL_SHAPES.items()):
+        gen = torch.Generator().manual_seed(100 * step + i)
+        target = dyadic(shape, gen) * (4.0 ** i)  # banks of different scales
+        rest = [dyadic(shape, gen) * (4.0 ** i) for _ in range(world_size - 1)]
+        last = world_size * target - sum(rest, torch.zeros(shape))
+        targets[label] = target.to(dtype)
+        for r in range(world_size):
+            locals_[r][label] = (rest[r] if r < world_size - 1 else last).to(dtype)
+    return targets, locals_
+
+
+def bal_params():
+    g = torch.Generator().manual_seed(7)
+    return {label: torch.nn.Parameter((torch.randn(shape, generator=g) * 0.3).to(dtype))
+            for label, (shape, dtype) in BAL_SHAPES.items()}
+
+
+def bal_run(grads_of_step, **kw):
+    params = bal_params()
+    labels = list(params)
+    opt = T.NorMuonAdam(params, bal_configs(), scatter_order=labels, work_order=labels[::-1], **kw)
+    for step in range(BAL_STEPS):
+        for label, g in grads_of_step(step).items():
+            params[label].grad = g.clone()
+        opt.step(do_adam=step % 2 == 1, lr_scale=1.0 - 0.1 * step, momentum=0.85 + 0.03 * step)
+    layout = {label: (s.lo, s.shard_rows, s.splits) for label, s in opt.slots.items()}
+    return {"params": {k: p.data.clone() for k, p in params.items()}, "state": opt.state_dict()["state"],
+            "layout": layout, "bytes": dict(opt.comm.bytes_by_op)}
+
+
+def balanced_worker(rank, world_size, group=None):
+    return bal_run(lambda s: bal_grads(s, world_size)[1][rank], process_group=group)
+
+
+PHASES = [[8], [5, 3], [6, 2]]  # one spawn of 8 gloo ranks hosts world sizes 8, 5, 3, 6 and 2
+
+
+def phases_worker(rank, world_size):
+    import torch.distributed as dist
+    out = {}
+    for phase in PHASES:
+        start, mine = 0, None
+        for size in phase:  # every rank creates every group, in the same order
+            ranks = list(range(start, start + size))
+            group = dist.new_group(ranks) if size < world_size else dist.group.WORLD
+            if rank in ranks:
+                mine = (size, ranks.index(rank), group)
+            start += size
+        size, sub_rank, group = mine
+        out[size] = balanced_worker(sub_rank, size, group)
+        dist.barrier()
+    return out
+
+
+@pytest.fixture(scope="module")
+def balanced_results():
+    per_rank = run_on_ranks(phases_worker, 8, timeout=240)
+    results = {1: [bal_run(lambda s: bal_grads(s, 1)[0])]}
+    for phase in PHASES:
+        start = 0
+        for size in phase:
+            results[size] = [per_rank[r][size] for r in range(start, start + size)]
+            start += size
+    return results
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world_size", [1, 2, 3, 5, 6, 8])
+def test_balanced_ownership_equals_single_process_bitwise(world_size, balanced_results):
+    ref = bal_run(lambda s: bal_grads(s, world_size)[0])  # one process, the same global gradients
+    results = balanced_results[world_size]
+    expected = T.balanced_splits({label: (int(torch.tensor(shape[:-2]).prod()), T.orthogonalization_flops(*shape[-2:]))
+                                  for label, (shape, _) in BAL_SHAPES.items() if label != "table"}, world_size)
+    for rank, got in enumerate(results):
+        for label in BAL_SHAPES:
+            assert torch.equal(got["params"][label], ref["params"][label]), (world_size, rank, label)
+        for label, split in expected.items():
+            lo, k, splits = got["layout"][label]
+            assert (lo, k) == (sum(split[:rank]), split[rank]), (label, got["layout"][label])
+            assert splits == (split if world_size > 1 else None)  # one rank: nothing is sharded
+            for name, t in got["state"][label].items():  # this rank's slice of the reference state
+                assert torch.equal(t, ref["state"][label][name][lo:lo + k]), (world_size, rank, label, name)
+            # bytes: the rows this rank does not own (reduce-scatter), its own block to every other rank
+            matrix = BAL_SHAPES[label][0][-2] * BAL_SHAPES[label][0][-1] * got["params"][label].element_size()
+            n = sum(split)
+            assert got["bytes"].get((label, "reduce_scatter"), 0) == BAL_STEPS * (n - k) * matrix * (world_size > 1)
+            assert got["bytes"].get((label, "all_gather"), 0) == BAL_STEPS * k * (world_size - 1) * matrix
+    if world_size in (5, 6, 8):  # the sizes were chosen so that these worlds own uneven blocks
+        assert any(len(set(s)) > 1 for s in expected.values())
+
+
+# ----------------------------------------------------------------------------------------------
+# The training script: --bank_ownership padded (the record's, default) or balanced
+# ----------------------------------------------------------------------------------------------
+
+
+def test_bank_ownership_flag_sets_the_model_padding():
+    padded = T.count_parameters(T.Hyperparameters(), 8)
+    balanced = T.count_parameters(T.Hyperparameters(bank_ownership="balanced"), 8)
+    assert [padded[k][0] for k in ("qk_bank", "vo_bank", "mlp_bank")] == [64, 24, 24]  # the record's (1.3)
+    assert [balanced[k][0] for k in ("qk_bank", "vo_bank", "mlp_bank")] == [60, 20, 22]
+    assert T.bank_padding(22, 8, T.Hyperparameters()) == 24 and T.bank_padding(22, 8, T.Hyperparameters(bank_ownership="balanced")) == 22
+    with pytest.raises(ValueError, match="--bank_ownership 'even'"):
+        T.bank_padding(22, 8, T.Hyperparameters(bank_ownership="even"))
+
+
+TEST_ARGS = T.Hyperparameters(**{**T.PRESETS["test"], "bank_ownership": "balanced"})
+
+
+def model_step_worker(rank, world_size):
+    """The test preset's model with balanced ownership: two optimizer steps (NorMuon, then both)."""
+    torch.manual_seed(0)
+    model = T.GPT(TEST_ARGS, world_size)
+    opt = T.build_optimizer(TEST_ARGS, model, torch.device("cpu"))
+    params = model.params_by_label()
+    for step in range(2):
+        for i, (label, p) in enumerate(params.items()):
+            gen = torch.Generator().manual_seed(10 * step + i)
+            target = dyadic(p.shape, gen)
+            rest = [dyadic(p.shape, gen) for _ in range(world_size - 1)]
+            mine = rest[rank] if rank < world_size - 1 else world_size * target - sum(rest, torch.zeros(p.shape))
+            g = mine.to(p.dtype)
+            p.grad = g if p.grad is None else p.grad + g
+        opt.step(do_adam=step == 1)
+    return {label: p.data.clone() for label, p in params.items()}, {k: s.splits for k, s in opt.slots.items()}
+
+
+@pytest.mark.slow
+def test_balanced_model_on_three_ranks_equals_one():
+    one, _ = model_step_worker(0, 1)
+    for got, splits in run_on_ranks(model_step_worker, 3, timeout=120):
+        assert splits["qk_bank"] is not None and len(set(splits["qk_bank"] + splits["mlp_bank"])) > 1
+        for label in one:
+            assert torch.equal(got[label], one[label]), label
+
+
+def test_ownership_benchmark_prints_the_figures():
+    import subprocess
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bench_ownership.py")
+    out = subprocess.run([sys.executable, script], capture_output=True, text=True, timeout=120, check=True).stdout
+    rows = {int(line.split()[0]): line.replace("|", " ").split() for line in out.splitlines() if line.strip()[:1].isdigit()}
+    assert sorted(rows) == [1, 2, 3, 4, 5, 6, 7, 8, 16, 32, 64]
+    pe = lambda r, c: 5 * (4 * min(r, c) ** 2 * max(r, c) + 2 * min(r, c) ** 3)  # noqa: E731
+    # 8 ranks, padded: 8 Q/K groups, 3 V/O and 3 MLP matrices each (the record's split)
+    assert float(rows[8][1]) == round((8 * pe(256, 768) + 3 * pe(768, 768) + 3 * pe(3072, 768)) / 1e9, 1)
+    ideal8 = (60 * pe(256, 768) + 20 * pe(768, 768) + 22 * pe(3072, 768)) / 8 / 1e9
+    assert float(rows[8][4]) < 1.01 * ideal8 < float(rows[8][1])  # balanced max within 1% of the ideal
+
+
+# ----------------------------------------------------------------------------------------------
+# 3-D and 4-D banks: every slice is its own matrix
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_stacked_banks_update_slice_by_slice(dtype):
+    """A stack of matrices scaled 1e-3 ... 1e3 (as a 3-D and as a 4-D bank) steps exactly like each
+    matrix stepped alone: normalisation, orthogonalization and the second moment are per slice."""
+    g = torch.Generator().manual_seed(11)
+    scales = torch.tensor([1e-3, 1.0, 30.0, 1e3]).view(4, 1, 1)
+    p0 = (torch.randn(4, 12, 20, generator=g) * scales).to(dtype)
+    grads = [(torch.randn(4, 12, 20, generator=g) * scales).to(dtype) for _ in range(3)]
+
+    def run(shape, pieces):
+        params = {f"w{i}": torch.nn.Parameter(p.clone().reshape(shape)) for i, p in enumerate(pieces(p0))}
+        labels = list(params)
+        opt = T.NorMuonAdam(params, {k: T.ParamConfig("normuon", "none") for k in labels},
+                            scatter_order=labels, work_order=labels)
+        for gr in grads:
+            for (label, p), piece in zip(params.items(), pieces(gr)):
+                p.grad = piece.clone().reshape(shape)
+            opt.step(do_adam=False)
+        return torch.cat([p.data.reshape(-1, 12, 20) for p in params.values()])
+
+    alone = run((1, 12, 20), lambda t: t.split(1))
+    assert torch.equal(run((4, 12, 20), lambda t: [t]), alone)
+    assert torch.equal(run((2, 2, 12, 20), lambda t: [t]), alone)
+    # the stack as one 48 x 20 matrix shares one normalisation and polar factor: slice 0 moves half as far
+    whole = run((1, 48, 20), lambda t: [t])
+    step = lambda r: (r[0].double() - p0[0].double()).norm().item()  # noqa: E731
+    assert step(alone) > 1.8 * step(whole), (step(alone), step(whole))
+
+
+# ----------------------------------------------------------------------------------------------
+# QK-Clip
+# ----------------------------------------------------------------------------------------------
+
+
+def head_logits(x, wq, wk):
+    """Pre-softmax logits per head of an attention without QK-norm: (H, T, T) in float64."""
+    q = torch.einsum("td,hed->hte", x.double(), wq.double())
+    k = torch.einsum("td,hed->hte", x.double(), wk.double())
+    return q @ k.mT / wq.size(1) ** 0.5
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_qk_clip_brings_the_large_head_to_tau(world_size):
+    out = run_on_ranks(qk_clip_worker, world_size, timeout=60) if world_size > 1 else [qk_clip_worker(0, 1, None)]
+    for before, after, wq0, wq in out:
+        assert before[0].max() > 150 and before[1].max() < 100  # head 0 forced above tau = 100
+        assert after[0].max().item() == pytest.approx(100.0, rel=1e-5)  # clipped to tau exactly
+        assert torch.equal(wq[1], wq0[1]) and torch.equal(after[1], before[1])  # head 1 untouched
+
+
+def qk_clip_worker(rank, world_size, group="world"):
+    g = torch.Generator().manual_seed(5)
+    H, hd, D = 2, 8, 16
+    x = torch.randn(10, D, generator=g)
+    wq, wk = torch.randn(H, hd, D, generator=g) * 0.3, torch.randn(H, hd, D, generator=g) * 0.3
+    wq[0] *= 40.0  # a head whose logits blow up
+    before = head_logits(x, wq, wk)
+    params = {"wq": torch.nn.Parameter(wq.clone()), "wk": torch.nn.Parameter(wk.clone())}
+    opt = T.NorMuonAdam(params, {k: T.ParamConfig("normuon", "sharded") for k in params}, scatter_order=list(params),
+                        work_order=list(params), normuon_lr=0.0, qk_clip=True)  # lr 0: only the clip moves weights
+    for p in params.values():
+        p.grad = torch.randn(p.shape, generator=g)
+    m = before.flatten(1).max(dim=1).values.float().view(H, 1, 1)  # the step's largest logit per head
+    opt.step(do_adam=False, max_logits={"wq": m, "wk": m})
+    after = head_logits(x, params["wq"].data, params["wk"].data)
+    return before, after, wq, params["wq"].data.clone()
+
+
+def test_qk_clip_is_off_by_default():
+    p = {"wq": torch.nn.Parameter(torch.randn(2, 4, 8))}
+    opt = T.NorMuonAdam(p, {"wq": T.ParamConfig("normuon", "none")}, scatter_order=["wq"], work_order=["wq"])
+    assert opt.qk_clip_tau is None and T.QK_CLIP_TAU == 100.0
+    p["wq"].grad = torch.randn(2, 4, 8)
+    with pytest.raises(ValueError, match="needs qk_clip on"):
+        opt.step(do_adam=False, max_logits={"wq": torch.tensor(1e4)})
+
+
+# ----------------------------------------------------------------------------------------------
+# The optimizer on its own: README's example, on one process and on two
+# ----------------------------------------------------------------------------------------------
+
+
+def readme_example() -> str:
+    with open(README) as f:
+        text = f.read()
+    section = text.split("### Using the optimizer on its own", 1)[1]
+    return re.search(r"```python\n(.*?)```", section, re.S).group(1)
+
+
+def run_readme_example(rank, world_size):
+    import contextlib
+    import io
+    scope = {}
+    with contextlib.redirect_stdout(io.StringIO()) as out:
+        exec(compile(readme_example(), "README.md", "exec"), scope)
+    owners = {label: s.splits for label, s in scope["opt"].slots.items() if s.splits}
+    return out.getvalue(), {k: p.data.clone() for k, p in scope["params"].items()}, owners
+
+
+def test_readme_example_runs_on_one_and_two_ranks():
+    printed, one, _ = run_on_ranks(run_readme_example, 1, timeout=60)[0]  # one intra-op thread, like the ranks
+    assert printed == "loss after 30 steps: 0.79\n"  # the figure the README states
+    (printed0, p0, owners), (printed1, p1, _) = run_on_ranks(run_readme_example, 2, timeout=60)
+    assert printed0 == printed1 == printed
+    assert owners == {"0.weight": (0, 1), "2.weight": (1, 0)}  # the README's statement
+    for label in one:  # identical data on both ranks: the averages are exact, so every bit agrees
+        assert torch.equal(p0[label], one[label]) and torch.equal(p1[label], one[label]), label
+
+
+# ----------------------------------------------------------------------------------------------
+# Tensor-parallel orthogonalization (a matrix split over ranks)
+# ----------------------------------------------------------------------------------------------
+
+
+def poly64(G):
+    """Polar Express's polynomial in float64 on whole matrices (left form; the same function as the right)."""
+    X = G.double()
+    X = X / (X.norm(dim=(-2, -1), keepdim=True) * 1.02 + 1e-6)
+    for a, b, c in T.POLAR_EXPRESS_COEFFS:
+        A = X @ X.mT
+        X = a * X + (b * A + c * A @ A) @ X
+    return X
+
+
+def tp_worker(rank, world_size):
+    out = {}
+    for shape in ((2, 24, 40), (2, 40, 24)):
+        G = torch.randn(shape, generator=torch.Generator().manual_seed(3))
+        for dim in (-2, -1):
+            shard = G.chunk(world_size, dim=dim)[rank]
+            res = {mode: T.tensor_parallel_orthogonalize(shard, mode, dim) for mode in T.TP_MODES}
+            res["distributed32"] = T.tensor_parallel_orthogonalize(shard, "distributed", dim, dtype=torch.float32)
+            out[shape, dim] = (shard, res)
+    return out
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_tensor_parallel_modes_against_the_unsharded_matrix(world_size):
+    def rel(a, b):
+        return ((a.double() - b.double()).norm() / b.double().norm()).item()
+    for rank, out in enumerate(run_on_ranks(tp_worker, world_size, timeout=60)):
+        for (shape, dim), (shard, res) in out.items():
+            G = torch.randn(shape, generator=torch.Generator().manual_seed(3))
+            mine = lambda full: full.chunk(world_size, dim=dim)[rank]  # noqa: E731
+            # duplicated: the unsharded bf16 Polar Express, bit for bit
+            assert torch.equal(res["duplicated"], mine(T.polar_express(G)))
+            # distributed: the same polynomial; in fp32 within 1e-5 of float64, in bf16 within bf16 noise
+            assert rel(res["distributed32"], mine(poly64(G))) < 1e-5
+            assert rel(res["distributed"], mine(T.polar_express(G))) < 0.03
+            # blockwise: each shard orthogonalized on its own, which is not the whole matrix's factor
+            assert torch.equal(res["blockwise"], T.polar_express(shard))
+            assert rel(res["blockwise"], mine(poly64(G))) > 0.1
