@@ -1,8 +1,9 @@
 """Fused kernels for train_gpt.py, each beside a plain-PyTorch reference of the same function.
 
 Every public function `name(...)` dispatches on the device of its main input: CUDA tensors run the
-Triton kernel (`name_triton`), anything else runs `name_reference`, so the same model code trains
-anywhere and the CPU demo stays fast. The `name_triton` functions always take the Triton path; on a
+Triton kernel (`name_triton`), anything else runs `name_reference` (or, for the MLP and the
+cross-entropy, a torch twin of the kernel that saves what the kernel saves), so the same model code
+trains anywhere and the CPU demo stays fast. The `name_triton` functions always take the Triton path; on a
 CPU tensor that only works under the Triton interpreter (TRITON_INTERPRET=1 set before this module
 is imported), which is how the tests prove the kernels on machines without a GPU.
 
