@@ -67,7 +67,7 @@ class Hyperparameters:
     window_block_size: int = 128                   # sliding windows are counted in blocks of this many tokens
     windows_init: tuple = (1, 3)                   # (short, long) windows in blocks at init; long = YaRN reference
     attn_scale: float = 0.1                        # softmax scale at windows_init (x sqrt(128/head_dim)); YaRN grows it
-    fp8: bool = True                               # FP8 LM head in training on GPUs with FP8 tensor cores
+    fp8: bool = True                               # FP8 LM head and MLPs in training on GPUs with FP8 tensor cores
     # schedule (README "Schedule"): three equal stages, then a short extension at the final settings
     num_iterations: int = 1270                     # scheduled steps; stage boundaries scale with it
     extension_iterations: int = 15
@@ -469,19 +469,21 @@ def _native_fp8(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
 
 
-def _scaled_matmul(a: torch.Tensor, b: torch.Tensor, scale_a: float, scale_b: float,
+def _scaled_matmul(a: torch.Tensor, b: torch.Tensor, scale_a: float | torch.Tensor, scale_b: float | torch.Tensor,
                    out_dtype: torch.dtype, fast_accum: bool) -> torch.Tensor:
     """(a * scale_a) @ (b * scale_b) for float8 a, b: cuBLAS where it can, else exact emulation.
 
-    The emulation dequantises to fp32 and multiplies in fp32: float8 products are exact in fp32, so it
-    differs from the tensor-core result only by summation order (and fast-accum rounding)."""
+    Scales are Python floats (static) or one-element fp32 tensors on a's device (delayed scales, which
+    the host never reads back). The emulation dequantises to fp32 and multiplies in fp32: float8
+    products are exact in fp32, so it differs from the tensor-core result only by summation order (and
+    fast-accum rounding)."""
     # torch.full launches a fill kernel; torch.tensor(..., device="cuda") would be a blocking copy
-    sa = torch.full((), scale_a, dtype=torch.float32, device=a.device)
-    sb = torch.full((), scale_b, dtype=torch.float32, device=a.device)
+    sa, sb = (s if isinstance(s, torch.Tensor) else torch.full((), s, dtype=torch.float32, device=a.device)
+              for s in (scale_a, scale_b))
     check_scaled_mm_args(a, b, sa, sb)
     if _native_fp8(a.device):
         return torch._scaled_mm(a, b, sa, sb, out_dtype=out_dtype, use_fast_accum=fast_accum)
-    return ((a.float() @ b.float()) * (scale_a * scale_b)).to(out_dtype)
+    return ((a.float() @ b.float()) * (sa * sb)).to(out_dtype)
 
 
 @torch.library.custom_op("speedrun::fp8_mm", mutates_args=())
@@ -545,6 +547,121 @@ def fp8_matmul(x: torch.Tensor, w: torch.Tensor, x_s: float, w_s: float, grad_s:
     """x (..., K) @ w (K, N) -> (..., N) bf16 through the float8 op (differentiable in x and w)."""
     y = fp8_mm(x.reshape(-1, x.shape[-1]), w, x_s, w_s, grad_s)[0]
     return y.view(*x.shape[:-1], w.shape[1])
+
+
+# ---- FP8 MLP (record #89; README "Model", FP8) -----------------------------------------------
+# Training forward only (evaluation stays bf16). Up-projection: x is quantised with its own current
+# amax, x_f8 = e4m3(x * 448 / amax|x|); W1 with a per-layer s1 = amax|W1| / 448 taken in the bank's
+# bf16 after every optimizer step; the kernel accumulates in fp32, dequantises by s1 * amax|x| / 448
+# and keeps post = relu(pre)^2 in bf16 plus an e4m3 copy for the down-projection. Down-projection:
+# torch._scaled_mm with delayed per-layer scales, so no scale waits on a reduction of its own input:
+#   activations  a_l = max(amax of post in the previous training forward, 1e-12) * 1.80 / 448 (1.0
+#                before the first), post_f8 = e4m3(min(post / a_l, 448));
+#   weights      W2_f8 = e4m3(clamp(W2 / w_l, +-448)) where w_l was computed at the previous
+#                quantization as max(amax|W2|, 1e-12) * 1.12 / 448; the first FP8_BOOTSTRAP_STEPS
+#                optimizer steps use the current amax / 448 instead (W2 starts at zero, so a
+#                one-step-old amax is far too small while it grows).
+# The backward is bf16 from the saved post and the bf16 weights (triton_kernels.relu2_mlp_backward).
+
+FP8_ACT_HEADROOM = 1.80       # post may grow this much over the previous forward's amax before clipping
+FP8_DOWN_W_HEADROOM = 1.12    # W2 may grow this much over one optimizer step before clipping
+FP8_BOOTSTRAP_STEPS = 16      # optimizer steps 0..15 quantise W2 with its current amax
+FP8_SCALE_FLOOR = 1e-12       # an all-zero tensor (W2 at init) still gets a finite scale
+E4M3_MAX = triton_kernels.E4M3_MAX
+
+
+@torch.library.custom_op("speedrun::fp8_mlp", mutates_args=())
+def fp8_mlp(x: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, up_f8: torch.Tensor,
+            up_scale: torch.Tensor, down_f8_t: torch.Tensor, down_scale: torch.Tensor,
+            act_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """relu(x w_up^T)^2 w_down in FP8 for bf16 x (T, D). Returns (y (T, D) bf16, post (T, H) bf16,
+    amax of post (0-D fp32)).
+
+    The forward reads only the quantised copies: up_f8 (H, D) e4m3 with scale up_scale, down_f8_t
+    (D, H) e4m3 (W2 transposed, so its .mT is the column-major (H, D) operand cuBLAS wants) with scale
+    down_scale, and act_scale for post; scales are 0-D fp32 tensors. w_up and w_down (bf16, (H, D))
+    are inputs for the backward, which computes their gradients in bf16 from post."""
+    amax_x = x.abs().amax().float()
+    x_f8 = (x.float() * (E4M3_MAX / amax_x)).to(torch.float8_e4m3fn)
+    post, post_f8, post_amax = triton_kernels.relu2_fp8_up(x_f8, up_f8, up_scale * amax_x / E4M3_MAX, act_scale)
+    y = _scaled_matmul(post_f8, down_f8_t.mT, act_scale, down_scale, torch.bfloat16, fast_accum=True)
+    return y, post, post_amax
+
+
+@fp8_mlp.register_fake
+def _fp8_mlp_fake(x, w_up, w_down, up_f8, up_scale, down_f8_t, down_scale, act_scale):
+    T, H = x.shape[0], up_f8.shape[0]
+    return (x.new_empty((T, down_f8_t.shape[0]), dtype=torch.bfloat16), x.new_empty((T, H), dtype=torch.bfloat16),
+            x.new_empty((), dtype=torch.float32))
+
+
+def _fp8_mlp_setup_context(ctx, inputs, output):
+    x, w_up, w_down = inputs[:3]
+    _, post, post_amax = output
+    ctx.mark_non_differentiable(post, post_amax)
+    ctx.save_for_backward(x, w_up, w_down, post)
+
+
+def _fp8_mlp_autograd(ctx, grad_y, grad_post, grad_amax):
+    x, w_up, w_down, post = ctx.saved_tensors
+    return *triton_kernels.relu2_mlp_backward(grad_y, x, w_up, w_down, post), None, None, None, None, None
+
+
+fp8_mlp.register_autograd(_fp8_mlp_autograd, setup_context=_fp8_mlp_setup_context)
+
+
+class FP8MLPState(nn.Module):
+    """Per-layer FP8 state of the MLPs: quantised weights, their scales, the delayed activation scales.
+
+    All buffers are persistent, so model.state_dict() carries them: the reset after the compile
+    warm-up and checkpoints restore them with the weights (activation scales back to 1.0 at a fresh
+    start, as in the record). Call quantize() after every optimizer step, and once before the first
+    FP8 forward; call mlp() per layer in the training forward.
+    """
+
+    def __init__(self, num_layers: int, hidden: int, dim: int):
+        super().__init__()
+        e4m3 = torch.float8_e4m3fn
+        self.register_buffer("up_f8", torch.zeros(num_layers, hidden, dim, dtype=e4m3))
+        self.register_buffer("up_scale", torch.ones(num_layers))
+        self.register_buffer("down_f8_t", torch.zeros(num_layers, dim, hidden, dtype=e4m3))  # W2^T per layer
+        self.register_buffer("down_scale", torch.ones(num_layers))       # the scale down_f8_t was made with
+        self.register_buffer("down_next_scale", torch.ones(num_layers))  # headroom scale for the next quantize
+        self.register_buffer("act_scale", torch.ones(num_layers))
+
+    def mlp(self, layer: int, x: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
+        """Layer `layer`'s MLP on x (T, D) bf16 with w_up, w_down (H, D) (its mlp_bank entries, which
+        receive the gradients). Records this forward's amax of post as the next forward's act scale."""
+        H, D = self.up_f8.shape[1:]
+        if x.dim() != 2 or x.shape[1] != D:
+            raise ValueError(f"FP8MLPState.mlp: x must be (T, {D}), got {tuple(x.shape)}")
+        if w_up.shape != (H, D) or w_down.shape != (H, D):
+            raise ValueError(f"FP8MLPState.mlp: w_up and w_down must be ({H}, {D}), got {tuple(w_up.shape)} and {tuple(w_down.shape)}")
+        if not (x.dtype == w_up.dtype == w_down.dtype == torch.bfloat16):
+            raise ValueError(f"FP8MLPState.mlp: x, w_up, w_down must be bf16, got {x.dtype}, {w_up.dtype}, {w_down.dtype}")
+        y, _, post_amax = fp8_mlp(x, w_up, w_down, self.up_f8[layer], self.up_scale[layer], self.down_f8_t[layer],
+                                  self.down_scale[layer], self.act_scale[layer])
+        self.act_scale[layer] = post_amax.clamp_min(FP8_SCALE_FLOOR) * (FP8_ACT_HEADROOM / E4M3_MAX)
+        return y
+
+    @torch.no_grad()
+    def quantize(self, mlp_bank: torch.Tensor, bootstrap: bool) -> None:
+        """Refresh the e4m3 copies from mlp_bank ([2i] = W1 (H, D), [2i+1] = W2 stored (H, D)).
+        bootstrap: scale W2 by its current amax / 448 (optimizer steps < FP8_BOOTSTRAP_STEPS); else
+        by the headroom scale the previous call computed. Either way the next headroom scale is taken."""
+        L, H, D = self.up_f8.shape
+        if mlp_bank.dim() != 3 or mlp_bank.shape[0] < 2 * L or tuple(mlp_bank.shape[1:]) != (H, D):
+            raise ValueError(f"FP8MLPState.quantize: mlp_bank must be (>= {2 * L}, {H}, {D}), got {tuple(mlp_bank.shape)}")
+        w_up, w_down = mlp_bank[0: 2 * L: 2], mlp_bank[1: 2 * L: 2]
+        s1 = w_up.abs().amax(dim=(1, 2)).clamp_min(FP8_SCALE_FLOOR) / E4M3_MAX  # in the bank's dtype, as the record
+        self.up_f8.copy_((w_up / s1[:, None, None]).to(torch.float8_e4m3fn))
+        self.up_scale.copy_(s1)
+        amax = w_down.abs().amax(dim=(1, 2)).float().clamp_min(FP8_SCALE_FLOOR)
+        scale = amax / E4M3_MAX if bootstrap else self.down_next_scale.clone()
+        w_f8 = (w_down.float() / scale[:, None, None]).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+        self.down_f8_t.copy_(w_f8.mT)
+        self.down_scale.copy_(scale)
+        self.down_next_scale.copy_(amax * (FP8_DOWN_W_HEADROOM / E4M3_MAX))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -2021,6 +2138,7 @@ class GPT(nn.Module):
             "vo_bank": vo_roles + ["pad"] * (n_vo - len(vo_roles)),
             "mlp_bank": mlp_roles + ["pad"] * (n_mlp - len(mlp_roles)),
         }
+        self.fp8_mlp = FP8MLPState(L, args.mlp_hidden, D)  # FP8 MLP weights and scales (README "Model", FP8)
 
         # Window state: changed in place by set_windows so compiled graphs see new values, not new code.
         self.register_buffer("rotary_freq", rotary_base_frequencies(hd))
@@ -2179,11 +2297,14 @@ class GPT(nn.Module):
             y = y * coef("gate", i)[..., None]
         return F.linear(y.reshape(T, H * hd), lam_o * w["vo"][2 * j + 1])
 
-    def _mlp(self, xn: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
+    def _mlp(self, i: int, xn: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, fp8: bool) -> torch.Tensor:
+        if fp8:  # training on GPUs with FP8 tensor cores (README "FP8")
+            return self.fp8_mlp.mlp(i, xn, w_up, w_down)
         return triton_kernels.relu2_mlp(xn, w_up, w_down)
 
-    def hidden(self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor, bigram_ids: torch.Tensor) -> torch.Tensor:
-        """Final normalised hidden states (T, D), the input of the LM head."""
+    def hidden(self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor, bigram_ids: torch.Tensor,
+               fp8: bool = False) -> torch.Tensor:
+        """Final normalised hidden states (T, D), the input of the LM head; fp8: FP8 MLPs (training)."""
         a, s, table = self.args, self.scalars, self.table
         L, H, hd = len(table), a.num_heads, a.head_dim
         ids = input_ids.view(-1)
@@ -2241,7 +2362,7 @@ class GPT(nn.Module):
                 x = resid[i, 0] * x + post[i, 0] * y + coef("x0", i) * x0
                 if i > 0 and xb is not None:
                     x = x + coef("bigram", i) * xb
-            out = self._mlp(norm(x), mlp[2 * i], mlp[2 * i + 1])
+            out = self._mlp(i, norm(x), mlp[2 * i], mlp[2 * i + 1], fp8)
             x = m[12] * x + m[13] * out if "mudd" in row else resid[i, 1] * x + post[i, 1] * out
             if "save_skip" in row:
                 skip_src = x
@@ -2261,8 +2382,9 @@ class GPT(nn.Module):
 
     def forward(self, input_ids, target_ids, cu_seqlens, bigram_ids, mtp_weights=None, loss_scale: float = 1.0):
         """Training (mtp_weights (K,) fp32 given): loss_scale * sum over tokens of the softcapped
-        multi-token CE, FP8 head on capable GPUs. Evaluation (mtp_weights None): mean next-token fp32 CE."""
-        x = self.hidden(input_ids, cu_seqlens, bigram_ids)
+        multi-token CE, FP8 head and MLPs on capable GPUs. Evaluation (mtp_weights None): mean next-token fp32 CE."""
+        fp8 = mtp_weights is not None and self.args.fp8 and _native_fp8(input_ids.device)
+        x = self.hidden(input_ids, cu_seqlens, bigram_ids, fp8=fp8)
         if mtp_weights is None:  # chunked: full fp32 logits of a long sequence would take gigabytes
             targets = target_ids.view(-1).long()
             total = x.new_zeros((), dtype=torch.float32)
@@ -2891,6 +3013,10 @@ def train(args: Hyperparameters, d: DistInfo) -> float:
     if dist.is_initialized():
         for p in model.parameters():
             dist.broadcast(p.data, src=0)
+    fp8_mlp = args.fp8 and _native_fp8(d.device)
+    if fp8_mlp:  # step 0's forward already reads the e4m3 weights: quantise the initial ones (W2 is zero,
+        # so only W1 matters); before the warm-up snapshot, so the reset brings this state back too
+        model.fp8_mlp.quantize(model.mlp_bank, bootstrap=True)
     log = RunLog(args, run_id, d, notes=[dtype_note] if dtype_note else [])
     progress = Progress(d.is_master)
     if dtype_note:
@@ -2919,6 +3045,8 @@ def train(args: Hyperparameters, d: DistInfo) -> float:
                           grad_scale, d.device)
         if step == untie_step(args):
             opt.untie()
+        if fp8_mlp:  # after the optimizer step (the record's per-step order), for the next forward
+            model.fp8_mlp.quantize(model.mlp_bank, bootstrap=step < FP8_BOOTSTRAP_STEPS)
         return plan, loss / (grad_scale * plan.batch_tokens / d.world_size)  # mean per token of this rank
 
     if args.compile:

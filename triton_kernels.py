@@ -1,8 +1,9 @@
 """Fused kernels for train_gpt.py, each beside a plain-PyTorch reference of the same function.
 
 Every public function `name(...)` dispatches on the device of its main input: CUDA tensors run the
-Triton kernel (`name_triton`), anything else runs `name_reference`, so the same model code trains
-anywhere and the CPU demo stays fast. The `name_triton` functions always take the Triton path; on a
+Triton kernel (`name_triton`), anything else runs `name_reference` (or, for the MLP and the
+cross-entropy, a torch twin of the kernel that saves what the kernel saves), so the same model code
+trains anywhere and the CPU demo stays fast. The `name_triton` functions always take the Triton path; on a
 CPU tensor that only works under the Triton interpreter (TRITON_INTERPRET=1 set before this module
 is imported), which is how the tests prove the kernels on machines without a GPU.
 
@@ -345,6 +346,15 @@ _EPI_NONE, _EPI_RELU2, _EPI_RELU2_GRAD = 0, 1, 2
 
 
 @triton.jit
+def _grouped_tile(tile, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
+    """(row, column) tile indices of linear tile `tile`, walking GROUP_M-row groups column by column."""
+    per_group = GROUP_M * num_pid_n
+    first_m = (tile // per_group) * GROUP_M
+    group_rows = tl.minimum(num_pid_m - first_m, GROUP_M)
+    return first_m + (tile % per_group) % group_rows, (tile % per_group) // group_rows
+
+
+@triton.jit
 def _mm_epilogue_kernel(
     a_ptr, b_ptr, c_ptr, aux_ptr,
     M, N, K,
@@ -362,15 +372,8 @@ def _mm_epilogue_kernel(
     nprog = tl.num_programs(0)
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
-    total = num_pid_m * num_pid_n
-    per_group = GROUP_M * num_pid_n
-    for tile in tl.range(pid, total, nprog):
-        group = tile // per_group
-        first_m = group * GROUP_M
-        group_rows = tl.minimum(num_pid_m - first_m, GROUP_M)
-        pid_m = first_m + (tile % per_group) % group_rows
-        pid_n = (tile % per_group) // group_rows
-
+    for tile in tl.range(pid, num_pid_m * num_pid_n, nprog):
+        pid_m, pid_n = _grouped_tile(tile, num_pid_m, num_pid_n, GROUP_M)
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         offs_k = tl.arange(0, BLOCK_K)
@@ -432,54 +435,68 @@ def _launch_mm(a: Tensor, b: Tensor, c: Tensor, epilogue: int, aux: Tensor | Non
     return c
 
 
+def _relu2_post(x: Tensor, w_up: Tensor, kernel: bool) -> Tensor:
+    """post = relu(x @ w_up^T)^2 in x's dtype: the fused kernel, or the same math in torch ops."""
+    if kernel:
+        post = torch.empty(x.shape[0], w_up.shape[0], dtype=x.dtype, device=x.device)
+        return _launch_mm(x, w_up.mT, post, _EPI_RELU2)
+    return torch.relu(x @ w_up.mT).square()
+
+
+def _relu2_dpre(dy: Tensor, w_down: Tensor, post: Tensor, kernel: bool) -> Tensor:
+    """dpre = 2 (dy @ w_down^T) sqrt(post): relu(pre) = sqrt(post), so the backward needs no pre."""
+    if kernel:
+        return _launch_mm(dy, w_down.mT, torch.empty_like(post), _EPI_RELU2_GRAD, aux=post)
+    acc = torch.promote_types(post.dtype, torch.float32)  # one rounding at the end, as in the kernel
+    return (2.0 * (dy @ w_down.mT).to(acc) * post.to(acc).sqrt()).to(post.dtype)
+
+
+# `kernel` picks the Triton kernels (CUDA, or the interpreter in tests) or their torch twins (CPU):
+# both keep only the post-activation for the backward, so a CPU run saves what a GPU run saves.
 @torch.library.custom_op("speedrun::relu2_mlp_fwd", mutates_args=())
-def _relu2_mlp_fwd_op(x: Tensor, w_up: Tensor, w_down: Tensor) -> tuple[Tensor, Tensor]:
-    """Returns (y, post): post = relu(x @ w_up^T)^2 from the fused kernel, y = post @ w_down."""
-    post = torch.empty(x.shape[0], w_up.shape[0], dtype=x.dtype, device=x.device)
-    _launch_mm(x, w_up.mT, post, _EPI_RELU2)
+def _relu2_mlp_fwd_op(x: Tensor, w_up: Tensor, w_down: Tensor, kernel: bool) -> tuple[Tensor, Tensor]:
+    """Returns (y, post): post = relu(x @ w_up^T)^2, y = post @ w_down."""
+    post = _relu2_post(x, w_up, kernel)
     return post @ w_down, post
 
 
 @_relu2_mlp_fwd_op.register_fake
-def _(x, w_up, w_down):
+def _(x, w_up, w_down, kernel):
     post = x.new_empty(x.shape[0], w_up.shape[0])
     return x.new_empty(x.shape[0], w_down.shape[1]), post
 
 
 @torch.library.custom_op("speedrun::relu2_mlp_bwd", mutates_args=())
-def _relu2_mlp_bwd_op(dy: Tensor, x: Tensor, w_up: Tensor, w_down: Tensor, post: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """Returns (dx, dw_up, dw_down) with dpre = 2 * (dy @ w_down^T) * sqrt(post) fused into a kernel."""
+def _relu2_mlp_bwd_op(dy: Tensor, x: Tensor, w_up: Tensor, w_down: Tensor, post: Tensor,
+                      kernel: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """Returns (dx, dw_up, dw_down) from the saved post-activation alone."""
     dy = dy.to(x.dtype)
-    dpre = torch.empty_like(post)
-    _launch_mm(dy, w_down.mT, dpre, _EPI_RELU2_GRAD, aux=post)
-    dx = dpre @ w_up
-    dw_up = dpre.mT @ x
-    dw_down = post.mT @ dy
-    return dx, dw_up, dw_down
+    dpre = _relu2_dpre(dy, w_down, post, kernel)
+    return dpre @ w_up, dpre.mT @ x, post.mT @ dy
 
 
 @_relu2_mlp_bwd_op.register_fake
-def _(dy, x, w_up, w_down, post):
+def _(dy, x, w_up, w_down, post, kernel):
     return torch.empty_like(x), torch.empty_like(w_up), torch.empty_like(w_down)
 
 
 def _relu2_mlp_setup(ctx, inputs, output):
-    x, w_up, w_down = inputs
+    x, w_up, w_down, kernel = inputs
     _, post = output
     ctx.save_for_backward(x, w_up, w_down, post)
     ctx.mark_non_differentiable(post)
+    ctx.kernel = kernel
 
 
 def _relu2_mlp_backward(ctx, dy, _dpost):
     x, w_up, w_down, post = ctx.saved_tensors
-    return torch.ops.speedrun.relu2_mlp_bwd(dy, x, w_up, w_down, post)
+    return *torch.ops.speedrun.relu2_mlp_bwd(dy, x, w_up, w_down, post, ctx.kernel), None
 
 
 _relu2_mlp_fwd_op.register_autograd(_relu2_mlp_backward, setup_context=_relu2_mlp_setup)
 
 
-def relu2_mlp_triton(x: Tensor, w_up: Tensor, w_down: Tensor) -> Tensor:
-    """Triton path of `relu2_mlp`; runs on CUDA, or on CPU under TRITON_INTERPRET=1."""
+def _relu2_mlp(x: Tensor, w_up: Tensor, w_down: Tensor, kernel: bool) -> Tensor:
     if w_up.dim() != 2 or w_down.dim() != 2 or w_up.shape != w_down.shape:
         raise ValueError(f"relu2_mlp: w_up and w_down must both be (H, D), got {tuple(w_up.shape)} and {tuple(w_down.shape)}")
     if x.shape[-1] != w_up.shape[1]:
@@ -487,20 +504,152 @@ def relu2_mlp_triton(x: Tensor, w_up: Tensor, w_down: Tensor) -> Tensor:
     if not (x.dtype == w_up.dtype == w_down.dtype):
         raise ValueError(f"relu2_mlp: x, w_up, w_down must share one dtype, got {x.dtype}, {w_up.dtype}, {w_down.dtype}")
     lead = x.shape[:-1]
-    y, _ = torch.ops.speedrun.relu2_mlp_fwd(x.reshape(-1, x.shape[-1]), w_up, w_down)
+    y, _ = torch.ops.speedrun.relu2_mlp_fwd(x.reshape(-1, x.shape[-1]), w_up, w_down, kernel)
     return y.reshape(*lead, w_down.shape[1])
+
+
+def relu2_mlp_triton(x: Tensor, w_up: Tensor, w_down: Tensor) -> Tensor:
+    """Triton path of `relu2_mlp`; runs on CUDA, or on CPU under TRITON_INTERPRET=1."""
+    return _relu2_mlp(x, w_up, w_down, kernel=True)
 
 
 def relu2_mlp(x: Tensor, w_up: Tensor, w_down: Tensor) -> Tensor:
     """y = relu(x @ w_up^T)^2 @ w_down; x (..., D), w_up (H, D), w_down (H, D), one dtype (bf16).
 
-    Differentiable in x, w_up and w_down. On CUDA the first matmul and the squared ReLU are one
-    kernel that stores only the post-activation; the backward recovers relu(pre) as sqrt(post)
-    inside the fused dpre kernel.
+    Differentiable in x, w_up and w_down. Only the post-activation is kept for the backward, which
+    recovers relu(pre) as sqrt(post) (the record's "post-only" MLP; pre is never stored). On CUDA the
+    first matmul and the squared ReLU are one kernel, and dpre is fused into the backward's matmul;
+    elsewhere the same math runs in torch ops.
     """
-    if x.is_cuda:
-        return relu2_mlp_triton(x, w_up, w_down)
-    return relu2_mlp_reference(x, w_up, w_down)
+    return _relu2_mlp(x, w_up, w_down, kernel=x.is_cuda)
+
+
+def relu2_mlp_backward(dy: Tensor, x: Tensor, w_up: Tensor, w_down: Tensor, post: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """(dx, dw_up, dw_down) of relu2_mlp for 2-D x from its post-activation; also the FP8 MLP's backward."""
+    return torch.ops.speedrun.relu2_mlp_bwd(dy, x, w_up, w_down, post, x.is_cuda)
+
+
+# ----------------------------------------------------------------------------------------------
+# FP8 MLP up-projection (README "Model", FP8): e4m3 x e4m3 with fp32 accumulation, the squared ReLU,
+# and the e4m3 copy of the post-activation for the down-projection, in one kernel
+# ----------------------------------------------------------------------------------------------
+
+E4M3_MAX = 448.0  # largest finite float8_e4m3fn
+
+
+def relu2_fp8_up_reference(x_f8: Tensor, w_up_f8: Tensor, dequant: Tensor, act_scale: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """(post, post_f8, amax) of the FP8 up-projection, in plain torch ops.
+
+    pre = bf16(dequant * (x_f8 @ w_up_f8^T)) with fp32 accumulation (float8 products are exact in fp32);
+    post = relu(pre)^2 rounded to bf16; post_f8 = e4m3(min(post * (1 / act_scale), 448)); amax = max(post)
+    (post >= 0), fp32. dequant and act_scale are one-element fp32 tensors.
+    """
+    acc = (x_f8.float() @ w_up_f8.float().mT) * dequant
+    r = torch.relu(acc.to(torch.bfloat16)).float()
+    post = (r * r).to(torch.bfloat16)  # a bf16 square: r*r is exact in fp32, rounded once
+    post_f8 = (post.float() * (1.0 / act_scale)).clamp(max=E4M3_MAX).to(torch.float8_e4m3fn)
+    return post, post_f8, post.amax().float()
+
+
+@triton.jit
+def _fp8_relu2_kernel(
+    a_ptr, b_ptr, post_ptr, q_ptr, amax_ptr, dequant_ptr, act_scale_ptr,
+    M, N, K,
+    sam, sak, sbk, sbn, spm, spn, sqm, sqn,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    """post = relu(bf16(dequant * (A @ B)))^2 (bf16) and Q = e4m3(min(post * (1 / act_scale), 448)) for e4m3
+    A (M, K), B (K, N); persistent over GROUP_M-swizzled tiles. Program p writes the max of post over
+    its tiles to amax[p] (post >= 0 and masked elements are 0, so padding never raises it)."""
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    dequant = tl.load(dequant_ptr)
+    inv_act = 1.0 / tl.load(act_scale_ptr)
+    row_max = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    for tile in tl.range(pid, num_pid_m * num_pid_n, nprog):
+        pid_m, pid_n = _grouped_tile(tile, num_pid_m, num_pid_n, GROUP_M)
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_k = tl.arange(0, BLOCK_K)
+        rows = offs_m.to(tl.int64)
+        a_tile = a_ptr + rows[:, None] * sam + offs_k[None, :] * sak
+        b_tile = b_ptr + offs_k[:, None] * sbk + offs_n[None, :] * sbn
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k_ok = offs_k + k0 < K
+            a = tl.load(a_tile, mask=(offs_m[:, None] < M) & k_ok[None, :], other=0.0)
+            b = tl.load(b_tile, mask=k_ok[:, None] & (offs_n[None, :] < N), other=0.0)
+            acc = tl.dot(a, b, acc, out_dtype=tl.float32)
+            a_tile += BLOCK_K * sak
+            b_tile += BLOCK_K * sbk
+
+        r = tl.maximum((acc * dequant).to(tl.bfloat16).to(tl.float32), 0.0)
+        post = (r * r).to(tl.bfloat16)
+        in_bounds = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+        tl.store(post_ptr + rows[:, None] * spm + offs_n[None, :] * spn, post, mask=in_bounds)
+        post32 = post.to(tl.float32)
+        q = tl.minimum(post32 * inv_act, 448.0).to(tl.float8e4nv)
+        tl.store(q_ptr + rows[:, None] * sqm + offs_n[None, :] * sqn, q, mask=in_bounds)
+        row_max = tl.maximum(row_max, tl.max(post32, axis=1))
+    tl.store(amax_ptr + pid, tl.max(row_max, axis=0))
+
+
+def _fp8_up_config(M: int, N: int, device: torch.device) -> dict:
+    """The MLP tiles with K tiles twice as deep: an e4m3 tile of 128 columns is as many bytes as a bf16
+    tile of 64, so the pipeline keeps the bf16 kernel's shared-memory footprint per stage."""
+    cfg = _mm_config(M, N, 0, device)
+    if device.type == "cuda":
+        cfg["BLOCK_K"] *= 2
+    return cfg
+
+
+def _check_fp8_up_args(x_f8: Tensor, w_up_f8: Tensor, dequant: Tensor, act_scale: Tensor) -> None:
+    for name, t in (("x_f8", x_f8), ("w_up_f8", w_up_f8)):
+        if t.dim() != 2 or t.dtype != torch.float8_e4m3fn:
+            raise ValueError(f"relu2_fp8_up: {name} must be a 2-D float8_e4m3fn tensor, got {t.dtype} {tuple(t.shape)}")
+    if x_f8.shape[1] != w_up_f8.shape[1]:
+        raise ValueError(f"relu2_fp8_up: x_f8 has {x_f8.shape[1]} features but w_up_f8 expects {w_up_f8.shape[1]}")
+    for name, t in (("dequant", dequant), ("act_scale", act_scale)):
+        if t.dtype != torch.float32 or t.numel() != 1:
+            raise ValueError(f"relu2_fp8_up: {name} must be one float32 value, got {t.dtype} with {t.numel()} elements")
+
+
+def relu2_fp8_up_triton(x_f8: Tensor, w_up_f8: Tensor, dequant: Tensor, act_scale: Tensor,
+                        config: dict | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """Triton path of `relu2_fp8_up`: (post, post_f8, per-program maxima of post (programs,) fp32)."""
+    _check_fp8_up_args(x_f8, w_up_f8, dequant, act_scale)
+    _check_runnable(_fp8_relu2_kernel, x_f8, w_up_f8, dequant, act_scale)
+    M, K = x_f8.shape
+    N = w_up_f8.shape[0]
+    cfg = dict(config) if config is not None else _fp8_up_config(M, N, x_f8.device)
+    programs = _num_programs(x_f8.device, triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"]))
+    post = torch.empty(M, N, dtype=torch.bfloat16, device=x_f8.device)
+    post_f8 = torch.empty(M, N, dtype=torch.float8_e4m3fn, device=x_f8.device)
+    partial = torch.empty(programs, dtype=torch.float32, device=x_f8.device)
+    b = w_up_f8.mT  # (K, N), K contiguous per column: the operand order fp8 tensor cores read
+    _fp8_relu2_kernel[(programs,)](
+        x_f8, b, post, post_f8, partial, dequant, act_scale, M, N, K,
+        x_f8.stride(0), x_f8.stride(1), b.stride(0), b.stride(1),
+        post.stride(0), post.stride(1), post_f8.stride(0), post_f8.stride(1), **cfg,
+    )
+    return post, post_f8, partial
+
+
+def relu2_fp8_up(x_f8: Tensor, w_up_f8: Tensor, dequant: Tensor, act_scale: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """(post bf16 (T, H), post_f8 e4m3 (T, H), amax of post (0-D fp32)) of the FP8 up-projection.
+
+    x_f8 (T, D) and w_up_f8 (H, D) are e4m3, dequant = the product of both operands' scales, act_scale
+    the delayed scale of post_f8 (README "Model", FP8). Not differentiable: the FP8 MLP op around it
+    owns the (bf16) backward. CUDA runs the kernel (the maximum is reduced from per-program partials on
+    the device, no host sync), other devices the reference.
+    """
+    if x_f8.is_cuda:
+        post, post_f8, partial = relu2_fp8_up_triton(x_f8, w_up_f8, dequant, act_scale)
+        return post, post_f8, partial.amax()
+    _check_fp8_up_args(x_f8, w_up_f8, dequant, act_scale)
+    return relu2_fp8_up_reference(x_f8, w_up_f8, dequant, act_scale)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -73,3 +73,46 @@ def _patch_interpreter_bf16_dot() -> None:
 
 
 _patch_interpreter_bf16_dot()
+
+
+def _patch_interpreter_rounding() -> None:
+    """Make the interpreter's narrowing float casts round like Hopper: fp32 -> bf16 to nearest even,
+    fp32 -> float8_e4m3fn to nearest even with saturation at +-448.
+
+    The interpreter truncates fp32 -> bf16, and converts to float8 bit by bit (subnormals truncated,
+    halves rounded away from zero, values past the top binade on a wrong exponent). The compiled
+    kernels' conversions (cvt.rn.bf16.f32, cvt.rn.satfinite.e4m3x2.f32) are what torch's CPU casts
+    of a clamped value compute, so the interpreter is given those, and kernels whose outputs are
+    defined bit for bit (the FP8 MLP up-projection) can be checked exactly.
+    """
+    import numpy as np
+    import torch
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    builder = interpreter.InterpreterBuilder
+    if getattr(builder.cast_impl, "_rounds_like_hopper", False):
+        return
+    original_cast, original_fp_to_fp = builder.cast_impl, builder.create_fp_to_fp
+
+    def fp32_values(src):
+        return torch.from_numpy(np.ascontiguousarray(src.data).astype(np.float32))
+
+    def cast_impl(self, src, dst_type):
+        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
+            bits = fp32_values(src).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+            return interpreter.TensorHandle(bits, tl.bfloat16)
+        return original_cast(self, src, dst_type)
+
+    def create_fp_to_fp(self, src, dst_type, rounding_mode):
+        if dst_type.scalar == tl.float8e4nv and src.dtype.scalar in (tl.float32, tl.float16):
+            bits = fp32_values(src).clamp(-448.0, 448.0).to(torch.float8_e4m3fn).view(torch.uint8).numpy()
+            return interpreter.TensorHandle(bits, tl.float8e4nv)
+        return original_fp_to_fp(self, src, dst_type, rounding_mode)
+
+    cast_impl._rounds_like_hopper = True
+    builder.cast_impl = cast_impl
+    builder.create_fp_to_fp = create_fp_to_fp
+
+
+_patch_interpreter_rounding()

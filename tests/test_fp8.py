@@ -180,6 +180,7 @@ def _head_run(fp8: bool):
     args = tg.parse_args(["--preset", "test", "--fp8", str(fp8), "--vocab_size", "1000", "--padded_vocab_size", "1024"])
     torch.manual_seed(0)
     model = tg.GPT(args)
+    model.fp8_mlp.quantize(model.mlp_bank, bootstrap=True)  # read only where the MLPs run in FP8
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, 1000, (129,), generator=g)
     cu = torch.tensor([0, 60, 128, 128], dtype=torch.int32)
@@ -191,7 +192,8 @@ def _head_run(fp8: bool):
 
 def test_model_training_head_uses_fp8_where_supported(monkeypatch):
     """Pretend the CPU has FP8 tensor cores: the head then goes through torch._scaled_mm (which runs
-    on the CPU here) with the static head scales; --fp8 false keeps the bf16 head."""
+    on the CPU here) with the static head scales; --fp8 false keeps the bf16 head. (The MLPs switch to
+    FP8 with it; their down-projections are zero at init, so they change little here.)"""
     calls = []
     real = tg.fp8_matmul
     monkeypatch.setattr(tg, "fp8_matmul", lambda *a: calls.append(a[2:]) or real(*a))
@@ -205,3 +207,249 @@ def test_model_training_head_uses_fp8_where_supported(monkeypatch):
     assert (mlp8 - mlp16).norm() / mlp16.norm() < 0.1
     calls.clear()
     assert _head_run(fp8=False)[0] == loss16 and calls == []
+
+
+# ---- the FP8 MLP (record #89: current-scaled up-projection, delayed-scaled down-projection) ------
+
+
+def e4m3(t: torch.Tensor) -> torch.Tensor:
+    """Float64 value of t rounded to float8_e4m3fn (t within +-448)."""
+    return t.to(E4M3).double()
+
+
+def bf16(t: torch.Tensor) -> torch.Tensor:
+    return t.to(torch.bfloat16).double()
+
+
+def fp8_mlp_emulation(x, w_up, w_down, act_scale: float):
+    """The FP8 MLP written out in float64 from its definition (README "Model", FP8), bootstrap W2
+    scale. Returns (y, post, amax of post)."""
+    x, w_up, w_down = x.double(), w_up.double(), w_down.double()
+    ax = x.abs().max()
+    x_q = e4m3(x * 448 / ax)
+    s1 = bf16(w_up.abs().max() / 448)          # the scale is a bf16 number ...
+    w_up_q = e4m3(bf16(w_up / s1))             # ... and W1 / s1 is taken in bf16
+    pre = bf16((x_q @ w_up_q.T) * (s1 * ax / 448))
+    post = bf16(torch.relu(pre) ** 2)
+    post_q = e4m3((post / act_scale).clamp(max=448))
+    s2 = w_down.abs().max() / 448
+    w_down_q = e4m3((w_down / s2).clamp(-448, 448))
+    return (post_q @ w_down_q) * (act_scale * s2), post, post.max()
+
+
+def mlp_inputs(T=48, D=64, H=96, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = tg.norm(torch.randn(T, D, generator=g)).bfloat16()
+    w_up = (torch.rand(H, D, generator=g) * 2 - 1).mul(D ** -0.5).bfloat16()
+    w_down = (0.05 * torch.randn(H, D, generator=g)).bfloat16()
+    dy = torch.randn(T, D, generator=g).bfloat16()
+    return x, w_up, w_down, dy
+
+
+def fp8_state(w_up, w_down) -> tg.FP8MLPState:
+    state = tg.FP8MLPState(1, *w_up.shape)
+    state.quantize(torch.stack([w_up, w_down]), bootstrap=True)
+    return state
+
+
+@pytest.mark.parametrize("headroom", [1.8, 0.5])  # the delayed scale's headroom, and one that clips post
+def test_fp8_mlp_forward_backward_match_float64_emulation(headroom):
+    x, w_up, w_down, dy = mlp_inputs()
+    _, post64, amax64 = fp8_mlp_emulation(x, w_up, w_down, 1.0)
+    act = float(amax64) * headroom / 448
+    y_ref, post_ref, _ = fp8_mlp_emulation(x, w_up, w_down, act)
+    state = fp8_state(w_up, w_down)
+    state.act_scale.fill_(act)
+    x_, w_up_, w_down_ = (t.clone().requires_grad_(True) for t in (x, w_up, w_down))
+    y = state.mlp(0, x_, w_up_, w_down_)
+    assert y.dtype == torch.bfloat16 and y.shape == x.shape
+    # fp32 sums in another order (an occasional bf16 flip of pre) and the final bf16 rounding
+    assert (y.double() - y_ref).abs().max() <= 2 ** -6 * y_ref.abs().max()
+    exact = torch.relu(x.double() @ w_up.double().T) ** 2 @ w_down.double()
+    assert (y.double() - exact).norm() / exact.norm() < (0.08 if headroom > 1 else 0.3)
+    y.backward(dy)
+    # bf16 backward from the saved post: dW2 = post^T g, dpre = (g W2^T) 2 sqrt(post), dW1 = dpre^T x, dx = dpre W1
+    g = dy.double()
+    dpre = (g @ w_down.double().T) * 2 * post_ref.sqrt()
+    for got, want in ((w_down_.grad, post_ref.T @ g), (w_up_.grad, dpre.T @ x.double()), (x_.grad, dpre @ w_up.double())):
+        assert got.dtype == torch.bfloat16
+        assert (got.double() - want).abs().max() <= 2e-2 * want.abs().max()
+
+
+def test_fp8_mlp_backward_is_the_post_only_bf16_backward():
+    """The FP8 op's gradients are exactly relu2_mlp_backward's from the post it returned."""
+    x, w_up, w_down, dy = mlp_inputs(seed=1)
+    state = fp8_state(w_up, w_down)
+    ins = [t.clone().requires_grad_(True) for t in (x, w_up, w_down)]
+    y, post, _ = tg.fp8_mlp(*ins, state.up_f8[0], state.up_scale[0], state.down_f8_t[0], state.down_scale[0],
+                            state.act_scale[0])
+    y.backward(dy)
+    want = tg.triton_kernels.relu2_mlp_backward(dy, x, w_up, w_down, post)
+    for t, w in zip(ins, want):
+        assert torch.equal(t.grad, w)
+
+
+def test_fp8_delayed_scaling_bookkeeping_over_three_steps(monkeypatch):
+    """Quantize before step 0, three forwards, each followed by an 'optimizer step' that changes the
+    weights and a quantize; every scale the op receives is checked against a hand computation."""
+    L, T, D, H = 2, 32, 32, 48
+    g = torch.Generator().manual_seed(3)
+    bank = torch.zeros(2 * L, H, D)
+    bank[0::2] = (torch.rand(L, H, D, generator=g) * 2 - 1) / 32
+    bank = bank.bfloat16()  # W2 = 0 at init, as in the model
+    seen = []
+    real = tg.fp8_mlp
+
+    def spy(*args):
+        seen.append({"act": float(args[7]), "down": float(args[6]), "up": float(args[4])})
+        out = real(*args)
+        seen[-1]["post_amax"] = float(out[2])
+        return out
+
+    monkeypatch.setattr(tg, "fp8_mlp", spy)
+    state = tg.FP8MLPState(L, H, D)
+    state.quantize(bank, bootstrap=True)  # before step 0
+    assert (state.down_f8_t.float() == 0).all()
+    assert state.down_scale.tolist() == pytest.approx([1e-12 / 448] * L, rel=1e-6)
+
+    def forward():
+        x = tg.norm(torch.randn(T, D, generator=g)).bfloat16()
+        for layer in range(L):
+            state.mlp(layer, x, bank[2 * layer], bank[2 * layer + 1])
+
+    def amax(t):
+        return float(t.float().abs().max())
+
+    # step 0: act scales start at 1.0; the first W2 update quantises with bootstrap (current amax / 448)
+    forward()
+    assert [c["act"] for c in seen] == [1.0, 1.0]
+    bank[1::2] = (0.01 * torch.randn(L, H, D, generator=g)).bfloat16()
+    state.quantize(bank, bootstrap=True)
+    for layer in range(L):
+        w2 = amax(bank[2 * layer + 1])
+        assert float(state.down_scale[layer]) == pytest.approx(w2 / 448, rel=1e-6)
+        assert float(state.down_next_scale[layer]) == pytest.approx(w2 * 1.12 / 448, rel=1e-6)
+        assert float(state.up_scale[layer]) == pytest.approx(amax(bank[2 * layer]) / 448, rel=2 ** -8)  # bf16
+        assert state.down_f8_t[layer].float().abs().max() == 448  # no headroom: the largest maps to 448
+    # step 1: act scale = the previous forward's amax of post * 1.80 / 448; W2 grows 1.5x and is
+    # quantised with the scale taken at step 0, so its largest entries clip at 448
+    forward()
+    for layer in range(L):
+        assert seen[2 + layer]["act"] == pytest.approx(seen[layer]["post_amax"] * 1.80 / 448, rel=1e-6)
+        assert seen[2 + layer]["down"] == pytest.approx(amax(bank[2 * layer + 1]) / 448, rel=1e-6)
+    prev_next = state.down_next_scale.clone()
+    bank[1::2] *= 1.5
+    state.quantize(bank, bootstrap=False)
+    assert torch.equal(state.down_scale, prev_next)
+    for layer in range(L):
+        w2 = bank[2 * layer + 1].float()
+        q = state.down_f8_t[layer].float().T
+        clipped = (w2 / prev_next[layer]).abs() > 448
+        assert clipped.any() and (q[clipped].abs() == 448).all()
+        assert float(state.down_next_scale[layer]) == pytest.approx(amax(w2) * 1.12 / 448, rel=1e-6)
+    # step 2: the same rules once more, with the headroom scale from step 1
+    forward()
+    for layer in range(L):
+        assert seen[4 + layer]["act"] == pytest.approx(seen[2 + layer]["post_amax"] * 1.80 / 448, rel=1e-6)
+        assert seen[4 + layer]["down"] == pytest.approx(float(prev_next[layer]), rel=1e-6)
+    assert float(state.act_scale[1]) == pytest.approx(seen[5]["post_amax"] * 1.80 / 448, rel=1e-6)
+    assert (tg.FP8_BOOTSTRAP_STEPS, tg.FP8_ACT_HEADROOM, tg.FP8_DOWN_W_HEADROOM) == (16, 1.80, 1.12)
+
+
+def test_fp8_mlp_compiles_fullgraph_like_eager():
+    """The op and the in-place act-scale update trace into one graph (AOTAutograd), with the eager
+    results, gradients and scale update."""
+    x, w_up, w_down, dy = mlp_inputs(T=32, D=32, H=48, seed=4)
+    results = []
+    for compiled in (False, True):
+        state = fp8_state(w_up, w_down)
+        fn = torch.compile(state.mlp, backend="aot_eager", fullgraph=True) if compiled else state.mlp
+        ins = [t.clone().requires_grad_(True) for t in (x, w_up, w_down)]
+        y = fn(0, *ins)
+        y.backward(dy)
+        results.append((y.detach(), *(t.grad for t in ins), state.act_scale.clone()))
+    for eager, comp in zip(*results):
+        torch.testing.assert_close(comp, eager, rtol=0, atol=0)
+    assert results[0][-1][0] != 1.0
+
+
+def test_fp8_mlp_opcheck():
+    x, w_up, w_down, _ = mlp_inputs(T=32, D=32, H=48, seed=5)
+    state = fp8_state(w_up, w_down)
+    args = (x.requires_grad_(), w_up.requires_grad_(), w_down.requires_grad_(), state.up_f8[0], state.up_scale[0],
+            state.down_f8_t[0], state.down_scale[0], state.act_scale[0])
+    # test_schema multiplies every input, which float8 tensors do not support on the CPU; the compile
+    # test above covers AOTAutograd
+    torch.library.opcheck(tg.fp8_mlp, args, test_utils=("test_autograd_registration", "test_faketensor"))
+
+
+def test_fp8_mlp_errors():
+    x, w_up, w_down, _ = mlp_inputs(T=32, D=32, H=48)
+    state = fp8_state(w_up, w_down)
+    with pytest.raises(ValueError, match="x must be"):
+        state.mlp(0, x[:, :16], w_up, w_down)
+    with pytest.raises(ValueError, match="w_up and w_down must be"):
+        state.mlp(0, x, w_up, w_down.T)
+    with pytest.raises(ValueError, match="must be bf16"):
+        state.mlp(0, x.float(), w_up, w_down)
+    with pytest.raises(ValueError, match="mlp_bank must be"):
+        state.quantize(torch.stack([w_up, w_down])[:, :, :16], bootstrap=True)
+
+
+def _mlp_model(fp8: bool):
+    args = tg.parse_args(["--preset", "test", "--fp8", str(fp8), "--vocab_size", "1000", "--padded_vocab_size", "1024"])
+    torch.manual_seed(0)
+    model = tg.GPT(args)
+    with torch.no_grad():  # trained-looking down-projections, so the MLPs matter to the loss
+        model.mlp_bank[1::2] = 0.02 * torch.randn_like(model.mlp_bank[1::2])
+    model.fp8_mlp.quantize(model.mlp_bank, bootstrap=True)
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, 1000, (129,), generator=g)
+    batch = (tokens[:-1], tokens[1:], torch.tensor([0, 60, 128, 128], dtype=torch.int32),
+             tg.bigram_hash(tokens[:-1], args.bigram_vocab_size))
+    return model, batch
+
+
+def test_model_training_forward_takes_the_fp8_mlp_path(monkeypatch):
+    """With FP8 tensor cores (pretended on the CPU) the training forward runs every MLP through the
+    FP8 state, close to the bf16 MLPs; evaluation and --fp8 false stay bf16."""
+    calls = []
+    real = tg.FP8MLPState.mlp
+    monkeypatch.setattr(tg.FP8MLPState, "mlp", lambda self, layer, *a: calls.append(layer) or real(self, layer, *a))
+    monkeypatch.setattr(tg, "_native_fp8", lambda device: True)
+    monkeypatch.setattr(tg, "fp8_matmul", lambda x, w, *scales: x @ w)  # the head in bf16: compare MLPs only
+    losses, grads = {}, {}
+    for fp8 in (True, False):
+        model, batch = _mlp_model(fp8)
+        loss = model(*batch, mtp_weights=torch.tensor([1.0, 0.5]), loss_scale=1 / 128)
+        loss.backward()
+        losses[fp8], grads[fp8] = loss.item(), model.mlp_bank.grad.float()
+        if fp8:
+            assert calls == list(range(model.args.num_layers))
+            assert (model.fp8_mlp.act_scale != 1.0).all()  # this forward's amax recorded for the next
+            calls.clear()
+            with torch.no_grad():
+                model(*batch)  # evaluation
+            assert calls == []
+    assert calls == []
+    assert losses[True] != losses[False] and losses[True] == pytest.approx(losses[False], rel=1e-2)
+    assert (grads[True] - grads[False]).norm() / grads[False].norm() < 0.1
+
+
+def test_fp8_state_rides_in_the_state_dict(monkeypatch):
+    """The warm-up reset and checkpoints restore model.state_dict(): the FP8 state is in it, so
+    the activation scales return to 1.0 and the weight copies to the snapshot's."""
+    monkeypatch.setattr(tg, "_native_fp8", lambda device: True)
+    model, batch = _mlp_model(True)
+    snapshot = {k: v.clone() for k, v in model.state_dict().items()}
+    assert {"fp8_mlp.up_f8", "fp8_mlp.up_scale", "fp8_mlp.down_f8_t", "fp8_mlp.down_scale",
+            "fp8_mlp.down_next_scale", "fp8_mlp.act_scale"} <= set(snapshot)
+    model(*batch, mtp_weights=torch.tensor([1.0, 0.5])).backward()
+    with torch.no_grad():
+        model.mlp_bank.mul_(1.1)
+    model.fp8_mlp.quantize(model.mlp_bank, bootstrap=False)
+    assert (model.fp8_mlp.act_scale != 1.0).all()
+    model.load_state_dict(snapshot)
+    assert (model.fp8_mlp.act_scale == 1.0).all()
+    for name in ("up_f8", "down_f8_t"):
+        assert torch.equal(getattr(model.fp8_mlp, name).view(torch.uint8), snapshot[f"fp8_mlp.{name}"].view(torch.uint8))

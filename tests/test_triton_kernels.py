@@ -6,8 +6,9 @@ a kernel forgets to write fails the comparison.
 
 Tolerances (max abs error relative to the largest reference magnitude):
   fp32: 1e-5 (fp32 accumulation in a different order than torch's CPU matmul)
-  bf16: 1e-2 (one bf16 ulp is 2^-8 ~ 4e-3 relative; the interpreter also truncates rather than
-        rounds on the final cast, so allow two ulps and some accumulation noise)
+  bf16: 1e-2 (one bf16 ulp is 2^-8 ~ 4e-3 relative: allow two ulps and some accumulation noise)
+  The FP8 up-projection is compared bit for bit, on inputs whose fp32 sums are exact in any order
+  (conftest.py makes the interpreter's bf16 and float8 casts round like the GPU's).
   fp64: 1e-12
 """
 import os
@@ -342,6 +343,48 @@ def test_mlp_batched_leading_dims_and_gpu_config():
     assert_close_rel(c, torch.relu(a @ b).square(), TOL[torch.float32])
 
 
+def _saved_while(fn):
+    """Shapes of every tensor autograd saves while fn() runs."""
+    saved = []
+
+    def pack(t):
+        saved.append(tuple(t.shape))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    return out, saved
+
+
+@pytest.mark.parametrize("impl", ["triton", "torch"])
+def test_mlp_post_only_backward_equals_reference_autograd(impl):
+    """Only x, the weights and post (T, H) are saved, never pre; the gradients rebuilt from
+    sqrt(post) equal float64 autograd through the reference: to fp64 rounding in float64, and within
+    the bf16 tolerance (x2: post and dpre are stored in bf16) from bf16 inputs."""
+    fn = tk.relu2_mlp_triton if impl == "triton" else tk.relu2_mlp
+    T, D, H = 40, 24, 72
+    for dtype, tol in ((torch.float64, 1e-12), (torch.bfloat16, 2 * TOL[torch.bfloat16])):
+        x = torch.randn(T, D, dtype=dtype, requires_grad=True)
+        wu = (torch.randn(H, D) / D**0.5).to(dtype).requires_grad_(True)
+        wd = (torch.randn(H, D) / H**0.5).to(dtype).requires_grad_(True)
+        y, saved = _saved_while(lambda: fn(x, wu, wd))
+        assert sorted(saved) == sorted([(T, D), (H, D), (H, D), (T, H)]), saved
+        dy = torch.randn(T, D, dtype=dtype)
+        grads = torch.autograd.grad(y, (x, wu, wd), dy)
+        ref_in = [t.detach().double().requires_grad_(True) for t in (x, wu, wd)]
+        grads_ref = torch.autograd.grad(tk.relu2_mlp_reference(*ref_in), ref_in, dy.double())
+        for g, gr in zip(grads, grads_ref):
+            assert g.dtype == dtype
+            assert_close_rel(g, gr, tol)
+
+
+def test_mlp_cpu_path_gradcheck_float64():
+    x = torch.randn(6, 5, dtype=torch.float64, requires_grad=True)
+    wu = torch.randn(7, 5, dtype=torch.float64, requires_grad=True)
+    wd = torch.randn(7, 5, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(tk.relu2_mlp, (x, wu, wd), eps=1e-6, atol=1e-7)
+
+
 def test_mlp_errors():
     with pytest.raises(ValueError, match="features"):
         tk.relu2_mlp_triton(torch.randn(4, 5), torch.randn(8, 6), torch.randn(8, 6))
@@ -349,6 +392,69 @@ def test_mlp_errors():
         tk.relu2_mlp_triton(torch.randn(4, 6), torch.randn(8, 6), torch.randn(6, 8))
     with pytest.raises(ValueError, match="dtype"):
         tk.relu2_mlp_triton(torch.randn(4, 6).bfloat16(), torch.randn(8, 6), torch.randn(8, 6))
+
+
+# ----------------------------------------------------------------------------------------------
+# FP8 MLP up-projection
+# ----------------------------------------------------------------------------------------------
+
+E4M3 = torch.float8_e4m3fn
+
+
+def fp8_up_inputs(T, D, H):
+    """e4m3 operands holding small integers (|v| <= 15, all exact in e4m3): every partial sum of the
+    fp32 accumulation is an integer below 2^24, so the kernel and the reference sum exactly, in any
+    order, and must agree bit for bit. The activation scale saturates the top half of post."""
+    x_f8 = torch.randint(-15, 16, (T, D)).float().to(E4M3)
+    w_f8 = torch.randint(-15, 16, (H, D)).float().to(E4M3)
+    dequant = torch.tensor(1.0 / (15 * 15 * D**0.5), dtype=torch.float32)
+    acc = (x_f8.float() @ w_f8.float().T) * dequant
+    act = (torch.relu(acc) ** 2).max() * 0.5 / 448
+    return x_f8, w_f8, dequant, act.float()
+
+
+def assert_fp8_up_equal(out, ref):
+    post, post_f8, amax = out
+    ref_post, ref_f8, ref_amax = ref
+    assert post.dtype == torch.bfloat16 and post_f8.dtype == E4M3 and post.shape == post_f8.shape == ref_post.shape
+    assert torch.equal(post, ref_post)
+    assert torch.equal(post_f8.view(torch.uint8), ref_f8.view(torch.uint8))
+    assert amax == ref_amax
+
+
+@pytest.mark.parametrize("T,D,H", [(64, 32, 96), (50, 40, 70), (7, 48, 33)])
+def test_fp8_up_kernel_matches_reference(T, D, H):
+    x_f8, w_f8, dequant, act = fp8_up_inputs(T, D, H)
+    post, post_f8, partial = tk.relu2_fp8_up_triton(x_f8, w_f8, dequant, act)
+    ref = tk.relu2_fp8_up_reference(x_f8, w_f8, dequant, act)
+    assert_fp8_up_equal((post, post_f8, partial.max()), ref)
+    assert (ref[1].float() == 448).any() and (ref[1].float() < 448).any()  # both regimes exercised
+    tiles = -(-T // 32) * -(-H // 32)  # one partial maximum per program (the interpreter's 32 x 32 tiles)
+    assert partial.shape == (min(tiles, tk._INTERPRETER_PROGRAMS),)
+
+
+def test_fp8_up_kernel_gpu_tiles_and_public_dispatch(monkeypatch):
+    x_f8, w_f8, dequant, act = fp8_up_inputs(150, 160, 300)
+    # the H100 tiles (128 x 256, K tiles of 128) on a ragged problem
+    cfg = dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=128, GROUP_M=8, num_warps=8, num_stages=3)
+    post, post_f8, partial = tk.relu2_fp8_up_triton(x_f8, w_f8, dequant, act, config=cfg)
+    ref = tk.relu2_fp8_up_reference(x_f8, w_f8, dequant, act)
+    assert_fp8_up_equal((post, post_f8, partial.max()), ref)
+    # the public function on a CPU tensor runs the reference, without launching the kernel
+    monkeypatch.setattr(tk, "relu2_fp8_up_triton", lambda *a, **k: pytest.fail("kernel on a CPU tensor"))
+    out = tk.relu2_fp8_up(x_f8, w_f8, dequant, act)
+    assert_fp8_up_equal(out, ref)
+    assert out[2].shape == () and out[2].dtype == torch.float32
+
+
+def test_fp8_up_errors():
+    x_f8, w_f8, dequant, act = fp8_up_inputs(16, 32, 48)
+    with pytest.raises(ValueError, match="x_f8 must be a 2-D float8_e4m3fn"):
+        tk.relu2_fp8_up(x_f8.float(), w_f8, dequant, act)
+    with pytest.raises(ValueError, match="w_up_f8 expects"):
+        tk.relu2_fp8_up(x_f8, w_f8[:, :16], dequant, act)
+    with pytest.raises(ValueError, match="act_scale must be one float32"):
+        tk.relu2_fp8_up_triton(x_f8, w_f8, dequant, act.double())
 
 
 # ----------------------------------------------------------------------------------------------
@@ -514,8 +620,10 @@ def _opcheck_cases():
         ("xxt", (A, torch.empty(20, 20))),
         ("xtx", (A, torch.empty(36, 36))),
         ("ba_plus_caa", (S, 0.5, -1.0, torch.empty(20, 20))),
-        ("relu2_mlp_fwd", (x, wu, wd)),
-        ("relu2_mlp_bwd", (torch.randn(9, 16), x.detach(), wu.detach(), wd.detach(), post)),
+        ("relu2_mlp_fwd", (x, wu, wd, True)),
+        ("relu2_mlp_fwd", (x, wu, wd, False)),
+        ("relu2_mlp_bwd", (torch.randn(9, 16), x.detach(), wu.detach(), wd.detach(), post, True)),
+        ("relu2_mlp_bwd", (torch.randn(9, 16), x.detach(), wu.detach(), wd.detach(), post, False)),
         ("softcapped_ce_mtp_fwd", (logits, torch.randint(0, 50, (8,)), torch.tensor([1.0, 0.5]))),
         ("softcapped_ce_mtp_rows", (torch.randn(40, 50, requires_grad=True), torch.randint(0, 50, (40,)),
                                     torch.tensor([1.0, 0.5, 0.25]), 0.25)),
@@ -525,7 +633,8 @@ def _opcheck_cases():
     ]
 
 
-@pytest.mark.parametrize("name,args", _opcheck_cases(), ids=[c[0] for c in _opcheck_cases()])
+@pytest.mark.parametrize("name,args", _opcheck_cases(),
+                         ids=[c[0] + ("" if c[1][-1] is not False else "_torch") for c in _opcheck_cases()])
 def test_opcheck(name, args):
     torch.library.opcheck(getattr(torch.ops.speedrun, name).default, args)
 
@@ -595,6 +704,11 @@ mm = dict(a_ptr=ptr(), b_ptr=ptr(), c_ptr=ptr(), aux_ptr=ptr(), M=i32(49152), N=
 big = dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8)
 res["mlp_fwd"] = compile_sm90(tk._mm_epilogue_kernel, mm, dict(EPILOGUE=1, FP64=False, PREC="tf32", **big), 8, 3)
 res["mlp_bwd"] = compile_sm90(tk._mm_epilogue_kernel, mm, dict(EPILOGUE=2, FP64=False, PREC="tf32", **big), 8, 3)
+f8 = "*fp8e4nv"
+up = dict(a_ptr=ptr(f8), b_ptr=ptr(f8), post_ptr=ptr(), q_ptr=ptr(f8), amax_ptr=ptr("*fp32"), dequant_ptr=ptr("*fp32"),
+          act_scale_ptr=ptr("*fp32"), M=i32(49152), N=i32(3072), K=i32(768), sam=i32(768), sak=i32(1), sbk=i32(1),
+          sbn=i32(768), spm=i32(3072), spn=i32(1), sqm=i32(3072), sqn=i32(1))
+res["mlp_fp8_up"] = compile_sm90(tk._fp8_relu2_kernel, up, dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=128, GROUP_M=8), 8, 3)
 ce = dict(logits_ptr=ptr(), targets_ptr=ptr("*i64"), weights_ptr=ptr("*fp32"), loss_ptr=ptr("*fp32"), grad_ptr=ptr(),
           T=i32(49152), V=i32(50304), s_lt=i32(50304), s_gt=i32(50304))
 res["ce"] = compile_sm90(tk._ce_mtp_kernel, ce, dict(K=3, K_POW2=4, BLOCK_V=4096), 8, 3)
@@ -622,7 +736,7 @@ def test_kernels_compile_for_hopper():
         pytest.skip("triton's bundled ptxas is missing")
     assert proc.returncode == 0, proc.stderr[-3000:]
     res = json.loads(proc.stdout.strip().splitlines()[-1])
-    for name in ("xtx_64", "aa_128", "mlp_fwd", "mlp_bwd"):
+    for name in ("xtx_64", "aa_128", "mlp_fwd", "mlp_bwd", "mlp_fp8_up"):
         assert res[name]["wgmma"] > 0, (name, res[name])  # Hopper tensor-core instructions
         # K loop software-pipelined: both operand tiles prefetched (stages - 1) iterations ahead
         assert res[name]["async_copy"] >= 2 * (res[name]["stages"] - 1), (name, res[name])

@@ -10,7 +10,6 @@ scaled to the stage's tokens per rank; the head's logits and their gradient coun
 """
 import argparse
 import dataclasses
-import math
 import os
 import sys
 
@@ -99,7 +98,7 @@ def main(argv=None) -> None:
     stages = ("stage 1", "stage 2", "stage 3", "extension")
     batch = list(args.stage_batch_tokens) + [args.stage_batch_tokens[-1]]
     per_token = [flops_per_token(args, model, s) for s in range(4)]
-    print(f"FLOPs of one training step (all ranks), by component; GFLOP per token in brackets")
+    print("FLOPs of one training step (all ranks), by component; GFLOP per token in brackets")
     print(f"{'component':<30}" + "".join(f"{s:>22}" for s in stages))
     for name in per_token[0]:
         print(f"{name:<30}" + "".join(f"{per_token[s][name] * batch[s] / 1e12:>11.1f} TF ({per_token[s][name] / 1e9:.3f})"
