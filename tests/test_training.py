@@ -139,13 +139,14 @@ def test_training_step_never_waits_for_the_gpu():
     model = tg.GPT(args).to(device)
     opt = tg.build_optimizer(args, model, device)
     loader = tg.DocumentLoader(args.train_files, args.bigram_vocab_size)
-    mtp = torch.zeros(len(args.stage_mtp_start[0]), device=device)
+    mtp, prefix = torch.zeros(len(args.stage_mtp_start[0]), device=device), torch.zeros((), device=device)
+    model.prefix_table.copy_(tg.build_prefix_table(tg.gpt2_encoding(), args.padded_vocab_size))
     slots = tg.check_batch_split(args, 1)
 
     def step(i):
         plan = tg.plan_step(args, i)
         batches = loader.next_step(plan.batch_tokens // slots, plan.max_doc_len, slots)
-        return tg.train_step(model, opt, batches, plan, mtp, tg.grad_scale_for(args, 1), device)
+        return tg.train_step(model, opt, batches, plan, mtp, prefix, tg.grad_scale_for(args, 1), device)
 
     step(0), step(1)  # first calls: lazy initialisation, allocator growth
     torch.cuda.synchronize()
