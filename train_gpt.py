@@ -74,8 +74,8 @@ class Hyperparameters:
     final_lr_mult: float = 0.15                    # lr multiplier at num_iterations and in the extension
     stage_mtp_start: tuple = ((1.0, 0.5, 0.25), (1.0, 0.5, 0.0), (1.0, 0.0, 0.0))  # weights of t+1, t+2, t+3
     stage_mtp_end: tuple = ((1.0, 0.5, 0.0), (1.0, 0.0, 0.0), (1.0, 0.0, 0.0))    # linear within each stage
-    stage_prefix_start: tuple = (0.25, 0.25, 0.0)  # weight of the prefix-token term (README "Loss"), ...
-    stage_prefix_end: tuple = (0.25, 0.0, 0.0)     # ... linear within each stage like the MTP weights
+    stage_prefix_start: tuple = (0.25, 0.25, 0.0)  # prefix-token term's weight (README "Training loss"),
+    stage_prefix_end: tuple = (0.25, 0.0, 0.0)     # linear within each stage like the MTP weights
     momentum_min: float = 0.85
     momentum_max: float = 0.95
     momentum_warmup: float = 300 / 1270            # x num_iterations steps: momentum_min -> max
@@ -1796,7 +1796,8 @@ class GPT(nn.Module):
                 prefix_weight=None):
         """Training (mtp_weights (K,) fp32 given): loss_scale * sum over tokens of the softcapped
         multi-token CE plus, with prefix_weight (0-D fp32) given and --prefix_loss on, the prefix-token
-        term (README "Loss"); FP8 head on capable GPUs. Evaluation (mtp_weights None): mean next-token fp32 CE."""
+        term (README "Training loss"); FP8 head on capable GPUs. Evaluation (mtp_weights None): mean
+        next-token fp32 CE."""
         x = self.hidden(input_ids, cu_seqlens, bigram_ids)
         if mtp_weights is None:  # chunked: full fp32 logits of a long sequence would take gigabytes
             targets = target_ids.view(-1).long()
@@ -1817,7 +1818,8 @@ class GPT(nn.Module):
             prefix_ids = self.prefix_table[targets.long()]
         else:
             prefix_weight = None
-        # the kernel's gradient assumes exactly this upstream gradient, loss_scale per token (README "Loss")
+        # the kernel's stored gradient assumes exactly this upstream gradient, loss_scale per token
+        # (README "Training loss")
         return triton_kernels.softcapped_ce_mtp(logits, targets, mtp_weights, prefix_ids, prefix_weight,
                                                 grad_scale=loss_scale).sum() * loss_scale
 
@@ -2514,7 +2516,7 @@ def train(args: Hyperparameters, d: DistInfo) -> float:
         raise SystemExit(f"error: checkpoint at step {start_step} is past the untie step but still tied")
     cuda_synchronize(d.device)
     train_ms, t0, val_loss = 0.0, time.perf_counter(), float("nan")
-    # the record's order (README "Loss"): the clock starts, then the prefix table is built, timed
+    # the record's order (README "Training loss"): the clock starts, then the prefix table is built, timed
     model.prefix_table.copy_(build_prefix_table(encoding, args.padded_vocab_size))
     pending = None  # (step, loss tensor): read one step late, so the host never waits on the GPU mid-run
 

@@ -506,7 +506,7 @@ def relu2_mlp(x: Tensor, w_up: Tensor, w_down: Tensor) -> Tensor:
 # Softcapped cross-entropy with multi-token prediction and the prefix-token term
 # ----------------------------------------------------------------------------------------------
 #
-# The training loss of record #89 (README "Loss"). Per position t, with z = 23 sigma((l + 5) / 7.5),
+# The training loss of record #89 (README "Training loss"). Per position t, with z = 23 sigma((l + 5) / 7.5),
 # MTP weights w_0..w_{K-1} and the prefix weight pi:
 #   loss[t] = sum_{k < K, t + k < T} w_k (lse(z_t) - z_t[targets[t + k]])
 #             + [prefix_ids[t] >= 0] pi (lse(z_t) - z_t[prefix_ids[t]])
@@ -519,14 +519,16 @@ def relu2_mlp(x: Tensor, w_up: Tensor, w_down: Tensor) -> Tensor:
 # the forward pass for the grad_scale the caller gives (the record assumes the upstream gradient is
 # grad_scale; train_gpt's loss is sum(loss) * grad_scale, which sends exactly that).
 #
-# sigma is computed as 0.5 + 0.5 tanh(x / 2), x = (l + 5) / 7.5, and stored in bf16 (record #89): the
-# rounded value (ties to even) is the only sigma used, in z = 23 bf16(sigma) and in the derivative
-# factor sigma (1 - sigma). Exact: the bf16 rounding of a given fp32 sigma (the three implementations
-# round alike). Not exact: the record evaluates tanh with fast math; here tanh is accurate to a few
-# fp32 ulps (torch.tanh on CPU, one exp in the kernel). Where two tanh implementations fall on either
-# side of a bf16 rounding midpoint, sigma differs by one bf16 ulp (2^-8 for sigma >= 0.5): about one
-# logit in 65,000 between the kernel and its CPU twin (test_kernel_sigma_and_bf16_rounding), and
-# likely more often against the record's fast-math tanh.
+# sigma is computed as 0.5 + 0.5 tanh(x / 2), x = (l + 5) / 7.5, with fast math, and stored in bf16
+# (record #89): the rounded value (ties to even) is the only sigma used here, in z = 23 bf16(sigma) and
+# in the derivative factor sigma (1 - sigma). Exact: the bf16 rounding of a given fp32 sigma (the
+# kernel rounds with integer ops, bit-identical to torch's). Not exact: the fp32 sigma before rounding.
+# The kernel evaluates the record's formula with an accurate tanh (one exp); the CPU twin and the
+# reference use torch.sigmoid, the same function in exact arithmetic (torch's fp32 tanh is ~8x slower
+# on a CPU and rounds ~5e-4 of sigmas to the other bf16 neighbour of the float64 value). Both match
+# float64 math rounded to bf16 at all but ~2 logits in a million; the record's fast-math tanh is an
+# approximation whose values are not reproduced, so its bf16 sigma can be one bf16 ulp (2^-8 for
+# sigma >= 0.5) away from ours wherever its fp32 value falls across a rounding midpoint.
 
 
 def softcap(logits: torch.Tensor) -> torch.Tensor:
@@ -535,10 +537,10 @@ def softcap(logits: torch.Tensor) -> torch.Tensor:
 
 
 def softcap_sigma_bf16(logits: torch.Tensor) -> torch.Tensor:
-    """The training loss's sigma((logits + 5) / 7.5) = 0.5 + 0.5 tanh((logits + 5) / 15), rounded to
+    """The training loss's sigma((logits + 5) / 7.5) (= 0.5 + 0.5 tanh((logits + 5) / 15)), rounded to
     bf16 and returned in fp32; z = 23 * this (see the section comment)."""
-    # in place on one fp32 copy (the CPU twin calls this per block of rows); x/2 = (l + 5) / 15
-    sigma = logits.to(torch.float32, copy=True).add_(5.0).mul_(1.0 / 15.0).tanh_().mul_(0.5).add_(0.5)
+    # in place on one fp32 copy: the CPU twin calls this per block of rows
+    sigma = logits.to(torch.float32, copy=True).add_(5.0).mul_(1.0 / 7.5).sigmoid_()
     return sigma.bfloat16().float()
 
 
@@ -554,9 +556,11 @@ def _check_ce_args(logits: Tensor, targets: Tensor, mtp_weights: Tensor, prefix_
     if (prefix_ids is None) != (prefix_weight is None):
         raise ValueError("softcapped_ce_mtp: prefix_ids and prefix_weight must be given together")
     if prefix_ids is not None and (prefix_ids.shape != (T,) or prefix_ids.is_floating_point()):
-        raise ValueError(f"softcapped_ce_mtp: prefix_ids must be ({T},) integers, got {tuple(prefix_ids.shape)} {prefix_ids.dtype}")
+        raise ValueError(f"softcapped_ce_mtp: prefix_ids must be ({T},) integers, "
+                         f"got {tuple(prefix_ids.shape)} {prefix_ids.dtype}")
     if prefix_weight is not None and (prefix_weight.dim() != 0 or not prefix_weight.is_floating_point()):
-        raise ValueError(f"softcapped_ce_mtp: prefix_weight must be a 0-D float tensor, got shape {tuple(prefix_weight.shape)} {prefix_weight.dtype}")
+        raise ValueError(f"softcapped_ce_mtp: prefix_weight must be a 0-D float tensor, "
+                         f"got shape {tuple(prefix_weight.shape)} {prefix_weight.dtype}")
     if not math.isfinite(grad_scale):
         raise ValueError(f"softcapped_ce_mtp: grad_scale must be a finite number, got {grad_scale}")
 
@@ -760,10 +764,9 @@ def _ce_rows_block(logits: Tensor, cols: Tensor, w_hit: Tensor, normaliser: Tens
     w_hit (R, J) are the rows' target columns and their weights (0 where there is no target),
     normaliser (R,) the rows' S_t. In-place ops keep it to a few cache-resident passes over the block."""
     sigma = softcap_sigma_bf16(logits)
-    z = sigma * 23.0
-    e = z.exp()                                                # z < 23: no overflow in fp32
+    e = sigma.mul(23.0).exp_()                                 # exp(z), z < 23: no overflow in fp32
     total = e.sum(dim=1)
-    loss = (w_hit * (total.log()[:, None] - z.gather(1, cols))).sum(dim=1)
+    loss = (w_hit * (total.log()[:, None] - 23.0 * sigma.gather(1, cols))).sum(dim=1)
     # dlogits = (S softmax(z) - sum_j w_j onehot(col_j)) * 23/7.5 sigma (1 - sigma) * grad_scale, the
     # constant folded into the row scale and the one-hot weights; the last product is rounded once
     scale = grad_scale * 23.0 / 7.5

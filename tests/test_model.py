@@ -488,7 +488,8 @@ def test_training_loss_adds_the_prefix_term():
                      prefix_weight=prefix_weight).item()
 
     with_prefix = loss_of(model, pi)
-    assert with_prefix == pytest.approx(0.125 * record_training_loss_float64(model, inputs, targets, cu, w, prefix_ids, 0.25), rel=1e-5)
+    expected = record_training_loss_float64(model, inputs, targets, cu, w, prefix_ids, 0.25)
+    assert with_prefix == pytest.approx(0.125 * expected, rel=1e-5)
     without = 0.125 * record_training_loss_float64(model, inputs, targets, cu, w)
     assert with_prefix - without > 1.0  # the term is there
     assert loss_of(model, None) == pytest.approx(without, rel=1e-5)
