@@ -1932,8 +1932,8 @@ def gpt2_encoding(rank_file: str | None = GPT2_TIKTOKEN_FILE):
 def build_prefix_table(encoding, padded_vocab_size: int) -> torch.Tensor:
     """table[T] (int64, (padded_vocab_size,)) = id of the longest proper byte-prefix of token T's byte
     string that is itself a token, -1 if none: single bytes, the special BOS and the pad ids (README
-    "Loss"; the record builds it from the GPT-2 ranks inside the timed region, so it must be quick:
-    one dict look-up per candidate prefix, ~20 ms on one CPU core). Only tokens with ids below
+    "Training loss"). The record builds it from the GPT-2 ranks inside the timed region, so it must be
+    quick: one dict look-up per candidate prefix, ~20 ms on one CPU core. Only tokens with ids below
     padded_vocab_size count, so a smaller test vocabulary never names a column the logits lack."""
     if isinstance(padded_vocab_size, bool) or not isinstance(padded_vocab_size, int) or padded_vocab_size < 1:
         raise ValueError(f"build_prefix_table: padded_vocab_size must be a positive int, got {padded_vocab_size!r}")

@@ -506,8 +506,8 @@ def relu2_mlp(x: Tensor, w_up: Tensor, w_down: Tensor) -> Tensor:
 # Softcapped cross-entropy with multi-token prediction and the prefix-token term
 # ----------------------------------------------------------------------------------------------
 #
-# The training loss of record #89 (README "Training loss"). Per position t, with z = 23 sigma((l + 5) / 7.5),
-# MTP weights w_0..w_{K-1} and the prefix weight pi:
+# The training loss of record #89 (README "Training loss"). Per position t, with the softcapped logits
+# z = 23 sigma((l + 5) / 7.5), MTP weights w_0..w_{K-1} and the prefix weight pi:
 #   loss[t] = sum_{k < K, t + k < T} w_k (lse(z_t) - z_t[targets[t + k]])
 #             + [prefix_ids[t] >= 0] pi (lse(z_t) - z_t[prefix_ids[t]])
 # and its gradient is the record's, which is not exactly d(grad_scale * sum(loss))/dlogits:
@@ -526,7 +526,7 @@ def relu2_mlp(x: Tensor, w_up: Tensor, w_down: Tensor) -> Tensor:
 # The kernel evaluates the record's formula with an accurate tanh (one exp); the CPU twin and the
 # reference use torch.sigmoid, the same function in exact arithmetic (torch's fp32 tanh is ~8x slower
 # on a CPU and rounds ~5e-4 of sigmas to the other bf16 neighbour of the float64 value). Both match
-# float64 math rounded to bf16 at all but ~2 logits in a million; the record's fast-math tanh is an
+# float64 math rounded to bf16 at all but a few logits in a million; the record's fast-math tanh is an
 # approximation whose values are not reproduced, so its bf16 sigma can be one bf16 ulp (2^-8 for
 # sigma >= 0.5) away from ours wherever its fp32 value falls across a rounding midpoint.
 
@@ -631,7 +631,7 @@ def _round_to_bf16(v):
 
 @triton.jit
 def _softcap_sigma(x):
-    """softcap_sigma_bf16 of logits x (fp32)."""
+    """The record's stored sigma of logits x (fp32): bf16(0.5 + 0.5 tanh(u / 2)), u = (x + 5) / 7.5."""
     return _round_to_bf16(0.5 + 0.5 * _tanh((x + 5.0) * (1.0 / 15.0)))
 
 
