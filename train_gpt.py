@@ -82,6 +82,8 @@ class Hyperparameters:
     final_lr_mult: float = 0.15                    # lr multiplier at num_iterations and in the extension
     stage_mtp_start: tuple = ((1.0, 0.5, 0.25), (1.0, 0.5, 0.0), (1.0, 0.0, 0.0))  # weights of t+1, t+2, t+3
     stage_mtp_end: tuple = ((1.0, 0.5, 0.0), (1.0, 0.0, 0.0), (1.0, 0.0, 0.0))    # linear within each stage
+    stage_prefix_start: tuple = (0.25, 0.25, 0.0)  # prefix-token term's weight (README "Training loss"),
+    stage_prefix_end: tuple = (0.25, 0.0, 0.0)     # linear within each stage like the MTP weights
     momentum_min: float = 0.85
     momentum_max: float = 0.95
     momentum_warmup: float = 300 / 1270            # x num_iterations steps: momentum_min -> max
@@ -110,6 +112,7 @@ class Hyperparameters:
     # --orthogonalizer and a constant --stage_batch_tokens are ablations through existing fields.
     matrix_optimizer: str = "normuon"              # banks: normuon | muon (no variance reduction) | adamw
     mtp: bool = True                               # multi-token prediction terms (false: next token only)
+    prefix_loss: bool = True                       # prefix-token loss term (false: no term, whatever the schedule)
     value_embeds: bool = True                      # value-embedding tables added to V ("ve" rows)
     bigram_embed: bool = True                      # bigram hash embedding injected at every layer
     bigram_signs: bool = True                      # the bigram rows times a +-1 table keyed on (prev XOR cur)
@@ -269,6 +272,7 @@ FLAG_RANGES: dict[str, FlagRange] = {
     "extension_windows": FlagRange(1, integer=True, shape=(2,)),
     "stage_lr_mult": FlagRange(0, shape=(_STAGES,)), "cooldown_start": _FRACTION, "final_lr_mult": _RATE,
     "stage_mtp_start": FlagRange(0, shape=(_STAGES, None)), "stage_mtp_end": FlagRange(0, shape=(_STAGES, None)),
+    "stage_prefix_start": FlagRange(0, shape=(_STAGES,)), "stage_prefix_end": FlagRange(0, shape=(_STAGES,)),
     "momentum_min": _MOMENTUM, "momentum_max": _MOMENTUM, "momentum_warmup": _FRACTION, "momentum_cooldown": _FRACTION,
     "muon_lr": _RATE, "muon_wd": _RATE, "adam_lr": _RATE, "adam_wd": _RATE,
     "val_seq_len": _AT_LEAST_1, "val_loss_every": _AT_LEAST_0, "save_every": _AT_LEAST_0,
@@ -2144,6 +2148,8 @@ class GPT(nn.Module):
         self.register_buffer("rotary_freq", rotary_base_frequencies(hd))
         self.register_buffer("attn_scale", torch.tensor(0.0, dtype=fp32))
         self.register_buffer("windows", torch.zeros(2, dtype=torch.int32))  # (short, long) in tokens / slots
+        # prefix token of every token id (build_prefix_table), -1 until train() fills it in the timed region
+        self.register_buffer("prefix_table", torch.full((V,), -1, dtype=torch.int64), persistent=False)
         self.reset_parameters()
         self.set_windows(*args.windows_init)
 
@@ -2380,9 +2386,12 @@ class GPT(nn.Module):
         """Softcapped fp32 logits (T, Vp) of the plain bf16 head (evaluation and tests)."""
         return triton_kernels.softcap(self.hidden(input_ids, cu_seqlens, bigram_ids) @ self.lm_head)
 
-    def forward(self, input_ids, target_ids, cu_seqlens, bigram_ids, mtp_weights=None, loss_scale: float = 1.0):
+    def forward(self, input_ids, target_ids, cu_seqlens, bigram_ids, mtp_weights=None, loss_scale: float = 1.0,
+                prefix_weight=None):
         """Training (mtp_weights (K,) fp32 given): loss_scale * sum over tokens of the softcapped
-        multi-token CE, FP8 head and MLPs on capable GPUs. Evaluation (mtp_weights None): mean next-token fp32 CE."""
+        multi-token CE plus, with prefix_weight (0-D fp32) given and --prefix_loss on, the prefix-token
+        term (README "Training loss"); FP8 head and MLPs on capable GPUs. Evaluation (mtp_weights None):
+        mean next-token fp32 CE."""
         fp8 = mtp_weights is not None and self.args.fp8 and _native_fp8(input_ids.device)
         x = self.hidden(input_ids, cu_seqlens, bigram_ids, fp8=fp8)
         if mtp_weights is None:  # chunked: full fp32 logits of a long sequence would take gigabytes
@@ -2398,7 +2407,16 @@ class GPT(nn.Module):
             logits = fp8_matmul(x, self.lm_head, FP8_HEAD_X_SCALE, FP8_HEAD_W_SCALE, FP8_HEAD_GRAD_SCALE * float(loss_scale))
         else:
             logits = x @ self.lm_head
-        return triton_kernels.softcapped_ce_mtp(logits, target_ids.view(-1), mtp_weights, grad_scale=loss_scale).sum() * loss_scale
+        targets = target_ids.view(-1)
+        prefix_ids = None
+        if prefix_weight is not None and self.args.prefix_loss:
+            prefix_ids = self.prefix_table[targets.long()]
+        else:
+            prefix_weight = None
+        # the kernel's stored gradient assumes exactly this upstream gradient, loss_scale per token
+        # (README "Training loss")
+        return triton_kernels.softcapped_ce_mtp(logits, targets, mtp_weights, prefix_ids, prefix_weight,
+                                                grad_scale=loss_scale).sum() * loss_scale
 
 
 def count_parameters(args: Hyperparameters, world_size: int = 1) -> dict[str, tuple[int, ...]]:
@@ -2504,6 +2522,28 @@ def gpt2_encoding(rank_file: str | None = GPT2_TIKTOKEN_FILE):
     from tiktoken.load import load_tiktoken_bpe
     return tiktoken.Encoding("gpt2", pat_str=GPT2_SPLIT_PATTERN, mergeable_ranks=load_tiktoken_bpe(rank_file),
                              special_tokens={"<|endoftext|>": BOS_ID}, explicit_n_vocab=50257)
+
+
+def build_prefix_table(encoding, padded_vocab_size: int) -> torch.Tensor:
+    """table[T] (int64, (padded_vocab_size,)) = id of the longest proper byte-prefix of token T's byte
+    string that is itself a token, -1 if none: single bytes, the special BOS and the pad ids (README
+    "Training loss"). The record builds it from the GPT-2 ranks inside the timed region, so it must be
+    quick: one dict look-up per candidate prefix, ~20 ms on one CPU core. Only tokens with ids below
+    padded_vocab_size count, so a smaller test vocabulary never names a column the logits lack."""
+    if isinstance(padded_vocab_size, bool) or not isinstance(padded_vocab_size, int) or padded_vocab_size < 1:
+        raise ValueError(f"build_prefix_table: padded_vocab_size must be a positive int, got {padded_vocab_size!r}")
+    ranks = encoding._mergeable_ranks  # token bytes -> id for the ordinary tokens (BOS is a special token)
+    lookup = ranks.get
+    table = [-1] * padded_vocab_size
+    for piece, token in ranks.items():
+        if token >= padded_vocab_size:
+            continue
+        for end in range(len(piece) - 1, 0, -1):  # longest first; a single byte has no proper prefix
+            prefix = lookup(piece[:end])
+            if prefix is not None and prefix < padded_vocab_size:
+                table[token] = prefix
+                break
+    return torch.tensor(table, dtype=torch.int64)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -2644,6 +2684,7 @@ class StepPlan:
     lr_mult: float
     momentum: float
     mtp_weights: tuple        # weights of the targets t+1, t+2, t+3
+    prefix_weight: float      # weight of the prefix-token term
     do_adam: bool             # Adam parameters step on odd steps; their gradients accumulate meanwhile
 
 
@@ -2668,16 +2709,18 @@ def plan_step(args: Hyperparameters, step: int) -> StepPlan:
     lr multiplier s: the stage's multiplier until cd = int(0.4 * 1270) = 508, then
         stage_mult * (1 - t) + 0.15 * t with t = (step - cd) / (1270 - cd), so s jumps up at 847;
     momentum: 0.85 -> 0.95 over steps 0-300, 0.95, then down over the last 50 steps of the 1285;
-    MTP weights: linear in (step - stage start) / (stage end - stage start)."""
+    MTP and prefix weights: linear in t = (step - stage start) / (stage end - stage start), so the
+        prefix weight is 0.25 in stage 1, 0.25 (1 - t) in stage 2 and 0 afterwards (the record's)."""
     n, total = args.num_iterations, total_steps(args)
     bounds = (0, *stage_starts(args), n)
     stage = 3 if step >= n else sum(step >= b for b in bounds[1:3])
     s = min(stage, 2)
     if stage == 3:
-        mtp, windows = args.stage_mtp_end[2], args.extension_windows
+        mtp, prefix, windows = args.stage_mtp_end[2], args.stage_prefix_end[2], args.extension_windows
     else:
         frac = (step - bounds[s]) / (bounds[s + 1] - bounds[s])
         mtp = tuple(a + (b - a) * frac for a, b in zip(args.stage_mtp_start[s], args.stage_mtp_end[s]))
+        prefix = args.stage_prefix_start[s] + (args.stage_prefix_end[s] - args.stage_prefix_start[s]) * frac
         windows = args.stage_windows[s]
     cooldown_at = int(args.cooldown_start * n)
     if step >= n:
@@ -2696,7 +2739,7 @@ def plan_step(args: Hyperparameters, step: int) -> StepPlan:
     else:
         momentum = hi
     return StepPlan(step, stage, args.stage_batch_tokens[s], args.stage_max_doc_len[s], tuple(windows),
-                    lr_mult, momentum, tuple(float(w) for w in mtp), step % 2 == 1)
+                    lr_mult, momentum, tuple(float(w) for w in mtp), float(prefix), step % 2 == 1)
 
 
 def warmup_steps(args: Hyperparameters) -> list[int]:
@@ -2960,17 +3003,20 @@ def grad_scale_for(args: Hyperparameters, world_size: int) -> float:
 
 
 def train_step(model_fn, opt: NorMuonAdam, batches: list[Batch], plan: StepPlan, mtp: torch.Tensor,
-               grad_scale: float, device: torch.device) -> torch.Tensor:
-    """Forward and backward of this rank's micro-batches, then one optimizer step. Returns this rank's
-    summed training loss times grad_scale (a 0-D tensor; nothing here waits for the GPU)."""
-    weights = torch.tensor(plan.mtp_weights, dtype=torch.float32)
-    mtp.copy_(weights.pin_memory() if device.type == "cuda" else weights, non_blocking=True)
+               prefix: torch.Tensor, grad_scale: float, device: torch.device) -> torch.Tensor:
+    """Forward and backward of this rank's micro-batches, then one optimizer step. mtp (K,) and prefix
+    (0-D) are device tensors that receive this step's loss weights. Returns this rank's summed training
+    loss times grad_scale (a 0-D tensor; nothing here waits for the GPU)."""
+    for value, dst in ((plan.mtp_weights, mtp), (plan.prefix_weight, prefix)):
+        src = torch.tensor(value, dtype=torch.float32)
+        dst.copy_(src.pin_memory() if device.type == "cuda" else src, non_blocking=True)
     for i, b in enumerate(batches):  # the bigram rows to exchange are known before backward: start now
         opt.prepare_sparse("bigram_embed", b.bigram_ids, launch=plan.do_adam and i == len(batches) - 1)
     loss = torch.zeros((), device=device)
     for b in batches:
         b = b.to(device)
-        micro = model_fn(b.inputs, b.targets, b.cu_seqlens, b.bigram_ids, mtp_weights=mtp, loss_scale=grad_scale)
+        micro = model_fn(b.inputs, b.targets, b.cu_seqlens, b.bigram_ids, mtp_weights=mtp, loss_scale=grad_scale,
+                         prefix_weight=prefix)
         micro.backward()
         loss += micro.detach()
     opt.step(plan.do_adam, lr_scale=plan.lr_mult, momentum=plan.momentum)
@@ -3026,6 +3072,8 @@ def train(args: Hyperparameters, d: DistInfo) -> float:
     val_batches = validation_batches(args.val_files, args.val_tokens, min(args.val_seq_len, args.val_tokens),
                                      args.bigram_vocab_size, d.rank, d.world_size)
     mtp = torch.zeros(len(args.stage_mtp_start[0]), dtype=torch.float32, device=d.device)
+    prefix = torch.zeros((), dtype=torch.float32, device=d.device)
+    encoding = gpt2_encoding()  # read before the clock; the prefix table built from it is timed (below)
     start_step = load_checkpoint(args.resume, model, opt, loader, args, d) if args.resume else 0
 
     grad_scale = grad_scale_for(args, d.world_size)
@@ -3041,7 +3089,7 @@ def train(args: Hyperparameters, d: DistInfo) -> float:
         plan = plan_step(args, step)
         set_windows(plan.windows)
         tokens = plan.batch_tokens // slots
-        loss = train_step(model_fn, opt, loader.next_step(tokens, plan.max_doc_len, slots), plan, mtp,
+        loss = train_step(model_fn, opt, loader.next_step(tokens, plan.max_doc_len, slots), plan, mtp, prefix,
                           grad_scale, d.device)
         if step == untie_step(args):
             opt.untie()
@@ -3056,11 +3104,13 @@ def train(args: Hyperparameters, d: DistInfo) -> float:
         saved_model = {k: v.clone() for k, v in model.state_dict().items()}
         saved_opt, saved_loader = opt.state_dict(), loader.state_dict()
         warm = warmup_steps(args)
+        model.prefix_table.copy_(build_prefix_table(encoding, args.padded_vocab_size))  # as in the timed steps
         for step in warm:
             set_windows(plan_step(args, step).windows)
             evaluate(model_fn, val_batches[:1], d.device)
             run_step(step)
         model.load_state_dict(saved_model)
+        model.prefix_table.fill_(-1)  # not in the state dict; the timed run builds it again
         model.zero_grad(set_to_none=True)  # Adam gradients of an even last warm-up step must not leak in
         windows = None  # the restored buffers hold the initial windows again
         opt.load_state_dict(saved_opt)
@@ -3071,6 +3121,8 @@ def train(args: Hyperparameters, d: DistInfo) -> float:
         raise SystemExit(f"error: checkpoint at step {start_step} is past the untie step but still tied")
     cuda_synchronize(d.device)
     train_ms, t0, val_loss = 0.0, time.perf_counter(), float("nan")
+    # the record's order (README "Training loss"): the clock starts, then the prefix table is built, timed
+    model.prefix_table.copy_(build_prefix_table(encoding, args.padded_vocab_size))
     pending = None  # (step, loss tensor): read one step late, so the host never waits on the GPU mid-run
 
     def check_loss(step, loss):

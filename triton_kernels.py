@@ -37,7 +37,6 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
-from torch._subclasses.fake_tensor import is_fake
 
 # ----------------------------------------------------------------------------------------------
 # Shared launch helpers
@@ -653,44 +652,148 @@ def relu2_fp8_up(x_f8: Tensor, w_up_f8: Tensor, dequant: Tensor, act_scale: Tens
 
 
 # ----------------------------------------------------------------------------------------------
-# Softcapped cross-entropy with multi-token prediction
+# Softcapped cross-entropy with multi-token prediction and the prefix-token term
 # ----------------------------------------------------------------------------------------------
+#
+# The training loss of record #89 (README "Training loss"). Per position t, with the softcapped logits
+# z = 23 sigma((l + 5) / 7.5), MTP weights w_0..w_{K-1} and the prefix weight pi:
+#   loss[t] = sum_{k < K, t + k < T} w_k (lse(z_t) - z_t[targets[t + k]])
+#             + [prefix_ids[t] >= 0] pi (lse(z_t) - z_t[prefix_ids[t]])
+# and its gradient is the record's, which is not exactly d(grad_scale * sum(loss))/dlogits:
+#   dlogits[t] = grad_scale (S_t softmax(z_t) - sum of the weights whose target is the column)
+#                * 23/7.5 sigma (1 - sigma),
+#   S_t = sum of ALL K MTP weights + pi [prefix valid]: the weights of targets past the end of the
+#   sequence still count in S_t, so at the last K-1 positions the gradient is not the loss's.
+# Whatever gradient flows back into the loss is ignored: the gradient is the one above, computed in
+# the forward pass for the grad_scale the caller gives (the record assumes the upstream gradient is
+# grad_scale; train_gpt's loss is sum(loss) * grad_scale, which sends exactly that).
+#
+# sigma is computed as 0.5 + 0.5 tanh(x / 2), x = (l + 5) / 7.5, with fast math, and stored in bf16
+# (record #89): the rounded value (ties to even) is the only sigma used here, in z = 23 bf16(sigma) and
+# in the derivative factor sigma (1 - sigma). Exact: the bf16 rounding of a given fp32 sigma (the
+# kernel rounds with integer ops, bit-identical to torch's). Not exact: the fp32 sigma before rounding.
+# The kernel evaluates the record's formula with an accurate tanh (one exp); the CPU twin and the
+# reference use torch.sigmoid, the same function in exact arithmetic (torch's fp32 tanh is ~8x slower
+# on a CPU and rounds ~5e-4 of sigmas to the other bf16 neighbour of the float64 value). Both match
+# float64 math rounded to bf16 at all but a few logits in a million; the record's fast-math tanh is an
+# approximation whose values are not reproduced, so its bf16 sigma can be one bf16 ulp (2^-8 for
+# sigma >= 0.5) away from ours wherever its fp32 value falls across a rounding midpoint.
 
 
 def softcap(logits: torch.Tensor) -> torch.Tensor:
-    """z = 23 * sigmoid((logits + 5) / 7.5), in fp32."""
+    """z = 23 * sigmoid((logits + 5) / 7.5), in fp32 (evaluation: plain fp32 sigma, no bf16 step)."""
     return 23.0 * torch.sigmoid((logits.float() + 5.0) / 7.5)
 
 
-def softcapped_ce_mtp_reference(logits: torch.Tensor, targets: torch.Tensor, mtp_weights: torch.Tensor) -> torch.Tensor:
-    """Per-token loss (T,) fp32: sum_k w_k * (lse(z_t) - z_t[targets[t + k - 1]]) for k = 1..K.
+def softcap_sigma_bf16(logits: torch.Tensor) -> torch.Tensor:
+    """The training loss's sigma((logits + 5) / 7.5) (= 0.5 + 0.5 tanh((logits + 5) / 15)), rounded to
+    bf16 and returned in fp32; z = 23 * this (see the section comment)."""
+    # in place on one fp32 copy: the CPU twin calls this per block of rows
+    sigma = logits.to(torch.float32, copy=True).add_(5.0).mul_(1.0 / 7.5).sigmoid_()
+    return sigma.bfloat16().float()
 
-    logits (T, V) any float dtype, targets (T,) int (targets[t] is the token after position t),
-    mtp_weights (K,) fp32. Positions whose target t + k - 1 falls outside the sequence get weight 0.
-    """
-    z = softcap(logits)
-    lse = torch.logsumexp(z, dim=-1)
-    T = z.shape[0]
-    loss = torch.zeros(T, dtype=torch.float32, device=z.device)
-    for k in range(mtp_weights.shape[0]):
-        n = T - k
-        if n <= 0:
-            break
-        picked = z[:n].gather(1, targets[k:, None].long()).squeeze(1)
-        loss[:n] += mtp_weights[k] * (lse[:n] - picked)
-    return loss
+
+def _check_ce_args(logits: Tensor, targets: Tensor, mtp_weights: Tensor, prefix_ids: Tensor | None,
+                   prefix_weight: Tensor | None, grad_scale: float) -> None:
+    if logits.dim() != 2:
+        raise ValueError(f"softcapped_ce_mtp: logits must be (T, V), got shape {tuple(logits.shape)}")
+    T = logits.shape[0]
+    if targets.shape != (T,):
+        raise ValueError(f"softcapped_ce_mtp: targets must be ({T},), got {tuple(targets.shape)}")
+    if mtp_weights.dim() != 1 or not 1 <= mtp_weights.shape[0] <= 3:
+        raise ValueError(f"softcapped_ce_mtp: mtp_weights must be a 1-D tensor of 1 to 3 weights, got shape {tuple(mtp_weights.shape)}")
+    if (prefix_ids is None) != (prefix_weight is None):
+        raise ValueError("softcapped_ce_mtp: prefix_ids and prefix_weight must be given together")
+    if prefix_ids is not None and (prefix_ids.shape != (T,) or prefix_ids.is_floating_point()):
+        raise ValueError(f"softcapped_ce_mtp: prefix_ids must be ({T},) integers, "
+                         f"got {tuple(prefix_ids.shape)} {prefix_ids.dtype}")
+    if prefix_weight is not None and (prefix_weight.dim() != 0 or not prefix_weight.is_floating_point()):
+        raise ValueError(f"softcapped_ce_mtp: prefix_weight must be a 0-D float tensor, "
+                         f"got shape {tuple(prefix_weight.shape)} {prefix_weight.dtype}")
+    if not math.isfinite(grad_scale):
+        raise ValueError(f"softcapped_ce_mtp: grad_scale must be a finite number, got {grad_scale}")
+
+
+class _RecordCEReference(torch.autograd.Function):
+    """The loss of the section comment on full (T, V) fp32 tensors; backward returns the record's
+    gradient, computed here in the forward pass from its formula, and ignores the incoming gradient."""
+
+    @staticmethod
+    def forward(ctx, logits, targets, mtp_weights, prefix_ids, prefix_weight, grad_scale):
+        sigma = softcap_sigma_bf16(logits)
+        z = 23.0 * sigma
+        lse = torch.logsumexp(z, dim=1)
+        T = z.shape[0]
+        rows = torch.arange(T, device=z.device)
+        loss = torch.zeros(T, dtype=torch.float32, device=z.device)
+        onehots = torch.zeros_like(z)  # sum of the weights whose target is the column
+        w = mtp_weights.float()
+        for k in range(w.shape[0]):
+            n = max(T - k, 0)
+            tgt = targets[k:].long()
+            loss[:n] += w[k] * (lse[:n] - z[rows[:n], tgt])
+            onehots[rows[:n], tgt] += w[k]
+        normaliser = w.sum().expand(T)  # every MTP weight, also where t + k >= T (the record's)
+        if prefix_ids is not None:
+            valid = prefix_ids >= 0
+            pi = torch.where(valid, prefix_weight.float(), 0.0)
+            col = prefix_ids.long().clamp(min=0)
+            loss += pi * (lse - z[rows, col])
+            onehots[rows, col] += pi
+            normaliser = normaliser + pi
+        p = torch.softmax(z, dim=1)
+        grad = grad_scale * (normaliser[:, None] * p - onehots) * (23.0 / 7.5) * sigma * (1.0 - sigma)
+        ctx.save_for_backward(grad.to(logits.dtype))
+        return loss
+
+    @staticmethod
+    def backward(ctx, _dloss):
+        (grad,) = ctx.saved_tensors
+        return grad, None, None, None, None, None
+
+
+def softcapped_ce_mtp_reference(logits: torch.Tensor, targets: torch.Tensor, mtp_weights: torch.Tensor,
+                                prefix_ids: torch.Tensor | None = None, prefix_weight: torch.Tensor | None = None,
+                                grad_scale: float = 1.0) -> torch.Tensor:
+    """Plain-torch reference of `softcapped_ce_mtp`: the same loss and gradient, on full (T, V) tensors."""
+    _check_ce_args(logits, targets, mtp_weights, prefix_ids, prefix_weight, grad_scale)
+    return _RecordCEReference.apply(logits, targets, mtp_weights, prefix_ids, prefix_weight, float(grad_scale))
+
+
+@triton.jit
+def _tanh(y):
+    """tanh from one exp of a non-positive number (never overflows), a few fp32 ulps from exact."""
+    e = tl.exp(-2.0 * tl.abs(y))
+    t = (1.0 - e) / (1.0 + e)
+    return tl.where(y < 0, -t, t)
+
+
+@triton.jit
+def _round_to_bf16(v):
+    """v (fp32, finite) rounded to the nearest bf16, ties to even, returned in fp32. Integer ops
+    rather than a cast: the interpreter's fp32 -> bf16 cast truncates, this gives the same bits on
+    a GPU and in the interpreter, and the same as torch's .bfloat16()."""
+    bits = v.to(tl.uint32, bitcast=True)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _softcap_sigma(x):
+    """The record's stored sigma of logits x (fp32): bf16(0.5 + 0.5 tanh(u / 2)), u = (x + 5) / 7.5."""
+    return _round_to_bf16(0.5 + 0.5 * _tanh((x + 5.0) * (1.0 / 15.0)))
 
 
 @triton.jit
 def _ce_mtp_kernel(
-    logits_ptr, targets_ptr, weights_ptr, loss_ptr, grad_ptr,
-    T, V, s_lt, s_gt,
-    K: tl.constexpr, K_POW2: tl.constexpr, BLOCK_V: tl.constexpr,
+    logits_ptr, targets_ptr, weights_ptr, prefix_ids_ptr, prefix_weight_ptr, loss_ptr, grad_ptr,
+    T, V, s_lt, s_gt, grad_scale,
+    K: tl.constexpr, HAS_PREFIX: tl.constexpr, J_POW2: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
-    """One program per token row: loss[t] and dloss[t]/dlogits[t, :] in two passes over the row.
+    """One program per token row: loss[t] and the record's dlogits[t, :] in two passes over the row.
 
-    With s = sigmoid((x + 5) / 7.5), z = 23 s, p = softmax(z) and W = sum of the valid weights:
-    loss = sum_k w_k (lse(z) - z[tgt_k]),  dloss/dx_v = (W p_v - sum_k w_k [v == tgt_k]) * 23/7.5 s_v (1 - s_v).
+    The row's targets sit in one vector of J_POW2 slots: slots 0..K-1 are the MTP targets, slot K the
+    prefix token (HAS_PREFIX). A slot without a target (past the end, invalid prefix) holds -1.
     """
     row = tl.program_id(0)
     row64 = row.to(tl.int64)
@@ -703,28 +806,32 @@ def _ce_mtp_kernel(
     for v0 in range(0, V, BLOCK_V):
         ok = v0 + cols < V
         x = tl.load(x_row + v0 + cols, mask=ok, other=0.0).to(tl.float32)
-        z = 23.0 * tl.sigmoid((x + 5.0) / 7.5)
-        acc += tl.where(ok, tl.exp(z), 0.0)
+        acc += tl.where(ok, tl.exp(23.0 * _softcap_sigma(x)), 0.0)
     lse = tl.log(tl.sum(acc, axis=0))
 
-    # Targets of the K offsets; positions past the end of the sequence get weight 0.
-    ks = tl.arange(0, K_POW2)
-    k_ok = (ks < K) & (row + ks < T)
-    tgt = tl.load(targets_ptr + row + ks, mask=k_ok, other=-1).to(tl.int32)
-    w = tl.load(weights_ptr + ks, mask=k_ok, other=0.0).to(tl.float32)
-    x_t = tl.load(x_row + tgt, mask=k_ok, other=0.0).to(tl.float32)
-    z_t = 23.0 * tl.sigmoid((x_t + 5.0) / 7.5)
-    tl.store(loss_ptr + row, tl.sum(w * (lse - z_t), axis=0))
-    w_total = tl.sum(w, axis=0)
+    slots = tl.arange(0, J_POW2)
+    is_mtp = slots < K
+    tgt = tl.load(targets_ptr + row + slots, mask=is_mtp & (row + slots < T), other=-1).to(tl.int32)
+    w = tl.load(weights_ptr + slots, mask=is_mtp, other=0.0).to(tl.float32)
+    if HAS_PREFIX:
+        prefix = tl.load(prefix_ids_ptr + row).to(tl.int32)
+        is_prefix = (slots == K) & (prefix >= 0)
+        tgt = tl.where(is_prefix, prefix, tgt)
+        w = tl.where(is_prefix, tl.load(prefix_weight_ptr).to(tl.float32), w)
+    normaliser = tl.sum(w, axis=0)     # every MTP weight, even past the end (the record's S_t)
+    w_hit = tl.where(tgt >= 0, w, 0.0)  # loss and one-hot terms: only targets that exist
+    x_t = tl.load(x_row + tgt, mask=tgt >= 0, other=0.0).to(tl.float32)
+    z_t = 23.0 * _softcap_sigma(x_t)
+    tl.store(loss_ptr + row, tl.sum(w_hit * (lse - z_t), axis=0))
 
-    # Pass 2: the gradient, written once in the logits' dtype.
+    # Pass 2: the gradient, scaled by grad_scale and written once in the logits' dtype.
     for v0 in range(0, V, BLOCK_V):
         ok = v0 + cols < V
         x = tl.load(x_row + v0 + cols, mask=ok, other=0.0).to(tl.float32)
-        s = tl.sigmoid((x + 5.0) / 7.5)
+        s = _softcap_sigma(x)
         p = tl.exp(23.0 * s - lse)
-        hit = tl.sum(tl.where((v0 + cols)[:, None] == tgt[None, :], w[None, :], 0.0), axis=1)
-        g = (w_total * p - hit) * ((23.0 / 7.5) * s * (1.0 - s))
+        hit = tl.sum(tl.where((v0 + cols)[:, None] == tgt[None, :], w_hit[None, :], 0.0), axis=1)
+        g = (normaliser * p - hit) * ((23.0 / 7.5) * grad_scale * s * (1.0 - s))
         tl.store(g_row + v0 + cols, g.to(grad_ptr.dtype.element_ty), mask=ok)
 
 
@@ -736,111 +843,86 @@ def _ce_config(V: int, device: torch.device) -> dict:
 
 
 @torch.library.custom_op("speedrun::softcapped_ce_mtp_fwd", mutates_args=())
-def _ce_mtp_fwd_op(logits: Tensor, targets: Tensor, mtp_weights: Tensor) -> tuple[Tensor, Tensor]:
-    """Returns (per-token loss (T,) fp32, dloss/dlogits (T, V) in the logits' dtype)."""
-    _check_runnable(_ce_mtp_kernel, logits, targets, mtp_weights)
+def _ce_mtp_fwd_op(logits: Tensor, targets: Tensor, mtp_weights: Tensor, prefix_ids: Tensor | None,
+                   prefix_weight: Tensor | None, grad_scale: float) -> tuple[Tensor, Tensor]:
+    """Returns (per-token loss (T,) fp32, the record's dlogits (T, V) in the logits' dtype)."""
+    extra = () if prefix_ids is None else (prefix_ids, prefix_weight)
+    _check_runnable(_ce_mtp_kernel, logits, targets, mtp_weights, *extra)
     T, V = logits.shape
     K = mtp_weights.shape[0]
     loss = torch.empty(T, dtype=torch.float32, device=logits.device)
     grad = torch.empty((T, V), dtype=logits.dtype, device=logits.device)
+    has_prefix = prefix_ids is not None
     if T > 0:
         _ce_mtp_kernel[(T,)](
-            logits, targets, mtp_weights, loss, grad, T, V, logits.stride(0), grad.stride(0),
-            K=K, K_POW2=max(2, triton.next_power_of_2(K)), **_ce_config(V, logits.device),
+            logits, targets, mtp_weights, prefix_ids if has_prefix else targets,
+            prefix_weight if has_prefix else mtp_weights, loss, grad, T, V, logits.stride(0), grad.stride(0), grad_scale,
+            K=K, HAS_PREFIX=has_prefix, J_POW2=max(2, triton.next_power_of_2(K + has_prefix)),
+            **_ce_config(V, logits.device),
         )
     return loss, grad
 
 
 @_ce_mtp_fwd_op.register_fake
-def _(logits, targets, mtp_weights):
+def _(logits, targets, mtp_weights, prefix_ids, prefix_weight, grad_scale):
     return logits.new_empty(logits.shape[0], dtype=torch.float32), torch.empty_like(logits)
 
 
-@triton.jit
-def _scale_rows_kernel(src_ptr, scale_ptr, dst_ptr, V, s_src, s_dst, BLOCK_V: tl.constexpr):
-    """dst[t, :] = src[t, :] * scale[t], multiplied in fp32 and rounded once to dst's dtype."""
-    row = tl.program_id(0)
-    chunk = tl.program_id(1)
-    cols = chunk * BLOCK_V + tl.arange(0, BLOCK_V)
-    ok = cols < V
-    scale = tl.load(scale_ptr + row).to(tl.float32)
-    g = tl.load(src_ptr + row.to(tl.int64) * s_src + cols, mask=ok, other=0.0).to(tl.float32)
-    tl.store(dst_ptr + row.to(tl.int64) * s_dst + cols, (g * scale).to(dst_ptr.dtype.element_ty), mask=ok)
-
-
-@torch.library.custom_op("speedrun::scale_rows", mutates_args=())
-def _scale_rows_op(src: Tensor, scale: Tensor) -> Tensor:
-    """src (T, V) scaled per row by scale (T,); the product is formed in fp32 without an fp32 copy."""
-    _check_runnable(_scale_rows_kernel, src, scale)
-    T, V = src.shape
-    dst = torch.empty_like(src, memory_format=torch.contiguous_format)
-    block = 4096 if src.is_cuda else 256
-    if T > 0 and V > 0:
-        _scale_rows_kernel[(T, triton.cdiv(V, block))](
-            src, scale.contiguous(), dst, V, src.stride(0), dst.stride(0), BLOCK_V=block, num_warps=8 if src.is_cuda else 4)
-    return dst
-
-
-@_scale_rows_op.register_fake
-def _(src, scale):
-    return torch.empty_like(src, memory_format=torch.contiguous_format)
-
-
-def _ce_mtp_setup(ctx, inputs, output):
+def _ce_setup(ctx, inputs, output):
     _, grad = output
     ctx.save_for_backward(grad)
     ctx.mark_non_differentiable(grad)
+    ctx.set_materialize_grads(False)  # no zero (T, V) tensor for the gradient output nobody uses
 
 
-def _ce_mtp_backward(ctx, dloss, _dgrad):
+def _ce_backward(ctx, _dloss, _dgrad):
+    """The stored gradient as is: the incoming one is ignored (the record's; see the section comment)."""
     (grad,) = ctx.saved_tensors
-    return torch.ops.speedrun.scale_rows(grad, dloss.float()), None, None
+    return grad, None, None, None, None, None
 
 
-_ce_mtp_fwd_op.register_autograd(_ce_mtp_backward, setup_context=_ce_mtp_setup)
+_ce_mtp_fwd_op.register_autograd(_ce_backward, setup_context=_ce_setup)
 
 
-def _check_ce_args(logits: Tensor, targets: Tensor, mtp_weights: Tensor) -> None:
-    if logits.dim() != 2:
-        raise ValueError(f"softcapped_ce_mtp: logits must be (T, V), got shape {tuple(logits.shape)}")
-    if targets.shape != (logits.shape[0],):
-        raise ValueError(f"softcapped_ce_mtp: targets must be ({logits.shape[0]},), got {tuple(targets.shape)}")
-    if mtp_weights.dim() != 1 or not 1 <= mtp_weights.shape[0] <= 3:
-        raise ValueError(f"softcapped_ce_mtp: mtp_weights must be a 1-D tensor of 1 to 3 weights, got shape {tuple(mtp_weights.shape)}")
+def _ce_inputs(targets: Tensor, mtp_weights: Tensor, prefix_ids: Tensor | None, prefix_weight: Tensor | None):
+    """Kernel-ready inputs: contiguous int64 ids, fp32 weights."""
+    prefix = None if prefix_ids is None else (prefix_ids.long().contiguous(), prefix_weight.float().contiguous())
+    return targets.long().contiguous(), mtp_weights.float().contiguous(), *(prefix or (None, None))
 
 
-def softcapped_ce_mtp_triton(logits: Tensor, targets: Tensor, mtp_weights: Tensor) -> Tensor:
+def softcapped_ce_mtp_triton(logits: Tensor, targets: Tensor, mtp_weights: Tensor, prefix_ids: Tensor | None = None,
+                             prefix_weight: Tensor | None = None, grad_scale: float = 1.0) -> Tensor:
     """Triton path of `softcapped_ce_mtp`; runs on CUDA, or on CPU under TRITON_INTERPRET=1."""
-    _check_ce_args(logits, targets, mtp_weights)
+    _check_ce_args(logits, targets, mtp_weights, prefix_ids, prefix_weight, grad_scale)
     if logits.stride(1) != 1:
         logits = logits.contiguous()
-    loss, _ = torch.ops.speedrun.softcapped_ce_mtp_fwd(logits, targets.contiguous(), mtp_weights.float().contiguous())
+    loss, _ = torch.ops.speedrun.softcapped_ce_mtp_fwd(
+        logits, *_ce_inputs(targets, mtp_weights, prefix_ids, prefix_weight), float(grad_scale))
     return loss
 
 
 # The CPU twin of the kernel: the same one-pass algorithm (loss and dlogits together, per block of rows,
-# never a full fp32 (T, V) tensor) in plain torch ops. The autograd graph of the reference holds several
-# fp32 (T, V) intermediates; this is ~5x faster on a CPU, which is what makes the CPU demo practical.
+# never a full fp32 (T, V) tensor) in plain torch ops. The autograd graph of a plain-torch loss holds
+# several fp32 (T, V) intermediates; this is ~5x faster on a CPU, which is what makes the CPU demo practical.
 CE_CPU_ROWS = 8  # rows per block: 8 x 50304 fp32 values stay in a 2 MiB L2 cache
 
 
-def _ce_rows_block(logits: Tensor, tgt: Tensor, w: Tensor, grad_out: Tensor, grad_scale: float) -> Tensor:
-    """Loss (R,) of one block of rows, writing grad_scale * dloss/dlogits (R, V) into grad_out; tgt and
-    w (R, K). In-place ops keep it to a few cache-resident passes over the block."""
-    z = logits.to(torch.float32, copy=True).mul_(1 / 7.5).add_(5 / 7.5).sigmoid_().mul_(23.0)  # softcap
-    e = z.exp()                                                # z < 23: no overflow in fp32
+def _ce_rows_block(logits: Tensor, cols: Tensor, w_hit: Tensor, normaliser: Tensor, grad_out: Tensor,
+                   grad_scale: float) -> Tensor:
+    """Loss (R,) of one block of rows, writing the record's dlogits (R, V) into grad_out; cols and
+    w_hit (R, J) are the rows' target columns and their weights (0 where there is no target),
+    normaliser (R,) the rows' S_t. In-place ops keep it to a few cache-resident passes over the block."""
+    sigma = softcap_sigma_bf16(logits)
+    e = sigma.mul(23.0).exp_()                                 # exp(z), z < 23: no overflow in fp32
     total = e.sum(dim=1)
-    loss = (w * (total.log()[:, None] - z.gather(1, tgt))).sum(dim=1)
-    # dloss/dlogits = (W softmax(z) - sum_k w_k onehot(target_k)) * z (1 - z/23) / 7.5, the 1/7.5
-    # folded into the row scale and the one-hot weights; the last product is rounded once into grad_out
-    g = e.mul_((w.sum(dim=1) * (grad_scale / 7.5) / total)[:, None])
-    g.scatter_add_(1, tgt, w * (-grad_scale / 7.5))
-    torch.mul(g, torch.addcmul(z, z, z, value=-1 / 23.0), out=grad_out)
+    loss = (w_hit * (total.log()[:, None] - 23.0 * sigma.gather(1, cols))).sum(dim=1)
+    # dlogits = (S softmax(z) - sum_j w_j onehot(col_j)) * 23/7.5 sigma (1 - sigma) * grad_scale, the
+    # constant folded into the row scale and the one-hot weights; the last product is rounded once
+    scale = grad_scale * 23.0 / 7.5
+    g = e.mul_((normaliser * scale / total)[:, None])
+    g.scatter_add_(1, cols, w_hit * -scale)
+    torch.mul(g, torch.addcmul(sigma, sigma, sigma, value=-1.0), out=grad_out)
     return loss
-
-
-def _scale_rows_block(grad: Tensor, scale: Tensor) -> Tensor:
-    return (grad.float() * scale[:, None]).to(grad.dtype)  # fp32 product, rounded once
 
 
 def _row_blocks(T: int, *tensors: Tensor):
@@ -850,77 +932,68 @@ def _row_blocks(T: int, *tensors: Tensor):
         yield a, b, [t[a:b] for t in tensors]
 
 
+def _ce_row_targets(targets: Tensor, mtp_weights: Tensor, prefix_ids: Tensor | None, prefix_weight: Tensor | None):
+    """Per row: target columns (T, J) (0 where there is none), their weights (T, J) (0 where there is
+    none) and the record's normaliser S_t (T,), J = K MTP offsets plus the prefix token if given."""
+    T, K = targets.shape[0], mtp_weights.shape[0]
+    idx = torch.arange(T, device=targets.device)[:, None] + torch.arange(K, device=targets.device)[None, :]
+    cols = targets.long()[idx.clamp(max=max(T - 1, 0))]
+    w_hit = mtp_weights.float()[None, :] * (idx < T).float()
+    normaliser = mtp_weights.float().sum().expand(T)  # every weight, also past the end
+    if prefix_ids is not None:
+        valid = prefix_ids >= 0
+        pi = torch.where(valid, prefix_weight.float(), 0.0)
+        cols = torch.cat([cols, prefix_ids.long().clamp(min=0)[:, None]], dim=1)
+        w_hit = torch.cat([w_hit, pi[:, None]], dim=1)
+        normaliser = normaliser + pi
+    return cols, w_hit, normaliser
+
+
 @torch.library.custom_op("speedrun::softcapped_ce_mtp_rows", mutates_args=())
-def _ce_mtp_rows_op(logits: Tensor, targets: Tensor, mtp_weights: Tensor, grad_scale: float) -> tuple[Tensor, Tensor]:
-    """Returns (per-token loss (T,) fp32, grad_scale * dloss/dlogits (T, V) in the logits' dtype)."""
+def _ce_mtp_rows_op(logits: Tensor, targets: Tensor, mtp_weights: Tensor, prefix_ids: Tensor | None,
+                    prefix_weight: Tensor | None, grad_scale: float) -> tuple[Tensor, Tensor]:
+    """Returns (per-token loss (T,) fp32, the record's dlogits (T, V) in the logits' dtype)."""
     T, V = logits.shape
-    K = mtp_weights.shape[0]
     loss = torch.empty(T, dtype=torch.float32, device=logits.device)
     grad = torch.empty((T, V), dtype=logits.dtype, device=logits.device)
-    # targets and weights of every (row, k); weight 0 where t + k - 1 runs past the sequence
-    idx = torch.arange(T, device=logits.device)[:, None] + torch.arange(K, device=logits.device)[None, :]
-    tgt = targets.long()[idx.clamp(max=T - 1)]
-    w = mtp_weights.float()[None, :] * (idx < T).float()
-    for a, b, (lg, tg, wg, go) in _row_blocks(T, logits, tgt, w, grad):
-        loss[a:b] = _ce_rows_block(lg, tg, wg, go, grad_scale)
+    cols, w_hit, normaliser = _ce_row_targets(targets, mtp_weights, prefix_ids, prefix_weight)
+    for a, b, (lg, c, w, n, go) in _row_blocks(T, logits, cols, w_hit, normaliser, grad):
+        loss[a:b] = _ce_rows_block(lg, c, w, n, go, grad_scale)
     return loss, grad
 
 
 @_ce_mtp_rows_op.register_fake
-def _(logits, targets, mtp_weights, grad_scale):
+def _(logits, targets, mtp_weights, prefix_ids, prefix_weight, grad_scale):
     return logits.new_empty(logits.shape[0], dtype=torch.float32), torch.empty_like(logits)
 
 
-def _ce_mtp_rows_setup(ctx, inputs, output):
-    _ce_mtp_setup(ctx, inputs, output)
-    ctx.grad_scale = inputs[3]
-    ctx.set_materialize_grads(False)  # no zero (T, V) tensor for the gradient output nobody uses
+_ce_mtp_rows_op.register_autograd(_ce_backward, setup_context=_ce_setup)
 
 
-def _ce_mtp_rows_backward(ctx, dloss, _dgrad):
-    (grad,) = ctx.saved_tensors
-    if dloss.stride(0) == 0:  # one scale for every row (the loss was summed)
-        # torch 2.11's is_compiling() is False while AOTAutograd traces this backward (on fake tensors)
-        traced = torch.compiler.is_compiling() or is_fake(dloss)
-        if not traced and float(dloss[0]) == ctx.grad_scale:
-            return grad, None, None, None  # stored at exactly this scale: nothing left to do
-        return grad * (dloss[0].float() / ctx.grad_scale), None, None, None  # 0-D: one pass, bf16 result
-    out = torch.empty_like(grad)
-    for a, b, (g, s) in _row_blocks(grad.shape[0], grad, dloss.float() / ctx.grad_scale):
-        out[a:b] = _scale_rows_block(g, s)
-    return out, None, None, None
-
-
-_ce_mtp_rows_op.register_autograd(_ce_mtp_rows_backward, setup_context=_ce_mtp_rows_setup)
-
-
-def softcapped_ce_mtp_rows(logits: Tensor, targets: Tensor, mtp_weights: Tensor, grad_scale: float = 1.0) -> Tensor:
-    """CPU path of `softcapped_ce_mtp`: the kernel's fused algorithm in torch ops, block of rows at a time.
-
-    grad_scale is the gradient the caller expects to send back for every token (loss.sum() * s sends s):
-    dlogits are stored already multiplied by it, so that backward costs no pass over the (T, V) gradient.
-    Any other gradient is still exact (rescaled by dloss / grad_scale)."""
-    _check_ce_args(logits, targets, mtp_weights)
-    grad_scale = float(torch.tensor(grad_scale, dtype=torch.float32))  # the value dloss will carry
-    if not (math.isfinite(grad_scale) and grad_scale != 0.0):
-        raise ValueError(f"softcapped_ce_mtp: grad_scale must be a finite non-zero number, got {grad_scale}")
-    loss, _ = torch.ops.speedrun.softcapped_ce_mtp_rows(logits, targets, mtp_weights, grad_scale)
+def softcapped_ce_mtp_rows(logits: Tensor, targets: Tensor, mtp_weights: Tensor, prefix_ids: Tensor | None = None,
+                           prefix_weight: Tensor | None = None, grad_scale: float = 1.0) -> Tensor:
+    """CPU path of `softcapped_ce_mtp`: the kernel's fused algorithm in torch ops, block of rows at a time."""
+    _check_ce_args(logits, targets, mtp_weights, prefix_ids, prefix_weight, grad_scale)
+    loss, _ = torch.ops.speedrun.softcapped_ce_mtp_rows(
+        logits, *_ce_inputs(targets, mtp_weights, prefix_ids, prefix_weight), float(grad_scale))
     return loss
 
 
-def softcapped_ce_mtp(logits: Tensor, targets: Tensor, mtp_weights: Tensor, grad_scale: float = 1.0) -> Tensor:
-    """Per-token softcapped cross-entropy with multi-token prediction; (T,) fp32.
+def softcapped_ce_mtp(logits: Tensor, targets: Tensor, mtp_weights: Tensor, prefix_ids: Tensor | None = None,
+                      prefix_weight: Tensor | None = None, grad_scale: float = 1.0) -> Tensor:
+    """Per-token softcapped cross-entropy with multi-token prediction and the prefix-token term; (T,) fp32.
 
     logits (T, V) (bf16 in training), targets (T,) int with targets[t] the token after position t,
-    mtp_weights (K,) fp32 for offsets k = 1..K (a tensor, so changing it never recompiles).
-    loss[t] = sum_k w_k * (lse(z_t) - z_t[targets[t + k - 1]]), z = softcap(logits); targets past
-    the end count with weight 0. Differentiable in logits. On CUDA the kernel computes the loss and
-    writes dloss/dlogits in the same pass; the backward only scales the stored gradient.
-    grad_scale is a hint for the CPU twin (see softcapped_ce_mtp_rows); the result never depends on it.
+    mtp_weights (K,) fp32 for offsets k = 0..K-1 (a tensor, so changing it never recompiles),
+    prefix_ids (T,) int64 (the prefix token of targets[t], -1 for none) with prefix_weight, a 0-D fp32
+    tensor (read on the device, no host sync); both None: no prefix term. The loss and the record's
+    gradient are defined in the section comment above: backward returns grad_scale times that
+    gradient whatever gradient reaches the loss, so use it as sum(loss) * grad_scale. The loss and the
+    gradient are computed in one pass over the logits (Triton on CUDA, the CPU twin elsewhere).
     """
     if logits.is_cuda:
-        return softcapped_ce_mtp_triton(logits, targets, mtp_weights)
-    return softcapped_ce_mtp_rows(logits, targets, mtp_weights, grad_scale)
+        return softcapped_ce_mtp_triton(logits, targets, mtp_weights, prefix_ids, prefix_weight, grad_scale)
+    return softcapped_ce_mtp_rows(logits, targets, mtp_weights, prefix_ids, prefix_weight, grad_scale)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -98,6 +98,54 @@ def test_encoding_refuses_wrong_rank_file(tmp_path):
         train_gpt.gpt2_encoding(str(bad))
 
 
+def brute_force_prefix(vocab: dict, token_bytes: bytes) -> int:
+    """Id of the longest proper prefix of token_bytes among all of vocab (bytes -> id), -1 if none."""
+    best, best_len = -1, 0
+    for piece, token in vocab.items():
+        if best_len < len(piece) < len(token_bytes) and token_bytes.startswith(piece):
+            best, best_len = token, len(piece)
+    return best
+
+
+def test_prefix_table_matches_a_brute_force_search():
+    """README "Training loss": table[T] = longest proper byte-prefix of token T that is a token, -1 for
+    single bytes, BOS and pads; checked against a search over the whole decoded vocabulary."""
+    import torch
+    enc = train_gpt.gpt2_encoding()
+    t = time.perf_counter()
+    table = train_gpt.build_prefix_table(enc, 50304)
+    seconds = time.perf_counter() - t
+    assert seconds < 2.0, f"{seconds:.2f}s: it runs inside the timed region"
+    assert table.dtype == torch.int64 and table.shape == (50304,)
+    vocab = {enc.decode_single_token_bytes(i): i for i in range(BOS_ID)}
+    rng = np.random.default_rng(0)
+    tokens = [262, 290, 464, 1169, 50255] + rng.integers(256, BOS_ID, 20).tolist()
+    for token in tokens:
+        assert table[token] == brute_force_prefix(vocab, enc.decode_single_token_bytes(token)), token
+    # known GPT-2 pairs: " the" -> " th", "The" -> "Th", " gazed" -> " gaze"
+    for word, prefix in ((" the", " th"), ("The", "Th"), (" gazed", " gaze")):
+        (token,), (want,) = enc.encode_ordinary(word), enc.encode_ordinary(prefix)
+        assert table[token] == want, word
+    singles = [i for i, piece in enumerate(vocab) if len(piece) == 1]
+    assert len(singles) == 256 and (table[singles] == -1).all()
+    assert table[BOS_ID] == -1 and (table[BOS_ID + 1:] == -1).all()  # BOS and the 47 pad ids
+    # every multi-byte token has one (its first byte at least), and every entry is a proper prefix
+    assert int((table[:BOS_ID] == -1).sum()) == 256
+    for token, piece in enumerate(vocab):
+        if len(piece) > 1:
+            prefix = enc.decode_single_token_bytes(int(table[token]))
+            assert len(prefix) < len(piece) and piece.startswith(prefix), token
+    # a smaller vocabulary only names its own columns
+    small = train_gpt.build_prefix_table(enc, 1024)
+    assert small.shape == (1024,) and small.max() < 1024
+    small_vocab = {piece: i for piece, i in vocab.items() if i < 1024}
+    for token in (262, 290, 464, 1000):
+        assert small[token] == brute_force_prefix(small_vocab, enc.decode_single_token_bytes(token))
+    for bad in (0, -5, 2.5, True):
+        with pytest.raises(ValueError, match="padded_vocab_size"):
+            train_gpt.build_prefix_table(enc, bad)
+
+
 def test_tokenizer_script_plain_split(tmp_path):
     """The plain 90/10 character split, one document per part: the known counts plus one BOS each."""
     tokenize_text.main([SHAKESPEARE, "--name", "ts", "--out_dir", str(tmp_path), "--split_by", "chars",

@@ -113,6 +113,8 @@ def test_fractions_and_momentum(tmp_path, flag, value):
     ("--windows_init", "(1, 'a')", "must be 2 integers >= 1"),
     ("--stage_mtp_start", "((1.0, 0.5), (1.0, 0.5, 0.0), (1.0, 0.0, 0.0))", "must be 3 x K finite numbers >= 0"),
     ("--stage_mtp_end", "((1.0, -0.5, 0.0), (1.0, 0.0, 0.0), (1.0, 0.0, 0.0))", "must be 3 x K finite numbers >= 0"),
+    ("--stage_prefix_start", "(0.25, 0.25)", "must be 3 finite numbers >= 0"),
+    ("--stage_prefix_end", "(0.25, -0.1, 0.0)", "must be 3 finite numbers >= 0"),
 ])
 def test_tuples(tmp_path, flag, value, expect):
     msg = start_up_error(tmp_path, flag, value)

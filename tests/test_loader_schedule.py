@@ -184,6 +184,24 @@ def test_speedrun_schedule_matches_spec_table():
     assert [tg.plan_step(args, s).do_adam for s in (0, 1, 846, 847)] == [False, True, False, True]
 
 
+def test_prefix_weight_schedule_is_the_records():
+    """README "Training loss": 0.25 constant in stage 1, 0.25 (1 - t) in stage 2 with
+    t = (step - 423) / (847 - 423), 0 in stage 3 and the extension."""
+    args = tg.parse_args([])
+    for step in (0, 211, 422):
+        assert tg.plan_step(args, step).prefix_weight == 0.25, step
+    for step in (423, 635, 846):
+        t = (step - 423) / (847 - 423)
+        assert tg.plan_step(args, step).prefix_weight == pytest.approx(0.25 * (1 - t), abs=1e-15), step
+    assert tg.plan_step(args, 635).prefix_weight == pytest.approx(0.125, abs=1e-15)  # mid stage 2: t = 212/424
+    for step in (847, 1000, 1269, 1270, 1284):
+        assert tg.plan_step(args, step).prefix_weight == 0.0, step
+    for preset in ("demo", "test"):  # the small presets train with the term too
+        small = tg.parse_args(["--preset", preset])
+        assert small.prefix_loss and tg.plan_step(small, 0).prefix_weight == 0.25
+        assert tg.plan_step(small, tg.total_steps(small) - 1).prefix_weight == 0.0
+
+
 def test_small_presets_scale_boundaries():
     args = tg.parse_args(["--preset", "demo", "--num_iterations", "300"])
     assert tg.stage_starts(args) == (100, 200) and tg.untie_step(args) == 201

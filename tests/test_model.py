@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch.nn.attention.flex_attention import flex_attention
 
 import train_gpt as tg
+import triton_kernels as tk
 
 TEST = tg.parse_args(["--preset", "test"])
 
@@ -453,20 +454,67 @@ def test_eval_loss_equals_independent_cross_entropy(chunk, monkeypatch):
     assert loss.item() > math.log(TEST.padded_vocab_size) + 0.1  # randomised weights: not the trivial value
 
 
+def record_training_loss_float64(model, inputs, targets, cu, weights, prefix_ids=None, prefix_weight=0.0):
+    """Sum over tokens of the record's training loss (README "Training loss") in float64 from the
+    model's own head logits: MTP terms that stay inside the sequence, the prefix term where the target
+    has a prefix token. z = 23 sigma with the kernels' bf16 sigma: its rounding is tested against float64
+    in test_triton_kernels.py; here the bf16 logits take few distinct values, and one of them whose fp32
+    sigma sits at a bf16 rounding midpoint would move thousands of logits together."""
+    with torch.no_grad():
+        raw = model.hidden(inputs, cu, bigrams(inputs)) @ model.lm_head  # the training head (no FP8 on CPU)
+    z = 23 * tk.softcap_sigma_bf16(raw).double()
+    lse = torch.logsumexp(z, 1)
+    T = z.shape[0]
+    total = torch.zeros((), dtype=torch.float64)
+    for k, wk in enumerate(weights):
+        n = T - k
+        total += wk * (lse[:n] - z[torch.arange(n), targets[k:]]).sum()
+    if prefix_ids is not None:
+        valid = prefix_ids >= 0
+        total += prefix_weight * (lse - z[torch.arange(T), prefix_ids.clamp(min=0)])[valid].sum()
+    return total.item()
+
+
 def test_training_loss_is_scaled_sum_of_mtp_cross_entropies():
     model = make_model()
     randomize(model, seed=5)
     inputs, targets, cu = make_batch(seed=2)
-    T = 128
     with torch.no_grad():
         loss = model(inputs, targets, cu, bigrams(inputs), mtp_weights=torch.tensor([1.0, 0.5, 0.25]), loss_scale=0.125)
-        z = model.logits(inputs, cu, bigrams(inputs)).double()
-    lse = torch.logsumexp(z, 1)
-    ref = 0.0
-    for k, wk in enumerate([1.0, 0.5, 0.25]):
-        n = T - k
-        ref += wk * (lse[:n] - z[torch.arange(n), targets[k:]]).sum()
-    assert loss.item() == pytest.approx(0.125 * ref.item(), rel=1e-5)
+    ref = record_training_loss_float64(model, inputs, targets, cu, [1.0, 0.5, 0.25])
+    assert loss.item() == pytest.approx(0.125 * ref, rel=1e-5)
+
+
+def prefix_model(args=TEST, seed=5):
+    model = make_model(args)
+    randomize(model, seed=seed)
+    model.prefix_table.copy_(tg.build_prefix_table(tg.gpt2_encoding(), args.padded_vocab_size))
+    return model
+
+
+def test_training_loss_adds_the_prefix_term():
+    """The prefix term reads the model's prefix_table buffer (-1 until train() fills it, not saved in
+    checkpoints); --prefix_loss false, or no prefix_weight, leaves the MTP terms alone."""
+    assert (make_model().prefix_table == -1).all() and "prefix_table" not in make_model().state_dict()
+    model = prefix_model()
+    inputs, targets, cu = make_batch(seed=2)
+    w, pi = [1.0, 0.5, 0.25], torch.tensor(0.25)
+    prefix_ids = model.prefix_table[targets]
+    assert (prefix_ids >= 0).sum() > 100  # random GPT-2 ids: nearly every one has a prefix token
+
+    def loss_of(m, prefix_weight):
+        with torch.no_grad():
+            return m(inputs, targets, cu, bigrams(inputs), mtp_weights=torch.tensor(w), loss_scale=0.125,
+                     prefix_weight=prefix_weight).item()
+
+    with_prefix = loss_of(model, pi)
+    expected = record_training_loss_float64(model, inputs, targets, cu, w, prefix_ids, 0.25)
+    assert with_prefix == pytest.approx(0.125 * expected, rel=1e-5)
+    without = 0.125 * record_training_loss_float64(model, inputs, targets, cu, w)
+    assert with_prefix - without > 1.0  # the term is there
+    assert loss_of(model, None) == pytest.approx(without, rel=1e-5)
+    switched_off = prefix_model(dataclasses.replace(TEST, prefix_loss=False))
+    assert loss_of(switched_off, pi) == pytest.approx(without, rel=1e-5)
 
 
 def test_bigram_hash_matches_loop_for_torch_and_numpy():
@@ -649,11 +697,12 @@ def test_compiled_forward_backward_matches_eager_on_cpu():
     inputs, targets, cu = make_batch()
     big = bigrams(inputs)
     w = torch.tensor([1.0, 0.5, 0.25])
+    model.prefix_table.copy_(tg.build_prefix_table(tg.gpt2_encoding(), TEST.padded_vocab_size))
     compiled = torch.compile(model, dynamic=False, fullgraph=True)  # no graph breaks anywhere
 
     def run(m):
         model.zero_grad(set_to_none=True)
-        loss = m(inputs, targets, cu, big, mtp_weights=w, loss_scale=1 / 128)
+        loss = m(inputs, targets, cu, big, mtp_weights=w, loss_scale=1 / 128, prefix_weight=torch.tensor(0.25))
         loss.backward()
         return loss.detach(), model.qk_bank.grad.clone(), model.lm_head.grad.clone()
 

@@ -139,13 +139,14 @@ def test_training_step_never_waits_for_the_gpu():
     model = tg.GPT(args).to(device)
     opt = tg.build_optimizer(args, model, device)
     loader = tg.DocumentLoader(args.train_files, args.bigram_vocab_size)
-    mtp = torch.zeros(len(args.stage_mtp_start[0]), device=device)
+    mtp, prefix = torch.zeros(len(args.stage_mtp_start[0]), device=device), torch.zeros((), device=device)
+    model.prefix_table.copy_(tg.build_prefix_table(tg.gpt2_encoding(), args.padded_vocab_size))
     slots = tg.check_batch_split(args, 1)
 
     def step(i):
         plan = tg.plan_step(args, i)
         batches = loader.next_step(plan.batch_tokens // slots, plan.max_doc_len, slots)
-        return tg.train_step(model, opt, batches, plan, mtp, tg.grad_scale_for(args, 1), device)
+        return tg.train_step(model, opt, batches, plan, mtp, prefix, tg.grad_scale_for(args, 1), device)
 
     step(0), step(1)  # first calls: lazy initialisation, allocator growth
     torch.cuda.synchronize()
@@ -155,3 +156,37 @@ def test_training_step_never_waits_for_the_gpu():
     finally:
         torch.cuda.set_sync_debug_mode(0)
     assert all(torch.isfinite(x).item() for x in losses)
+
+
+def test_prefix_table_is_built_after_the_clock_starts(tmp_path, monkeypatch):
+    """README "Training loss": the compile warm-up trains with the prefix table filled (the graphs of
+    the timed run), then the table is built again right after the clock starts, before the first timed
+    step; every step's forward sees it and the schedule's prefix weight."""
+    import train_gpt as tg
+    events = []
+    build = tg.build_prefix_table
+    forward = tg.GPT.forward
+
+    def recording_forward(self, *args, prefix_weight=None, **kwargs):
+        if prefix_weight is not None:  # training
+            events.append(("step", bool((self.prefix_table >= 0).any()), float(prefix_weight)))
+        return forward(self, *args, prefix_weight=prefix_weight, **kwargs)
+
+    monkeypatch.setattr(tg, "build_prefix_table", lambda *a: events.append("build") or build(*a))
+    monkeypatch.setattr(tg, "cuda_synchronize", lambda device: events.append("sync"))
+    monkeypatch.setattr(tg.GPT, "forward", recording_forward)
+    monkeypatch.setattr(torch, "compile", lambda model, **kwargs: model)  # the warm-up path without inductor
+    # three steps of small batches (the CPU cross-entropy over 50,304 logits per token is most of a step)
+    args = tg.parse_args(["--preset", "test", "--compile", "true", "--val_loss_every", "0", "--val_tokens", "512",
+                          "--num_iterations", "3", "--extension_iterations", "0", "--micro_batches", "2",
+                          "--stage_batch_tokens", "(256, 256, 256)", "--log_dir", str(tmp_path / "logs")])
+    tg.train(args, tg.setup_distributed(force_cpu=True))
+    first, second = [i for i, e in enumerate(events) if e == "build"]
+    micro = tg.grad_accum_steps(args, 1)
+    warm, timed = events[first + 1:second - 1], [e for e in events[second + 1:] if e != "sync"]
+    assert first == 0 and events[second - 1] == "sync"  # the clock starts, then the timed build
+    assert warm == [("step", True, pytest.approx(tg.plan_step(args, s).prefix_weight))
+                    for s in tg.warmup_steps(args) for _ in range(micro)]
+    assert timed == [("step", True, pytest.approx(tg.plan_step(args, s).prefix_weight))
+                     for s in range(tg.total_steps(args)) for _ in range(micro)]
+    assert [e[2] for e in timed[::micro]] == [0.25, 0.25, 0.0]  # stages 1, 2 (its first step) and 3

@@ -15,7 +15,9 @@ import os
 
 import pytest
 import torch
-import torch.nn.functional as F
+
+import triton
+import triton.language as tl
 
 import triton_kernels as tk
 
@@ -72,26 +74,62 @@ def test_mlp_reference_matches_float64():
     assert_close_rel(tk.relu2_mlp_reference(x, wu, wd), expected, 1e-5)
 
 
-def ce_mtp_float64(logits: torch.Tensor, targets: torch.Tensor, weights) -> torch.Tensor:
-    """Hand-written per-token loss in float64, straight from the definition, one loop per term."""
-    z = 23.0 / (1.0 + torch.exp(-(logits.double() + 5.0) / 7.5))
-    T = z.shape[0]
-    loss = []
-    for t in range(T):
-        lse = torch.log(torch.exp(z[t]).sum())
-        total = torch.zeros((), dtype=torch.float64)
+def sigma_bf16_float64(logits: torch.Tensor) -> torch.Tensor:
+    """Record #89's stored sigma: 0.5 + 0.5 tanh(x / 2), x = (l + 5) / 7.5, rounded to bf16 (from fp32)."""
+    x = (logits.double() + 5.0) / 7.5
+    return (0.5 + 0.5 * torch.tanh(x / 2)).float().bfloat16().double()
+
+
+def ce_record_float64(logits, targets, weights, prefix_ids=None, prefix_weight=0.0, grad_scale=1.0):
+    """The record's per-token loss (T,) and gradient (T, V) in float64, one loop per term, written from
+    README "Training loss": z = 23 bf16(sigma); L_i = sum_{k, i+k<T} w_k (lse_i - z_i[tgt_{i+k}])
+    + [prefix valid] pi (lse_i - z_i[prefix_i]); dl_i = grad_scale (S_i p_i - hits_i) 23/7.5 sigma (1 - sigma)
+    with S_i = sum of ALL w_k + pi [valid]; no upstream gradient enters."""
+    sigma = sigma_bf16_float64(logits)
+    z = 23.0 * sigma
+    T, V = z.shape
+    losses, grads = [], []
+    for i in range(T):
+        lse = torch.log(torch.exp(z[i]).sum())
+        loss = torch.zeros((), dtype=torch.float64)
+        hits = torch.zeros(V, dtype=torch.float64)
+        S = 0.0
         for k, w in enumerate(weights):
-            if t + k < T:
-                total = total + float(w) * (lse - z[t, targets[t + k]])
-        loss.append(total)
-    return torch.stack(loss)
+            S += float(w)
+            if i + k < T:
+                loss = loss + float(w) * (lse - z[i, targets[i + k]])
+                hits[targets[i + k]] += float(w)
+        if prefix_ids is not None and prefix_ids[i] >= 0:
+            S += float(prefix_weight)
+            loss = loss + float(prefix_weight) * (lse - z[i, prefix_ids[i]])
+            hits[prefix_ids[i]] += float(prefix_weight)
+        p = torch.exp(z[i] - lse)
+        grads.append(grad_scale * (S * p - hits) * (23.0 / 7.5) * sigma[i] * (1.0 - sigma[i]))
+        losses.append(loss)
+    return torch.stack(losses), torch.stack(grads)
+
+
+def ce_inputs(T, V, K=3, prefix=True, seed=0, dtype=torch.float32):
+    """Logits, targets, K weights and (prefix ids with -1s, pi) for the CE tests."""
+    g = torch.Generator().manual_seed(seed)
+    logits = (torch.randn(T, V, generator=g) * 6).to(dtype)
+    targets = torch.randint(0, V, (T,), generator=g)
+    weights = torch.tensor([1.0, 0.5, 0.25][:K])
+    if not prefix:
+        return logits, targets, weights, None, None
+    prefix_ids = torch.randint(0, V, (T,), generator=g)
+    prefix_ids[::3] = -1  # no prefix token (single bytes, BOS)
+    return logits, targets, weights, prefix_ids, torch.tensor(0.25)
 
 
 def test_ce_reference_matches_float64():
-    logits = torch.randn(9, 50) * 6
-    targets = torch.randint(0, 50, (9,))
-    w = torch.tensor([1.0, 0.5, 0.25])
-    assert_close_rel(tk.softcapped_ce_mtp_reference(logits, targets, w), ce_mtp_float64(logits, targets, w), 1e-5)
+    logits, targets, w, prefix, pi = ce_inputs(9, 50)
+    lr = logits.clone().requires_grad_(True)
+    loss = tk.softcapped_ce_mtp_reference(lr, targets, w, prefix, pi, grad_scale=0.37)
+    want_loss, want_grad = ce_record_float64(logits, targets, w, prefix, 0.25, grad_scale=0.37)
+    assert_close_rel(loss, want_loss, 1e-5)
+    (g,) = torch.autograd.grad(loss, lr, torch.randn(9))  # the upstream gradient is ignored
+    assert_close_rel(g, want_grad, 1e-5)
 
 
 def test_transpose_references():
@@ -458,119 +496,140 @@ def test_fp8_up_errors():
 
 
 # ----------------------------------------------------------------------------------------------
-# Softcapped cross-entropy with multi-token prediction
+# Softcapped cross-entropy with multi-token prediction and the prefix-token term
 # ----------------------------------------------------------------------------------------------
 
 
 # The Triton kernel and its CPU twin (the same fused algorithm in torch ops, row blocks of CE_CPU_ROWS)
 CE_IMPLS = [pytest.param(lambda: tk.softcapped_ce_mtp_triton, id="triton"),
             pytest.param(lambda: tk.softcapped_ce_mtp_rows, id="rows")]
+CE_ALL = CE_IMPLS + [pytest.param(lambda: tk.softcapped_ce_mtp_reference, id="reference")]
+
+
+def run_ce(fn, logits, targets, w, prefix_ids, prefix_weight, grad_scale, upstream):
+    """(loss, dloss/dlogits) with `upstream` sent into the loss."""
+    lr = logits.clone().requires_grad_(True)
+    loss = fn(lr, targets, w, prefix_ids, prefix_weight, grad_scale=grad_scale)
+    (g,) = torch.autograd.grad(loss, lr, upstream)
+    return loss, g
 
 
 @pytest.mark.parametrize("impl", CE_IMPLS)
-@pytest.mark.parametrize("V", [256, 300, 1000])
-def test_ce_k1_matches_cross_entropy(V, impl):
-    T = 33
-    logits = (torch.randn(T, V) * 8).requires_grad_(True)
-    targets = torch.randint(0, V, (T,))
+@pytest.mark.parametrize("K,prefix", [(1, False), (3, False), (1, True), (2, True), (3, True)])
+@pytest.mark.parametrize("V", [256, 300])
+def test_ce_matches_the_records_loss_and_gradient(V, K, prefix, impl):
+    T = 24
+    logits, targets, w, prefix_ids, pi = ce_inputs(T, V, K, prefix, seed=K)
     targets[0], targets[1] = V - 1, 0  # vocab edges
-    loss = impl()(logits, targets, torch.tensor([1.0]))
-    lr = logits.detach().clone().requires_grad_(True)
-    expected = F.cross_entropy(tk.softcap(lr), targets, reduction="none")
-    assert loss.dtype == torch.float32 and loss.shape == (T,)
-    assert_close_rel(loss, expected, TOL[torch.float32])
-    dloss = torch.rand(T)
-    (g,) = torch.autograd.grad(loss, logits, dloss)
-    (gr,) = torch.autograd.grad(expected, lr, dloss)
-    assert_close_rel(g, gr, TOL[torch.float32])
+    loss, g = run_ce(impl(), logits, targets, w, prefix_ids, pi, 0.37, torch.randn(T))
+    want_loss, want_grad = ce_record_float64(logits, targets, w, prefix_ids, 0.25, grad_scale=0.37)
+    assert loss.dtype == torch.float32 and loss.shape == (T,) and g.dtype == torch.float32
+    assert_close_rel(loss, want_loss, TOL[torch.float32])
+    assert_close_rel(g, want_grad, TOL[torch.float32])
+
+
+@pytest.mark.parametrize("impl", CE_ALL)
+def test_ce_normaliser_counts_mtp_weights_past_the_end(impl):
+    """S_t holds every MTP weight even where t + k >= T. The bracket (S p - hits) of a row sums over
+    the vocabulary to S minus the weights of the targets that exist: 0 for the gradient of the loss,
+    but 1.75 - 1.5 = 0.25 and 1.75 - 1 = 0.75 at the last two rows with weights (1, 0.5, 0.25). A valid
+    prefix adds pi to both S and the hits, so it cancels."""
+    T, V = 6, 300
+    logits, targets, w, prefix_ids, pi = ce_inputs(T, V, 3)
+    _, g = run_ce(impl(), logits, targets, w, prefix_ids, pi, 1.0, torch.ones(T))
+    sigma = sigma_bf16_float64(logits)
+    bracket = g.double() / ((23 / 7.5) * sigma * (1 - sigma))
+    assert bracket.sum(1).tolist() == pytest.approx([0.0] * (T - 2) + [0.25, 0.75], abs=1e-4)
+
+
+@pytest.mark.parametrize("impl", CE_ALL)
+def test_ce_ignores_the_upstream_gradient(impl):
+    """The gradient is grad_scale times the record's, whatever reaches the loss (a sum times 5, per-row
+    values, zeros); grad_scale alone scales it."""
+    T, V = 10, 300
+    logits, targets, w, prefix_ids, pi = ce_inputs(T, V)
+    args = (logits, targets, w, prefix_ids, pi)
+    _, want = run_ce(impl(), *args, 0.37, torch.full((T,), 0.37))
+    for upstream in (torch.full((T,), 5.0), torch.randn(T), torch.zeros(T)):
+        _, got = run_ce(impl(), *args, 0.37, upstream)
+        assert torch.equal(got, want)
+    _, doubled = run_ce(impl(), *args, 0.74, torch.ones(T))
+    assert_close_rel(doubled, 2 * want, 1e-6)
+
+
+@pytest.mark.parametrize("impl", CE_ALL)
+def test_ce_uses_sigma_rounded_to_bf16(impl):
+    """z = 23 bf16(sigma): the loss is the rounded formula's to fp32 accuracy, far from the unrounded one."""
+    T, V = 8, 300
+    logits, targets, w, _, _ = ce_inputs(T, V, 1, prefix=False)
+    loss, _ = run_ce(impl(), logits, targets, w, None, None, 1.0, torch.ones(T))
+    z = 23 * torch.sigmoid((logits.double() + 5) / 7.5)
+    unrounded = torch.logsumexp(z, 1) - z[torch.arange(T), targets]
+    rounded, _ = ce_record_float64(logits, targets, w)
+    assert (loss.double() - rounded).abs().max() < 1e-4
+    assert (loss.double() - unrounded).abs().max() > 1e-3
+
+
+@triton.jit
+def _sigma_kernel(x_ptr, sigma_ptr, rounded_ptr, N, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < N
+    x = tl.load(x_ptr + offs, mask=ok)
+    tl.store(sigma_ptr + offs, tk._softcap_sigma(x), mask=ok)
+    tl.store(rounded_ptr + offs, tk._round_to_bf16(x), mask=ok)
+
+
+def test_kernel_sigma_and_bf16_rounding():
+    """The kernel rounds to bf16 exactly as torch does (ties to even included); its sigma (the record's
+    0.5 + 0.5 tanh(x/2)) and the CPU twin's (torch.sigmoid) both equal float64 math rounded to bf16 but
+    for rare fp32 values at a rounding midpoint, which land one bf16 ulp away."""
+    n = 1 << 18
+    x = torch.randn(n) * 8
+    # exact ties between two bf16 values (7 fraction bits): even below, odd below, and a non-tie
+    x[:4] = torch.tensor([1 + 2**-8, 1 + 3 * 2**-8, 0.75 + 2**-9, 1 + 2**-8 + 2**-20])
+    sigma, rounded = nan_like((n,), torch.float32), nan_like((n,), torch.float32)
+    _sigma_kernel[(triton.cdiv(n, 1 << 16),)](x, sigma, rounded, n, BLOCK=1 << 16)
+    assert torch.equal(rounded, x.bfloat16().float())
+    assert rounded[:4].tolist() == [1.0, 1 + 4 * 2**-8, 0.75, 1 + 2**-7]
+    exact = sigma_bf16_float64(x).float()
+    for got in (sigma, tk.softcap_sigma_bf16(x)):
+        differ = got != exact
+        assert differ.sum() <= 4, int(differ.sum())  # 1.6e-5 of the values at most
+        assert ((got - exact)[differ].abs() <= 2**-8).all()  # one bf16 ulp of a sigma < 1
 
 
 @pytest.mark.parametrize("impl", CE_IMPLS)
-def test_ce_k3_matches_hand_written_sum(impl):
-    T, V = 24, 700
-    logits = (torch.randn(T, V) * 6).requires_grad_(True)
-    targets = torch.randint(0, V, (T,))
-    w = torch.tensor([1.0, 0.5, 0.25])
-    loss = impl()(logits, targets, w)
-    l64 = logits.detach().double().requires_grad_(True)
-    expected = ce_mtp_float64(l64, targets, w.tolist())
-    assert_close_rel(loss, expected, TOL[torch.float32])
-    # The last two positions only see the offsets that stay inside the sequence.
-    assert expected[-1].item() == pytest.approx(ce_mtp_float64(l64[-1:].detach(), targets[-1:], [1.0]).item())
-    assert loss[-1].item() == pytest.approx(expected[-1].item(), rel=1e-5)
-    dloss = torch.randn(T)
-    (g,) = torch.autograd.grad(loss, logits, dloss)
-    (g64,) = torch.autograd.grad(expected, l64, dloss.double())
-    assert_close_rel(g, g64, TOL[torch.float32])
-    # and the reference agrees
-    assert_close_rel(tk.softcapped_ce_mtp_reference(logits.detach(), targets, w), expected, TOL[torch.float32])
-
-
-@pytest.mark.parametrize("impl", CE_IMPLS)
-@pytest.mark.parametrize("K", [1, 2, 3])
-def test_ce_bf16_logits_and_weights_as_data(K, impl):
+def test_ce_bf16_logits_and_weights_as_data(impl):
     T, V = 16, 513
-    logits = (torch.randn(T, V) * 5).bfloat16().requires_grad_(True)
-    targets = torch.randint(0, V, (T,))
-    w = torch.rand(K)
-    loss = impl()(logits, targets, w)
-    lr = logits.detach().clone().requires_grad_(True)
-    expected = tk.softcapped_ce_mtp_reference(lr, targets, w)
-    assert_close_rel(loss, expected, TOL[torch.float32])  # the math is fp32 on bf16 inputs
-    (g,) = torch.autograd.grad(loss.sum(), logits)
-    (gr,) = torch.autograd.grad(expected.sum(), lr)
+    logits, targets, w, prefix_ids, pi = ce_inputs(T, V, dtype=torch.bfloat16)
+    loss, g = run_ce(impl(), logits, targets, w, prefix_ids, pi, 1.0, torch.ones(T))
+    want_loss, want_grad = ce_record_float64(logits, targets, w, prefix_ids, 0.25)
+    assert_close_rel(loss, want_loss, TOL[torch.float32])  # the math is fp32 on bf16 inputs
     assert g.dtype == torch.bfloat16
-    assert_close_rel(g, gr, TOL[torch.bfloat16])
+    assert_close_rel(g, want_grad, TOL[torch.bfloat16])
+    ref_loss, ref_g = run_ce(tk.softcapped_ce_mtp_reference, logits, targets, w, prefix_ids, pi, 1.0, torch.ones(T))
+    assert_close_rel(loss, ref_loss, TOL[torch.float32])
+    assert_close_rel(g, ref_g, TOL[torch.bfloat16])
 
 
-def test_scale_rows_rounds_once_from_fp32():
-    src = torch.randn(5, 600).bfloat16()
-    scale = torch.tensor([1.0, 1e-3, 3.3, 0.0, -7.1])
-    got = torch.ops.speedrun.scale_rows(src, scale)
-    expected = src.float() * scale[:, None]
-    # one bf16 rounding of the fp32 product (truncation on the interpreter): within 2^-7 relative
-    assert got.dtype == torch.bfloat16
-    assert ((got.float() - expected).abs() <= expected.abs() * 2**-7).all()
-
-
-def test_ce_rows_grad_scale_hint_never_changes_the_gradient():
-    """The CPU twin stores dlogits pre-multiplied by grad_scale so a summed, scaled loss costs no
-    backward pass; a matching scale, a different one, a per-row gradient and no hint all give the
-    reference gradient, and the hint's own path returns the stored tensor as is."""
-    T, V = 21, 777
-    logits = (torch.randn(T, V) * 5).bfloat16().requires_grad_(True)
-    targets = torch.randint(0, V, (T,))
-    w = torch.tensor([1.0, 0.5])
-    lr = logits.detach().clone().requires_grad_(True)
-    (want,) = torch.autograd.grad(tk.softcapped_ce_mtp_reference(lr, targets, w).sum() * 0.37, lr)
-    cases = {
-        "matching hint": (0.37, lambda loss: (loss.sum() * 0.37, None)),
-        "other hint": (2.5, lambda loss: (loss.sum() * 0.37, None)),
-        "per-row dloss": (0.37, lambda loss: (loss, torch.full((T,), 0.37))),
-        "no hint": (1.0, lambda loss: (loss.sum() * 0.37, None)),
-    }
-    for name, (hint, seed) in cases.items():
-        loss = tk.softcapped_ce_mtp_rows(logits, targets, w, grad_scale=hint)
-        assert_close_rel(loss, tk.softcapped_ce_mtp_reference(lr, targets, w), TOL[torch.float32])
-        out, dout = seed(loss)
-        (got,) = torch.autograd.grad(out, logits, dout)
-        assert got.dtype == torch.bfloat16, name
-        assert_close_rel(got, want, TOL[torch.bfloat16])
-    with pytest.raises(ValueError, match="grad_scale"):
-        tk.softcapped_ce_mtp_rows(logits, targets, w, grad_scale=0.0)
-
-
-@pytest.mark.parametrize("impl", CE_IMPLS)
+@pytest.mark.parametrize("impl", CE_ALL)
 def test_ce_short_sequence_and_errors(impl):
-    logits = torch.randn(2, 40)
-    targets = torch.tensor([3, 7])
-    w = torch.tensor([1.0, 0.5, 0.25])
-    assert_close_rel(impl()(logits, targets, w),
-                     ce_mtp_float64(logits, targets, w.tolist()), TOL[torch.float32])
-    with pytest.raises(ValueError, match="1 to 3"):
-        impl()(logits, targets, torch.ones(4))
-    with pytest.raises(ValueError, match="targets"):
-        impl()(logits, torch.tensor([1]), w)
+    logits, targets, w, prefix_ids, pi = ce_inputs(2, 40)
+    loss, g = run_ce(impl(), logits, targets, w, prefix_ids, pi, 1.0, torch.ones(2))
+    want_loss, want_grad = ce_record_float64(logits, targets, w, prefix_ids, 0.25)
+    assert_close_rel(loss, want_loss, TOL[torch.float32])
+    assert_close_rel(g, want_grad, TOL[torch.float32])
+    bad = {
+        "1 to 3": (logits, targets, torch.ones(4), None, None, 1.0),
+        "targets must be": (logits, torch.tensor([1]), w, None, None, 1.0),
+        "given together": (logits, targets, w, prefix_ids, None, 1.0),
+        "prefix_ids must be": (logits, targets, w, prefix_ids.float(), pi, 1.0),
+        "prefix_weight must be a 0-D": (logits, targets, w, prefix_ids, torch.tensor([0.25]), 1.0),
+        "grad_scale must be": (logits, targets, w, None, None, float("inf")),
+    }
+    for message, (lg, tg_, w_, p, pw, gs) in bad.items():
+        with pytest.raises(ValueError, match=message):
+            impl()(lg, tg_, w_, p, pw, grad_scale=gs)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -624,10 +683,14 @@ def _opcheck_cases():
         ("relu2_mlp_fwd", (x, wu, wd, False)),
         ("relu2_mlp_bwd", (torch.randn(9, 16), x.detach(), wu.detach(), wd.detach(), post, True)),
         ("relu2_mlp_bwd", (torch.randn(9, 16), x.detach(), wu.detach(), wd.detach(), post, False)),
-        ("softcapped_ce_mtp_fwd", (logits, torch.randint(0, 50, (8,)), torch.tensor([1.0, 0.5]))),
+        ("softcapped_ce_mtp_fwd", (logits, torch.randint(0, 50, (8,)), torch.tensor([1.0, 0.5]),
+                                   torch.randint(-1, 50, (8,)), torch.tensor(0.25), 0.5)),
+        ("softcapped_ce_mtp_fwd", (logits, torch.randint(0, 50, (8,)), torch.tensor([1.0]), None, None, 1.0)),
         ("softcapped_ce_mtp_rows", (torch.randn(40, 50, requires_grad=True), torch.randint(0, 50, (40,)),
-                                    torch.tensor([1.0, 0.5, 0.25]), 0.25)),
-        ("scale_rows", (torch.randn(8, 300).bfloat16(), torch.randn(8))),
+                                    torch.tensor([1.0, 0.5, 0.25]), torch.randint(-1, 50, (40,)), torch.tensor(0.25),
+                                    0.25)),
+        ("softcapped_ce_mtp_rows", (torch.randn(40, 50, requires_grad=True), torch.randint(0, 50, (40,)),
+                                    torch.tensor([1.0, 0.5]), None, None, 0.25)),
         ("transpose_copy", (A, torch.empty(36, 20))),
         ("transpose_add", (A, torch.randn(36, 20))),
     ]
@@ -640,16 +703,17 @@ def test_opcheck(name, args):
 
 
 def test_ops_are_opaque_under_torch_compile():
-    def step(x, wu, wd, logits, targets, w):
+    def step(x, wu, wd, logits, targets, w, prefix_ids, pi):
         y = tk.relu2_mlp_triton(x, wu, wd)
-        return y.sum() + tk.softcapped_ce_mtp_triton(logits, targets, w).sum()
+        return y.sum() + tk.softcapped_ce_mtp_triton(logits, targets, w, prefix_ids, pi, grad_scale=0.5).sum()
 
     compiled = torch.compile(step, backend="aot_eager", fullgraph=True)
     x, wu, wd = torch.randn(8, 16), torch.randn(32, 16), torch.randn(32, 16)
-    logits, targets = torch.randn(8, 40), torch.randint(0, 40, (8,))
-    for w in (torch.tensor([1.0, 0.5]), torch.tensor([1.0, 0.25])):  # new weights: same graph
-        assert_close_rel(compiled(x, wu, wd, logits, targets, w),
-                         step(x, wu, wd, logits, targets, w), TOL[torch.float32])
+    logits, targets, prefix_ids = torch.randn(8, 40), torch.randint(0, 40, (8,)), torch.randint(-1, 40, (8,))
+    for w, pi in ((torch.tensor([1.0, 0.5]), torch.tensor(0.25)), (torch.tensor([1.0, 0.25]), torch.tensor(0.1))):
+        # new weights: same graph
+        assert_close_rel(compiled(x, wu, wd, logits, targets, w, prefix_ids, pi),
+                         step(x, wu, wd, logits, targets, w, prefix_ids, pi), TOL[torch.float32])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -709,13 +773,12 @@ up = dict(a_ptr=ptr(f8), b_ptr=ptr(f8), post_ptr=ptr(), q_ptr=ptr(f8), amax_ptr=
           act_scale_ptr=ptr("*fp32"), M=i32(49152), N=i32(3072), K=i32(768), sam=i32(768), sak=i32(1), sbk=i32(1),
           sbn=i32(768), spm=i32(3072), spn=i32(1), sqm=i32(3072), sqn=i32(1))
 res["mlp_fp8_up"] = compile_sm90(tk._fp8_relu2_kernel, up, dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=128, GROUP_M=8), 8, 3)
-ce = dict(logits_ptr=ptr(), targets_ptr=ptr("*i64"), weights_ptr=ptr("*fp32"), loss_ptr=ptr("*fp32"), grad_ptr=ptr(),
-          T=i32(49152), V=i32(50304), s_lt=i32(50304), s_gt=i32(50304))
-res["ce"] = compile_sm90(tk._ce_mtp_kernel, ce, dict(K=3, K_POW2=4, BLOCK_V=4096), 8, 3)
+ce = dict(logits_ptr=ptr(), targets_ptr=ptr("*i64"), weights_ptr=ptr("*fp32"), prefix_ids_ptr=ptr("*i64"),
+          prefix_weight_ptr=ptr("*fp32"), loss_ptr=ptr("*fp32"), grad_ptr=ptr(),
+          T=i32(49152), V=i32(50304), s_lt=i32(50304), s_gt=i32(50304), grad_scale=("fp32", 0))
+res["ce"] = compile_sm90(tk._ce_mtp_kernel, ce, dict(K=3, HAS_PREFIX=True, J_POW2=4, BLOCK_V=4096), 8, 3)
 tr = dict(src_ptr=ptr(), dst_ptr=ptr("*fp32"), M=i32(50304), N=i32(768), ssm=i32(768), ssn=i32(1), sdn=i32(50304), sdm=i32(1))
 res["transpose_add"] = compile_sm90(tk._transpose_kernel, tr, dict(ADD=True, BLOCK_M=64, BLOCK_N=64), 4, 1)
-res["scale_rows"] = compile_sm90(tk._scale_rows_kernel, dict(src_ptr=ptr(), scale_ptr=ptr("*fp32"), dst_ptr=ptr(),
-                                 V=i32(50304), s_src=i32(50304), s_dst=i32(50304)), dict(BLOCK_V=4096), 8, 1)
 print(json.dumps(res))
 '''
 

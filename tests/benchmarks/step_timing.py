@@ -141,6 +141,8 @@ def run(args: T.Hyperparameters, d: T.DistInfo, steps: int, warmup: int, peak: f
     model_fn = torch.compile(model, dynamic=False) if args.compile else model
     loader = T.DocumentLoader(args.train_files, args.bigram_vocab_size, d.rank, d.world_size)
     mtp = torch.zeros(len(args.stage_mtp_start[0]), dtype=torch.float32, device=d.device)
+    prefix = torch.zeros((), dtype=torch.float32, device=d.device)
+    model.prefix_table.copy_(T.build_prefix_table(T.gpt2_encoding(), args.padded_vocab_size))
     if d.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(d.device)
 
@@ -160,7 +162,7 @@ def run(args: T.Hyperparameters, d: T.DistInfo, steps: int, warmup: int, peak: f
             plan = dataclasses.replace(plan, do_adam=i % 2 == 1)  # alternate as in the real run
             model.set_windows(*plan.windows)
             batches = loader.next_step(plan.batch_tokens // slots, plan.max_doc_len, slots)
-            T.train_step(model_fn, opt, batches, plan, mtp, T.grad_scale_for(args, d.world_size), d.device)
+            T.train_step(model_fn, opt, batches, plan, mtp, prefix, T.grad_scale_for(args, d.world_size), d.device)
             if i >= warmup and len(timed_batches) < 4:
                 timed_batches.extend(batches)
         T.cuda_synchronize(d.device)
