@@ -2909,7 +2909,7 @@ class Progress:
             print(text, flush=True)
 
 
-CHECKPOINT_FORMAT = 2  # 2: the record-#89 labels, no Adam mantissa
+CHECKPOINT_FORMAT = 3  # 2: the record-#89 labels, no Adam mantissa; 3: the record-#89 model (layer table, MUDD, FP8 MLP state)
 
 
 def save_checkpoint(path: str, step: int, model: nn.Module, opt: NorMuonAdam, loader: DocumentLoader,

@@ -15,6 +15,7 @@ import train_gpt as tg
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, "tests", "benchmarks"))
 
+import step_budget  # noqa: E402
 import step_timing  # noqa: E402
 import token_efficiency as te  # noqa: E402
 
@@ -244,8 +245,9 @@ def test_every_ablation_builds_a_model_and_optimizer():
         seen.update(k for k, v in overrides.items() if getattr(TEST, k) != v)
         model = tg.GPT(args)
         tg.build_optimizer(args, model, torch.device("cpu"))
-    new_fields = ("matrix_optimizer", "mtp", "value_embeds", "bigram_embed", "bigram_signs", "smear", "unet_skip",
-                  "backout", "mudd", "paired_heads", "xsa", "attn_gates", "dc", "key_offset", "from_h", "window_schedule")
+    new_fields = ("matrix_optimizer", "mtp", "prefix_loss", "value_embeds", "bigram_embed", "bigram_signs", "smear",
+                  "unet_skip", "backout", "mudd", "paired_heads", "xsa", "attn_gates", "dc", "key_offset", "from_h",
+                  "window_schedule")
     assert set(new_fields) <= seen
     assert {"orthogonalizer", "stage_batch_tokens"} <= seen
 
@@ -302,6 +304,27 @@ def test_flops_formula_counts_spec_shapes():
         model = tg.GPT(tg.Hyperparameters(), world_size=8)
     assert step_timing.matrix_params(model) == 75_497_472                   # README: block matrices
     assert model.args.model_dim * model.args.padded_vocab_size == 38_633_472  # README: LM head
+
+
+def test_step_budget_counts_by_hand():
+    """The budget's per-token FLOPs and per-rank state bytes against the shapes written out."""
+    args = tg.Hyperparameters()
+    with torch.device("meta"):
+        model = tg.GPT(args, world_size=8)
+    f = step_budget.flops_per_token(args, model, 0)  # stage 1: windows 128 / 384 tokens
+    D, V = 768, 50304
+    assert f["Q/K/V/O projections"] == 6 * 4 * D * D * 10 and f["MLP"] == 6 * 2 * D * 3072 * 11
+    assert f["LM head"] == 6 * D * V and f["DC"] == 12 * D * 112
+    assert f["attention scores and values"] == 12 * D * (8 * 129 + 2 * 385)  # 8 short rows, 2 long
+    assert f["MUDD gates and layers"] == 6 * 64 * (4 * D + 26 + 41 + 14 + 5)
+    pe = lambda s, L: 5 * (4 * s * s * L + 2 * s ** 3)  # noqa: E731  Polar Express, short side s
+    assert step_budget.optimizer_flops(model) == 64 * pe(256, 768) + 24 * pe(768, 768) + 24 * pe(768, 3072)
+    b = step_budget.state_bytes(model, 8)
+    fp32 = 24 + 2 * 22 + 1  # scalars, resid/post lambdas, the MUDD gate scale
+    assert b["parameters"] == b["gradients"] == 2 * (643_751_335 - fp32) + 4 * fp32
+    sharded = 2 * 38_633_472 + 193_167_360 + 289_751_040  # lm_head, embed, value_embeds, bigram_embed
+    assert b["Adam state"] == pytest.approx(8 * (sharded / 8 + (643_751_335 - sharded - 75_497_472
+                                                                 - (4 * 256 + 4 * 768 + 2 * 3072) * 768)))
 
 
 def test_mean_keys_matches_the_attention_mask():

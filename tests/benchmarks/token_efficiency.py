@@ -67,6 +67,7 @@ ABLATIONS: list[tuple[str, object]] = [
     ("NorMuon -> AdamW on the matrices", {"matrix_optimizer": "adamw"}),
     ("Polar Express -> Gram Newton-Schulz", {"orthogonalizer": "gram_newton_schulz"}),
     ("multi-token prediction", {"mtp": False}),
+    ("prefix-token loss", {"prefix_loss": False}),
     ("value embeddings", {"value_embeds": False}),
     ("bigram hash embedding", {"bigram_embed": False}),
     ("bigram sign table", {"bigram_signs": False}),
