@@ -843,7 +843,7 @@ def _optimizer_steps(device, world_size: int, rank: int) -> dict:
             mine = rest[rank] if rank < world_size - 1 else world_size * target - sum(rest, torch.zeros(p.shape))
             p.grad = mine.to(p.dtype).to(device)
         opt.step(do_adam=step == 1)
-    torch.cuda.synchronize()
+    T.cuda_synchronize(device)
     return {label: p.detach().cpu() for label, p in params.items()}
 
 
