@@ -13,6 +13,10 @@
 #                                   pass through to tests/benchmarks/step_timing.py. On a CPU-only machine:
 #                                   the CPU benchmarks and a short demo-preset timing.
 #                                   `./run.sh bench --dry-run` lists them.
+#   ./run.sh gpu-check [ARGS...]    every CUDA path checked on this machine's GPU, then the speedrun's step
+#                                   times; report in records/gpu_check/ (README "GPU check"). Uses
+#                                   PYTHON or python3 as it is (no .venv, no install); `--dry-run` lists
+#                                   the checks on any machine. ARGS pass through to tests/gpu_check.py.
 #
 # Interpreter. By default run.sh makes .venv here (python3 -m venv, Python >= 3.10) and installs the
 # pinned requirements into it when they are not already met; it never installs anywhere else.
@@ -27,8 +31,8 @@ die() { echo "run.sh: $*" >&2; exit 1; }
 
 mode=train
 dry_run=0
-case ${1:-} in test | test-oldest | bench) mode=$1; shift ;; esac
-if [[ $mode != test* && ${1:-} == --dry-run ]]; then dry_run=1; shift; fi
+case ${1:-} in test | test-oldest | bench | gpu-check) mode=$1; shift ;; esac
+if [[ $mode != test* && $mode != gpu-check && ${1:-} == --dry-run ]]; then dry_run=1; shift; fi
 
 # "X.Y" of interpreter $1, exit status 1 when it is older than 3.10 (2 when it does not run at all).
 python_version() {
@@ -137,6 +141,18 @@ use_venv() {
   "$PY" -m pip install -r "$req" || die "pip install -r $req into $venv failed (see above)"
   echo "run.sh: installed $req into $venv in $((SECONDS - start)) s" >&2
 }
+
+if [[ $mode == gpu-check ]]; then
+  # The GPU machines come with their own CUDA torch: use it as it is, never a venv or an install.
+  PY=${PYTHON:-python3}
+  command -v "$PY" >/dev/null || die "gpu-check: ${PY} is not an executable; set PYTHON=/path/to/python with torch >= 2.11"
+  python_version "$PY" >/dev/null || die "gpu-check: $PY is not Python >= 3.10; set PYTHON=/path/to/python with torch >= 2.11"
+  if [[ " $* " != *" --dry-run "* ]]; then  # the list needs no packages; the checks do
+    missing=$(missing_modules "torch>=2.11" "triton>=3.6" numpy) ||
+      die "gpu-check: $PY lacks ${missing:-the required packages}; set PYTHON=/path/to/python with them"
+  fi
+  exec "$PY" tests/gpu_check.py "$@"
+fi
 
 case $mode in
   test) req=requirements-dev.txt ;;

@@ -129,7 +129,11 @@ def main(argv=None):
             dist.destroy_process_group()
 
 
-def run(args: T.Hyperparameters, d: T.DistInfo, steps: int, warmup: int, peak: float | None) -> list[dict]:
+def run(args: T.Hyperparameters, d: T.DistInfo, steps: int, warmup: int, peak: float | None,
+        on_stage=None) -> list[dict]:
+    """Times every stage; on_stage(result) is called as each stage finishes (so a caller keeps the
+    stages measured before an interruption). warmup_s is the wall time of a stage's warm-up steps,
+    its compilation included."""
     accum = T.check_batch_split(args, d.world_size)
     slots = d.world_size * accum
     torch.manual_seed(args.seed)
@@ -143,6 +147,9 @@ def run(args: T.Hyperparameters, d: T.DistInfo, steps: int, warmup: int, peak: f
     mtp = torch.zeros(len(args.stage_mtp_start[0]), dtype=torch.float32, device=d.device)
     prefix = torch.zeros((), dtype=torch.float32, device=d.device)
     model.prefix_table.copy_(T.build_prefix_table(T.gpt2_encoding(), args.padded_vocab_size))
+    fp8_mlp = args.fp8 and T._native_fp8(d.device)  # as train(): quantised before step 0 and after every step
+    if fp8_mlp:
+        model.fp8_mlp.quantize(model.mlp_bank, bootstrap=True)
     if d.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(d.device)
 
@@ -154,6 +161,8 @@ def run(args: T.Hyperparameters, d: T.DistInfo, steps: int, warmup: int, peak: f
         if name == "stage 3" and opt.tied:
             opt.untie()
         timed_batches, t0 = [], None
+        T.cuda_synchronize(d.device)
+        t_warm = time.perf_counter()
         for i in range(warmup + steps):
             if i == warmup:
                 T.cuda_synchronize(d.device)
@@ -163,6 +172,8 @@ def run(args: T.Hyperparameters, d: T.DistInfo, steps: int, warmup: int, peak: f
             model.set_windows(*plan.windows)
             batches = loader.next_step(plan.batch_tokens // slots, plan.max_doc_len, slots)
             T.train_step(model_fn, opt, batches, plan, mtp, prefix, T.grad_scale_for(args, d.world_size), d.device)
+            if fp8_mlp:
+                model.fp8_mlp.quantize(model.mlp_bank, bootstrap=first + i < T.FP8_BOOTSTRAP_STEPS)
             if i >= warmup and len(timed_batches) < 4:
                 timed_batches.extend(batches)
         T.cuda_synchronize(d.device)
@@ -172,8 +183,10 @@ def run(args: T.Hyperparameters, d: T.DistInfo, steps: int, warmup: int, peak: f
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
             ms = float(t)
         fpt = flops_per_token(model, timed_batches)
-        results.append(dict(stage=name, steps=length, ms=ms, batch=plan.batch_tokens,
+        results.append(dict(stage=name, steps=length, ms=ms, batch=plan.batch_tokens, warmup_s=t0 - t_warm,
                             tokens_per_s=plan.batch_tokens / (ms / 1000), flops_per_token=fpt))
+        if on_stage is not None:
+            on_stage(dict(results[-1]))
 
     say(f"\n{'stage':10s} {'steps':>6s} {'batch':>9s} {'ms/step':>9s} {'tokens/s':>12s} {'GFLOP/token':>12s} {'MFU':>7s}")
     for r in results:
