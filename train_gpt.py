@@ -793,6 +793,15 @@ ORTHOGONALIZERS = {"polar_express": polar_express, "gram_newton_schulz": gram_ne
                    "auto": orthogonalize_auto}
 
 
+def orthogonalizer_of(orthogonalizer):
+    """A callable as it is, a name of ORTHOGONALIZERS as its function, else a one-line error."""
+    if callable(orthogonalizer):
+        return orthogonalizer
+    if orthogonalizer in ORTHOGONALIZERS:
+        return ORTHOGONALIZERS[orthogonalizer]
+    raise ValueError(f"NorMuonAdam: orthogonalizer={orthogonalizer!r}; choose one of {sorted(ORTHOGONALIZERS)}")
+
+
 TP_MODES = ("duplicated", "distributed", "blockwise")
 
 
@@ -1025,6 +1034,16 @@ def _adam_update_sliced(grad, exp_avg, exp_avg_sq, param, hp):
         _adam_update(*(t[a: a + ADAM_CPU_CHUNK] for t in flat), hp)
 
 
+def update_functions(compile=False):
+    """(NorMuon update, Adam update): eager (Adam sliced on CPUs) for compile=False, else compiled
+    with torch.compile, inductor for True or the backend given (a name or callable)."""
+    if not compile:
+        return _normuon_update, _adam_update_sliced
+    backend = "inductor" if compile is True else compile
+    return (torch.compile(_normuon_update, dynamic=False, backend=backend),
+            torch.compile(_adam_update, dynamic=True, backend=backend))
+
+
 def normuon_hyperparams(lr: float, wd: float, wd_mul: float, momentum: float, beta2: float) -> list[float]:
     """The hp row _normuon_update reads: [lr, wd * wd_mul * lr, momentum, beta2] (a fifth entry, 0,
     pads it to Adam's length so that one tensor holds every label's row)."""
@@ -1208,6 +1227,26 @@ class OwnershipLayout:
             st["mantissa"] = torch.zeros(shard, dtype=torch.uint16, device=dev)
         return st
 
+    def restore_state(self, label: str, saved: dict) -> dict[str, torch.Tensor]:
+        """A copy of saved state for label's shard, or a one-line error if its names, shapes or dtypes
+        are not new_state(label)'s (empty stays empty: the tied embedding's)."""
+        ref = self.new_state(label)
+        if saved and set(saved) != set(ref):
+            raise ValueError(f"load_state_dict: {label!r} has state {sorted(saved)}, expected {sorted(ref)}")
+        for name, t in saved.items():
+            if t.shape != ref[name].shape or t.dtype != ref[name].dtype:
+                raise ValueError(f"load_state_dict: {label!r}.{name} is {tuple(t.shape)} {t.dtype},"
+                                 f" expected {tuple(ref[name].shape)} {ref[name].dtype}")
+            ref[name].copy_(t)
+        return ref if saved else {}
+
+    def shard_of(self, label: str, full: torch.Tensor) -> torch.Tensor:
+        """This rank's shard (padding zeroed) of a tensor of label's slot shape."""
+        slot = self.slots[label]
+        mine = full.new_zeros((slot.shard_rows, *slot.shape[1:]))
+        mine[:slot.real_rows] = full[slot.lo:slot.lo + slot.real_rows]
+        return mine
+
     def check_tied(self, tied) -> None:
         """One-line errors unless tied names an Adam (embedding, head) pair of transposed shapes."""
         if len(tied) != 2 or any(t not in self.slots for t in tied):
@@ -1243,6 +1282,15 @@ class CommLayer:
         self.group, self.world_size, self.rank = group, world_size, rank
         self.bytes_sent: dict[str, int] = {}
         self.bytes_by_op: dict[tuple[str, str], int] = {}
+
+    @classmethod
+    def of(cls, group=None) -> "CommLayer":
+        """The layer of `group`; None means the default group once one is initialized, else one rank."""
+        if group is None and dist.is_available() and dist.is_initialized():
+            group = dist.group.WORLD
+        if group is None:
+            return cls(None, 1, 0)
+        return cls(group, dist.get_world_size(group), dist.get_rank(group))
 
     def _count(self, label: str, op: str, nbytes: float) -> None:
         self.bytes_sent[label] = self.bytes_sent.get(label, 0) + int(nbytes)
@@ -1434,6 +1482,18 @@ class ShardExchange:
 # ---- NorMuonAdam: the orchestrator (README "Optimizer") --------------------------------------
 
 
+def _check_labels(params, configs) -> tuple[dict, dict]:
+    """params and configs as dicts, or a one-line error unless they have the same labels."""
+    params, configs = dict(params), dict(configs)
+    for label in params:
+        if label not in configs:
+            raise ValueError(f"NorMuonAdam: no ParamConfig for parameter {label!r}; add configs[{label!r}]")
+    for label in configs:
+        if label not in params:
+            raise ValueError(f"NorMuonAdam: config {label!r} names no parameter; labels are {sorted(params)}")
+    return params, configs
+
+
 def _check_order(name: str, order, params) -> list[str]:
     """order as a list, or a one-line error unless it names every label exactly once."""
     order, seen = list(order), set()
@@ -1478,35 +1538,20 @@ class NorMuonAdam:
                  adam_eps: float = 1e-10, orthogonalizer="polar_express",
                  tied: tuple[str, str] | None = None, process_group=None,
                  sparse_threshold: float = 0.5, ownership: str = "balanced", qk_clip=False, compile=False):
-        params, configs = dict(params), dict(configs)
-        for label in params:
-            if label not in configs:
-                raise ValueError(f"NorMuonAdam: no ParamConfig for parameter {label!r}; add configs[{label!r}]")
-        for label in configs:
-            if label not in params:
-                raise ValueError(f"NorMuonAdam: config {label!r} names no parameter; labels are {sorted(params)}")
+        params, configs = _check_labels(params, configs)
         self.scatter_order = _check_order("scatter_order", scatter_order, params)
         self.work_order = _check_order("work_order", work_order, params)
-        if process_group is None and dist.is_available() and dist.is_initialized():
-            process_group = dist.group.WORLD
-        self.group = process_group
-        self.world_size = dist.get_world_size(process_group) if process_group is not None else 1
-        self.rank = dist.get_rank(process_group) if process_group is not None else 0
+        self.comm = CommLayer.of(process_group)
+        self.group, self.world_size, self.rank = self.comm.group, self.comm.world_size, self.comm.rank
         self.normuon_lr, self.normuon_wd, self.normuon_momentum = normuon_lr, normuon_wd, normuon_momentum
         self.normuon_beta2 = normuon_beta2
         self.adam_lr, self.adam_wd, self.adam_eps = adam_lr, adam_wd, adam_eps
         self.qk_clip_tau = None if qk_clip is False else QK_CLIP_TAU if qk_clip is True else float(qk_clip)
-        if callable(orthogonalizer):
-            self.orthogonalize = orthogonalizer
-        elif orthogonalizer in ORTHOGONALIZERS:
-            self.orthogonalize = ORTHOGONALIZERS[orthogonalizer]
-        else:
-            raise ValueError(f"NorMuonAdam: orthogonalizer={orthogonalizer!r}; choose one of {sorted(ORTHOGONALIZERS)}")
+        self.orthogonalize = orthogonalizer_of(orthogonalizer)
         self.ownership = ownership
         self.layout = OwnershipLayout(params, configs, self.world_size, self.rank, ownership,
                                       self.orthogonalize, self.scatter_order)
         self.slots: dict[str, Slot] = self.layout.slots
-        self.comm = CommLayer(process_group, self.world_size, self.rank)
         self.exchange = ShardExchange(self.comm, sparse_threshold)
         self.tied = None
         if tied is not None:  # parameters are never touched here: a restored checkpoint may be untied
@@ -1517,12 +1562,7 @@ class NorMuonAdam:
         self.adam_steps = {label: 0 for label, slot in self.slots.items() if slot.cfg.optimizer == "adam"}
         self._matrix_lr = {label: self.layout.matrix_lr(label) for label, slot in self.slots.items()
                            if slot.cfg.optimizer == "normuon"}
-        if compile:
-            backend = "inductor" if compile is True else compile
-            self._normuon_fn = torch.compile(_normuon_update, dynamic=False, backend=backend)
-            self._adam_fn = torch.compile(_adam_update, dynamic=True, backend=backend)
-        else:
-            self._normuon_fn, self._adam_fn = _normuon_update, _adam_update_sliced
+        self._normuon_fn, self._adam_fn = update_functions(compile)
 
     def prepare_sparse(self, label: str, row_ids, launch: bool = False) -> None:
         """Declare rows of a sharded_sparse table that this rank's gradient touches.
@@ -1626,13 +1666,9 @@ class NorMuonAdam:
             raise ValueError("NorMuonAdam.untie(): embedding and head are not tied")
         e_label, h_label = self.tied
         e, h = self.slots[e_label], self.slots[h_label]
-        st = {}
-        for name, shard in self.state[h_label].items():
-            full = self.exchange.full_tensor(h, shard).reshape(h.param.shape).mT.reshape(e.shape)
-            mine = full.new_zeros((e.shard_rows, *e.shape[1:]))
-            mine[:e.real_rows] = full[e.lo:e.lo + e.real_rows]
-            st[name] = mine
-        self.state[e_label] = st
+        self.state[e_label] = {name: self.layout.shard_of(e_label, self.exchange.full_tensor(h, shard)
+                                                          .reshape(h.param.shape).mT.reshape(e.shape))
+                               for name, shard in self.state[h_label].items()}
         self.adam_steps[e_label] = self.adam_steps[h_label]
         self.tied = None
 
@@ -1654,15 +1690,7 @@ class NorMuonAdam:
         if set(sd["state"]) != set(self.state):
             raise ValueError(f"load_state_dict: labels {sorted(sd['state'])} differ from this optimizer's {sorted(self.state)}")
         for label, saved in sd["state"].items():
-            ref = self.layout.new_state(label)
-            if saved and set(saved) != set(ref):
-                raise ValueError(f"load_state_dict: {label!r} has state {sorted(saved)}, expected {sorted(ref)}")
-            for name, t in saved.items():
-                if t.shape != ref[name].shape or t.dtype != ref[name].dtype:
-                    raise ValueError(f"load_state_dict: {label!r}.{name} is {tuple(t.shape)} {t.dtype},"
-                                     f" expected {tuple(ref[name].shape)} {ref[name].dtype}")
-                ref[name].copy_(t)
-            self.state[label] = ref if saved else {}
+            self.state[label] = self.layout.restore_state(label, saved)
         self.tied = tuple(sd["tied"]) if sd["tied"] else None
         self.adam_steps = dict(sd["adam_steps"])
         self.exchange.declared = {label: [ids.clone()] for label, ids in sd["sparse_rows"].items()}
