@@ -1510,25 +1510,24 @@ def _check_order(name: str, order, params) -> list[str]:
 
 
 class NorMuonAdam:
-    """Fused NorMuon (matrices) + Adam (everything else) optimizer that owns all communication.
+    """Fused NorMuon (matrices) + Adam (everything else) optimizer that owns all communication: it
+    runs the update functions on the shards OwnershipLayout gives this rank (self.layout, its slots)
+    and the collectives of ShardExchange (self.exchange) on a CommLayer (self.comm), in the order of
+    the phase table above.
 
     params / configs: dicts keyed by label. scatter_order / work_order: every label exactly once.
     tied=(embed_label, head_label) keeps embed == head^T (the head's Adam state drives both) until
     untie(); the model initialises the embedding as head^T, the optimizer refreshes it after every
-    Adam step. orthogonalizer: 'polar_express' | 'gram_newton_schulz' | 'auto' (the cheaper of the
-    two per bank shape) | a callable (bank -> bf16 bank).
-    ownership: how the matrices of sharded NorMuon banks are split over ranks (README "Ownership"):
-    'balanced' (FLOP-balanced, any bank size and world size) or 'padded' (the record's: n / world_size
-    consecutive matrices per rank; banks must be padded to a multiple of the world size).
-    qk_clip: False (off), True (tau = QK_CLIP_TAU = 100) or tau: step(max_logits=...) then clips the
-    NorMuon banks it names after their update (qk_clip_).
-    compile: False (eager), True (torch.compile, inductor) or a torch.compile backend (name or callable).
-    sparse_threshold: sharded_sparse tables use the dense reduce_scatter when some rank touched
-    more than this fraction of the rows (0 forces dense).
+    Adam step. orthogonalizer: a name in ORTHOGONALIZERS ('auto': the cheaper form per bank shape) or
+    a callable (bank -> bf16 bank). ownership: 'balanced' or 'padded' (the record's), see
+    OwnershipLayout and README "Ownership". qk_clip: False (off), True (tau = QK_CLIP_TAU = 100) or
+    tau: step(max_logits=...) then clips the NorMuon banks it names after their update (qk_clip_).
+    compile: False (eager), True (inductor) or a torch.compile backend (update_functions).
+    sparse_threshold: sharded_sparse tables use the dense reduce_scatter when some rank touched more
+    than this fraction of the rows (0 forces dense).
 
     step(do_adam, lr_scale, momentum) consumes the gradients it uses (sets .grad to None); Adam
-    gradients are left alone on steps without Adam so that they keep accumulating. The pieces it
-    orchestrates: layout (OwnershipLayout; slots), comm (CommLayer) and exchange (ShardExchange).
+    gradients are left alone on steps without Adam so that they keep accumulating.
     """
 
     def __init__(self, params: dict[str, nn.Parameter], configs: dict[str, ParamConfig], *,
