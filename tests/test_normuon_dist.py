@@ -76,6 +76,27 @@ def test_balanced_ownership_of_the_speedrun_banks(world_size):
     assert max(loads) <= max(rank_flops(padded, banks))
 
 
+def test_ownership_layout_without_a_process_group():
+    """OwnershipLayout plans every rank of a world from one process: the blocks of the ranks tile each
+    label in rank order, banks as balanced_splits (or padded_splits) say, Adam rows ceil(rows / W)."""
+    shapes = {"a": (7, 8, 16), "b": (3, 32, 8)}
+    params = {**{label: torch.zeros(shape) for label, shape in shapes.items()}, "t": torch.zeros(10, 4)}
+    cfgs = {"a": T.ParamConfig("normuon", "sharded"), "b": T.ParamConfig("normuon", "sharded", matrix_lr_mul=(1, 2, 3)),
+            "t": T.ParamConfig("adam", "sharded")}
+    W = 3
+    splits = T.balanced_splits({label: (n, T.orthogonalization_flops(r, c)) for label, (n, r, c) in shapes.items()}, W)
+    layouts = [T.OwnershipLayout(params, cfgs, W, rank) for rank in range(W)]
+    for label in shapes:
+        assert all(lay.splits[label] == splits[label] for lay in layouts)
+        assert [(lay.slots[label].lo, lay.slots[label].shard_rows) for lay in layouts] == \
+            [(sum(splits[label][:r]), splits[label][r]) for r in range(W)]
+    assert [(lay.slots["t"].lo, lay.slots["t"].real_rows) for lay in layouts] == [(0, 4), (4, 4), (8, 2)]
+    # per-matrix lr of b: the shape factor sqrt(32 / 8) = 2 times matrix_lr_mul, owned blocks in rank order
+    assert torch.cat([lay.matrix_lr("b").view(-1) for lay in layouts]).tolist() == [2.0, 4.0, 6.0]
+    padded = T.OwnershipLayout({"a": torch.zeros(6, 8, 16)}, {"a": cfgs["a"]}, 3, 1, ownership="padded")
+    assert padded.splits == {"a": (2, 2, 2)} and (padded.slots["a"].lo, padded.slots["a"].shard_rows) == (2, 2)
+
+
 def test_padded_splits_are_the_records_and_refuse_a_remainder():
     assert T.padded_splits(64, 8) == (8,) * 8  # record: 8 qk groups, 3 vo and 3 mlp matrices per rank
     assert T.padded_splits(24, 8) == (3,) * 8
