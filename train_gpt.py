@@ -826,9 +826,7 @@ def tensor_parallel_orthogonalize(shard: torch.Tensor, mode: str, shard_dim: int
         return polar_express(shard, dtype=dtype)
     W, rank = dist.get_world_size(group), dist.get_rank(group)
     if mode == "duplicated":
-        parts = [torch.empty_like(shard) for _ in range(W)]
-        dist.all_gather(parts, shard.contiguous(), group=group)
-        return polar_express(torch.cat(parts, dim=dim), dtype=dtype).chunk(W, dim=dim)[rank].contiguous()
+        return polar_express(_gather_shards(shard, dim, group), dtype=dtype).chunk(W, dim=dim)[rank].contiguous()
     X = _as_bank(shard).float()
     sq = X.square().sum(dim=(-2, -1), keepdim=True)
     dist.all_reduce(sq, group=group)
@@ -840,6 +838,13 @@ def tensor_parallel_orthogonalize(shard: torch.Tensor, mode: str, shard_dim: int
         B = b * A + c * (A @ A)
         X = a * X + (X @ B if rows else B @ X)
     return X.to(dtype).reshape(shard.shape)
+
+
+def _gather_shards(shard: torch.Tensor, dim: int, group) -> torch.Tensor:
+    """The whole tensor from every rank's equal shard along dim (all_gather, concatenated in rank order)."""
+    parts = [torch.empty_like(shard) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, shard.contiguous(), group=group)
+    return torch.cat(parts, dim=dim)
 
 
 def orthogonalization_flops(rows: int, cols: int, orthogonalizer="polar_express") -> int:
@@ -977,11 +982,20 @@ def _normuon_update(grad, momentum_buf, second_moment, param, mantissa, matrix_l
     scales with lr^2, never lr * wd.
     """
     lr, decay, momentum, beta2 = hp[0], hp[1], hp[2], hp[3]
+    g = _nesterov_momentum(grad, momentum_buf, momentum)
+    O = normuon_variance_reduction(orthogonalize(g), second_moment, beta2).float()
+    _cautious_step(O, param, mantissa, lr * matrix_lr, decay)
+
+
+def _nesterov_momentum(grad, momentum_buf, momentum) -> torch.Tensor:
+    """fp32 momentum EMA of grad, in place, and the Nesterov look-ahead along it (elementwise)."""
     g = grad.float()
     momentum_buf.lerp_(g, 1 - momentum)
-    g = g.lerp(momentum_buf, momentum)  # Nesterov: look ahead along the updated momentum
-    O = normuon_variance_reduction(orthogonalize(g), second_moment, beta2).float()
-    eff_lr = lr * matrix_lr
+    return g.lerp(momentum_buf, momentum)  # Nesterov: look ahead along the updated momentum
+
+
+def _cautious_step(O, param, mantissa, eff_lr, decay) -> None:
+    """P = P - P * [O*P >= 0] * decay * eff_lr - O * eff_lr on the fp32 master, in place (elementwise)."""
     p = _master_fp32(param, mantissa)
     mask = (O * p >= 0).float()  # cautious decay (>= 0: a zero update, e.g. bank padding, still decays)
     p = p - p * mask * (decay * eff_lr) - O * eff_lr
@@ -1694,6 +1708,88 @@ class NorMuonAdam:
         self.adam_steps = dict(sd["adam_steps"])
         self.exchange.declared = {label: [ids.clone()] for label, ids in sd["sparse_rows"].items()}
         self.exchange.plans.clear()
+
+
+# ---- Tensor-parallel NorMuon: one parameter split over a process group ----------------------
+# (README "Tensor-parallel orthogonalization"; NorMuonAdam owns whole matrices and does not use it)
+
+
+def _tp_layout(shard: torch.Tensor, mode: str, shard_dim: int, group) -> tuple[int, int, int, int]:
+    """(dim, world size, rows, cols) of the matrix a shard belongs to; blockwise treats the shard as the matrix."""
+    if mode not in TP_MODES:
+        raise ValueError(f"tensor_parallel_normuon_update: mode={mode!r}; choose one of {', '.join(TP_MODES)}")
+    dim = shard_dim % shard.ndim
+    if shard.ndim < 2 or dim < shard.ndim - 2:
+        raise ValueError(f"tensor_parallel_normuon_update: shard_dim must be -2 or -1 of (..., rows, cols), got {shard_dim}")
+    W = 1 if mode == "blockwise" else dist.get_world_size(group)
+    rows, cols = shard.size(-2) * (W if dim == shard.ndim - 2 else 1), shard.size(-1) * (W if dim == shard.ndim - 1 else 1)
+    return dim, W, rows, cols
+
+
+def tensor_parallel_normuon_state(shard: torch.Tensor, mode: str, shard_dim: int, group=None) -> dict[str, torch.Tensor]:
+    """Zero state for tensor_parallel_normuon_update of this shard: the momentum (the shard's shape),
+    the second moment and, for a bf16 shard, the mantissa. The second moment has one entry per row of
+    the longer side of the whole matrix (of the shard, blockwise); distributed keeps only this rank's
+    entries when those rows are the split ones, duplicated keeps all of them on every rank."""
+    dim, W, rows, cols = _tp_layout(shard, mode, shard_dim, group)
+    per_row = rows >= cols
+    n = rows if per_row else cols
+    if mode == "distributed" and (dim == shard.ndim - 2) == per_row:
+        n //= W
+    lead = shard.shape[:-2]
+    st = {"momentum_buffer": torch.zeros(shard.shape, dtype=torch.float32, device=shard.device),
+          "second_moment": torch.zeros((*lead, n, 1) if per_row else (*lead, 1, n), dtype=torch.float32, device=shard.device)}
+    if shard.dtype == torch.bfloat16:
+        st["mantissa"] = torch.zeros(shard.shape, dtype=torch.uint16, device=shard.device)
+    return st
+
+
+def _split_variance_reduction(O, second_moment, beta2, dim: int, rows: int, cols: int, group) -> torch.Tensor:
+    """normuon_variance_reduction of the whole matrix, computed on its shard O: where the reduced dim
+    is split the per-row sums of O^2 are all_reduced; where the kept dim is split, each rank holds
+    its rows' statistics and the two Frobenius norms of the renormalisation are all_reduced."""
+    red = O.ndim - 1 if rows >= cols else O.ndim - 2
+    size = cols if rows >= cols else rows
+    sq = O.float().square().sum(dim=red, keepdim=True)
+    if red == dim:
+        dist.all_reduce(sq, group=group)
+    mean_sq = sq / size
+    second_moment.lerp_(mean_sq, 1 - beta2)
+    step = second_moment.clamp_min(1e-10).rsqrt()
+    norms = torch.stack([(mean_sq * size).sum(dim=(-2, -1), keepdim=True),
+                         ((mean_sq * size) * step.square()).sum(dim=(-2, -1), keepdim=True)])
+    if red != dim:
+        dist.all_reduce(norms, group=group)
+    norm, new_norm = norms.sqrt()
+    return O.mul_((step * (norm / new_norm.clamp_min(1e-10))).to(O.dtype))
+
+
+def tensor_parallel_normuon_update(grad, momentum_buf, second_moment, param, mantissa, matrix_lr, hp, mode: str,
+                                   shard_dim: int, group=None, dtype: torch.dtype = torch.bfloat16) -> None:
+    """One NorMuon step, as _normuon_update with Polar Express, on this rank's shard of a matrix (or
+    bank) split over the ranks of `group` along shard_dim (-2: row shards, -1: column shards, equal
+    sizes), in place. State from tensor_parallel_normuon_state; hp as _normuon_update's; matrix_lr
+    with the whole matrix's shape factor. Momentum and the cautious update are elementwise on the shard.
+
+    duplicated   all_gather the momentum-applied gradient; orthogonalization and variance reduction of
+                 the whole matrix on every rank; the unsharded update, bit for bit
+    distributed  tensor_parallel_orthogonalize's iteration on shards, then the variance reduction
+                 with statistics combined over the shards (_split_variance_reduction)
+    blockwise    _normuon_update of the shard as a matrix of its own: no communication, an approximation
+    """
+    dim, W, rows, cols = _tp_layout(grad, mode, shard_dim, group)
+    orthogonalize = functools.partial(polar_express, dtype=dtype)
+    if mode == "blockwise":
+        return _normuon_update(grad, momentum_buf, second_moment, param, mantissa, matrix_lr, hp, orthogonalize)
+    lr, decay, momentum, beta2 = hp[0], hp[1], hp[2], hp[3]
+    g = _nesterov_momentum(grad, momentum_buf, momentum)
+    if mode == "duplicated":
+        O = normuon_variance_reduction(orthogonalize(_gather_shards(g, dim, group)), second_moment, beta2)
+        O = O.chunk(W, dim=dim)[dist.get_rank(group)]
+    else:
+        O = tensor_parallel_orthogonalize(g, "distributed", shard_dim, group, dtype=dtype)
+        O = _split_variance_reduction(O, second_moment, beta2, dim, rows, cols, group)
+    _cautious_step(O.float(), param, mantissa, lr * matrix_lr, decay)
 
 
 # ----------------------------------------------------------------------------------------------
