@@ -797,6 +797,15 @@ ORTHOGONALIZERS = {"polar_express": polar_express, "gram_newton_schulz": gram_ne
                    "auto": orthogonalize_auto}
 
 
+def orthogonalizer_of(orthogonalizer):
+    """A callable as it is, a name of ORTHOGONALIZERS as its function, else a one-line error."""
+    if callable(orthogonalizer):
+        return orthogonalizer
+    if orthogonalizer in ORTHOGONALIZERS:
+        return ORTHOGONALIZERS[orthogonalizer]
+    raise ValueError(f"NorMuonAdam: orthogonalizer={orthogonalizer!r}; choose one of {sorted(ORTHOGONALIZERS)}")
+
+
 TP_MODES = ("duplicated", "distributed", "blockwise")
 
 
@@ -821,9 +830,7 @@ def tensor_parallel_orthogonalize(shard: torch.Tensor, mode: str, shard_dim: int
         return polar_express(shard, dtype=dtype)
     W, rank = dist.get_world_size(group), dist.get_rank(group)
     if mode == "duplicated":
-        parts = [torch.empty_like(shard) for _ in range(W)]
-        dist.all_gather(parts, shard.contiguous(), group=group)
-        return polar_express(torch.cat(parts, dim=dim), dtype=dtype).chunk(W, dim=dim)[rank].contiguous()
+        return polar_express(_gather_shards(shard, dim, group), dtype=dtype).chunk(W, dim=dim)[rank].contiguous()
     X = _as_bank(shard).float()
     sq = X.square().sum(dim=(-2, -1), keepdim=True)
     dist.all_reduce(sq, group=group)
@@ -835,6 +842,13 @@ def tensor_parallel_orthogonalize(shard: torch.Tensor, mode: str, shard_dim: int
         B = b * A + c * (A @ A)
         X = a * X + (X @ B if rows else B @ X)
     return X.to(dtype).reshape(shard.shape)
+
+
+def _gather_shards(shard: torch.Tensor, dim: int, group) -> torch.Tensor:
+    """The whole tensor from every rank's equal shard along dim (all_gather, concatenated in rank order)."""
+    parts = [torch.empty_like(shard) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, shard.contiguous(), group=group)
+    return torch.cat(parts, dim=dim)
 
 
 def orthogonalization_flops(rows: int, cols: int, orthogonalizer="polar_express") -> int:
@@ -853,37 +867,6 @@ def orthogonalization_flops(rows: int, cols: int, orthogonalizer="polar_express"
     return len(POLAR_EXPRESS_COEFFS) * (4 * s * s * L + 2 * s ** 3)
 
 
-OWNERSHIPS = ("balanced", "padded")
-
-
-def padded_splits(n: int, world_size: int, label: str = "bank") -> tuple[int, ...]:
-    """The record's ownership: every rank owns n / world_size consecutive matrices of each bank, so the
-    bank must be padded with zero matrices to a multiple of the world size (GPT's bank_padding)."""
-    if n % world_size:
-        raise ValueError(f"NorMuonAdam: bank {label!r} has {n} matrices, not divisible by the world size {world_size};"
-                         f" pad the bank with zero matrices to a multiple of {world_size} or use ownership='balanced'")
-    return (n // world_size,) * world_size
-
-
-def balanced_splits(banks: dict[str, tuple[int, int]], world_size: int) -> dict[str, tuple[int, ...]]:
-    """FLOP-balanced ownership of every matrix of every bank, for any world size, without padding.
-
-    banks: label -> (number of matrices, FLOPs of one). Longest-processing-time first over all banks
-    together: matrices by falling cost (ties in dict order), each to the rank with the least work so
-    far (the lowest rank on ties). The result is per label the count each rank owns; ownership within
-    a bank is contiguous in rank order, so the gradient rows a rank owns stay one slice of the bank.
-    """
-    counts = {label: [0] * world_size for label in banks}
-    heap = [(0, r) for r in range(world_size)]  # (load, rank): the least-loaded rank, lowest on ties
-    items = sorted(((cost, i, label) for i, (label, (n, cost)) in enumerate(banks.items()) for _ in range(n)),
-                   key=lambda t: (-t[0], t[1]))
-    for cost, _, label in items:
-        work, r = heapq.heappop(heap)
-        counts[label][r] += 1
-        heapq.heappush(heap, (work + cost, r))
-    return {label: tuple(c) for label, c in counts.items()}
-
-
 # ----------------------------------------------------------------------------------------------
 # Optimizer: one fused NorMuon + Adam step that owns all communication (README "Optimizer")
 # ----------------------------------------------------------------------------------------------
@@ -898,6 +881,14 @@ def balanced_splits(banks: dict[str, tuple[int, int]], world_size: int) -> dict[
 #   phase 2 work (work_order, small params first, banks last so their reductions have landed):
 #       wait for that reduction, update the local shard, launch the async all_gather of the shard
 #   phase 3 finalize: wait for the gathers; refresh the tied embedding from the head
+#
+# The section is four pieces, each usable without the others (README "How the optimizer is built"):
+#   update math     pure functions of one shard, no communication: _normuon_update, _adam_update, qk_clip_
+#   layout          OwnershipLayout: which rank owns which rows of every label (a Slot per label), the
+#                   shapes of its state and its per-matrix learning rates; needs no process group
+#   comms           CommLayer (async collectives, bytes counted per label) and ShardExchange (the
+#                   reduction, gather and sparse row exchange a Slot needs)
+#   NorMuonAdam     the orchestrator: the phases above, the tied embedding, untie and checkpoints
 #
 # bf16 NorMuon parameters keep the low 16 bits of their fp32 master value in a uint16 "mantissa"
 # buffer (optimizer state of the local shard): (bf16 bits << 16 | mantissa) is the exact fp32 value
@@ -946,6 +937,8 @@ class ParamConfig:
             object.__setattr__(self, "matrix_lr_mul", tuple(float(m) for m in self.matrix_lr_mul))
 
 
+# ---- Update math: pure functions of one shard, no communication (README "Update rules") ------
+
 def _master_fp32(param: torch.Tensor, mantissa: torch.Tensor | None) -> torch.Tensor:
     """The exact fp32 value of a parameter: bf16 bits joined with the stored low 16 bits."""
     if mantissa is None:
@@ -993,11 +986,20 @@ def _normuon_update(grad, momentum_buf, second_moment, param, mantissa, matrix_l
     scales with lr^2, never lr * wd.
     """
     lr, decay, momentum, beta2 = hp[0], hp[1], hp[2], hp[3]
+    g = _nesterov_momentum(grad, momentum_buf, momentum)
+    O = normuon_variance_reduction(orthogonalize(g), second_moment, beta2).float()
+    _cautious_step(O, param, mantissa, lr * matrix_lr, decay)
+
+
+def _nesterov_momentum(grad, momentum_buf, momentum) -> torch.Tensor:
+    """fp32 momentum EMA of grad, in place, and the Nesterov look-ahead along it (elementwise)."""
     g = grad.float()
     momentum_buf.lerp_(g, 1 - momentum)
-    g = g.lerp(momentum_buf, momentum)  # Nesterov: look ahead along the updated momentum
-    O = normuon_variance_reduction(orthogonalize(g), second_moment, beta2).float()
-    eff_lr = lr * matrix_lr
+    return g.lerp(momentum_buf, momentum)  # Nesterov: look ahead along the updated momentum
+
+
+def _cautious_step(O, param, mantissa, eff_lr, decay) -> None:
+    """P = P - P * [O*P >= 0] * decay * eff_lr - O * eff_lr on the fp32 master, in place (elementwise)."""
     p = _master_fp32(param, mantissa)
     mask = (O * p >= 0).float()  # cautious decay (>= 0: a zero update, e.g. bank padding, still decays)
     p = p - p * mask * (decay * eff_lr) - O * eff_lr
@@ -1050,6 +1052,235 @@ def _adam_update_sliced(grad, exp_avg, exp_avg_sq, param, hp):
         _adam_update(*(t[a: a + ADAM_CPU_CHUNK] for t in flat), hp)
 
 
+def update_functions(compile=False):
+    """(NorMuon update, Adam update): eager (Adam sliced on CPUs) for compile=False, else compiled
+    with torch.compile, inductor for True or the backend given (a name or callable)."""
+    if not compile:
+        return _normuon_update, _adam_update_sliced
+    backend = "inductor" if compile is True else compile
+    return (torch.compile(_normuon_update, dynamic=False, backend=backend),
+            torch.compile(_adam_update, dynamic=True, backend=backend))
+
+
+def normuon_hyperparams(lr: float, wd: float, wd_mul: float, momentum: float, beta2: float) -> list[float]:
+    """The hp row _normuon_update reads: [lr, wd * wd_mul * lr, momentum, beta2] (a fifth entry, 0,
+    pads it to Adam's length so that one tensor holds every label's row)."""
+    return [lr, wd * wd_mul * lr, momentum, beta2, 0.0]
+
+
+def adam_hyperparams(lr: float, t: int, betas: tuple[float, float], wd: float, wd_mul: float,
+                     eps: float) -> list[float]:
+    """The hp row _adam_update reads for its t-th update (t from 1): the bias corrections are folded
+    into the step size, and the decay lr^2 * wd * wd_mul scales with lr^2 (README "Update rules")."""
+    b1, b2 = betas
+    return [lr * math.sqrt(1.0 - b2 ** t) / (1.0 - b1 ** t), lr * lr * wd * wd_mul, b1, b2, eps]
+
+
+def hyperparam_tensors(labels, rows, device: torch.device) -> dict[str, torch.Tensor]:
+    """Every label's hp row in one host->device copy (pinned, non-blocking on CUDA); a row view per label."""
+    if not rows:
+        return {}
+    hp = torch.tensor(rows, dtype=torch.float32)
+    if device.type == "cuda":
+        hp = hp.pin_memory().to(device, non_blocking=True)
+    return {label: hp[i] for i, label in enumerate(labels)}
+
+
+# ---- Layout: which rank owns which rows of every label (README "Ownership") -----------------
+
+OWNERSHIPS = ("balanced", "padded")
+
+
+def padded_splits(n: int, world_size: int, label: str = "bank") -> tuple[int, ...]:
+    """The record's ownership: every rank owns n / world_size consecutive matrices of each bank, so the
+    bank must be padded with zero matrices to a multiple of the world size (GPT's bank_padding)."""
+    if n % world_size:
+        raise ValueError(f"NorMuonAdam: bank {label!r} has {n} matrices, not divisible by the world size {world_size};"
+                         f" pad the bank with zero matrices to a multiple of {world_size} or use ownership='balanced'")
+    return (n // world_size,) * world_size
+
+
+def balanced_splits(banks: dict[str, tuple[int, int]], world_size: int) -> dict[str, tuple[int, ...]]:
+    """FLOP-balanced ownership of every matrix of every bank, for any world size, without padding.
+
+    banks: label -> (number of matrices, FLOPs of one). Longest-processing-time first over all banks
+    together: matrices by falling cost (ties in dict order), each to the rank with the least work so
+    far (the lowest rank on ties). The result is per label the count each rank owns; ownership within
+    a bank is contiguous in rank order, so the gradient rows a rank owns stay one slice of the bank.
+    """
+    counts = {label: [0] * world_size for label in banks}
+    heap = [(0, r) for r in range(world_size)]  # (load, rank): the least-loaded rank, lowest on ties
+    items = sorted(((cost, i, label) for i, (label, (n, cost)) in enumerate(banks.items()) for _ in range(n)),
+                   key=lambda t: (-t[0], t[1]))
+    for cost, _, label in items:
+        work, r = heapq.heappop(heap)
+        counts[label][r] += 1
+        heapq.heappush(heap, (work + cost, r))
+    return {label: tuple(c) for label, c in counts.items()}
+
+
+@dataclass(frozen=True)
+class Slot:
+    """Static layout of one labelled parameter: the 2-D+ view it is sharded along and this rank's shard."""
+    label: str
+    param: torch.Tensor
+    cfg: ParamConfig
+    shape: tuple          # (rows, *inner): normuon (matrices, r, c); adam (rows, last dim)
+    shard_rows: int       # rows (matrices) this rank owns, padding included
+    lo: int               # first owned row
+    real_rows: int        # owned rows that exist (the rest is padding)
+    sharded: bool         # split over ranks (sharded / sharded_sparse with more than one rank)
+    world_size: int
+    splits: tuple | None = None  # sharded NorMuon banks: matrices each rank owns (README "Ownership")
+
+    @property
+    def rows(self) -> int:
+        return self.shape[0]
+
+    @property
+    def uneven(self) -> bool:
+        """Owned blocks of different sizes (balanced banks): the collectives are all_to_alls."""
+        return self.sharded and self.splits is not None and len(set(self.splits)) > 1
+
+    @property
+    def even(self) -> bool:
+        """Sharded with no padding: shards are slices of the parameter and gathers run in place."""
+        return self.sharded and not self.uneven and self.shard_rows * self.world_size == self.rows
+
+    def view(self) -> torch.Tensor:
+        return self.param.data.view(self.shape)
+
+    def grad_view(self) -> torch.Tensor:
+        """The gradient in the slot's shape (zeros when the parameter has none)."""
+        g = self.param.grad
+        if g is None:
+            return torch.zeros(self.shape, dtype=self.param.dtype, device=self.param.device)
+        return g.reshape(self.shape).contiguous()
+
+    def local_shard(self) -> torch.Tensor:
+        """The local shard to update in place: a view of the parameter, or a padded copy."""
+        view = self.view()
+        if not self.sharded:
+            return view
+        if self.even or self.uneven:
+            return view[self.lo:self.lo + self.shard_rows]
+        shard = view.new_zeros((self.shard_rows, *self.shape[1:]))
+        shard[:self.real_rows] = view[self.lo:self.lo + self.real_rows]
+        return shard
+
+
+def row_slot(label: str, p: torch.Tensor, cfg: ParamConfig, world_size: int, rank: int) -> Slot:
+    """A label's Slot before bank ownership: NorMuon parameters as a stack of (rows, cols) matrices,
+    Adam ones as rows of their last dim; sharded labels own ceil(rows / world_size) rows per rank."""
+    if p.dtype not in (torch.bfloat16, torch.float32):
+        raise ValueError(f"NorMuonAdam: parameter {label!r} is {p.dtype}; use bfloat16 or float32")
+    if cfg.optimizer == "normuon":
+        if p.ndim < 2:
+            raise ValueError(f"NorMuonAdam: normuon parameter {label!r} has shape {tuple(p.shape)}; it needs matrices (..., rows, cols)")
+        shape = (p.numel() // (p.size(-2) * p.size(-1)), p.size(-2), p.size(-1))
+        if cfg.matrix_lr_mul is not None and len(cfg.matrix_lr_mul) != shape[0]:
+            raise ValueError(f"NorMuonAdam: {label!r} has {shape[0]} matrices but matrix_lr_mul has {len(cfg.matrix_lr_mul)} entries")
+    else:
+        shape = (p.numel() // p.size(-1), p.size(-1)) if p.ndim >= 2 else (p.numel(), 1)
+    sharded = cfg.comms in ("sharded", "sharded_sparse") and world_size > 1
+    k = -(-shape[0] // world_size) if sharded else shape[0]
+    lo = rank * k if sharded else 0
+    real = max(0, min(k, shape[0] - lo))
+    return Slot(label, p, cfg, shape, k, lo, real, sharded, world_size)
+
+
+class OwnershipLayout:
+    """Which rows of every label `rank` owns in a world of `world_size` ranks; plans ownership for
+    any world size without a process group (README "Ownership").
+
+    slots[label] is that label's Slot. Sharded NorMuon banks are split into whole matrices, one
+    contiguous block per rank whose sizes are splits[label]: padded_splits, or balanced_splits over
+    the banks in `order` (default: params' order) costed by orthogonalization_flops(orthogonalizer).
+    """
+
+    def __init__(self, params: dict[str, torch.Tensor], configs: dict[str, ParamConfig], world_size: int = 1,
+                 rank: int = 0, ownership: str = "balanced", orthogonalizer="polar_express", order=None):
+        if ownership not in OWNERSHIPS:
+            raise ValueError(f"NorMuonAdam: ownership={ownership!r}; choose one of {', '.join(OWNERSHIPS)}")
+        self.world_size, self.rank, self.ownership = world_size, rank, ownership
+        self.slots = {label: row_slot(label, p, configs[label], world_size, rank) for label, p in params.items()}
+        banks = {label: (slot.rows, orthogonalization_flops(*slot.shape[1:], orthogonalizer))
+                 for label in (params if order is None else order)
+                 if (slot := self.slots[label]).sharded and slot.cfg.optimizer == "normuon"}
+        if ownership == "padded":
+            self.splits = {label: padded_splits(n, world_size, label) for label, (n, _) in banks.items()}
+        else:
+            self.splits = balanced_splits(banks, world_size)
+        for label, split in self.splits.items():
+            k, lo = split[rank], sum(split[:rank])
+            self.slots[label] = dataclasses.replace(self.slots[label], shard_rows=k, lo=lo, real_rows=k, splits=split)
+
+    def matrix_lr(self, label: str) -> torch.Tensor:
+        """A NorMuon label's lr multiplier per owned matrix, (shard_rows, 1, 1) fp32: lr_mul x the shape
+        factor sqrt(max(1, rows/cols)) x its matrix_lr_mul entry; 0 on padding."""
+        slot = self.slots[label]
+        n, r, c = slot.shape
+        per_matrix = torch.tensor(slot.cfg.matrix_lr_mul or [1.0] * n, dtype=torch.float64)
+        per_matrix = per_matrix * slot.cfg.lr_mul * max(1.0, r / c) ** 0.5
+        shard = torch.zeros(slot.shard_rows, dtype=torch.float64)
+        shard[:slot.real_rows] = per_matrix[slot.lo:slot.lo + slot.real_rows]
+        return shard.to(torch.float32).view(-1, 1, 1).to(slot.param.device)
+
+    def new_state(self, label: str) -> dict[str, torch.Tensor]:
+        """Zero optimizer state for the owned shard: NorMuon momentum, second moment (one entry per row
+        of the longer side) and, for bf16, the mantissa; Adam's two moments."""
+        slot = self.slots[label]
+        shard = (slot.shard_rows, *slot.shape[1:])
+        dev = slot.param.device
+        st = {}
+        if slot.cfg.optimizer == "normuon":
+            st["momentum_buffer"] = torch.zeros(shard, dtype=torch.float32, device=dev)
+            per_row = slot.shape[1] >= slot.shape[2]
+            vshape = (slot.shard_rows, slot.shape[1], 1) if per_row else (slot.shard_rows, 1, slot.shape[2])
+            st["second_moment"] = torch.zeros(vshape, dtype=torch.float32, device=dev)
+        else:
+            st["exp_avg"] = torch.zeros(shard, dtype=torch.float32, device=dev)
+            st["exp_avg_sq"] = torch.zeros(shard, dtype=torch.float32, device=dev)
+        if slot.param.dtype == torch.bfloat16 and slot.cfg.optimizer == "normuon":
+            st["mantissa"] = torch.zeros(shard, dtype=torch.uint16, device=dev)
+        return st
+
+    def restore_state(self, label: str, saved: dict) -> dict[str, torch.Tensor]:
+        """A copy of saved state for label's shard, or a one-line error if its names, shapes or dtypes
+        are not new_state(label)'s (empty stays empty: the tied embedding's)."""
+        ref = self.new_state(label)
+        if saved and set(saved) != set(ref):
+            raise ValueError(f"load_state_dict: {label!r} has state {sorted(saved)}, expected {sorted(ref)}")
+        for name, t in saved.items():
+            if t.shape != ref[name].shape or t.dtype != ref[name].dtype:
+                raise ValueError(f"load_state_dict: {label!r}.{name} is {tuple(t.shape)} {t.dtype},"
+                                 f" expected {tuple(ref[name].shape)} {ref[name].dtype}")
+            ref[name].copy_(t)
+        return ref if saved else {}
+
+    def shard_of(self, label: str, full: torch.Tensor) -> torch.Tensor:
+        """This rank's shard (padding zeroed) of a tensor of label's slot shape."""
+        slot = self.slots[label]
+        mine = full.new_zeros((slot.shard_rows, *slot.shape[1:]))
+        mine[:slot.real_rows] = full[slot.lo:slot.lo + slot.real_rows]
+        return mine
+
+    def check_tied(self, tied) -> None:
+        """One-line errors unless tied names an Adam (embedding, head) pair of transposed shapes."""
+        if len(tied) != 2 or any(t not in self.slots for t in tied):
+            raise ValueError(f"NorMuonAdam: tied={tied!r} must be (embed_label, head_label), both existing labels")
+        embed, head = (self.slots[t] for t in tied)
+        if embed.cfg.optimizer != "adam" or head.cfg.optimizer != "adam":
+            raise ValueError("NorMuonAdam: tied embedding and head must both use optimizer='adam'")
+        if embed.param.ndim != 2 or tuple(embed.param.shape) != tuple(head.param.shape)[::-1]:
+            raise ValueError(f"NorMuonAdam: tied shapes {tuple(embed.param.shape)} and {tuple(head.param.shape)}"
+                             " must be transposes of each other")
+        if embed.param.dtype != head.param.dtype:
+            raise ValueError("NorMuonAdam: tied embedding and head must have the same dtype")
+
+
+# ---- Comms: collectives per label, and the exchange each Slot needs (README "Optimizer") -----
+
 # torch >= 2.12 names these collectives reduce_scatter_single / all_gather_single and deprecates the
 # *_tensor names, which are the only ones torch 2.11 has: take the new name where it exists.
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -1069,6 +1300,15 @@ class CommLayer:
         self.group, self.world_size, self.rank = group, world_size, rank
         self.bytes_sent: dict[str, int] = {}
         self.bytes_by_op: dict[tuple[str, str], int] = {}
+
+    @classmethod
+    def of(cls, group=None) -> "CommLayer":
+        """The layer of `group`; None means the default group once one is initialized, else one rank."""
+        if group is None and dist.is_available() and dist.is_initialized():
+            group = dist.group.WORLD
+        if group is None:
+            return cls(None, 1, 0)
+        return cls(group, dist.get_world_size(group), dist.get_rank(group))
 
     def _count(self, label: str, op: str, nbytes: float) -> None:
         self.bytes_sent[label] = self.bytes_sent.get(label, 0) + int(nbytes)
@@ -1118,38 +1358,6 @@ class CommLayer:
 
 
 @dataclass
-class _Slot:
-    """Static layout of one labelled parameter: the 2-D+ view it is sharded along and its shard."""
-    label: str
-    param: torch.Tensor
-    cfg: ParamConfig
-    shape: tuple          # (rows, *inner): normuon (matrices, r, c); adam (rows, last dim)
-    shard_rows: int       # rows (matrices) this rank owns, padding included
-    lo: int               # first owned row
-    real_rows: int        # owned rows that exist (the rest is padding)
-    sharded: bool         # split over ranks (sharded / sharded_sparse with more than one rank)
-    world_size: int
-    splits: tuple | None = None  # sharded NorMuon banks: matrices each rank owns (README "Ownership")
-
-    @property
-    def rows(self) -> int:
-        return self.shape[0]
-
-    @property
-    def uneven(self) -> bool:
-        """Owned blocks of different sizes (balanced banks): the collectives are all_to_alls."""
-        return self.sharded and self.splits is not None and len(set(self.splits)) > 1
-
-    @property
-    def even(self) -> bool:
-        """Sharded with no padding: shards are slices of the parameter and gathers run in place."""
-        return self.sharded and not self.uneven and self.shard_rows * self.world_size == self.rows
-
-    def view(self) -> torch.Tensor:
-        return self.param.data.view(self.shape)
-
-
-@dataclass
 class _SparsePlan:
     """Row exchange for one sharded_sparse table, planned from the rows touched since its last step."""
     dense: bool
@@ -1160,229 +1368,39 @@ class _SparsePlan:
     rows_work: object = None
 
 
-class NorMuonAdam:
-    """Fused NorMuon (matrices) + Adam (everything else) optimizer that owns all communication.
+class ShardExchange:
+    """The communication of one Slot, on a CommLayer: scatter() launches the gradient reduction its
+    comms mode needs, gather() the all_gather of its updated shard, full_tensor() gathers a sharded
+    state tensor. Launches return a function that waits, so the caller chooses the overlap.
 
-    params / configs: dicts keyed by label. scatter_order / work_order: every label exactly once.
-    tied=(embed_label, head_label) keeps embed == head^T (the head's Adam state drives both) until
-    untie(); the model initialises the embedding as head^T, the optimizer refreshes it after every
-    Adam step. orthogonalizer: 'polar_express' | 'gram_newton_schulz' | 'auto' (the cheaper of the
-    two per bank shape) | a callable (bank -> bf16 bank).
-    ownership: how the matrices of sharded NorMuon banks are split over ranks (README "Ownership"):
-    'balanced' (FLOP-balanced, any bank size and world size) or 'padded' (the record's: n / world_size
-    consecutive matrices per rank; banks must be padded to a multiple of the world size).
-    qk_clip: False (off), True (tau = QK_CLIP_TAU = 100) or tau: step(max_logits=...) then clips the
-    NorMuon banks it names after their update (qk_clip_).
-    compile: False (eager), True (torch.compile, inductor) or a torch.compile backend (name or callable).
-    sparse_threshold: sharded_sparse tables use the dense reduce_scatter when some rank touched
-    more than this fraction of the rows (0 forces dense).
-
-    step(do_adam, lr_scale, momentum) consumes the gradients it uses (sets .grad to None); Adam
-    gradients are left alone on steps without Adam so that they keep accumulating.
+    sharded_sparse tables send only touched rows: declare_rows() collects their ids per label
+    (`declared`, the union since the table's last step) and can launch the id exchange early
+    (`plans`); a rank whose busiest peer touched more than sparse_threshold of the rows sends dense.
     """
 
-    def __init__(self, params: dict[str, nn.Parameter], configs: dict[str, ParamConfig], *,
-                 scatter_order, work_order,
-                 normuon_lr: float = 0.023, normuon_wd: float = 1.2, normuon_momentum: float = 0.95,
-                 normuon_beta2: float = 0.9, adam_lr: float = 0.008, adam_wd: float = 0.005,
-                 adam_eps: float = 1e-10, orthogonalizer="polar_express",
-                 tied: tuple[str, str] | None = None, process_group=None,
-                 sparse_threshold: float = 0.5, ownership: str = "balanced", qk_clip=False, compile=False):
-        params, configs = dict(params), dict(configs)
-        for label in params:
-            if label not in configs:
-                raise ValueError(f"NorMuonAdam: no ParamConfig for parameter {label!r}; add configs[{label!r}]")
-        for label in configs:
-            if label not in params:
-                raise ValueError(f"NorMuonAdam: config {label!r} names no parameter; labels are {sorted(params)}")
-        self.scatter_order = self._check_order("scatter_order", scatter_order, params)
-        self.work_order = self._check_order("work_order", work_order, params)
-        if process_group is None and dist.is_available() and dist.is_initialized():
-            process_group = dist.group.WORLD
-        self.group = process_group
-        self.world_size = dist.get_world_size(process_group) if process_group is not None else 1
-        self.rank = dist.get_rank(process_group) if process_group is not None else 0
-        self.comm = CommLayer(process_group, self.world_size, self.rank)
-        self.normuon_lr, self.normuon_wd, self.normuon_momentum = normuon_lr, normuon_wd, normuon_momentum
-        self.normuon_beta2 = normuon_beta2
-        self.adam_lr, self.adam_wd, self.adam_eps = adam_lr, adam_wd, adam_eps
+    def __init__(self, comm: CommLayer, sparse_threshold: float = 0.5):
+        self.comm, self.world_size = comm, comm.world_size
         self.sparse_threshold = float(sparse_threshold)
-        self.qk_clip_tau = None if qk_clip is False else QK_CLIP_TAU if qk_clip is True else float(qk_clip)
-        if callable(orthogonalizer):
-            self.orthogonalize = orthogonalizer
-        elif orthogonalizer in ORTHOGONALIZERS:
-            self.orthogonalize = ORTHOGONALIZERS[orthogonalizer]
-        else:
-            raise ValueError(f"NorMuonAdam: orthogonalizer={orthogonalizer!r}; choose one of {sorted(ORTHOGONALIZERS)}")
+        self.declared: dict[str, list[torch.Tensor]] = {}
+        self.plans: dict[str, _SparsePlan] = {}
 
-        if ownership not in OWNERSHIPS:
-            raise ValueError(f"NorMuonAdam: ownership={ownership!r}; choose one of {', '.join(OWNERSHIPS)}")
-        self.ownership = ownership
-        self.slots: dict[str, _Slot] = {}
-        for label, p in params.items():
-            self.slots[label] = self._layout(label, p, configs[label])
-        self._own_matrices()
-        self.tied = None
-        if tied is not None:  # parameters are never touched here: a restored checkpoint may be untied
-            self._check_tied(tuple(tied))
-            self.tied = tuple(tied)
-
-        self.state: dict[str, dict[str, torch.Tensor]] = {}
-        self.adam_steps: dict[str, int] = {}
-        for label, slot in self.slots.items():
-            self.state[label] = {} if self.tied and label == self.tied[0] else self._init_state(slot)
-            if slot.cfg.optimizer == "adam":
-                self.adam_steps[label] = 0
-        self._matrix_lr = {label: self._matrix_lr_of(slot) for label, slot in self.slots.items()
-                           if slot.cfg.optimizer == "normuon"}
-        self._sparse_rows: dict[str, list[torch.Tensor]] = {}
-        self._sparse_plans: dict[str, _SparsePlan] = {}
-
-        if compile:
-            backend = "inductor" if compile is True else compile
-            self._normuon_fn = torch.compile(_normuon_update, dynamic=False, backend=backend)
-            self._adam_fn = torch.compile(_adam_update, dynamic=True, backend=backend)
-        else:
-            self._normuon_fn, self._adam_fn = _normuon_update, _adam_update_sliced
-
-    # ---------------------------------------------------------------- construction helpers
-
-    @staticmethod
-    def _check_order(name, order, params) -> list[str]:
-        order = list(order)
-        seen = set()
-        for label in order:
-            if label not in params:
-                raise ValueError(f"NorMuonAdam: {name} names unknown label {label!r}; labels are {sorted(params)}")
-            if label in seen:
-                raise ValueError(f"NorMuonAdam: {name} lists {label!r} twice; list every label exactly once")
-            seen.add(label)
-        missing = [label for label in params if label not in seen]
-        if missing:
-            raise ValueError(f"NorMuonAdam: {name} is missing {missing}; list every label exactly once")
-        return order
-
-    def _layout(self, label: str, p: torch.Tensor, cfg: ParamConfig) -> _Slot:
-        if p.dtype not in (torch.bfloat16, torch.float32):
-            raise ValueError(f"NorMuonAdam: parameter {label!r} is {p.dtype}; use bfloat16 or float32")
-        W = self.world_size
-        if cfg.optimizer == "normuon":
-            if p.ndim < 2:
-                raise ValueError(f"NorMuonAdam: normuon parameter {label!r} has shape {tuple(p.shape)}; it needs matrices (..., rows, cols)")
-            shape = (p.numel() // (p.size(-2) * p.size(-1)), p.size(-2), p.size(-1))
-            if cfg.matrix_lr_mul is not None and len(cfg.matrix_lr_mul) != shape[0]:
-                raise ValueError(f"NorMuonAdam: {label!r} has {shape[0]} matrices but matrix_lr_mul has {len(cfg.matrix_lr_mul)} entries")
-        else:
-            shape = (p.numel() // p.size(-1), p.size(-1)) if p.ndim >= 2 else (p.numel(), 1)
-        sharded = cfg.comms in ("sharded", "sharded_sparse") and W > 1
-        k = -(-shape[0] // W) if sharded else shape[0]
-        lo = self.rank * k if sharded else 0
-        real = max(0, min(k, shape[0] - lo))
-        return _Slot(label, p, cfg, shape, k, lo, real, sharded, W)
-
-    def _own_matrices(self) -> None:
-        """Give each rank its matrices of every sharded NorMuon bank: a contiguous block per bank whose
-        size comes from padded_splits or balanced_splits (README "Ownership")."""
-        banks = {label: (slot.rows, orthogonalization_flops(*slot.shape[1:], self.orthogonalize))
-                 for label in self.scatter_order if (slot := self.slots[label]).sharded
-                 and slot.cfg.optimizer == "normuon"}
-        if self.ownership == "padded":
-            splits = {label: padded_splits(n, self.world_size, label) for label, (n, _) in banks.items()}
-        else:
-            splits = balanced_splits(banks, self.world_size)
-        for label, split in splits.items():
-            k, lo = split[self.rank], sum(split[:self.rank])
-            self.slots[label] = dataclasses.replace(self.slots[label], shard_rows=k, lo=lo, real_rows=k, splits=split)
-
-    def _check_tied(self, tied):
-        if len(tied) != 2 or any(t not in self.slots for t in tied):
-            raise ValueError(f"NorMuonAdam: tied={tied!r} must be (embed_label, head_label), both existing labels")
-        embed, head = (self.slots[t] for t in tied)
-        if embed.cfg.optimizer != "adam" or head.cfg.optimizer != "adam":
-            raise ValueError("NorMuonAdam: tied embedding and head must both use optimizer='adam'")
-        if embed.param.ndim != 2 or tuple(embed.param.shape) != tuple(head.param.shape)[::-1]:
-            raise ValueError(f"NorMuonAdam: tied shapes {tuple(embed.param.shape)} and {tuple(head.param.shape)}"
-                             " must be transposes of each other")
-        if embed.param.dtype != head.param.dtype:
-            raise ValueError("NorMuonAdam: tied embedding and head must have the same dtype")
-
-    def _init_state(self, slot: _Slot) -> dict[str, torch.Tensor]:
-        shard = (slot.shard_rows, *slot.shape[1:])
-        dev = slot.param.device
-        st = {}
-        if slot.cfg.optimizer == "normuon":
-            st["momentum_buffer"] = torch.zeros(shard, dtype=torch.float32, device=dev)
-            per_row = slot.shape[1] >= slot.shape[2]
-            vshape = (slot.shard_rows, slot.shape[1], 1) if per_row else (slot.shard_rows, 1, slot.shape[2])
-            st["second_moment"] = torch.zeros(vshape, dtype=torch.float32, device=dev)
-        else:
-            st["exp_avg"] = torch.zeros(shard, dtype=torch.float32, device=dev)
-            st["exp_avg_sq"] = torch.zeros(shard, dtype=torch.float32, device=dev)
-        if slot.param.dtype == torch.bfloat16 and slot.cfg.optimizer == "normuon":
-            st["mantissa"] = torch.zeros(shard, dtype=torch.uint16, device=dev)
-        return st
-
-    def _matrix_lr_of(self, slot: _Slot) -> torch.Tensor:
-        n, r, c = slot.shape
-        per_matrix = torch.tensor(slot.cfg.matrix_lr_mul or [1.0] * n, dtype=torch.float64)
-        per_matrix = per_matrix * slot.cfg.lr_mul * max(1.0, r / c) ** 0.5
-        shard = torch.zeros(slot.shard_rows, dtype=torch.float64)
-        shard[:slot.real_rows] = per_matrix[slot.lo:slot.lo + slot.real_rows]
-        return shard.to(torch.float32).view(-1, 1, 1).to(slot.param.device)
-
-    # ---------------------------------------------------------------- per-step hyperparameters
-
-    def _hyperparams(self, labels, lr_scale: float, momentum: float) -> dict[str, torch.Tensor]:
-        """All per-label scalars of this step in one host->device copy; row views per label."""
-        rows = []
-        for label in labels:
-            cfg = self.slots[label].cfg
-            if cfg.optimizer == "normuon":
-                lr = self.normuon_lr * lr_scale
-                rows.append([lr, self.normuon_wd * cfg.wd_mul * lr, momentum, self.normuon_beta2, 0.0])
-            else:
-                lr = self.adam_lr * lr_scale * cfg.lr_mul
-                t = self.adam_steps[label] + 1
-                b1, b2 = cfg.betas
-                rows.append([lr * math.sqrt(1.0 - b2 ** t) / (1.0 - b1 ** t), lr * lr * self.adam_wd * cfg.wd_mul,
-                             b1, b2, self.adam_eps])
-        if not rows:
-            return {}
-        hp = torch.tensor(rows, dtype=torch.float32)
-        dev = next(iter(self.slots.values())).param.device
-        if dev.type == "cuda":
-            hp = hp.pin_memory().to(dev, non_blocking=True)
-        return {label: hp[i] for i, label in enumerate(labels)}
-
-    # ---------------------------------------------------------------- sparse row exchange
-
-    def prepare_sparse(self, label: str, row_ids, launch: bool = False) -> None:
-        """Declare rows of a sharded_sparse table that this rank's gradient touches.
-
-        Call once per micro-batch with the ids the loader produced (any shape, duplicates fine);
-        the union since the table's last Adam step is what gets sent. launch=True also runs the
-        count exchange and starts the row-id exchange now (before backward) - a collective: every
-        rank must call it at the same point. Rows the gradient touches but that were never
-        declared are not sent: declare all of them, or none (the step then finds the nonzero rows).
-        """
-        slot = self.slots.get(label)
-        if slot is None or slot.cfg.comms != "sharded_sparse":
-            raise ValueError(f"prepare_sparse: {label!r} is not a parameter with comms='sharded_sparse'")
+    def declare_rows(self, slot: Slot, row_ids, launch: bool = False) -> None:
+        """Record rows of a sharded_sparse table; launch=True also starts its exchange (a collective)."""
         if self.world_size == 1:
             return
-        if label in self._sparse_plans:
-            raise ValueError(f"prepare_sparse: the row exchange of {label!r} was already launched for this step;"
+        if slot.label in self.plans:
+            raise ValueError(f"prepare_sparse: the row exchange of {slot.label!r} was already launched for this step;"
                              " declare every row before launch=True")
         ids = torch.as_tensor(row_ids).reshape(-1).to(device="cpu", dtype=torch.int64)
-        self._sparse_rows.setdefault(label, []).append(ids)
+        self.declared.setdefault(slot.label, []).append(ids)
         if launch:
-            self._sparse_plans[label] = self._plan_sparse(slot)
+            self.plans[slot.label] = self._plan_sparse(slot)
 
-    def _plan_sparse(self, slot: _Slot, grad: torch.Tensor | None = None) -> _SparsePlan:
+    def _plan_sparse(self, slot: Slot, grad: torch.Tensor | None = None) -> _SparsePlan:
         """Exchange per-owner row counts (plus each rank's total, so that every rank takes the
         same dense-or-sparse decision), then launch the row-id exchange."""
         W, k, dev = self.world_size, slot.shard_rows, slot.param.device
-        pending = self._sparse_rows.pop(slot.label, None)
+        pending = self.declared.pop(slot.label, None)
         if pending:
             rows = torch.unique(torch.cat(pending))
             if rows.numel() and (rows[0] < 0 or rows[-1] >= slot.rows):
@@ -1404,18 +1422,9 @@ class NorMuonAdam:
         work = self.comm.all_to_all(slot.label, recv_rows, rows, recv, send)
         return _SparsePlan(False, rows, send, recv, recv_rows, work)
 
-    # ---------------------------------------------------------------- the three phases
-
-    def _grad_view(self, slot: _Slot) -> torch.Tensor:
-        g = slot.param.grad
-        if g is None:
-            return torch.zeros(slot.shape, dtype=slot.param.dtype, device=slot.param.device)
-        return g.reshape(slot.shape).contiguous()
-
-    def _scatter(self, slot: _Slot):
-        """Launch this label's gradient reduction; return a function that waits and yields the
-        averaged gradient of the local shard."""
-        g = self._grad_view(slot)
+    def scatter(self, slot: Slot, g: torch.Tensor):
+        """Launch the reduction of gradient g (the slot's shape); return a function that waits and
+        yields the averaged gradient of the local shard."""
         label, W = slot.label, self.world_size
         if W == 1 or slot.cfg.comms == "none":
             return lambda: g
@@ -1423,7 +1432,7 @@ class NorMuonAdam:
             work = self.comm.all_reduce_avg(label, g)
             return lambda: (work.wait(), g)[1]
         if slot.cfg.comms == "sharded_sparse":
-            plan = self._sparse_plans.pop(label, None) or self._plan_sparse(slot, g)
+            plan = self.plans.pop(label, None) or self._plan_sparse(slot, g)
             if not plan.dense:
                 return self._scatter_sparse(slot, g, plan)
         k = slot.shard_rows
@@ -1443,7 +1452,7 @@ class NorMuonAdam:
         work = self.comm.reduce_scatter_avg(label, out, g)
         return lambda: (work.wait(), out)[1]
 
-    def _scatter_sparse(self, slot: _Slot, g: torch.Tensor, plan: _SparsePlan):
+    def _scatter_sparse(self, slot: Slot, g: torch.Tensor, plan: _SparsePlan):
         values = g[plan.rows]
         recv_values = g.new_empty((sum(plan.recv_counts), *slot.shape[1:]))
         work = self.comm.all_to_all(slot.label, recv_values, values, plan.recv_counts, plan.send_counts)
@@ -1457,31 +1466,9 @@ class NorMuonAdam:
             return (acc / self.world_size).to(g.dtype)
         return finish
 
-    def _param_shard(self, slot: _Slot) -> torch.Tensor:
-        """The local shard to update in place: a view of the parameter, or a padded copy."""
-        view = slot.view()
-        if not slot.sharded:
-            return view
-        if slot.even or slot.uneven:
-            return view[slot.lo:slot.lo + slot.shard_rows]
-        shard = view.new_zeros((slot.shard_rows, *slot.shape[1:]))
-        shard[:slot.real_rows] = view[slot.lo:slot.lo + slot.real_rows]
-        return shard
-
-    def _work(self, slot: _Slot, grad: torch.Tensor, hp: torch.Tensor, max_logits=None):
-        """Update the local shard; return a function that completes its all_gather (or None)."""
-        st = self.state[slot.label]
-        shard = self._param_shard(slot)
-        if slot.cfg.optimizer == "normuon":
-            if shard.size(0):  # a balanced bank may give this rank none of its matrices
-                self._normuon_fn(grad, st["momentum_buffer"], st["second_moment"], shard, st.get("mantissa"),
-                                 self._matrix_lr[slot.label], hp, self.orthogonalize)
-            if max_logits is not None:  # QK-Clip on the owned rows, before they are gathered
-                m = torch.broadcast_to(torch.as_tensor(max_logits, device=shard.device), (slot.rows, slot.shape[1], 1))
-                qk_clip_(shard, st.get("mantissa"), m[slot.lo:slot.lo + slot.shard_rows], self.qk_clip_tau)
-        else:
-            self._adam_fn(grad, st["exp_avg"], st["exp_avg_sq"], shard, hp)
-            self.adam_steps[slot.label] += 1
+    def gather(self, slot: Slot, shard: torch.Tensor):
+        """Launch the all_gather of an updated local shard into the parameter; return the function
+        that completes it, or None for a label that is not sharded."""
         if not slot.sharded:
             return None
         view = slot.view()
@@ -1497,6 +1484,145 @@ class NorMuonAdam:
             work.wait()
             view.copy_(full[:slot.rows])
         return finish
+
+    def full_tensor(self, slot: Slot, shard: torch.Tensor) -> torch.Tensor:
+        """All rows of a sharded state tensor (rows, *inner), gathered from every rank."""
+        if not slot.sharded:
+            return shard
+        raw = shard.contiguous()
+        if raw.dtype == torch.uint16:  # collectives lack 16-bit integers: move the bits as bytes
+            raw = raw.view(torch.uint8)
+        full = raw.new_empty((slot.shard_rows * self.world_size, *raw.shape[1:]))
+        self.comm.all_gather(slot.label, full, raw).wait()
+        return full[:slot.rows].view(shard.dtype)
+
+
+# ---- NorMuonAdam: the orchestrator (README "Optimizer") --------------------------------------
+
+
+def _check_labels(params, configs) -> tuple[dict, dict]:
+    """params and configs as dicts, or a one-line error unless they have the same labels."""
+    params, configs = dict(params), dict(configs)
+    for label in params:
+        if label not in configs:
+            raise ValueError(f"NorMuonAdam: no ParamConfig for parameter {label!r}; add configs[{label!r}]")
+    for label in configs:
+        if label not in params:
+            raise ValueError(f"NorMuonAdam: config {label!r} names no parameter; labels are {sorted(params)}")
+    return params, configs
+
+
+def _check_order(name: str, order, params) -> list[str]:
+    """order as a list, or a one-line error unless it names every label exactly once."""
+    order, seen = list(order), set()
+    for label in order:
+        if label not in params:
+            raise ValueError(f"NorMuonAdam: {name} names unknown label {label!r}; labels are {sorted(params)}")
+        if label in seen:
+            raise ValueError(f"NorMuonAdam: {name} lists {label!r} twice; list every label exactly once")
+        seen.add(label)
+    missing = [label for label in params if label not in seen]
+    if missing:
+        raise ValueError(f"NorMuonAdam: {name} is missing {missing}; list every label exactly once")
+    return order
+
+
+class NorMuonAdam:
+    """Fused NorMuon (matrices) + Adam (everything else) optimizer that owns all communication: it
+    runs the update functions on the shards OwnershipLayout gives this rank (self.layout, its slots)
+    and the collectives of ShardExchange (self.exchange) on a CommLayer (self.comm), in the order of
+    the phase table above.
+
+    params / configs: dicts keyed by label. scatter_order / work_order: every label exactly once.
+    tied=(embed_label, head_label) keeps embed == head^T (the head's Adam state drives both) until
+    untie(); the model initialises the embedding as head^T, the optimizer refreshes it after every
+    Adam step. orthogonalizer: a name in ORTHOGONALIZERS ('auto': the cheaper form per bank shape) or
+    a callable (bank -> bf16 bank). ownership: 'balanced' or 'padded' (the record's), see
+    OwnershipLayout and README "Ownership". qk_clip: False (off), True (tau = QK_CLIP_TAU = 100) or
+    tau: step(max_logits=...) then clips the NorMuon banks it names after their update (qk_clip_).
+    compile: False (eager), True (inductor) or a torch.compile backend (update_functions).
+    sparse_threshold: sharded_sparse tables use the dense reduce_scatter when some rank touched more
+    than this fraction of the rows (0 forces dense).
+
+    step(do_adam, lr_scale, momentum) consumes the gradients it uses (sets .grad to None); Adam
+    gradients are left alone on steps without Adam so that they keep accumulating.
+    """
+
+    def __init__(self, params: dict[str, nn.Parameter], configs: dict[str, ParamConfig], *,
+                 scatter_order, work_order,
+                 normuon_lr: float = 0.023, normuon_wd: float = 1.2, normuon_momentum: float = 0.95,
+                 normuon_beta2: float = 0.9, adam_lr: float = 0.008, adam_wd: float = 0.005,
+                 adam_eps: float = 1e-10, orthogonalizer="polar_express",
+                 tied: tuple[str, str] | None = None, process_group=None,
+                 sparse_threshold: float = 0.5, ownership: str = "balanced", qk_clip=False, compile=False):
+        params, configs = _check_labels(params, configs)
+        self.scatter_order = _check_order("scatter_order", scatter_order, params)
+        self.work_order = _check_order("work_order", work_order, params)
+        self.comm = CommLayer.of(process_group)
+        self.group, self.world_size, self.rank = self.comm.group, self.comm.world_size, self.comm.rank
+        self.normuon_lr, self.normuon_wd, self.normuon_momentum = normuon_lr, normuon_wd, normuon_momentum
+        self.normuon_beta2 = normuon_beta2
+        self.adam_lr, self.adam_wd, self.adam_eps = adam_lr, adam_wd, adam_eps
+        self.qk_clip_tau = None if qk_clip is False else QK_CLIP_TAU if qk_clip is True else float(qk_clip)
+        self.orthogonalize = orthogonalizer_of(orthogonalizer)
+        self.ownership = ownership
+        self.layout = OwnershipLayout(params, configs, self.world_size, self.rank, ownership,
+                                      self.orthogonalize, self.scatter_order)
+        self.slots: dict[str, Slot] = self.layout.slots
+        self.exchange = ShardExchange(self.comm, sparse_threshold)
+        self.tied = None
+        if tied is not None:  # parameters are never touched here: a restored checkpoint may be untied
+            self.layout.check_tied(tuple(tied))
+            self.tied = tuple(tied)
+        self.state = {label: {} if self.tied and label == self.tied[0] else self.layout.new_state(label)
+                      for label in self.slots}
+        self.adam_steps = {label: 0 for label, slot in self.slots.items() if slot.cfg.optimizer == "adam"}
+        self._matrix_lr = {label: self.layout.matrix_lr(label) for label, slot in self.slots.items()
+                           if slot.cfg.optimizer == "normuon"}
+        self._normuon_fn, self._adam_fn = update_functions(compile)
+
+    def prepare_sparse(self, label: str, row_ids, launch: bool = False) -> None:
+        """Declare rows of a sharded_sparse table that this rank's gradient touches.
+
+        Call once per micro-batch with the ids the loader produced (any shape, duplicates fine);
+        the union since the table's last Adam step is what gets sent. launch=True also runs the
+        count exchange and starts the row-id exchange now (before backward) - a collective: every
+        rank must call it at the same point. Rows the gradient touches but that were never
+        declared are not sent: declare all of them, or none (the step then finds the nonzero rows).
+        """
+        slot = self.slots.get(label)
+        if slot is None or slot.cfg.comms != "sharded_sparse":
+            raise ValueError(f"prepare_sparse: {label!r} is not a parameter with comms='sharded_sparse'")
+        self.exchange.declare_rows(slot, row_ids, launch)
+
+    def _hyperparams(self, labels, lr_scale: float, momentum: float) -> dict[str, torch.Tensor]:
+        """The hp row of every label of this step (normuon_hyperparams / adam_hyperparams)."""
+        rows = []
+        for label in labels:
+            cfg = self.slots[label].cfg
+            if cfg.optimizer == "normuon":
+                rows.append(normuon_hyperparams(self.normuon_lr * lr_scale, self.normuon_wd, cfg.wd_mul,
+                                                momentum, self.normuon_beta2))
+            else:
+                rows.append(adam_hyperparams(self.adam_lr * lr_scale * cfg.lr_mul, self.adam_steps[label] + 1,
+                                             cfg.betas, self.adam_wd, cfg.wd_mul, self.adam_eps))
+        return hyperparam_tensors(labels, rows, next(iter(self.slots.values())).param.device)
+
+    def _work(self, slot: Slot, grad: torch.Tensor, hp: torch.Tensor, max_logits=None):
+        """Update the local shard; return a function that completes its all_gather (or None)."""
+        st = self.state[slot.label]
+        shard = slot.local_shard()
+        if slot.cfg.optimizer == "normuon":
+            if shard.size(0):  # a balanced bank may give this rank none of its matrices
+                self._normuon_fn(grad, st["momentum_buffer"], st["second_moment"], shard, st.get("mantissa"),
+                                 self._matrix_lr[slot.label], hp, self.orthogonalize)
+            if max_logits is not None:  # QK-Clip on the owned rows, before they are gathered
+                m = torch.broadcast_to(torch.as_tensor(max_logits, device=shard.device), (slot.rows, slot.shape[1], 1))
+                qk_clip_(shard, st.get("mantissa"), m[slot.lo:slot.lo + slot.shard_rows], self.qk_clip_tau)
+        else:
+            self._adam_fn(grad, st["exp_avg"], st["exp_avg_sq"], shard, hp)
+            self.adam_steps[slot.label] += 1
+        return self.exchange.gather(slot, shard)
 
     @torch.no_grad()
     def step(self, do_adam: bool = True, lr_scale: float = 1.0, momentum: float | None = None,
@@ -1527,7 +1653,7 @@ class NorMuonAdam:
                     triton_kernels.transpose_add(embed.grad, head.grad)
                 embed.grad = None
         # phase 1: scatter
-        reduced = {label: self._scatter(self.slots[label]) for label in active}
+        reduced = {label: self.exchange.scatter(self.slots[label], self.slots[label].grad_view()) for label in active}
         # phase 2: work
         gathers = {}
         active_set = set(active)
@@ -1547,19 +1673,6 @@ class NorMuonAdam:
         for label in active:
             self.slots[label].param.grad = None
 
-    # ---------------------------------------------------------------- untie and checkpoints
-
-    def _full_tensor(self, slot: _Slot, shard: torch.Tensor) -> torch.Tensor:
-        """All rows of a sharded state tensor (rows, *inner), gathered from every rank."""
-        if not slot.sharded:
-            return shard
-        raw = shard.contiguous()
-        if raw.dtype == torch.uint16:  # collectives lack 16-bit integers: move the bits as bytes
-            raw = raw.view(torch.uint8)
-        full = raw.new_empty((slot.shard_rows * self.world_size, *raw.shape[1:]))
-        self.comm.all_gather(slot.label, full, raw).wait()
-        return full[:slot.rows].view(shard.dtype)
-
     @torch.no_grad()
     def untie(self) -> None:
         """Give the embedding its own Adam state: the head's state, transposed and resharded.
@@ -1570,13 +1683,9 @@ class NorMuonAdam:
             raise ValueError("NorMuonAdam.untie(): embedding and head are not tied")
         e_label, h_label = self.tied
         e, h = self.slots[e_label], self.slots[h_label]
-        st = {}
-        for name, shard in self.state[h_label].items():
-            full = self._full_tensor(h, shard).reshape(h.param.shape).mT.reshape(e.shape)
-            mine = full.new_zeros((e.shard_rows, *e.shape[1:]))
-            mine[:e.real_rows] = full[e.lo:e.lo + e.real_rows]
-            st[name] = mine
-        self.state[e_label] = st
+        self.state[e_label] = {name: self.layout.shard_of(e_label, self.exchange.full_tensor(h, shard)
+                                                          .reshape(h.param.shape).mT.reshape(e.shape))
+                               for name, shard in self.state[h_label].items()}
         self.adam_steps[e_label] = self.adam_steps[h_label]
         self.tied = None
 
@@ -1586,7 +1695,7 @@ class NorMuonAdam:
         return {"world_size": self.world_size, "rank": self.rank,
                 "tied": list(self.tied) if self.tied else None,
                 "adam_steps": dict(self.adam_steps),
-                "sparse_rows": {label: torch.cat(ids) for label, ids in self._sparse_rows.items()},
+                "sparse_rows": {label: torch.cat(ids) for label, ids in self.exchange.declared.items()},
                 "state": {label: {name: t.clone() for name, t in st.items()} for label, st in self.state.items()}}
 
     @torch.no_grad()
@@ -1598,19 +1707,93 @@ class NorMuonAdam:
         if set(sd["state"]) != set(self.state):
             raise ValueError(f"load_state_dict: labels {sorted(sd['state'])} differ from this optimizer's {sorted(self.state)}")
         for label, saved in sd["state"].items():
-            ref = self._init_state(self.slots[label])
-            if saved and set(saved) != set(ref):
-                raise ValueError(f"load_state_dict: {label!r} has state {sorted(saved)}, expected {sorted(ref)}")
-            for name, t in saved.items():
-                if t.shape != ref[name].shape or t.dtype != ref[name].dtype:
-                    raise ValueError(f"load_state_dict: {label!r}.{name} is {tuple(t.shape)} {t.dtype},"
-                                     f" expected {tuple(ref[name].shape)} {ref[name].dtype}")
-                ref[name].copy_(t)
-            self.state[label] = ref if saved else {}
+            self.state[label] = self.layout.restore_state(label, saved)
         self.tied = tuple(sd["tied"]) if sd["tied"] else None
         self.adam_steps = dict(sd["adam_steps"])
-        self._sparse_rows = {label: [ids.clone()] for label, ids in sd["sparse_rows"].items()}
-        self._sparse_plans.clear()
+        self.exchange.declared = {label: [ids.clone()] for label, ids in sd["sparse_rows"].items()}
+        self.exchange.plans.clear()
+
+
+# ---- Tensor-parallel NorMuon: one parameter split over a process group ----------------------
+# (README "Tensor-parallel orthogonalization"; NorMuonAdam owns whole matrices and does not use it)
+
+
+def _tp_layout(shard: torch.Tensor, mode: str, shard_dim: int, group) -> tuple[int, int, int, int]:
+    """(dim, world size, rows, cols) of the matrix a shard belongs to; blockwise treats the shard as the matrix."""
+    if mode not in TP_MODES:
+        raise ValueError(f"tensor_parallel_normuon_update: mode={mode!r}; choose one of {', '.join(TP_MODES)}")
+    dim = shard_dim % shard.ndim
+    if shard.ndim < 2 or dim < shard.ndim - 2:
+        raise ValueError(f"tensor_parallel_normuon_update: shard_dim must be -2 or -1 of (..., rows, cols), got {shard_dim}")
+    W = 1 if mode == "blockwise" else dist.get_world_size(group)
+    rows, cols = shard.size(-2) * (W if dim == shard.ndim - 2 else 1), shard.size(-1) * (W if dim == shard.ndim - 1 else 1)
+    return dim, W, rows, cols
+
+
+def tensor_parallel_normuon_state(shard: torch.Tensor, mode: str, shard_dim: int, group=None) -> dict[str, torch.Tensor]:
+    """Zero state for tensor_parallel_normuon_update of this shard: the momentum (the shard's shape),
+    the second moment and, for a bf16 shard, the mantissa. The second moment has one entry per row of
+    the longer side of the whole matrix (of the shard, blockwise); distributed keeps only this rank's
+    entries when those rows are the split ones, duplicated keeps all of them on every rank."""
+    dim, W, rows, cols = _tp_layout(shard, mode, shard_dim, group)
+    per_row = rows >= cols
+    n = rows if per_row else cols
+    if mode == "distributed" and (dim == shard.ndim - 2) == per_row:
+        n //= W
+    lead = shard.shape[:-2]
+    st = {"momentum_buffer": torch.zeros(shard.shape, dtype=torch.float32, device=shard.device),
+          "second_moment": torch.zeros((*lead, n, 1) if per_row else (*lead, 1, n), dtype=torch.float32, device=shard.device)}
+    if shard.dtype == torch.bfloat16:
+        st["mantissa"] = torch.zeros(shard.shape, dtype=torch.uint16, device=shard.device)
+    return st
+
+
+def _split_variance_reduction(O, second_moment, beta2, dim: int, rows: int, cols: int, group) -> torch.Tensor:
+    """normuon_variance_reduction of the whole matrix, computed on its shard O: where the reduced dim
+    is split the per-row sums of O^2 are all_reduced; where the kept dim is split, each rank holds
+    its rows' statistics and the two Frobenius norms of the renormalisation are all_reduced."""
+    red = O.ndim - 1 if rows >= cols else O.ndim - 2
+    size = cols if rows >= cols else rows
+    sq = O.float().square().sum(dim=red, keepdim=True)
+    if red == dim:
+        dist.all_reduce(sq, group=group)
+    mean_sq = sq / size
+    second_moment.lerp_(mean_sq, 1 - beta2)
+    step = second_moment.clamp_min(1e-10).rsqrt()
+    norms = torch.stack([(mean_sq * size).sum(dim=(-2, -1), keepdim=True),
+                         ((mean_sq * size) * step.square()).sum(dim=(-2, -1), keepdim=True)])
+    if red != dim:
+        dist.all_reduce(norms, group=group)
+    norm, new_norm = norms.sqrt()
+    return O.mul_((step * (norm / new_norm.clamp_min(1e-10))).to(O.dtype))
+
+
+def tensor_parallel_normuon_update(grad, momentum_buf, second_moment, param, mantissa, matrix_lr, hp, mode: str,
+                                   shard_dim: int, group=None, dtype: torch.dtype = torch.bfloat16) -> None:
+    """One NorMuon step, as _normuon_update with Polar Express, on this rank's shard of a matrix (or
+    bank) split over the ranks of `group` along shard_dim (-2: row shards, -1: column shards, equal
+    sizes), in place. State from tensor_parallel_normuon_state; hp as _normuon_update's; matrix_lr
+    with the whole matrix's shape factor. Momentum and the cautious update are elementwise on the shard.
+
+    duplicated   all_gather the momentum-applied gradient; orthogonalization and variance reduction of
+                 the whole matrix on every rank; the unsharded update, bit for bit
+    distributed  tensor_parallel_orthogonalize's iteration on shards, then the variance reduction
+                 with statistics combined over the shards (_split_variance_reduction)
+    blockwise    _normuon_update of the shard as a matrix of its own: no communication, an approximation
+    """
+    dim, W, rows, cols = _tp_layout(grad, mode, shard_dim, group)
+    orthogonalize = functools.partial(polar_express, dtype=dtype)
+    if mode == "blockwise":
+        return _normuon_update(grad, momentum_buf, second_moment, param, mantissa, matrix_lr, hp, orthogonalize)
+    lr, decay, momentum, beta2 = hp[0], hp[1], hp[2], hp[3]
+    g = _nesterov_momentum(grad, momentum_buf, momentum)
+    if mode == "duplicated":
+        O = normuon_variance_reduction(orthogonalize(_gather_shards(g, dim, group)), second_moment, beta2)
+        O = O.chunk(W, dim=dim)[dist.get_rank(group)]
+    else:
+        O = tensor_parallel_orthogonalize(g, "distributed", shard_dim, group, dtype=dtype)
+        O = _split_variance_reduction(O, second_moment, beta2, dim, rows, cols, group)
+    _cautious_step(O.float(), param, mantissa, lr * matrix_lr, decay)
 
 
 # ----------------------------------------------------------------------------------------------
