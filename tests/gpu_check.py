@@ -89,11 +89,11 @@ CHECKS: tuple[Check, ...] = (
     Check("sync-free-step", 90, "training steps under torch.cuda.set_sync_debug_mode('error'): "
           "test_training_step_never_waits_for_the_gpu (eager), then compiled model and optimizer with FP8 "
           "re-quantisation",
-          (TG + "train_step", TG + "NorMuonAdam._hyperparams", TG + "_adam_update_sliced",
+          (TG + "train_step", TG + "hyperparam_tensors", TG + "_adam_update_sliced",
            TG + "build_optimizer")),
     Check("normuon-nccl", 60, "NorMuonAdam on a single-rank NCCL group (and 2 ranks where 2 GPUs exist) "
           "against the single-process result",
-          (TG + "setup_distributed", TG + "NorMuonAdam._plan_sparse")),
+          (TG + "setup_distributed", TG + "ShardExchange._plan_sparse")),
     Check("train-script", 60, "train_gpt.py --preset test through torchrun on this GPU (FP8, NCCL, run log)",
           (TG + "train", TG + "RunLog.__init__", TG + "cuda_synchronize", TG + "compute_dtype")),
     Check("speedrun-timing", 440, "the speedrun preset on one GPU (accumulation 8), generated shards: 2 warm-up + "
