@@ -140,3 +140,36 @@ def run_torchrun(script: str, nproc_per_node: int, nnodes: int = 1, script_args=
         if r.returncode != 0:
             raise AssertionError(f"torchrun node {node} exited with {r.returncode}:\n{r.stdout[-4000:]}")
     return results
+
+
+def in_subgroups(rank: int, world_size: int, phases, worker) -> dict:
+    """Run worker(sub_rank, size, group) in every subgroup this rank belongs to, one phase at a time: a
+    phase splits the world into consecutive groups of the given sizes (one spawn hosts several world
+    sizes). Every rank creates every group, in the same order, as torch.distributed requires. Returns
+    {group size: worker's result}."""
+    import torch.distributed as dist
+    out = {}
+    for phase in phases:
+        start, mine = 0, None
+        for size in phase:
+            ranks = list(range(start, start + size))
+            group = dist.new_group(ranks) if size < world_size else dist.group.WORLD
+            if rank in ranks:
+                mine = (size, ranks.index(rank), group)
+            start += size
+        if mine is not None:
+            size, sub_rank, group = mine
+            out[size] = worker(sub_rank, size, group)
+        dist.barrier()
+    return out
+
+
+def by_group_size(per_rank: list[dict], phases) -> dict:
+    """in_subgroups' per-rank results regrouped: {group size: [result of sub-rank 0, 1, ...]}."""
+    results = {}
+    for phase in phases:
+        start = 0
+        for size in phase:
+            results[size] = [per_rank[r][size] for r in range(start, start + size)]
+            start += size
+    return results

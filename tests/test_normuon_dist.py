@@ -18,7 +18,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import train_gpt as T  # noqa: E402
-from dist_utils import run_on_ranks  # noqa: E402
+from dist_utils import by_group_size, in_subgroups, run_on_ranks  # noqa: E402
 
 README = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")
 
@@ -175,32 +175,13 @@ PHASES = [[8], [5, 3], [6, 2]]  # one spawn of 8 gloo ranks hosts world sizes 8,
 
 
 def phases_worker(rank, world_size):
-    import torch.distributed as dist
-    out = {}
-    for phase in PHASES:
-        start, mine = 0, None
-        for size in phase:  # every rank creates every group, in the same order
-            ranks = list(range(start, start + size))
-            group = dist.new_group(ranks) if size < world_size else dist.group.WORLD
-            if rank in ranks:
-                mine = (size, ranks.index(rank), group)
-            start += size
-        size, sub_rank, group = mine
-        out[size] = balanced_worker(sub_rank, size, group)
-        dist.barrier()
-    return out
+    return in_subgroups(rank, world_size, PHASES, balanced_worker)
 
 
 @pytest.fixture(scope="module")
 def balanced_results():
     per_rank = run_on_ranks(phases_worker, 8, timeout=240)
-    results = {1: [bal_run(lambda s: bal_grads(s, 1)[0])]}
-    for phase in PHASES:
-        start = 0
-        for size in phase:
-            results[size] = [per_rank[r][size] for r in range(start, start + size)]
-            start += size
-    return results
+    return {1: [bal_run(lambda s: bal_grads(s, 1)[0])], **by_group_size(per_rank, PHASES)}
 
 
 @pytest.mark.slow

@@ -20,7 +20,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import train_gpt as T  # noqa: E402
-from dist_utils import run_on_ranks, run_torchrun  # noqa: E402
+from dist_utils import by_group_size, in_subgroups, run_on_ranks, run_torchrun  # noqa: E402
 
 COEFFS = T.POLAR_EXPRESS_COEFFS
 
@@ -633,33 +633,13 @@ PHASES = [[8], [4, 3, 1], [6, 2]]
 
 def all_world_sizes_worker(rank: int, world_size: int):
     """Runs distributed_worker on each subgroup this rank belongs to; results keyed by group size."""
-    import torch.distributed as dist
-    out = {}
-    for phase in PHASES:
-        start, mine = 0, None
-        for size in phase:  # every rank creates every group, in the same order
-            ranks = list(range(start, start + size))
-            group = dist.new_group(ranks) if size < world_size else dist.group.WORLD
-            if rank in ranks:
-                mine = (size, ranks.index(rank), group)
-            start += size
-        if mine is not None:
-            size, sub_rank, group = mine
-            out[size] = distributed_worker(sub_rank, size, group)
-        dist.barrier()
-    return out
+    return in_subgroups(rank, world_size, PHASES, distributed_worker)
 
 
 @pytest.fixture(scope="module")
 def all_world_size_results():
     per_rank = run_on_ranks(all_world_sizes_worker, 8, timeout=240)
-    results = {}
-    for phase in PHASES:
-        start = 0
-        for size in phase:
-            results[size] = [per_rank[r][size] for r in range(start, start + size)]
-            start += size
-    return results
+    return by_group_size(per_rank, PHASES)
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4, 6, 8])

@@ -361,12 +361,14 @@ def test_mlp_forward_backward_match_reference(T, D, H, dtype):
         assert_close_rel(g, gr, tol)
 
 
-def test_mlp_gradcheck_float64():
+@pytest.mark.parametrize("fn", [pytest.param(lambda: tk.relu2_mlp_triton, id="triton"),
+                                pytest.param(lambda: tk.relu2_mlp_reference, id="reference"),
+                                pytest.param(lambda: tk.relu2_mlp, id="cpu_path")])
+def test_mlp_gradcheck_float64(fn):
     x = torch.randn(6, 5, dtype=torch.float64, requires_grad=True)
     wu = torch.randn(7, 5, dtype=torch.float64, requires_grad=True)
     wd = torch.randn(7, 5, dtype=torch.float64, requires_grad=True)
-    assert torch.autograd.gradcheck(tk.relu2_mlp_triton, (x, wu, wd), eps=1e-6, atol=1e-7)
-    assert torch.autograd.gradcheck(tk.relu2_mlp_reference, (x, wu, wd), eps=1e-6, atol=1e-7)
+    assert torch.autograd.gradcheck(fn(), (x, wu, wd), eps=1e-6, atol=1e-7)
 
 
 def test_mlp_batched_leading_dims_and_gpu_config():
@@ -414,13 +416,6 @@ def test_mlp_post_only_backward_equals_reference_autograd(impl):
         for g, gr in zip(grads, grads_ref):
             assert g.dtype == dtype
             assert_close_rel(g, gr, tol)
-
-
-def test_mlp_cpu_path_gradcheck_float64():
-    x = torch.randn(6, 5, dtype=torch.float64, requires_grad=True)
-    wu = torch.randn(7, 5, dtype=torch.float64, requires_grad=True)
-    wd = torch.randn(7, 5, dtype=torch.float64, requires_grad=True)
-    assert torch.autograd.gradcheck(tk.relu2_mlp, (x, wu, wd), eps=1e-6, atol=1e-7)
 
 
 def test_mlp_errors():
