@@ -2409,22 +2409,23 @@ class GPT(nn.Module):
         """sigmoid(x[:, :gate_channels] W^T) in x's dtype, (T, out)."""
         return torch.sigmoid(F.linear(x[:, : self.args.gate_channels], weight.to(x.dtype)))
 
-    def _mudd_gate(self, k: int, x: torch.Tensor) -> torch.Tensor:
-        """MUDD gate k's per-token coefficients (T, n_k) = (W2 gelu(W1 x) + b2) * gate scale in x's dtype
-        (exact erf GELU); with --mudd false the learned constants b2 * scale."""
-        n = self.gate_outputs[k]
-        b2, scale = self.mudd_gate_b2[k, :n], self._mudd_gate_scale.to(x.dtype)
+    def _mudd_mlp(self, x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, b2: torch.Tensor, scale) -> torch.Tensor:
+        """Per-token coefficients (T, n) = (W2 gelu(W1 x) + b2) * scale in x's dtype (exact erf GELU);
+        with --mudd false the learned constants b2 * scale, the same for every token."""
         if not self.args.mudd:
-            return (b2 * scale).expand(x.shape[0], n)
-        return F.linear(F.gelu(F.linear(x, self.mudd_gate_w1[k])), self.mudd_gate_w2[k, :n], b2) * scale
+            return (b2 * scale).expand(x.shape[0], b2.shape[0])
+        return F.linear(F.gelu(F.linear(x, w1)), w2, b2) * scale
+
+    def _mudd_gate(self, k: int, x: torch.Tensor) -> torch.Tensor:
+        """MUDD gate k's coefficients (T, n_k), scaled by the learnable gate scale cast to x's dtype."""
+        n = self.gate_outputs[k]
+        return self._mudd_mlp(x, self.mudd_gate_w1[k], self.mudd_gate_w2[k, :n], self.mudd_gate_b2[k, :n],
+                              self._mudd_gate_scale.to(x.dtype))
 
     def _mudd_layer(self, k: int, x: torch.Tensor) -> torch.Tensor:
-        """MUDD layer MLP k's per-token coefficients (T, n_k), fixed scale 0.1 (see MUDD_LAYER_BIASES)."""
+        """MUDD layer MLP k's coefficients (T, n_k), fixed scale 0.1 (see MUDD_LAYER_BIASES)."""
         n = MUDD_LAYER_OUTPUTS[k]
-        b2 = self.mudd_b2[k, :n]
-        if not self.args.mudd:
-            return (b2 * MUDD_LAYER_SCALE).expand(x.shape[0], n)
-        return F.linear(F.gelu(F.linear(x, self.mudd_w1[k])), self.mudd_w2[k, :n], b2) * MUDD_LAYER_SCALE
+        return self._mudd_mlp(x, self.mudd_w1[k], self.mudd_w2[k, :n], self.mudd_b2[k, :n], MUDD_LAYER_SCALE)
 
     def _attend(self, q, k, v, doc, long: bool, paired: bool, masks: dict) -> torch.Tensor:
         """Masked softmax attention of (T, H, hd) q, k, v (q already carries the softmax scale). Paired:
