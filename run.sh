@@ -11,7 +11,8 @@
 #   ./run.sh bench [ARGS...]        kernel and optimizer benchmarks, then timed training steps of every
 #                                   stage (ms/step, tokens/s, MFU, peak memory, projected run time); ARGS
 #                                   pass through to tests/benchmarks/step_timing.py. On a CPU-only machine:
-#                                   the CPU benchmarks and a short demo-preset timing.
+#                                   the CPU benchmarks and a short demo-preset timing. Both print the
+#                                   committed token-efficiency and ablation tables (records/).
 #                                   `./run.sh bench --dry-run` lists them.
 #   ./run.sh gpu-check [ARGS...]    every CUDA path checked on this machine's GPU, then the speedrun's step
 #                                   times; report in records/gpu_check/ (README "GPU check"). Uses
@@ -185,7 +186,12 @@ fi
 if [[ $mode == bench ]]; then
   gpus=$("$PY" -c 'import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)' 2>/dev/null || echo 0)
   py=$(printf '%q' "$PY")  # the commands below are strings (printed, then eval'ed)
-  benches=("$py tests/bench_kernels.py" "$py tests/bench_optimizer.py")
+  # The token-efficiency and ablation tables of the committed results (README "Token efficiency"): printed,
+  # not re-trained (that takes hours on a CPU; the commands are in the README).
+  benches=("$py tests/bench_kernels.py" "$py tests/bench_optimizer.py"
+           "$py tests/benchmarks/token_efficiency.py --load records/token_efficiency_sympy_500K --no_plot"
+           "$py tests/benchmarks/token_efficiency.py --load records/token_efficiency_tinyshakespeare_500K --no_plot"
+           "$py tests/benchmarks/stage_rise.py --table records/stage_rise")
   if (( gpus > 0 )); then
     # The speedrun preset reads the FineWeb train shards: fetch the first one if absent.
     benches=("$py data/cached_fineweb10B.py 1" "${benches[@]}"

@@ -58,6 +58,21 @@ def student_t_sf_lower(t: float, dof: int) -> float:
     return float(stats.t.cdf(t, dof))
 
 
+def welch_t_test(a: list[float], b: list[float]) -> tuple[float, float]:
+    """Welch's t statistic and two-sided p-value for "mean(a) == mean(b)" (unequal variances), for
+    comparing two sets of seeds (tests/benchmarks/token_efficiency.py's ablations)."""
+    na, nb = len(a), len(b)
+    ma, mb = sum(a) / na, sum(b) / nb
+    va = sum((x - ma) ** 2 for x in a) / (na - 1)
+    vb = sum((x - mb) ** 2 for x in b) / (nb - 1)
+    se2 = va / na + vb / nb
+    if se2 == 0:
+        return (0.0, 1.0) if ma == mb else (math.copysign(math.inf, ma - mb), 0.0)
+    t = (ma - mb) / math.sqrt(se2)
+    dof = se2 ** 2 / ((va / na) ** 2 / (na - 1) + (vb / nb) ** 2 / (nb - 1))
+    return t, 2 * student_t_sf_lower(-abs(t), dof)
+
+
 def summarize(runs: list[Run], target: float) -> dict:
     losses = [r.final_loss for r in runs]
     n = len(losses)

@@ -2,11 +2,13 @@
 component, the optimizer variants against hand-written updates, the benchmark arithmetic against
 hand-computed values and the README's model figures, and a --smoke run of every benchmark script."""
 import dataclasses
+import json
 import math
 import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 
@@ -17,6 +19,7 @@ sys.path.insert(0, os.path.join(REPO, "tests", "benchmarks"))
 
 import step_budget  # noqa: E402
 import step_timing  # noqa: E402
+import stage_rise  # noqa: E402
 import token_efficiency as te  # noqa: E402
 
 # The test preset with a small vocabulary: the switches do not involve the vocabulary, and the CPU
@@ -360,17 +363,68 @@ def run_script(*argv, timeout=300):
 
 @pytest.mark.slow
 def test_token_efficiency_smoke(tmp_path):
-    """Both halves trained in separate runs (--run, --save), then joined (--load): the table and ratio."""
-    for side in ("recipe", "classic"):
-        half = run_script("tests/benchmarks/token_efficiency.py", "--smoke", "--run", side, "--save", str(tmp_path))
-        assert f"{side}: best val loss" in half and (tmp_path / f"{side}.json").exists()
-    out = run_script("tests/benchmarks/token_efficiency.py", "--smoke", "--load", str(tmp_path))
-    rows = [line.split() for line in out.splitlines() if line.strip() and line.split()[0].replace(",", "").isdigit()]
-    assert len(rows) == 5
-    for row in rows:
-        recipe, classic = float(row[1]), float(row[2])
-        assert 9.0 < recipe < 11.0 and 9.0 < classic < 11.0   # a few steps from ln(50304) = 10.83
-    assert "token-efficiency ratio:" in out
+    """A 2-point classic search, the recipe on two seeds and the search winner on a second seed, each a
+    separate process on one results folder (as on a 2-core machine), then --load joins them."""
+    folder = str(tmp_path / "r")
+    script = "tests/benchmarks/token_efficiency.py"
+    out = run_script(script, "--smoke", "--run", "search", "--search_lr", "0.001,0.01", "--save", folder)
+    assert "the report needs both sides" in out
+    run_script(script, "--smoke", "--run", "recipe", "--seeds", "0,1", "--save", folder)
+    out = run_script(script, "--smoke", "--run", "classic", "--seeds", "0,1", "--save", folder)
+    assert "classic: the search winner saved in" in out and "classic_lr0.01_b1024_ctx128_s0: saved" in out
+    saved = sorted(f.name for f in (tmp_path / "r").iterdir())
+    assert saved == ["classic_lr0.001_b1024_ctx128_s0.json", "classic_lr0.01_b1024_ctx128_s0.json",
+                     "classic_lr0.01_b1024_ctx128_s1.json", "curves.png", "recipe_s0.json", "recipe_s1.json"]
+    out = run_script(script, "--load", folder)
+    best = {line.split()[0]: float(line.split()[4]) for line in out.splitlines() if line.startswith(("   0.001", "    0.01"))}
+    assert best["0.01"] < best["0.001"] < 10.9        # a few steps from ln(50304) = 10.83; the higher lr wins
+    assert "0.01   1,024     128      3" in out and "<- best" in out.split("0.01   1,024")[1].splitlines()[0]
+    assert "tuned classic (the search winner): lr 0.01, batch 1,024, context 128" in out
+    assert "recipe best val: mean" in out and "(2 seeds)" in out
+
+
+def test_token_efficiency_tables_by_hand(tmp_path):
+    """The search winner, the per-seed ratios and their spread, and the ablation deltas and p-values on
+    saved curves whose answers are computed here by hand."""
+    meta = {"tokens": 400, "val_tokens": 64, "preset": "test", "val": "v", "classic_params": {"total": 1, "non-embedding": 1}}
+    classic = lambda lr, seed, best: te.save_curve(str(tmp_path), te.classic_name(  # noqa: E731
+        te.ClassicConfig(lr=lr, batch_tokens=100, seq_len=50), seed), [(0, 10.0), (200, best), (400, best + 0.5)],
+        {**meta, "seed": seed, "classic_lr": lr, "classic_batch_tokens": 100, "classic_seq_len": 50})
+    classic(0.001, 0, 6.0)
+    classic(0.002, 0, 5.0)   # the winner: best 5.0 at 200 tokens
+    classic(0.002, 1, 5.5)   # best 5.5 at 200 tokens
+    for seed, mid in ((0, 6.0), (1, 7.0)):   # recipe: 10 -> mid at 100 -> 4.0 at 200
+        te.save_curve(str(tmp_path), f"recipe_s{seed}", [(0, 10.0), (100, mid), (200, 4.0)], {**meta, "seed": seed})
+    runs = te.load_runs(str(tmp_path), None)
+    assert te.search_winner(runs)["classic_lr"] == 0.002
+    table, ratios = te.seeds_table(runs)
+    # seed 0: 5.0 is reached at 100 + 100 * (6 - 5) / (6 - 4) = 150; seed 1: 5.5 at 100 + 100 * 1.5 / 3 = 150
+    assert ratios == pytest.approx([150 / 200, 150 / 200])
+    assert "ratio: mean 0.7500, std 0.0000" in table
+    at = {line.split()[0]: line.split()[1:] for line in table.splitlines() if line.startswith(" " * 42)}
+    assert at["100"] == ["6.5000", "7.6250"] and at["400"] == ["4.0000", "5.7500"]  # recipe flat after 200
+    for seed, final in ((0, 4.5), (1, 4.7), (2, 4.6)):
+        te.save_curve(str(tmp_path), f"ablate_x_s{seed}", [(400, final)], {**meta, "seed": seed, "component": te.ABLATIONS[5][0]})
+    row = [line for line in te.ablation_table(te.load_runs(str(tmp_path), None)).splitlines()
+           if line.startswith(te.ABLATIONS[5][0])][0].split()
+    from scipy import stats
+    ref = stats.ttest_ind([4.5, 4.7, 4.6], [4.0, 4.0], equal_var=False)
+    assert float(row[-3]) == pytest.approx(0.6, abs=1e-4) and float(row[-2]) == pytest.approx(ref.pvalue, abs=1e-3)
+    assert row[-1] == ("yes" if ref.pvalue < 0.05 else "no")
+
+
+def test_loader_coverage_by_hand(tmp_path):
+    """Documents of 10, 30, 5 and 20 tokens (BOS included), 16 + 1 tokens per step in one micro-batch,
+    documents truncated to 8. Step 1 takes 8 of doc 0, 8 of doc 1, 1 of doc 2 (17 seen); step 2 takes 8
+    of doc 3, then wraps: 8 of doc 0, 1 of doc 1 (25 seen); step 3 takes all 5 of doc 2, 8 of doc 3 and 4
+    of doc 0 (29 seen). 65 tokens in all; 3 documents walked per step."""
+    docs = [[tg.BOS_ID] + [7] * (n - 1) for n in (10, 30, 5, 20)]
+    tg.write_shard(str(tmp_path / "x_train_000001.bin"), np.array(sum(docs, []), dtype=np.uint16))
+    args = dataclasses.replace(TEST, train_files=str(tmp_path / "x_train_*.bin"), micro_batches=1, num_iterations=3,
+                               extension_iterations=0, stage_batch_tokens=(16, 16, 16), stage_max_doc_len=(8, 8, 8))
+    cov = stage_rise.coverage_by_step(args, 3)
+    assert [w for w, _ in cov] == pytest.approx([3 / 4, 6 / 4, 9 / 4])
+    assert [f for _, f in cov] == pytest.approx([17 / 65, 25 / 65, 29 / 65])
 
 
 def test_token_efficiency_load_errors_are_one_line(tmp_path):
@@ -381,21 +435,44 @@ def test_token_efficiency_load_errors_are_one_line(tmp_path):
         assert out.returncode != 0 and out.stderr.count("\n") == 1, out.stderr
         return out.stderr
 
-    assert "no recipe.json" in err("--load", str(tmp_path))
-    te.save_curve(str(tmp_path), "recipe", [(0, 10.8), (100, 9.0)], {"tokens": 100})
+    assert "no such folder" in err("--load", str(tmp_path / "nowhere"))
+    assert "needs recipe_s*.json and classic_*.json" in err("--load", str(tmp_path))
+    te.save_curve(str(tmp_path), "recipe_s0", [(0, 10.8), (100, 9.0)], {"tokens": 100})
+    te.save_curve(str(tmp_path), "classic_lr0.001_b10_ctx10_s0", [(0, 10.8), (100, 9.0)], {"tokens": 200})
+    assert "different --tokens budgets" in err("--load", str(tmp_path))
+    te.save_curve(str(tmp_path), "classic_lr0.001_b10_ctx10_s0", [(0, 10.8), (100, 9.0)], {"tokens": 100})
     assert "--tokens 100" in err("--load", str(tmp_path), "--tokens", "200")
-    (tmp_path / "recipe.json").write_text("{not json")
+    (tmp_path / "recipe_s0.json").write_text("{not json")
     assert "not a saved curve" in err("--load", str(tmp_path))
+    assert "--seeds" in err("--seeds", "a,b", "--smoke")
+    assert "no classic search runs" in err("--smoke", "--run", "classic", "--classic_from", str(tmp_path / "r2"))
+    (tmp_path / "r2").mkdir()
+    assert "no classic search runs" in err("--smoke", "--run", "classic", "--classic_from", str(tmp_path / "r2"))
 
 
 @pytest.mark.slow
-def test_ablation_smoke():
-    out = run_script("tests/benchmarks/token_efficiency.py", "--smoke", "--ablate", "--only", "batch schedule")
+def test_ablation_smoke(tmp_path):
+    out = run_script("tests/benchmarks/token_efficiency.py", "--smoke", "--ablate", "--only", "batch schedule",
+                     "--seeds", "0,1", "--save", str(tmp_path))
     table = out.split("switched off / replaced")[1].splitlines()
-    full = [line for line in table if line.startswith("full recipe ")][0].split()
-    batch_row = [line for line in table if line.startswith("batch schedule")][0].split()
-    assert float(full[-1]) > 9.0 and math.isfinite(float(batch_row[-2]))
-    assert float(batch_row[-1]) == pytest.approx(float(batch_row[-2]) - float(full[-1]), abs=2e-4)
+    row = [line for line in table if line.startswith("batch schedule")][0].split()
+    final = lambda name: json.load(open(tmp_path / f"{name}.json"))["curve"][-1][1]  # noqa: E731
+    full = [final(f"recipe_s{s}") for s in (0, 1)]
+    finals = [final(f"ablate_batch_schedule_s{s}") for s in (0, 1)]
+    assert all(9.0 < x < 11.0 for x in full + finals)
+    assert float(row[-3]) == pytest.approx(sum(finals) / 2 - sum(full) / 2, abs=2e-4)
+
+
+@pytest.mark.slow
+def test_stage_rise_smoke(tmp_path):
+    """A variant trains (test preset), stops after --stop and saves its curve; the no_untie patch holds."""
+    for variant in ("no_growth", "no_untie"):
+        out = run_script("tests/benchmarks/stage_rise.py", "--smoke", "--variant", variant, "--save", str(tmp_path),
+                         "--stop", "2", "--every", "1", "--val_tokens", "1024")
+        assert f"{variant}: 3 validations up to step 2" in out
+        saved = json.load(open(tmp_path / f"{variant}.json"))
+        assert [s for s, _ in saved["curve"]] == [0, 1, 2] and all(9.0 < v < 11.5 for _, v in saved["curve"])
+    assert saved["untie_step"] == 10 ** 9
 
 
 @pytest.mark.slow
@@ -417,5 +494,11 @@ def test_run_sh_bench_dry_run():
         assert any("step_timing.py" in c and "torch.distributed.run" in c for c in cmds)
     else:
         assert [c.split()[2] for c in cmds] == ["tests/bench_kernels.py", "tests/bench_optimizer.py",
-                                                "tests/benchmarks/step_timing.py"]
+                                                "tests/benchmarks/token_efficiency.py", "tests/benchmarks/token_efficiency.py",
+                                                "tests/benchmarks/stage_rise.py", "tests/benchmarks/step_timing.py"]
+    for c in cmds[2:5]:  # the committed tables print without training
+        folder = c.split()[-2] if c.endswith("--no_plot") else c.split()[-1]
+        assert os.path.isdir(os.path.join(REPO, folder)), folder
+        printed = subprocess.run(c.split()[1:], cwd=REPO, capture_output=True, text=True, timeout=120)  # "bench: ..."
+        assert printed.returncode == 0 and ("ratio: mean" in printed.stdout or "walks" in printed.stdout), printed.stderr
         assert "need a CUDA GPU" in out.stdout

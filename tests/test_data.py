@@ -18,6 +18,7 @@ DEMO_DIR = os.path.join(ROOT, "data", "tinyshakespeare")
 
 sys.path.insert(0, os.path.join(ROOT, "data"))  # importable by name, so that worker processes find it too
 import cached_fineweb10B as cached_fineweb  # noqa: E402
+import sympy_source  # noqa: E402
 import tokenize_text  # noqa: E402
 
 
@@ -221,6 +222,50 @@ def test_embedded_demo_shards():
 
 
 # ---------------------------------------------------------------------------------------------- FineWeb script
+
+def fake_wheel(path, files):
+    import zipfile
+    with zipfile.ZipFile(path, "w") as z:
+        for name, text in files.items():
+            z.writestr(name, text)
+    return str(path)
+
+
+def test_sympy_corpus_split_and_documents(tmp_path):
+    """Held-out files are the last 2% in SHA-256-of-path order (at least one); files are cut at blank
+    lines into documents of at most 2,000 characters unless one block is longer; empty files dropped."""
+    import hashlib
+    block = lambda i, n: f"def f{i}():\n" + "    x = 1\n" * n  # noqa: E731  a block of 10 + 10 n characters
+    files = {f"sympy/m{i}.py": "\n\n".join(block(j, 30) for j in range(i + 1)) for i in range(60)}
+    files["sympy/empty/__init__.py"] = ""
+    files["sympy/big.py"] = block(0, 300)      # one 3,010-character block: stays whole
+    files["sympy/notes.txt"] = "not python"
+    wheel = fake_wheel(tmp_path / "w.whl", files)
+    order = sorted((n for n in files if n.endswith(".py") and files[n]), key=lambda n: hashlib.sha256(n.encode()).hexdigest())
+    train, val = sympy_source.split(sympy_source.source_documents(wheel, ""), 0.02)
+    held = order[-1:]                           # 2% of 61 files rounds to 1
+    assert "\n\n".join(val) == files[held[0]]
+    assert "\n\n".join(train) == "\n\n".join(files[n] for n in order[:-1])
+    assert all(len(d) <= 2000 for d in train + val if d != files["sympy/big.py"])
+    assert files["sympy/big.py"] in train + val
+    assert max(len(d) for d in train if d != files["sympy/big.py"]) > 1500   # packed, not one block each
+    main_out = tmp_path / "out"
+    sympy_source.main(["--wheel", wheel, "--sha256", "", "--out_dir", str(main_out), "--workers", "1"])
+    tokens = read_shard(str(main_out / "sympy_train_000001.bin")).numpy()
+    assert int((tokens == BOS_ID).sum()) == len(train) and tokens[0] == BOS_ID
+
+
+def test_sympy_corpus_refuses_another_wheel(tmp_path):
+    wheel = fake_wheel(tmp_path / "w.whl", {"a.py": "x = 1"})
+    for argv, message in (([], "is not the pinned sympy==1.14.0 wheel"),
+                          (["--wheel", str(tmp_path / "none.whl")], "cannot read")):
+        r = subprocess.run([sys.executable, os.path.join(ROOT, "data", "sympy_source.py"), "--wheel", wheel, *argv,
+                            "--out_dir", str(tmp_path / "o")], capture_output=True, text=True, timeout=120)
+        assert r.returncode != 0 and message in r.stderr and r.stderr.count("\n") == 1, r.stderr
+    (tmp_path / "bad.whl").write_bytes(b"not a zip")
+    with pytest.raises(SystemExit, match="is not a wheel"):
+        sympy_source.source_documents(str(tmp_path / "bad.whl"), "")
+
 
 def test_fineweb_unreachable_fails_fast(tmp_path):
     env = dict(os.environ, HF_ENDPOINT="http://127.0.0.1:9")  # nothing listens on port 9

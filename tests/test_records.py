@@ -57,6 +57,19 @@ def test_statistics_match_scipy(tmp_path):
         assert any(line.startswith(log) and f"{loss:.4f}" in line for line in r.stdout.splitlines())
 
 
+@pytest.mark.parametrize("a,b", [
+    ([4.51, 4.53, 4.50], [4.60, 4.64, 4.58, 4.61]),   # clearly apart
+    ([4.51, 4.53, 4.50], [4.52, 4.49]),               # within noise
+    ([1.0, 2.0], [1.5, 1.5, 1.5]),                    # one side without spread
+])
+def test_welch_t_test_matches_scipy(a, b):
+    sys.path.insert(0, os.path.join(ROOT, "records"))
+    from summarize import welch_t_test
+    t, p = welch_t_test(a, b)
+    ref = stats.ttest_ind(a, b, equal_var=False)
+    assert t == pytest.approx(ref.statistic, rel=1e-9) and p == pytest.approx(ref.pvalue, rel=1e-6)
+
+
 def test_record_folder_and_plot(tmp_path):
     rec = tmp_path / "rec"
     rec.mkdir()

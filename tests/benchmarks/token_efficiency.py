@@ -1,16 +1,17 @@
-"""How much validation loss the recipe buys per training token, against the classic GPT-2 recipe,
-and what each component of the recipe contributes.
+"""How much validation loss the recipe buys per training token, against a tuned classic GPT-2 recipe,
+with seed spread; and what each component of the recipe contributes (README "Token efficiency").
 
-    python tests/benchmarks/token_efficiency.py                      # recipe vs classic, 2M tokens, tiny Shakespeare
-    python tests/benchmarks/token_efficiency.py --train 'data/NAME/NAME_train_*.bin' \\
-        --val 'data/NAME/NAME_val_*.bin' --tokens 5000000            # any other shards
-    python tests/benchmarks/token_efficiency.py --ablate             # one recipe run per switched-off component
-    python tests/benchmarks/token_efficiency.py --smoke              # a few steps of each (the test suite runs this)
+Every run is saved as one JSON (curve + configuration) in a results folder (--save), so runs can be
+split over processes (one per core, OMP_NUM_THREADS=1), resumed (a saved run is not trained again) and
+joined (--load prints every table the folder supports and plots the curves):
 
-The two sides can train in separate processes (e.g. one per core, OMP_NUM_THREADS=1) and be joined later:
-    python tests/benchmarks/token_efficiency.py --run recipe --save DIR &
-    python tests/benchmarks/token_efficiency.py --run classic --save DIR; wait
-    python tests/benchmarks/token_efficiency.py --load DIR          # the table and the ratio
+    D='--train data/sympy/sympy_train_*.bin --val data/sympy/sympy_val_*.bin --tokens 500000 --save DIR'
+    python tests/benchmarks/token_efficiency.py $D --run search        # classic: lr x batch x context grid, seed 0
+    python tests/benchmarks/token_efficiency.py $D --run recipe --seeds 0,1,2
+    python tests/benchmarks/token_efficiency.py $D --run classic --seeds 1,2   # the search winner, more seeds
+    python tests/benchmarks/token_efficiency.py $D --ablate --seeds 0,1 --only dc,xsa
+    python tests/benchmarks/token_efficiency.py --load DIR             # search, seeds, ratio, ablations; DIR/curves.png
+    python tests/benchmarks/token_efficiency.py --smoke                # a few steps of each (the test suite runs this)
 
 Recipe: train_gpt.train() itself (model, NorMuon + Adam, loader, schedule, every component) at the
 --preset model size (demo by default), with num_iterations chosen so that the whole schedule, extension
@@ -19,12 +20,16 @@ included, consumes --tokens training tokens. Its validation losses are read back
 Classic: GPT-2 as published, written small and plain below at the same depth and width: learned
 absolute positions, pre-LayerNorm blocks, GELU MLP, full causal attention over fixed-length windows of
 the token stream, tied embeddings, AdamW (betas 0.9/0.95, weight decay 0.1 on matrices), linear
-warm-up then cosine decay to 10%, gradient clipping at 1.0, constant batch size.
+warm-up then cosine decay to 10%, gradient clipping at 1.0, constant batch size. --run search trains
+the grid of --search_lr x --search_batch x --search_seq; --run classic then uses the winner (lowest
+best val loss) found in the same folder, or in --classic_from, unless --classic_* flags say otherwise.
 
 Both see the same shards and the same token budget and are scored on the same validation tokens (the
-first val_tokens of the val shards; mean next-token cross-entropy). The ratio printed is
-    tokens the recipe needs to reach the classic recipe's best val loss / tokens the classic recipe needed
-using the best (not the last) classic loss, because on a small corpus both eventually overfit.
+first val_tokens of the val shards; mean next-token cross-entropy). The ratio, per seed:
+    tokens the recipe needs to reach the tuned classic's best val loss / tokens the classic needed
+(the best, not the last, classic loss: on a small corpus both eventually overfit); then the mean,
+standard deviation and range over seeds. Ablations: the final val loss of each switched-off component
+over seeds, its delta against the full recipe's seeds, and Welch's t-test (records/summarize.py).
 """
 from __future__ import annotations
 
@@ -50,19 +55,13 @@ sys.path.insert(0, REPO)
 
 import train_gpt as T  # noqa: E402
 
-DEFAULT_TOKENS = 2_000_000
+DEFAULT_TOKENS = 500_000
 SPEEDRUN = T.Hyperparameters()  # the recipe's learning rates default to the speedrun's
-# Ablations on a CPU: a row of ~50k tokens (two steps per stage of the demo schedule, scored on 8k val
-# tokens) took ~70 s on one core, so the 14 rows fit in under 30 minutes on 2 cores with room to spare.
-# On a GPU the comparison budget is affordable.
-ABLATE_CPU_TOKENS = 49_152
-ABLATE_CPU_VAL_TOKENS = 8_192
 SMOKE_TOKENS = 3_072
 
 # (component, Hyperparameters overrides that switch it off). A callable gets the base args.
 ABLATIONS: list[tuple[str, object]] = [
     ("full recipe", {}),
-    ("full recipe, seed 1 (noise)", {"seed": 1}),
     ("NorMuon -> Muon (no variance reduction)", {"matrix_optimizer": "muon"}),
     ("NorMuon -> AdamW on the matrices", {"matrix_optimizer": "adamw"}),
     ("Polar Express -> Gram Newton-Schulz", {"orthogonalizer": "gram_newton_schulz"}),
@@ -328,17 +327,11 @@ def run_classic(c: ClassicConfig, train: str, val: str, tokens: int, evals: int,
 
 
 # ------------------------------------------------------------------------------------------------
-# reports
+# results folders: one JSON per run (curve + configuration), joined by --load
 # ------------------------------------------------------------------------------------------------
 
-def efficiency_table(recipe, classic, budget: int) -> str:
-    lines = [f"{'train tokens':>14} {'recipe val loss':>16} {'classic val loss':>17}"]
-    for frac in (0.125, 0.25, 0.5, 0.75, 1.0):
-        tok = frac * budget
-        lines.append(f"{tok:14,.0f} {loss_at(recipe, tok):16.4f} {loss_at(classic, tok):17.4f}")
-    (rt, rl), (ct, cl) = best_point(recipe), best_point(classic)
-    lines.append(f"{'best':>14} {rl:8.4f} @{rt:>7,} {cl:9.4f} @{ct:>7,}")
-    return "\n".join(lines)
+def classic_name(c: ClassicConfig, seed: int) -> str:
+    return f"classic_lr{c.lr:g}_b{c.batch_tokens}_ctx{c.seq_len}_s{seed}"
 
 
 def save_curve(folder: str, name: str, curve: list[tuple[int, float]], meta: dict) -> None:
@@ -350,146 +343,366 @@ def save_curve(folder: str, name: str, curve: list[tuple[int, float]], meta: dic
     os.replace(path + ".tmp", path)
 
 
-def load_curve(folder: str, name: str, budget: int) -> tuple[list[tuple[int, float]], dict]:
-    path = os.path.join(folder, f"{name}.json")
-    try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
-    except FileNotFoundError:
-        raise SystemExit(f"error: --load {folder}: no {name}.json; run --run {name} --save {folder} first") from None
-    except ValueError as e:
-        raise SystemExit(f"error: --load {folder}: {name}.json is not a saved curve ({e})") from None
-    if data.get("tokens") != budget:
-        raise SystemExit(f"error: --load {folder}: {name}.json was measured at --tokens {data.get('tokens')}, "
-                         f"not {budget}; pass the same --tokens")
-    return [(int(t), float(v)) for t, v in data["curve"]], data
+def load_runs(folder: str, tokens: int | None) -> dict[str, dict]:
+    """Every saved run of a results folder by name ({"curve": [(tokens, loss)], ...meta}); one token
+    budget per folder."""
+    if not os.path.isdir(folder):
+        raise SystemExit(f"error: --load {folder}: no such folder; run --run ... --save {folder} first")
+    runs = {}
+    for f in sorted(os.listdir(folder)):
+        if not f.endswith(".json") or f.startswith("stage_"):
+            continue
+        try:
+            with open(os.path.join(folder, f), encoding="utf-8") as fh:
+                data = json.load(fh)
+            data["curve"] = [(int(t), float(v)) for t, v in data["curve"]]
+        except (ValueError, KeyError, TypeError) as e:
+            raise SystemExit(f"error: --load {folder}: {f} is not a saved curve ({e})") from None
+        runs[f[:-5]] = data
+    if not any(n.startswith("recipe_") for n in runs) or not any(n.startswith("classic_") for n in runs):
+        raise SystemExit(f"error: --load {folder}: needs recipe_s*.json and classic_*.json; "
+                         f"run --run recipe and --run classic (or search) with --save {folder} first")
+    budgets = {r.get("tokens") for r in runs.values()}
+    if len(budgets) > 1:
+        raise SystemExit(f"error: --load {folder}: runs of different --tokens budgets {sorted(map(str, budgets))}; "
+                         "keep one budget per folder")
+    if tokens is not None and budgets != {tokens}:
+        raise SystemExit(f"error: --load {folder}: measured at --tokens {budgets.pop()}, not {tokens}; pass the same --tokens")
+    return runs
 
 
-def run_comparison(a, device: torch.device) -> float | None:
-    """Train the recipe and/or the classic baseline (--run), keep their curves (--save), and when both
-    curves are at hand (trained now or --load'ed) print the table and the ratio."""
-    args = recipe_args(a.preset, a.train, a.val, a.tokens, a.evals, a.val_tokens, device, a.recipe_lrs, a.log_dir)
-    val_tokens = args.val_tokens
-    meta = {"tokens": a.tokens, "val_tokens": val_tokens, "preset": a.preset, "train": args.train_files,
-            "val": args.val_files, "device": device.type, "recipe_muon_lr": args.muon_lr, "recipe_adam_lr": args.adam_lr}
-    c = ClassicConfig(vocab_size=args.padded_vocab_size, seq_len=a.classic_seq_len, num_layers=args.num_layers,
-                      model_dim=args.model_dim, num_heads=args.num_heads, mlp_hidden=args.mlp_hidden,
-                      lr=a.classic_lr, batch_tokens=a.classic_batch_tokens)
-    curves, seconds = {}, {}
-    if a.load:
-        for name in ("recipe", "classic"):
-            curves[name], data = load_curve(a.load, name, a.tokens)
-            seconds[name] = data.get("seconds", float("nan"))
-    if a.run in ("both", "recipe") and not a.load:
-        print(f"recipe: --preset {a.preset} {args.num_layers} layers x {args.model_dim}, {args.num_iterations}+"
-              f"{args.extension_iterations} steps, {sum(schedule_tokens(args)):,} tokens, NorMuon lr {args.muon_lr:g}, "
-              f"Adam lr {args.adam_lr:g}; train {args.train_files}", flush=True)
-        t = time.perf_counter()
-        curves["recipe"] = run_recipe(args, device, f"recipe_{os.getpid()}_{int(time.time())}")
-        seconds["recipe"] = time.perf_counter() - t
-    if a.run in ("both", "classic") and not a.load:
-        print(f"classic: {c.num_layers} layers x {c.model_dim}, seq {c.seq_len}, batch {c.batch_tokens:,} tokens, "
-              f"AdamW lr {c.lr:g}, {max(1, a.tokens // c.batch_tokens)} steps", flush=True)
-        t = time.perf_counter()
-        curves["classic"] = run_classic(c, args.train_files, args.val_files, a.tokens, a.evals, val_tokens, device, a.seed)
-        seconds["classic"] = time.perf_counter() - t
-    if a.save:
-        for name, curve in curves.items():
-            save_curve(a.save, name, curve, {**meta, "seconds": seconds[name]})
-        print(f"curves saved in {a.save}")
-    if len(curves) < 2:
-        name = next(iter(curves))
-        print(f"{name}: best val loss {best_point(curves[name])[1]:.4f} in {seconds[name]:.0f}s; "
-              f"the ratio needs both curves: --load {a.save or 'DIR'} once the other half is saved there")
-        return None
-    recipe, classic = curves["recipe"], curves["classic"]
-    print(f"\nvalidation loss on the first {val_tokens:,} val tokens (linear between evaluations; wall time "
-          f"recipe {seconds['recipe']:.0f}s, classic {seconds['classic']:.0f}s on {device.type})")
-    print(efficiency_table(recipe, classic, a.tokens))
-    ratio = efficiency_ratio(recipe, classic)
-    best_tok, best_loss = best_point(classic)
-    if ratio is None:
-        print(f"token-efficiency ratio: not reached (the recipe never got to the classic best {best_loss:.4f})")
+def search_winner(runs: dict[str, dict]) -> dict | None:
+    """The classic configuration (as saved meta) whose seed-0 run has the lowest best val loss."""
+    seed0 = [r for n, r in runs.items() if n.startswith("classic_") and r.get("seed", 0) == 0]
+    return min(seed0, key=lambda r: best_point(r["curve"])[1]) if seed0 else None
+
+
+def welch_p(a: list[float], b: list[float]) -> float:
+    """Two-sided p-value of Welch's t-test for equal means (the records tool's t distribution)."""
+    sys.path.insert(0, os.path.join(REPO, "records"))
+    from summarize import welch_t_test
+    return welch_t_test(a, b)[1]
+
+
+def mean_std(xs: list[float]) -> tuple[float, float]:
+    m = sum(xs) / len(xs)
+    return m, (math.sqrt(sum((x - m) ** 2 for x in xs) / (len(xs) - 1)) if len(xs) > 1 else float("nan"))
+
+
+# ------------------------------------------------------------------------------------------------
+# reports
+# ------------------------------------------------------------------------------------------------
+
+def search_table(runs: dict[str, dict]) -> str:
+    rows = sorted((r for n, r in runs.items() if n.startswith("classic_") and r.get("seed", 0) == 0),
+                  key=lambda r: (r["classic_lr"], r["classic_batch_tokens"], r["classic_seq_len"]))
+    win = search_winner(runs)
+    lines = [f"classic configurations (seed 0; more than one: the search): {len(rows)}",
+             f"{'lr':>8} {'batch':>7} {'context':>7} {'steps':>6} {'best val':>9} {'@ tokens':>10}"]
+    for r in rows:
+        t, v = best_point(r["curve"])
+        lines.append(f"{r['classic_lr']:8g} {r['classic_batch_tokens']:7,} {r['classic_seq_len']:7} "
+                     f"{r['tokens'] // r['classic_batch_tokens']:6} {v:9.4f} {t:10,}" + ("  <- best" if r is win else ""))
+    return "\n".join(lines)
+
+
+def seeds_table(runs: dict[str, dict]) -> tuple[str, list[float]]:
+    """Per seed: the recipe's and the tuned classic's best val loss and the ratio; then mean and spread."""
+    win = search_winner(runs)
+    key = classic_name(ClassicConfig(lr=win["classic_lr"], batch_tokens=win["classic_batch_tokens"],
+                                     seq_len=win["classic_seq_len"]), 0)[:-1]
+    recipe = {r["seed"]: r for n, r in runs.items() if n.startswith("recipe_")}
+    classic = {r["seed"]: r for n, r in runs.items() if n.startswith(key)}
+    searched = sum(n.startswith("classic_") and r.get("seed", 0) == 0 for n, r in runs.items()) > 1
+    lines = [f"{'tuned classic (the search winner)' if searched else 'classic'}: lr {win['classic_lr']:g}, "
+             f"batch {win['classic_batch_tokens']:,}, context {win['classic_seq_len']}",
+             f"{'seed':>4} {'recipe best':>19} {'classic best':>19} {'ratio':>6}"]
+    ratios, rb, cb = [], [], []
+    for seed in sorted(set(recipe) | set(classic)):
+        cells = []
+        for side, col in ((recipe, rb), (classic, cb)):
+            if seed in side:
+                t, v = best_point(side[seed]["curve"])
+                col.append(v)
+                cells.append(f"{v:8.4f} @{t:>9,}")
+            else:
+                cells.append(f"{'-':>19}")
+        ratio = efficiency_ratio(recipe[seed]["curve"], classic[seed]["curve"]) if seed in recipe and seed in classic else None
+        if ratio is not None:
+            ratios.append(ratio)
+        lines.append(f"{seed:4} {cells[0]} {cells[1]} " + (f"{ratio:6.3f}" if ratio is not None else f"{'-':>6}"))
+    budget = next(iter(runs.values()))["tokens"]
+    lines.append(f"val loss at equal tokens, mean over seeds: {'tokens':>10} {'recipe':>8} {'classic':>8}")
+    for frac in (0.25, 0.5, 0.75, 1.0):
+        at = [sum(loss_at(r["curve"], frac * budget) for r in side.values()) / len(side) if side else float("nan")
+              for side in (recipe, classic)]
+        lines.append(f"{'':42} {frac * budget:10,.0f} {at[0]:8.4f} {at[1]:8.4f}")
+    for name, col in (("recipe best val", rb), ("classic best val", cb), ("ratio", ratios)):
+        if col:
+            m, sd = mean_std(col)
+            lines.append(f"{name}: mean {m:.4f}, std {sd:.4f}, range {min(col):.4f} .. {max(col):.4f} ({len(col)} seeds)")
+    return "\n".join(lines), ratios
+
+
+def ablation_table(runs: dict[str, dict]) -> str:
+    by = {}
+    for n, r in runs.items():
+        if n.startswith("ablate_"):
+            by.setdefault(r["component"], []).append(r["curve"][-1][1])
+    full = [r["curve"][-1][1] for n, r in runs.items() if n.startswith("recipe_")]
+    if not by or not full:
+        return ""
+    fm, fs = mean_std(full)
+    lines = [f"ablations: final val loss over seeds; full recipe {fm:.4f} +- {fs:.4f} ({len(full)} seeds)",
+             f"{'switched off / replaced':42s} {'n':>2} {'final val':>16} {'delta':>8} {'p':>7} significant"]
+    for name, _ in ABLATIONS:
+        if name not in by:
+            continue
+        xs = by[name]
+        m, sd = mean_std(xs)
+        p = welch_p(xs, full) if len(xs) > 1 and len(full) > 1 else float("nan")
+        significant = "-" if math.isnan(p) else "yes" if p < 0.05 else "no"
+        lines.append(f"{name:42s} {len(xs):2} {m:8.4f} +- {sd:.4f} {m - fm:+8.4f} {p:7.3f} {significant}")
+    lines.append("delta > 0: the component helps. p: Welch's two-sided t-test against the full recipe's seeds "
+                 "(records/summarize.py); significant: p < 0.05")
+    return "\n".join(lines)
+
+
+def plot_curves(runs: dict[str, dict], out: str, title: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    win = search_winner(runs)
+    fig, ax = plt.subplots(figsize=(9, 5))
+    labelled = set()
+
+    def label(name):  # each kind of curve once in the legend
+        return None if name in labelled or labelled.add(name) else name
+
+    for n, r in sorted(runs.items()):
+        xs, ys = zip(*r["curve"])
+        if n.startswith("recipe_"):
+            ax.plot(xs, ys, color="tab:blue", marker=".", alpha=0.8, label=label("recipe"))
+        elif n.startswith("classic_"):
+            if all(r[k] == win[k] for k in ("classic_lr", "classic_batch_tokens", "classic_seq_len")):
+                ax.plot(xs, ys, color="tab:orange", marker=".", alpha=0.8, label=label("classic (search winner)"))
+            else:
+                ax.plot(xs, ys, color="gray", alpha=0.3, label=label("classic, other search points"))
+    ax.set_ylim(top=min(8.0, ax.get_ylim()[1]))
+    ax.set_xlabel("training tokens")
+    ax.set_ylabel("validation loss")
+    ax.set_title(title)
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.savefig(out + ".tmp.png", dpi=110, bbox_inches="tight")
+    os.replace(out + ".tmp.png", out)
+
+
+def report(folder: str, tokens: int | None, plot: bool = True) -> list[float]:
+    """Print every table a results folder supports (search, seeds and ratio, ablations); plot the curves."""
+    runs = load_runs(folder, tokens)
+    any_run = next(iter(runs.values()))
+    print(f"{folder}: {any_run['tokens']:,} training tokens per run, val loss on {any_run['val_tokens']:,} "
+          f"tokens of {any_run['val']}")
+    base = dataclasses.replace(T.Hyperparameters(), **T.PRESETS[any_run["preset"]])
+    classic = next(r for n, r in runs.items() if n.startswith("classic_"))
+    for name, p in (("recipe", recipe_params(base)), ("classic", classic["classic_params"])):
+        print(f"{name} parameters: {p['non-embedding']:,} outside the embedding tables, {p['total']:,} in all")
+    print(search_table(runs) + "\n")
+    table, ratios = seeds_table(runs)
+    print(table)
+    abl = ablation_table(runs)
+    if abl:
+        print("\n" + abl)
+    if plot:
+        out = os.path.join(folder, "curves.png")
+        plot_curves(runs, out, f"{os.path.basename(os.path.normpath(folder))}")
+        print(f"plot: {out}")
+    return ratios
+
+
+# ------------------------------------------------------------------------------------------------
+# training runs
+# ------------------------------------------------------------------------------------------------
+
+def classic_configs(a, runs_dir: str) -> list[ClassicConfig]:
+    """--run search: the grid of the --search_* lists; --run classic: the flags, or the search winner
+    saved in --save when no classic flag is given."""
+    if a.run == "search":
+        grid = [(float(lr), int(b), int(ctx)) for lr in a.search_lr.split(",") for b in a.search_batch.split(",")
+                for ctx in a.search_seq.split(",")]
+    elif a.classic_lr is None and a.classic_batch_tokens is None and a.classic_seq_len is None and (
+            a.classic_from or os.path.isdir(runs_dir) and any(f.startswith("classic_") for f in os.listdir(runs_dir))):
+        source = a.classic_from or runs_dir
+        win = search_winner(load_all(source, "classic_")) if os.path.isdir(source) else None
+        if win is None:
+            raise SystemExit(f"error: --classic_from {source}: no classic search runs there; run --run search --save {source} first")
+        grid = [(win["classic_lr"], win["classic_batch_tokens"], win["classic_seq_len"])]
+        print(f"classic: the search winner saved in {source}")
     else:
-        print(f"token-efficiency ratio: {ratio:.3f} (recipe reaches the classic best {best_loss:.4f} at "
-              f"{ratio * best_tok:,.0f} tokens; classic needed {best_tok:,})")
-    return ratio
+        grid = [(a.classic_lr or 1e-3, a.classic_batch_tokens or a.default_batch, a.classic_seq_len or a.default_seq)]
+    return [ClassicConfig(lr=lr, batch_tokens=b, seq_len=ctx) for lr, b, ctx in grid]
 
 
-def run_ablations(a, device: torch.device) -> list[tuple[str, float, float]]:
+def saved(folder: str, name: str) -> bool:
+    """A run already in the results folder is kept, not trained again (an interrupted queue resumes)."""
+    if os.path.exists(os.path.join(folder, f"{name}.json")):
+        print(f"{name}: saved in {folder} already")
+        return True
+    return False
+
+
+def run_sides(a, device: torch.device) -> None:
+    """Train what --run asks for, one JSON per run in the results folder, then report it."""
+    seeds = [int(x) for x in a.seeds.split(",")]
+    args = recipe_args(a.preset, a.train, a.val, a.tokens, a.evals, a.val_tokens, device, a.recipe_lrs, a.log_dir)
+    meta = {"tokens": a.tokens, "val_tokens": args.val_tokens, "preset": a.preset, "train": args.train_files,
+            "val": args.val_files, "device": device.type, "threads": torch.get_num_threads(),
+            "cpu_capability": torch.backends.cpu.get_cpu_capability()}
+    folder = a.save
+    if a.run in ("both", "recipe"):
+        for seed in seeds:
+            if saved(folder, f"recipe_s{seed}"):
+                continue
+            print(f"recipe seed {seed}: --preset {a.preset} {args.num_layers} layers x {args.model_dim}, "
+                  f"{args.num_iterations}+{args.extension_iterations} steps, {sum(schedule_tokens(args)):,} tokens, "
+                  f"NorMuon lr {args.muon_lr:g}, Adam lr {args.adam_lr:g}; train {args.train_files}", flush=True)
+            t = time.perf_counter()
+            curve = run_recipe(dataclasses.replace(args, seed=seed), device, f"recipe_s{seed}_{os.getpid()}")
+            save_curve(folder, f"recipe_s{seed}", curve, {**meta, "seed": seed, "seconds": time.perf_counter() - t,
+                                                          "recipe_muon_lr": args.muon_lr, "recipe_adam_lr": args.adam_lr})
+            print(f"  best val {best_point(curve)[1]:.4f} in {time.perf_counter() - t:.0f}s", flush=True)
+    if a.run in ("both", "classic", "search"):
+        for c in classic_configs(a, folder):
+            c = dataclasses.replace(c, vocab_size=args.padded_vocab_size, num_layers=args.num_layers,
+                                    model_dim=args.model_dim, num_heads=args.num_heads, mlp_hidden=args.mlp_hidden)
+            for seed in ([0] if a.run == "search" else seeds):
+                if saved(folder, classic_name(c, seed)):
+                    continue
+                print(f"classic seed {seed}: {c.num_layers} layers x {c.model_dim}, context {c.seq_len}, batch "
+                      f"{c.batch_tokens:,} tokens, AdamW lr {c.lr:g}, {max(1, a.tokens // c.batch_tokens)} steps", flush=True)
+                t = time.perf_counter()
+                curve = run_classic(c, args.train_files, args.val_files, a.tokens, a.evals, args.val_tokens, device, seed)
+                save_curve(folder, classic_name(c, seed), curve,
+                           {**meta, "seed": seed, "seconds": time.perf_counter() - t, "classic_lr": c.lr,
+                            "classic_batch_tokens": c.batch_tokens, "classic_seq_len": c.seq_len,
+                            "classic_params": classic_params(c)})
+                print(f"  best val {best_point(curve)[1]:.4f} in {time.perf_counter() - t:.0f}s", flush=True)
+    try:
+        report(folder, a.tokens)
+    except SystemExit as e:  # half of a comparison: the other process saves the other half
+        print(f"saved in {folder}; the report needs both sides: --load {folder} ({str(e).split(': ', 2)[-1]})")
+
+
+def classic_params(c: ClassicConfig) -> dict:
+    """Parameter counts of the classic model: the (tied) token table and positions apart."""
+    with torch.device("meta"):
+        model = ClassicGPT(c)
+    total = sum(p.numel() for p in model.parameters())
+    tables = model.wte.weight.numel() + model.wpe.weight.numel()
+    return {"total": total, "embedding tables": tables, "non-embedding": total - tables}
+
+
+def recipe_params(args: T.Hyperparameters) -> dict:
+    with torch.device("meta"):
+        model = T.GPT(args)
+    total = sum(p.numel() for p in model.parameters())
+    vocab_sized = {args.padded_vocab_size, args.bigram_vocab_size}  # token, value, bigram tables and the head
+    tables = sum(p.numel() for p in model.parameters() if vocab_sized & set(p.shape))
+    return {"total": total, "embedding tables": tables, "non-embedding": total - tables}
+
+
+def run_ablations(a, device: torch.device) -> None:
+    """One recipe run per switched-off component and seed, each saved; then the table."""
     only = [s.strip().lower() for s in a.only.split(",")] if a.only else None
+    seeds = [int(x) for x in a.seeds.split(",")]
     base = recipe_args(a.preset, a.train, a.val, a.tokens, 0, a.val_tokens, device, a.recipe_lrs, a.log_dir)
+    meta = {"tokens": a.tokens, "val_tokens": base.val_tokens, "preset": a.preset, "train": base.train_files,
+            "val": base.val_files, "device": device.type, "threads": torch.get_num_threads(),
+            "cpu_capability": torch.backends.cpu.get_cpu_capability()}
     print(f"ablations: --preset {a.preset}, {base.num_iterations}+{base.extension_iterations} steps, "
-          f"{sum(schedule_tokens(base)):,} train tokens each, final val loss on {base.val_tokens:,} val tokens")
-    rows, full = [], None
-    for name, spec in ABLATIONS:
-        if only and name != "full recipe" and not any(o in name.lower() for o in only):
+          f"{sum(schedule_tokens(base)):,} train tokens each, seeds {seeds}, final val loss on {base.val_tokens:,} val tokens")
+    for i, (name, spec) in enumerate(ABLATIONS):
+        if only and i and not any(o in name.lower() for o in only):
             continue
         overrides = spec(base) if callable(spec) else spec
-        args = recipe_args(a.preset, a.train, a.val, a.tokens, 0, a.val_tokens, device, {**a.recipe_lrs, **overrides}, a.log_dir)
-        t = time.perf_counter()
-        try:
-            loss = run_recipe(args, device, f"ablate_{len(rows)}_{os.getpid()}_{int(time.time())}")[-1][1]
-        except SystemExit as e:  # a diverging variant is a result, not a crash of the benchmark
-            print(f"  {name}: stopped ({e})")
-            loss = float("nan")
-        seconds = time.perf_counter() - t
-        full = loss if name == "full recipe" else full
-        rows.append((name, loss, seconds))
-        print(f"  {name:42s} {loss:8.4f}  ({seconds:.0f}s)", flush=True)
-    print(f"\n{'switched off / replaced':42s} {'final val loss':>14s} {'delta vs full':>14s}")
-    for name, loss, _ in rows:
-        delta = "" if name == "full recipe" else f"{loss - full:+14.4f}"
-        print(f"{name:42s} {loss:14.4f} {delta:>14s}")
-    print("delta > 0: the component helps (the run without it is worse); compare with the seed-1 row for noise")
-    return [(n, loss, loss - full) for n, loss, _ in rows]
+        for seed in seeds:
+            file = "recipe" if i == 0 else "ablate_" + re.sub(r"[^a-z0-9]+", "_", name.lower()).strip("_")
+            if saved(a.save, f"{file}_s{seed}"):
+                continue
+            args = recipe_args(a.preset, a.train, a.val, a.tokens, 0, a.val_tokens, device,
+                               {**a.recipe_lrs, **overrides, "seed": seed}, a.log_dir)
+            t = time.perf_counter()
+            try:
+                curve = run_recipe(args, device, f"{file}_s{seed}_{os.getpid()}")
+            except SystemExit as e:  # a diverging variant is a result, not a crash of the benchmark
+                print(f"  {name}: stopped ({e})")
+                curve = [(a.tokens, float("nan"))]
+            save_curve(a.save, f"{file}_s{seed}", curve, {**meta, "seed": seed, "component": name,
+                                                          "seconds": time.perf_counter() - t})
+            print(f"  {name:42s} seed {seed} {curve[-1][1]:8.4f}  ({time.perf_counter() - t:.0f}s)", flush=True)
+    print(ablation_table(load_all(a.save)))
+
+
+def load_all(folder: str, prefix: str = "") -> dict[str, dict]:
+    if not os.path.isdir(folder):
+        raise SystemExit(f"error: {folder}: no such results folder")
+    return {f[:-5]: json.load(open(os.path.join(folder, f), encoding="utf-8"))
+            for f in sorted(os.listdir(folder)) if f.endswith(".json") and f.startswith(prefix)}
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--train", default="", help="train shard glob (default: the preset's, tiny Shakespeare)")
     ap.add_argument("--val", default="", help="val shard glob (default: the preset's)")
-    ap.add_argument("--tokens", type=int, default=None,
-                    help=f"training tokens per run (default {DEFAULT_TOKENS:,}; --ablate on a CPU: {ABLATE_CPU_TOKENS:,}"
-                         f" with {ABLATE_CPU_VAL_TOKENS:,} val tokens)")
+    ap.add_argument("--tokens", type=int, default=None, help=f"training tokens per run (default {DEFAULT_TOKENS:,})")
     ap.add_argument("--preset", default="demo", choices=sorted(T.PRESETS), help="model size of both recipes")
-    ap.add_argument("--evals", type=int, default=24, help="validation points per curve")
+    ap.add_argument("--evals", type=int, default=8, help="validation points per curve")
     ap.add_argument("--val_tokens", type=int, default=None, help="validation tokens (default: the preset's)")
     ap.add_argument("--muon_lr", type=float, default=SPEEDRUN.muon_lr,
                     help="recipe NorMuon lr (default: the speedrun's; the demo preset's higher rates suit only its 63 steps)")
     ap.add_argument("--adam_lr", type=float, default=SPEEDRUN.adam_lr, help="recipe Adam lr (default: the speedrun's)")
-    ap.add_argument("--classic_lr", type=float, default=1e-3)
-    ap.add_argument("--classic_seq_len", type=int, default=1024)
-    ap.add_argument("--classic_batch_tokens", type=int, default=16_384)
-    ap.add_argument("--run", default="both", choices=("both", "recipe", "classic"),
-                    help="train only one side of the comparison (two processes can then share the machine)")
-    ap.add_argument("--save", default="", help="write the learning curves here as JSON")
-    ap.add_argument("--load", default="", help="print the comparison from curves saved with --save (no training)")
+    ap.add_argument("--classic_lr", type=float, default=None, help="default: the search winner in --save, else 1e-3")
+    ap.add_argument("--classic_seq_len", type=int, default=None, help="default: the search winner, else 1024")
+    ap.add_argument("--classic_batch_tokens", type=int, default=None, help="default: the search winner, else 16384")
+    ap.add_argument("--classic_from", default="", help="use the search winner saved in this results folder")
+    ap.add_argument("--search_lr", default="0.003,0.006", help="--run search: classic learning rates")
+    ap.add_argument("--search_batch", default="4096,8192", help="--run search: classic batch sizes (tokens)")
+    ap.add_argument("--search_seq", default="256,1024", help="--run search: classic contexts")
+    ap.add_argument("--run", default="both", choices=("both", "recipe", "classic", "search"),
+                    help="train one side only (processes can then share the machine and one --save folder)")
+    ap.add_argument("--seeds", default="0", help="comma-separated seeds (recipe, classic and ablation runs)")
+    ap.add_argument("--save", default="", help="results folder: one JSON per run (default: a temporary one)")
+    ap.add_argument("--load", default="", help="print the tables of a results folder and plot it (no training)")
+    ap.add_argument("--no_plot", action="store_true", help="--load: tables only")
     ap.add_argument("--ablate", action="store_true", help="run the ablation table instead of the comparison")
     ap.add_argument("--only", default="", help="--ablate: comma-separated substrings of component names")
-    ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--log_dir", default="", help="keep the recipe's run logs here (default: a temporary directory)")
     ap.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     ap.add_argument("--smoke", action="store_true", help="a few steps of the test preset (checks the tooling only)")
     a = ap.parse_args(argv)
+    if a.load:
+        report(a.load, a.tokens, plot=not a.no_plot)
+        return
     if a.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("error: --device cuda but no CUDA device is available; use --device cpu")
     device = torch.device("cuda" if a.device != "cpu" and torch.cuda.is_available() else "cpu")
     if a.smoke:
-        a.preset, a.evals, a.classic_seq_len, a.classic_batch_tokens = "test", 1, 128, 1024
+        a.preset, a.evals, a.search_seq, a.search_batch = "test", 1, "128", "1024"
         a.tokens, a.val_tokens = a.tokens or SMOKE_TOKENS, a.val_tokens or 1024
-    if a.ablate and device.type == "cpu" and a.tokens is None:
-        a.tokens, a.val_tokens = ABLATE_CPU_TOKENS, a.val_tokens or ABLATE_CPU_VAL_TOKENS
+    a.default_batch, a.default_seq = (1024, 128) if a.smoke else (16_384, 1024)
     a.tokens = a.tokens or DEFAULT_TOKENS
     a.recipe_lrs = {"muon_lr": a.muon_lr, "adam_lr": a.adam_lr}
     if a.tokens < 1 or a.evals < 0:
         raise SystemExit("error: --tokens must be >= 1 and --evals >= 0")
-    with tempfile.TemporaryDirectory(prefix="bench_logs_") as tmp:
-        a.log_dir = a.log_dir or tmp
-        if a.ablate:
-            run_ablations(a, device)
-        else:
-            run_comparison(a, device)
+    try:
+        [int(x) for x in a.seeds.split(",")]
+    except ValueError:
+        raise SystemExit(f"error: --seeds {a.seeds!r}: give comma-separated integers, e.g. 0,1,2") from None
+    with tempfile.TemporaryDirectory(prefix="bench_") as tmp:
+        a.log_dir = a.log_dir or os.path.join(tmp, "logs")
+        a.save = a.save or os.path.join(tmp, "results")
+        (run_ablations if a.ablate else run_sides)(a, device)
 
 
 if __name__ == "__main__":
