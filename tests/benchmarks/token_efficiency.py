@@ -343,22 +343,28 @@ def save_curve(folder: str, name: str, curve: list[tuple[int, float]], meta: dic
     os.replace(path + ".tmp", path)
 
 
-def load_runs(folder: str, tokens: int | None) -> dict[str, dict]:
-    """Every saved run of a results folder by name ({"curve": [(tokens, loss)], ...meta}); one token
-    budget per folder."""
+def read_runs(folder: str, prefix: str = "", flag: str = "--load") -> dict[str, dict]:
+    """Every saved run of a results folder whose name starts with prefix, by name
+    ({"curve": [(tokens, loss)], ...meta})."""
     if not os.path.isdir(folder):
-        raise SystemExit(f"error: --load {folder}: no such folder; run --run ... --save {folder} first")
+        raise SystemExit(f"error: {flag} {folder}: no such folder; run --run ... --save {folder} first")
     runs = {}
     for f in sorted(os.listdir(folder)):
-        if not f.endswith(".json") or f.startswith("stage_"):
+        if not f.endswith(".json") or not f.startswith(prefix):
             continue
         try:
             with open(os.path.join(folder, f), encoding="utf-8") as fh:
                 data = json.load(fh)
             data["curve"] = [(int(t), float(v)) for t, v in data["curve"]]
         except (ValueError, KeyError, TypeError) as e:
-            raise SystemExit(f"error: --load {folder}: {f} is not a saved curve ({e})") from None
+            raise SystemExit(f"error: {flag} {folder}: {f} is not a saved curve ({e})") from None
         runs[f[:-5]] = data
+    return runs
+
+
+def load_runs(folder: str, tokens: int | None) -> dict[str, dict]:
+    """read_runs, for a report: both sides present, one token budget per folder."""
+    runs = read_runs(folder)
     if not any(n.startswith("recipe_") for n in runs) or not any(n.startswith("classic_") for n in runs):
         raise SystemExit(f"error: --load {folder}: needs recipe_s*.json and classic_*.json; "
                          f"run --run recipe and --run classic (or search) with --save {folder} first")
@@ -534,7 +540,7 @@ def classic_configs(a, runs_dir: str) -> list[ClassicConfig]:
     elif a.classic_lr is None and a.classic_batch_tokens is None and a.classic_seq_len is None and (
             a.classic_from or os.path.isdir(runs_dir) and any(f.startswith("classic_") for f in os.listdir(runs_dir))):
         source = a.classic_from or runs_dir
-        win = search_winner(load_all(source, "classic_")) if os.path.isdir(source) else None
+        win = search_winner(read_runs(source, "classic_", "--classic_from")) if os.path.isdir(source) else None
         if win is None:
             raise SystemExit(f"error: --classic_from {source}: no classic search runs there; run --run search --save {source} first")
         grid = [(win["classic_lr"], win["classic_batch_tokens"], win["classic_seq_len"])]
@@ -641,14 +647,7 @@ def run_ablations(a, device: torch.device) -> None:
             save_curve(a.save, f"{file}_s{seed}", curve, {**meta, "seed": seed, "component": name,
                                                           "seconds": time.perf_counter() - t})
             print(f"  {name:42s} seed {seed} {curve[-1][1]:8.4f}  ({time.perf_counter() - t:.0f}s)", flush=True)
-    print(ablation_table(load_all(a.save)))
-
-
-def load_all(folder: str, prefix: str = "") -> dict[str, dict]:
-    if not os.path.isdir(folder):
-        raise SystemExit(f"error: {folder}: no such results folder")
-    return {f[:-5]: json.load(open(os.path.join(folder, f), encoding="utf-8"))
-            for f in sorted(os.listdir(folder)) if f.endswith(".json") and f.startswith(prefix)}
+    print(ablation_table(read_runs(a.save, flag="--save")))
 
 
 def main(argv=None):
