@@ -558,13 +558,18 @@ def saved(folder: str, name: str) -> bool:
     return False
 
 
+def run_meta(a, args: T.Hyperparameters, device: torch.device) -> dict:
+    """What every saved run records besides its curve: budget, data, and the machine it ran on."""
+    return {"tokens": a.tokens, "val_tokens": args.val_tokens, "preset": a.preset, "train": args.train_files,
+            "val": args.val_files, "device": device.type, "threads": torch.get_num_threads(),
+            "cpu_capability": torch.backends.cpu.get_cpu_capability()}
+
+
 def run_sides(a, device: torch.device) -> None:
     """Train what --run asks for, one JSON per run in the results folder, then report it."""
     seeds = [int(x) for x in a.seeds.split(",")]
     args = recipe_args(a.preset, a.train, a.val, a.tokens, a.evals, a.val_tokens, device, a.recipe_lrs, a.log_dir)
-    meta = {"tokens": a.tokens, "val_tokens": args.val_tokens, "preset": a.preset, "train": args.train_files,
-            "val": args.val_files, "device": device.type, "threads": torch.get_num_threads(),
-            "cpu_capability": torch.backends.cpu.get_cpu_capability()}
+    meta = run_meta(a, args, device)
     folder = a.save
     if a.run in ("both", "recipe"):
         for seed in seeds:
@@ -623,9 +628,7 @@ def run_ablations(a, device: torch.device) -> None:
     only = [s.strip().lower() for s in a.only.split(",")] if a.only else None
     seeds = [int(x) for x in a.seeds.split(",")]
     base = recipe_args(a.preset, a.train, a.val, a.tokens, 0, a.val_tokens, device, a.recipe_lrs, a.log_dir)
-    meta = {"tokens": a.tokens, "val_tokens": base.val_tokens, "preset": a.preset, "train": base.train_files,
-            "val": base.val_files, "device": device.type, "threads": torch.get_num_threads(),
-            "cpu_capability": torch.backends.cpu.get_cpu_capability()}
+    meta = run_meta(a, base, device)
     print(f"ablations: --preset {a.preset}, {base.num_iterations}+{base.extension_iterations} steps, "
           f"{sum(schedule_tokens(base)):,} train tokens each, seeds {seeds}, final val loss on {base.val_tokens:,} val tokens")
     for i, (name, spec) in enumerate(ABLATIONS):
