@@ -409,8 +409,9 @@ def test_token_efficiency_tables_by_hand(tmp_path):
            if line.startswith(te.ABLATIONS[5][0])][0].split()
     from scipy import stats
     ref = stats.ttest_ind([4.5, 4.7, 4.6], [4.0, 4.0], equal_var=False)
-    assert float(row[-3]) == pytest.approx(0.6, abs=1e-4) and float(row[-2]) == pytest.approx(ref.pvalue, abs=1e-3)
-    assert row[-1] == ("yes" if ref.pvalue < 0.05 else "no")
+    assert float(row[-5]) == pytest.approx(0.6, abs=1e-4) and float(row[-4]) == pytest.approx(ref.pvalue, abs=1e-3)
+    assert row[-3] == ("yes" if ref.pvalue < 0.05 else "no")
+    assert row[-2:] == ["0:+0.5000", "1:+0.7000"]  # seed 2 has no full-recipe run to pair with
 
 
 def test_loader_coverage_by_hand(tmp_path):
@@ -460,7 +461,8 @@ def test_ablation_smoke(tmp_path):
     full = [final(f"recipe_s{s}") for s in (0, 1)]
     finals = [final(f"ablate_batch_schedule_s{s}") for s in (0, 1)]
     assert all(9.0 < x < 11.0 for x in full + finals)
-    assert float(row[-3]) == pytest.approx(sum(finals) / 2 - sum(full) / 2, abs=2e-4)
+    assert float(row[-5]) == pytest.approx(sum(finals) / 2 - sum(full) / 2, abs=2e-4)
+    assert [float(d.split(":")[1]) for d in row[-2:]] == pytest.approx([x - f for x, f in zip(finals, full)], abs=2e-4)
 
 
 @pytest.mark.slow

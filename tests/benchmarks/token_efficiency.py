@@ -451,24 +451,30 @@ def seeds_table(runs: dict[str, dict]) -> tuple[str, list[float]]:
 
 
 def ablation_table(runs: dict[str, dict]) -> str:
-    by = {}
+    """Per component: final val loss over seeds, delta and Welch's p against the full recipe, and the
+    per-seed deltas against the full recipe's run of the same seed (same initialisation and data order,
+    so their agreement shows what the unpaired spread hides)."""
+    by, full = {}, {}
     for n, r in runs.items():
         if n.startswith("ablate_"):
-            by.setdefault(r["component"], []).append(r["curve"][-1][1])
-    full = [r["curve"][-1][1] for n, r in runs.items() if n.startswith("recipe_")]
+            by.setdefault(r["component"], {})[r["seed"]] = r["curve"][-1][1]
+        elif n.startswith("recipe_"):
+            full[r["seed"]] = r["curve"][-1][1]
     if not by or not full:
         return ""
-    fm, fs = mean_std(full)
+    fm, fs = mean_std(list(full.values()))
     lines = [f"ablations: final val loss over seeds; full recipe {fm:.4f} +- {fs:.4f} ({len(full)} seeds)",
-             f"{'switched off / replaced':42s} {'n':>2} {'final val':>16} {'delta':>8} {'p':>7} significant"]
+             f"{'switched off / replaced':42s} {'n':>2} {'final val':>16} {'delta':>8} {'p':>7} significant"
+             "  per-seed deltas (seed: delta)"]
     for name, _ in ABLATIONS:
         if name not in by:
             continue
-        xs = by[name]
+        xs = list(by[name].values())
         m, sd = mean_std(xs)
-        p = welch_p(xs, full) if len(xs) > 1 and len(full) > 1 else float("nan")
+        p = welch_p(xs, list(full.values())) if len(xs) > 1 and len(full) > 1 else float("nan")
         significant = "-" if math.isnan(p) else "yes" if p < 0.05 else "no"
-        lines.append(f"{name:42s} {len(xs):2} {m:8.4f} +- {sd:.4f} {m - fm:+8.4f} {p:7.3f} {significant}")
+        paired = " ".join(f"{s}:{by[name][s] - full[s]:+.4f}" for s in sorted(by[name]) if s in full)
+        lines.append(f"{name:42s} {len(xs):2} {m:8.4f} +- {sd:.4f} {m - fm:+8.4f} {p:7.3f} {significant:11s}  {paired}")
     lines.append("delta > 0: the component helps. p: Welch's two-sided t-test against the full recipe's seeds "
                  "(records/summarize.py); significant: p < 0.05")
     return "\n".join(lines)
