@@ -29,7 +29,8 @@ first val_tokens of the val shards; mean next-token cross-entropy). The ratio, p
     tokens the recipe needs to reach the tuned classic's best val loss / tokens the classic needed
 (the best, not the last, classic loss: on a small corpus both eventually overfit); then the mean,
 standard deviation and range over seeds. Ablations: the final val loss of each switched-off component
-over seeds, its delta against the full recipe's seeds, and Welch's t-test (records/summarize.py).
+over seeds, its delta against the full recipe's seeds, Welch's t-test (records/summarize.py), and the
+per-seed deltas against the full recipe's run of the same seed.
 """
 from __future__ import annotations
 
@@ -385,7 +386,8 @@ def search_winner(runs: dict[str, dict]) -> dict | None:
 
 def welch_p(a: list[float], b: list[float]) -> float:
     """Two-sided p-value of Welch's t-test for equal means (the records tool's t distribution)."""
-    sys.path.insert(0, os.path.join(REPO, "records"))
+    if os.path.join(REPO, "records") not in sys.path:
+        sys.path.insert(0, os.path.join(REPO, "records"))
     from summarize import welch_t_test
     return welch_t_test(a, b)[1]
 
