@@ -19,6 +19,7 @@ import os
 import shutil
 import sys
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -68,6 +69,7 @@ class Hyperparameters:
     windows_init: tuple = (1, 3)                   # (short, long) windows in blocks at init; long = YaRN reference
     attn_scale: float = 0.1                        # softmax scale at windows_init (x sqrt(128/head_dim)); YaRN grows it
     fp8: bool = True                               # FP8 LM head and MLPs in training on GPUs with FP8 tensor cores
+    fp8_up_fast_accum: bool = True                 # the record's FP8 MLP up-projection: Hopper's fast accumulation
     # schedule (README "Schedule"): three equal stages, then a short extension at the final settings
     num_iterations: int = 1270                     # scheduled steps; stage boundaries scale with it
     extension_iterations: int = 15
@@ -419,16 +421,20 @@ def compute_dtype(args: Hyperparameters, d: DistInfo) -> tuple[torch.dtype, str 
 # ----------------------------------------------------------------------------------------------
 
 # The LM head is the single biggest matmul (T x 768 x 50304), so it runs in float8 on GPUs that have
-# FP8 tensor cores. Scales are static (no amax bookkeeping): the head's input is rms-normalised and its
-# weights and gradients stay in predictable ranges, so fixed scales lose nothing measurable and cost
-# nothing. Quantisation: q = (t / scale) cast to float8 (round-to-nearest; e4m3fn saturates at +-448,
-# e5m2 overflows to inf); dequantised value = q * scale.
+# FP8 tensor cores (the speedrun's FP8 head since record #25, modded-nanogpt). Scales are static (no
+# amax bookkeeping): the head's input is rms-normalised and its weights and gradients stay in
+# predictable ranges, so fixed scales lose nothing measurable and cost nothing. Quantisation:
+# q = (t / scale) cast to float8 (round-to-nearest; e4m3fn saturates at +-448, e5m2 overflows to inf
+# here; the loss kernel's e5m2 gradient saturates); dequantised value = q * scale. Forward products
+# use cuBLAS's fast accumulation; the two backward products (sums over 50,304 logits for dx and over
+# every token for dw) do not, as in record #89.
 
 FP8_HEAD_X_SCALE = 100 / 448     # activations (rms-normed, |x| rarely above ~100)
 FP8_HEAD_W_SCALE = 1.6 / 448     # head weights
 FP8_HEAD_GRAD_SCALE = 0.75 / 448  # gradient of the summed loss, multiplied by the loss scale at run time
 
 _FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+SCALE_ALIGN_BYTES = 16  # cuBLASLt reads scale pointers as 16-byte aligned: offsets 4, 8, 12 fail on H100
 
 
 def _quantize_fp8(t: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
@@ -444,7 +450,8 @@ def check_scaled_mm_args(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor
     torch._scaled_mm on the CPU accepts layouts that cuBLAS rejects (or handles only through slow
     copies), so the op checks every call on every device: a layout bug then fails in CPU tests
     instead of on the first H100 run. Rules: 2-D float8 operands, not both e5m2; a (M, K) row-major
-    and b (K, N) column-major; M, K, N multiples of 16; one fp32 scale per operand.
+    and b (K, N) column-major; M, K, N multiples of 16; one fp32 scale per operand at a 16-byte aligned
+    address (a 0-d view at storage offset 1 of a per-layer scale vector fails on an H100).
     """
     if a.dim() != 2 or b.dim() != 2:
         raise ValueError(f"fp8 matmul: operands must be 2-D, got {tuple(a.shape)} and {tuple(b.shape)}")
@@ -466,6 +473,10 @@ def check_scaled_mm_args(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor
     for name, s in (("scale_a", scale_a), ("scale_b", scale_b)):
         if s.dtype != torch.float32 or s.numel() != 1:
             raise ValueError(f"fp8 matmul: {name} must be a single float32 value, got {s.dtype} with {s.numel()} elements")
+        if s.data_ptr() % SCALE_ALIGN_BYTES:
+            raise ValueError(f"fp8 matmul: {name} sits at byte offset {s.storage_offset() * s.element_size()} of its storage,"
+                             f" not {SCALE_ALIGN_BYTES}-byte aligned (cuBLASLt rejects it with CUBLAS_STATUS_NOT_SUPPORTED);"
+                             " keep every scale in its own 16-byte slot (FP8MLPState) or pass a fresh tensor")
 
 
 def _native_fp8(device: torch.device) -> bool:
@@ -510,17 +521,33 @@ def _fp8_mm_fake(x, w, x_s, w_s, grad_s):
             w.new_empty((N, K), dtype=torch.float8_e4m3fn).T)
 
 
+def _fp8_transposed(t: torch.Tensor) -> torch.Tensor:
+    """t^T as a contiguous copy, through the tiled transpose kernel on CUDA (float8 moved as bytes)."""
+    out = torch.empty(t.shape[::-1], dtype=t.dtype, device=t.device)
+    triton_kernels.transpose_copy(t.view(torch.uint8), out.view(torch.uint8))
+    return out
+
+
+def fp8_matmul_grads(g_f8: torch.Tensor, x_f8: torch.Tensor, w_f8: torch.Tensor, x_s: float, w_s: float,
+                     grad_s: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gradients of y = x @ w from the e5m2 dy (M, N) and the forward's e4m3 x (M, K) and column-major w
+    (K, N): dx = dy @ w^T (bf16), dw = x^T @ dy (fp32), both without fast accumulation (dx sums over
+    the N = 50,304 columns, dw over every token; the record's). The operands cuBLAS needs transposed
+    (w row-major, x^T, dy column-major) are copied by the tiled transpose kernel."""
+    grad_x = _scaled_matmul(g_f8, _fp8_transposed(w_f8.T).T, grad_s, w_s, torch.bfloat16, fast_accum=False)
+    grad_w = _scaled_matmul(_fp8_transposed(x_f8), _fp8_transposed(g_f8).T, x_s, grad_s, torch.float32,
+                            fast_accum=False)
+    return grad_x, grad_w
+
+
 @torch.library.custom_op("speedrun::fp8_mm_backward", mutates_args=())
 def fp8_mm_backward(g: torch.Tensor, x_f8: torch.Tensor, w_f8: torch.Tensor, x_s: float, w_s: float,
                     grad_s: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Gradients of y = x @ w from dy (M, N): dx = dy @ w^T (bf16), dw = x^T @ dy (fp32).
 
-    dy is quantised to e5m2 (wider range, the gradient's scale moves with the loss); dw accumulates
-    over every token of the batch, so it is computed without fast accumulation."""
-    g_f8 = _quantize_fp8(g, grad_s, torch.float8_e5m2)
-    grad_x = _scaled_matmul(g_f8, w_f8.contiguous().T, grad_s, w_s, torch.bfloat16, fast_accum=True)
-    grad_w = _scaled_matmul(x_f8.T.contiguous(), g_f8.T.contiguous().T, x_s, grad_s, torch.float32, fast_accum=False)
-    return grad_x, grad_w
+    dy is quantised to e5m2 (wider range, the gradient's scale moves with the loss), then
+    fp8_matmul_grads."""
+    return fp8_matmul_grads(_quantize_fp8(g, grad_s, torch.float8_e5m2), x_f8, w_f8, x_s, w_s, grad_s)
 
 
 @fp8_mm_backward.register_fake
@@ -553,6 +580,64 @@ def fp8_matmul(x: torch.Tensor, w: torch.Tensor, x_s: float, w_s: float, grad_s:
     return y.view(*x.shape[:-1], w.shape[1])
 
 
+# ---- FP8 LM head with the training loss (record #89) --------------------------------------------
+# The head's matmul and the softcapped multi-token loss in one op: the loss kernel writes dlogits
+# straight into e5m2 (divided by grad_s, saturating), the operand of the backward matmuls, so no
+# logits-sized gradient is written in bf16, then scaled and cast in passes of its own.
+
+@torch.library.custom_op("speedrun::fp8_head_loss", mutates_args=())
+def fp8_head_loss(x: torch.Tensor, w: torch.Tensor, targets: torch.Tensor, mtp_weights: torch.Tensor,
+                  prefix_ids: torch.Tensor | None, prefix_weight: torch.Tensor | None, x_s: float, w_s: float,
+                  grad_s: float, grad_scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-token training loss (T,) fp32 of logits = x (T, K) @ w (K, N) in float8 (triton_kernels.
+    softcapped_ce_mtp's loss), and what the backward reads: x_f8, w_f8 (column-major) and the loss's
+    gradient dlogits / grad_s in e5m2. The backward uses that gradient whatever gradient reaches the
+    loss (the loss kernel's rule): use it as sum(loss) * grad_scale, grad_s = FP8_HEAD_GRAD_SCALE * grad_scale."""
+    x_f8 = _quantize_fp8(x, x_s, torch.float8_e4m3fn)
+    w_f8 = _quantize_fp8(w.T, w_s, torch.float8_e4m3fn).T
+    logits = _scaled_matmul(x_f8, w_f8, x_s, w_s, torch.bfloat16, fast_accum=True)
+    loss, g_f8 = triton_kernels.softcapped_ce_mtp_e5m2(logits, targets, mtp_weights, prefix_ids, prefix_weight,
+                                                       grad_scale, grad_s)
+    return loss, x_f8, w_f8, g_f8
+
+
+@fp8_head_loss.register_fake
+def _fp8_head_loss_fake(x, w, targets, mtp_weights, prefix_ids, prefix_weight, x_s, w_s, grad_s, grad_scale):
+    (M, K), N = x.shape, w.shape[1]
+    return (x.new_empty((M,), dtype=torch.float32), x.new_empty((M, K), dtype=torch.float8_e4m3fn),
+            w.new_empty((N, K), dtype=torch.float8_e4m3fn).T, x.new_empty((M, N), dtype=torch.float8_e5m2))
+
+
+@torch.library.custom_op("speedrun::fp8_head_loss_backward", mutates_args=())
+def fp8_head_loss_backward(g_f8: torch.Tensor, x_f8: torch.Tensor, w_f8: torch.Tensor, x_s: float, w_s: float,
+                           grad_s: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dx bf16, dw fp32) of fp8_head_loss from its saved e5m2 gradient (fp8_matmul_grads)."""
+    return fp8_matmul_grads(g_f8, x_f8, w_f8, x_s, w_s, grad_s)
+
+
+@fp8_head_loss_backward.register_fake
+def _fp8_head_loss_backward_fake(g_f8, x_f8, w_f8, x_s, w_s, grad_s):
+    return (x_f8.new_empty(x_f8.shape, dtype=torch.bfloat16), w_f8.new_empty(w_f8.shape, dtype=torch.float32))
+
+
+def _fp8_head_loss_setup_context(ctx, inputs, output):
+    x, w, _, _, _, _, x_s, w_s, grad_s, _ = inputs
+    _, x_f8, w_f8, g_f8 = output
+    ctx.mark_non_differentiable(x_f8, w_f8, g_f8)
+    ctx.save_for_backward(x_f8, w_f8, g_f8)
+    ctx.scales = (x_s, w_s, grad_s)
+    ctx.dtypes = (x.dtype, w.dtype)
+
+
+def _fp8_head_loss_autograd(ctx, _grad_loss, _gx, _gw, _gg):
+    x_f8, w_f8, g_f8 = ctx.saved_tensors
+    grad_x, grad_w = fp8_head_loss_backward(g_f8, x_f8, w_f8, *ctx.scales)
+    return grad_x.to(ctx.dtypes[0]), grad_w.to(ctx.dtypes[1]), *(None,) * 8
+
+
+fp8_head_loss.register_autograd(_fp8_head_loss_autograd, setup_context=_fp8_head_loss_setup_context)
+
+
 # ---- FP8 MLP (record #89; README "Model", FP8) -----------------------------------------------
 # Training forward only (evaluation stays bf16). Up-projection: x is quantised with its own current
 # amax, x_f8 = e4m3(x * 448 / amax|x|); W1 with a per-layer s1 = amax|W1| / 448 taken in the bank's
@@ -577,23 +662,25 @@ E4M3_MAX = triton_kernels.E4M3_MAX
 @torch.library.custom_op("speedrun::fp8_mlp", mutates_args=())
 def fp8_mlp(x: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, up_f8: torch.Tensor,
             up_scale: torch.Tensor, down_f8_t: torch.Tensor, down_scale: torch.Tensor,
-            act_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+            act_scale: torch.Tensor, fast_accum: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """relu(x w_up^T)^2 w_down in FP8 for bf16 x (T, D). Returns (y (T, D) bf16, post (T, H) bf16,
     amax of post (0-D fp32)).
 
     The forward reads only the quantised copies: up_f8 (H, D) e4m3 with scale up_scale, down_f8_t
     (D, H) e4m3 (W2 transposed, so its .mT is the column-major (H, D) operand cuBLAS wants) with scale
     down_scale, and act_scale for post; scales are 0-D fp32 tensors. w_up and w_down (bf16, (H, D))
-    are inputs for the backward, which computes their gradients in bf16 from post."""
+    are inputs for the backward, which computes their gradients in bf16 from post. fast_accum: the
+    up-projection kernel's accumulation (triton_kernels, FP8 MLP up-projection)."""
     amax_x = x.abs().amax().float()
     x_f8 = (x.float() * (E4M3_MAX / amax_x)).to(torch.float8_e4m3fn)
-    post, post_f8, post_amax = triton_kernels.relu2_fp8_up(x_f8, up_f8, up_scale * amax_x / E4M3_MAX, act_scale)
+    post, post_f8, post_amax = triton_kernels.relu2_fp8_up(x_f8, up_f8, up_scale * amax_x / E4M3_MAX, act_scale,
+                                                           fast_accum=fast_accum)
     y = _scaled_matmul(post_f8, down_f8_t.mT, act_scale, down_scale, torch.bfloat16, fast_accum=True)
     return y, post, post_amax
 
 
 @fp8_mlp.register_fake
-def _fp8_mlp_fake(x, w_up, w_down, up_f8, up_scale, down_f8_t, down_scale, act_scale):
+def _fp8_mlp_fake(x, w_up, w_down, up_f8, up_scale, down_f8_t, down_scale, act_scale, fast_accum=True):
     T, H = x.shape[0], up_f8.shape[0]
     return (x.new_empty((T, down_f8_t.shape[0]), dtype=torch.bfloat16), x.new_empty((T, H), dtype=torch.bfloat16),
             x.new_empty((), dtype=torch.float32))
@@ -608,30 +695,38 @@ def _fp8_mlp_setup_context(ctx, inputs, output):
 
 def _fp8_mlp_autograd(ctx, grad_y, grad_post, grad_amax):
     x, w_up, w_down, post = ctx.saved_tensors
-    return *triton_kernels.relu2_mlp_backward(grad_y, x, w_up, w_down, post), None, None, None, None, None
+    return *triton_kernels.relu2_mlp_backward(grad_y, x, w_up, w_down, post), None, None, None, None, None, None
 
 
 fp8_mlp.register_autograd(_fp8_mlp_autograd, setup_context=_fp8_mlp_setup_context)
 
 
+FP8_SCALE_SLOT = SCALE_ALIGN_BYTES // 4  # fp32 entries per per-layer scale: each scale starts a 16-byte slot
+
+
 class FP8MLPState(nn.Module):
     """Per-layer FP8 state of the MLPs: quantised weights, their scales, the delayed activation scales.
 
-    All buffers are persistent, so model.state_dict() carries them: the reset after the compile
-    warm-up and checkpoints restore them with the weights (activation scales back to 1.0 at a fresh
-    start, as in the record). Call quantize() after every optimizer step, and once before the first
-    FP8 forward; call mlp() per layer in the training forward.
+    Scales are (L, FP8_SCALE_SLOT) fp32 with the value in column 0, so scale[layer, 0] sits at byte
+    16 * layer: torch._scaled_mm hands scale pointers to cuBLASLt, which rejects any that is not
+    16-byte aligned (a plain (L,) vector fails from layer 1 on). All buffers are persistent, so
+    model.state_dict() carries them: the reset after the compile warm-up and checkpoints restore them
+    with the weights (activation scales back to 1.0 at a fresh start, as in the record). Call
+    quantize() after every optimizer step, and once before the first FP8 forward; call mlp() per
+    layer in the training forward.
     """
 
-    def __init__(self, num_layers: int, hidden: int, dim: int):
+    def __init__(self, num_layers: int, hidden: int, dim: int, fast_accum: bool = True):
         super().__init__()
+        self.fast_accum = fast_accum  # of the up-projection kernel (the record's: fast)
         e4m3 = torch.float8_e4m3fn
+        slots = (num_layers, FP8_SCALE_SLOT)
         self.register_buffer("up_f8", torch.zeros(num_layers, hidden, dim, dtype=e4m3))
-        self.register_buffer("up_scale", torch.ones(num_layers))
+        self.register_buffer("up_scale", torch.ones(slots))
         self.register_buffer("down_f8_t", torch.zeros(num_layers, dim, hidden, dtype=e4m3))  # W2^T per layer
-        self.register_buffer("down_scale", torch.ones(num_layers))       # the scale down_f8_t was made with
-        self.register_buffer("down_next_scale", torch.ones(num_layers))  # headroom scale for the next quantize
-        self.register_buffer("act_scale", torch.ones(num_layers))
+        self.register_buffer("down_scale", torch.ones(slots))       # the scale down_f8_t was made with
+        self.register_buffer("down_next_scale", torch.ones(slots))  # headroom scale for the next quantize
+        self.register_buffer("act_scale", torch.ones(slots))
 
     def mlp(self, layer: int, x: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
         """Layer `layer`'s MLP on x (T, D) bf16 with w_up, w_down (H, D) (its mlp_bank entries, which
@@ -643,9 +738,9 @@ class FP8MLPState(nn.Module):
             raise ValueError(f"FP8MLPState.mlp: w_up and w_down must be ({H}, {D}), got {tuple(w_up.shape)} and {tuple(w_down.shape)}")
         if not (x.dtype == w_up.dtype == w_down.dtype == torch.bfloat16):
             raise ValueError(f"FP8MLPState.mlp: x, w_up, w_down must be bf16, got {x.dtype}, {w_up.dtype}, {w_down.dtype}")
-        y, _, post_amax = fp8_mlp(x, w_up, w_down, self.up_f8[layer], self.up_scale[layer], self.down_f8_t[layer],
-                                  self.down_scale[layer], self.act_scale[layer])
-        self.act_scale[layer] = post_amax.clamp_min(FP8_SCALE_FLOOR) * (FP8_ACT_HEADROOM / E4M3_MAX)
+        y, _, post_amax = fp8_mlp(x, w_up, w_down, self.up_f8[layer], self.up_scale[layer, 0], self.down_f8_t[layer],
+                                  self.down_scale[layer, 0], self.act_scale[layer, 0], self.fast_accum)
+        self.act_scale[layer, 0] = post_amax.clamp_min(FP8_SCALE_FLOOR) * (FP8_ACT_HEADROOM / E4M3_MAX)
         return y
 
     @torch.no_grad()
@@ -659,13 +754,13 @@ class FP8MLPState(nn.Module):
         w_up, w_down = mlp_bank[0: 2 * L: 2], mlp_bank[1: 2 * L: 2]
         s1 = w_up.abs().amax(dim=(1, 2)).clamp_min(FP8_SCALE_FLOOR) / E4M3_MAX  # in the bank's dtype, as the record
         self.up_f8.copy_((w_up / s1[:, None, None]).to(torch.float8_e4m3fn))
-        self.up_scale.copy_(s1)
+        self.up_scale[:, 0] = s1
         amax = w_down.abs().amax(dim=(1, 2)).float().clamp_min(FP8_SCALE_FLOOR)
-        scale = amax / E4M3_MAX if bootstrap else self.down_next_scale.clone()
+        scale = amax / E4M3_MAX if bootstrap else self.down_next_scale[:, 0].clone()
         w_f8 = (w_down.float() / scale[:, None, None]).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
         self.down_f8_t.copy_(w_f8.mT)
-        self.down_scale.copy_(scale)
-        self.down_next_scale.copy_(amax * (FP8_DOWN_W_HEADROOM / E4M3_MAX))
+        self.down_scale[:, 0] = scale
+        self.down_next_scale[:, 0] = amax * (FP8_DOWN_W_HEADROOM / E4M3_MAX)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -782,15 +877,35 @@ def gram_newton_schulz(G: torch.Tensor, coeffs=POLAR_EXPRESS_COEFFS, restart_aft
     return X.to(dtype).reshape(G.shape)
 
 
+# Measured choice of "auto" on an H100 (tests/bench_optimizer.py, one H100 80GB HBM3, torch 2.11,
+# 2026-11-24): (rows, cols) of a bank's matrices -> (Polar Express ms, Gram Newton-Schulz ms) for one
+# rank's shard. Only shapes whose measurement was repeatable are listed (the 768 x 768 banks gave
+# 1.25 and 2.45 ms for the same Polar Express call in one run); the rest follow the FLOP count. The GPU
+# check's kernel-choice check times every bank shape again.
+H100_ORTHOGONALIZER_MS = {(3072, 768): (1.971, 1.218)}
+
+
+def auto_orthogonalizer(rows: int, cols: int, gpu_name: str = "") -> str:
+    """The name "auto" runs for (rows, cols) matrices: the faster measured one on an H100 where the table
+    has the shape, else the one with fewer FLOPs (orthogonalization_flops: Gram Newton-Schulz once the
+    long side is at least twice the short one)."""
+    times = H100_ORTHOGONALIZER_MS.get((rows, cols))
+    if times is not None and "H100" in gpu_name:
+        return "polar_express" if times[0] <= times[1] else "gram_newton_schulz"
+    return "gram_newton_schulz" if max(rows, cols) >= 2 * min(rows, cols) else "polar_express"
+
+
 def orthogonalize_auto(G: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """Gram Newton-Schulz where it saves FLOPs, Polar Express elsewhere.
+    """Per bank shape, Gram Newton-Schulz or Polar Express (auto_orthogonalizer).
 
     Per matrix with short side s and long side L, Polar Express costs ~20 s^2 L + 10 s^3 FLOPs
     and the Gram form ~8 s^2 L + 32 s^3: the Gram form wins once L > ~1.8 s (the 3072 x 768 MLP
     bank: -29%) and loses on square matrices (attention banks: +33%).
     """
     m, n = G.shape[-2:]
-    return (gram_newton_schulz(G, dtype=dtype) if max(m, n) >= 2 * min(m, n) else polar_express(G, dtype=dtype))
+    gpu = triton_kernels._gpu_name(G.device.index or 0) if G.is_cuda else ""
+    name = auto_orthogonalizer(m, n, gpu)
+    return (gram_newton_schulz if name == "gram_newton_schulz" else polar_express)(G, dtype=dtype)
 
 
 ORTHOGONALIZERS = {"polar_express": polar_express, "gram_newton_schulz": gram_newton_schulz,
@@ -861,7 +976,7 @@ def orthogonalization_flops(rows: int, cols: int, orthogonalizer="polar_express"
     name = next((k for k, f in ORTHOGONALIZERS.items() if fn is f or fn == k), "polar_express")
     s, L = min(rows, cols), max(rows, cols)
     if name == "auto":
-        name = "gram_newton_schulz" if L >= 2 * s else "polar_express"
+        name = auto_orthogonalizer(rows, cols)
     if name == "gram_newton_schulz":
         return 8 * s * s * L + 32 * s ** 3
     return len(POLAR_EXPRESS_COEFFS) * (4 * s * s * L + 2 * s ** 3)
@@ -2116,6 +2231,54 @@ def block_attention_mask(doc_ids: torch.Tensor, window, pos_div: int = 1,
                                     mask_mod=attention_mask_mod(doc_ids, window, pos_div), seq_lengths=(n, n))
 
 
+class SDPAMask(NamedTuple):
+    """The CPU attention's mask of one layer kind: banded_attention_mask's bands (chunk > 0) or a dense
+    (n, n) mask (chunk 0); span = the window in slots (a Python int: band shapes depend on it).
+    fp32: attend in fp32 (the GPU check's independent reference)."""
+    mask: torch.Tensor
+    span: int
+    chunk: int
+    fp32: bool = False
+
+
+ATTENTION_KERNELS = ("flex", "sdpa", "sdpa_fp32")
+
+
+def attention_mask(doc_ids: torch.Tensor, window: torch.Tensor, span: int, pos_div: int,
+                   kernel: str) -> BlockMask | SDPAMask:
+    """One layer kind's mask for the attention kernel that will run: a BlockMask for flex_attention
+    (CUDA), an SDPAMask for torch's SDPA (CPU; "sdpa_fp32" computes in fp32). window is a 0-d int
+    tensor (what the block mask's mask_mod reads), span the same window as a Python int."""
+    if kernel not in ATTENTION_KERNELS:
+        raise ValueError(f"attention: kernel={kernel!r}; choose one of {', '.join(ATTENTION_KERNELS)}")
+    if kernel == "flex":
+        return block_attention_mask(doc_ids, window, pos_div)
+    chunk = attention_band(doc_ids.numel() * pos_div, span)
+    mask = banded_attention_mask(doc_ids, window, pos_div, chunk, span) if chunk else dense_attention_mask(doc_ids, window, pos_div)
+    return SDPAMask(mask, span, chunk, kernel == "sdpa_fp32")
+
+
+@functools.lru_cache(maxsize=None)
+def compiled_flex_attention():
+    """The one compiled flex_attention that every CUDA call outside a compiled graph runs: uncompiled,
+    flex_attention falls back to a math path that materialises the scores and synchronises (a host
+    copy of -inf); inside a compiled model the call is traced into that model's graph instead."""
+    return torch.compile(flex_attention, dynamic=False)
+
+
+def _runs_compiled_flex(q: torch.Tensor) -> bool:
+    """A CUDA call outside a compiled graph (inside one, flex_attention is traced into the graph)."""
+    return q.is_cuda and not torch.compiler.is_compiling()
+
+
+def flex_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask: BlockMask) -> torch.Tensor:
+    """flex_attention of (1, H, n, hd) q, k, v (q carries the softmax scale): traced when compiling,
+    the compiled kernel on CUDA otherwise, the eager reference on a CPU (tests)."""
+    if _runs_compiled_flex(q):
+        return compiled_flex_attention()(q, k, v, block_mask=block_mask, scale=1.0)
+    return flex_attention(q, k, v, block_mask=block_mask, scale=1.0)
+
+
 # -- rotary embeddings and YaRN -------------------------------------------------------------------
 
 def rotary_base_frequencies(head_dim: int) -> torch.Tensor:
@@ -2325,7 +2488,7 @@ class GPT(nn.Module):
             "vo_bank": vo_roles + ["pad"] * (n_vo - len(vo_roles)),
             "mlp_bank": mlp_roles + ["pad"] * (n_mlp - len(mlp_roles)),
         }
-        self.fp8_mlp = FP8MLPState(L, args.mlp_hidden, D)  # FP8 MLP weights and scales (README "Model", FP8)
+        self.fp8_mlp = FP8MLPState(L, args.mlp_hidden, D, fast_accum=args.fp8_up_fast_accum)  # FP8 MLP weights and scales (README "Model", FP8)
 
         # Window state: changed in place by set_windows so compiled graphs see new values, not new code.
         self.register_buffer("rotary_freq", rotary_base_frequencies(hd))
@@ -2427,32 +2590,45 @@ class GPT(nn.Module):
         n = MUDD_LAYER_OUTPUTS[k]
         return self._mudd_mlp(x, self.mudd_w1[k], self.mudd_w2[k, :n], self.mudd_b2[k, :n], MUDD_LAYER_SCALE)
 
-    def _attend(self, q, k, v, doc, long: bool, paired: bool, masks: dict) -> torch.Tensor:
+    def attention_masks(self, cu_seqlens: torch.Tensor, num_tokens: int, kernel: str | None = None) -> dict:
+        """The mask of every attention kind the table uses, {(long window, slots per token): mask}, for
+        one packed sequence at the current windows. kernel: "flex" (default on CUDA), "sdpa" (default
+        elsewhere; flex_attention has no CPU backward) or "sdpa_fp32".
+
+        Build them outside a compiled model and pass them to forward(masks=...), once per micro-batch:
+        inductor's flex_attention lowering reads the block mask's tensors, and the tensors its mask_mod
+        captures, only as graph inputs with fixed layouts; computed inside the graph they fail to lower
+        ("convert FlexibleLayout to FixedLayout first", PyTorch issue 139836)."""
+        kernel = kernel or ("flex" if cu_seqlens.is_cuda else "sdpa")
+        if kernel == "flex" and torch.compiler.is_compiling():
+            raise RuntimeError("attention_masks: build the flex masks outside the compiled model and pass"
+                               " forward(masks=model.attention_masks(cu_seqlens, T))")
+        doc = document_ids(cu_seqlens, num_tokens)
+        kinds = {("long" in row, 2 if "paired" in row else 1) for row in self.table if "skip" not in row}
+        return {(long, r): attention_mask(doc, self.windows[int(long)], self.window_tokens[int(long)], r, kernel)
+                for long, r in sorted(kinds)}
+
+    def _attend(self, q, k, v, mask: BlockMask | SDPAMask, paired: bool) -> torch.Tensor:
         """Masked softmax attention of (T, H, hd) q, k, v (q already carries the softmax scale). Paired:
         (T, H, hd) is viewed as (2T, H/2, hd), so slot 2t holds heads 0..H/2-1 of token t and slot 2t+1
-        the others; head j attends over the stream of heads j and j + H/2 (README "Paired heads")."""
+        the others; head j attends over the stream of heads j and j + H/2 (README "Paired heads").
+        The kernel follows the mask: flex_attention for a BlockMask, SDPA (banded where that saves
+        work) for an SDPAMask."""
         T, H, hd = q.shape
         r = 2 if paired else 1
 
         def to_seq(t):  # (T, H, hd) -> (1, H/r, r*T, hd)
             return t.reshape(r * T, H // r, hd).transpose(0, 1).unsqueeze(0)
 
-        key = (long, r)
-        window = self.windows[1 if long else 0]
-        if q.is_cuda:
-            if key not in masks:
-                masks[key] = block_attention_mask(doc, window, r)
-            y = flex_attention(to_seq(q), to_seq(k), to_seq(v), block_mask=masks[key], scale=1.0)
-        else:  # flex_attention has no CPU backward: the same mask through SDPA, banded where that saves work
-            span = self.window_tokens[1 if long else 0]
-            chunk = attention_band(T * r, span)
-            if key not in masks:
-                masks[key] = (banded_attention_mask(doc, window, r, chunk, span) if chunk
-                              else dense_attention_mask(doc, window, r))
-            if chunk:
-                y = banded_attention(to_seq(q), to_seq(k), to_seq(v), masks[key], span)
+        if isinstance(mask, BlockMask):
+            y = flex_attend(to_seq(q), to_seq(k), to_seq(v), mask)
+        else:
+            qs, ks, vs = (to_seq(t.float() if mask.fp32 else t) for t in (q, k, v))
+            if mask.chunk:
+                y = banded_attention(qs, ks, vs, mask.mask, mask.span)
             else:
-                y = F.scaled_dot_product_attention(to_seq(q), to_seq(k), to_seq(v), attn_mask=masks[key], scale=1.0)
+                y = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask.mask, scale=1.0)
+            y = y.to(q.dtype)
         return y[0].transpose(0, 1).reshape(T, H, hd)
 
     def _attention(self, i, xn, ve, ve_gate, aux_v, doc, rope, masks, coef, w) -> torch.Tensor:
@@ -2477,7 +2653,7 @@ class GPT(nn.Module):
             v = v + ve_gate[..., None] * ve.view(T, H, hd)
         if aux_v is not None:
             v = v + aux_v
-        y = self._attend(q, k, v, doc, "long" in row, paired, masks)
+        y = self._attend(q, k, v, masks["long" in row, 2 if paired else 1], paired)
         if "dc" in row:
             w1 = F.rms_norm(coef("dc_w1", i).float(), (H,), eps=1e-6).to(xn.dtype)
             y = y + dc_term(q, k, v, doc, w1, coef("dc_w2", i), a.dc_window)
@@ -2493,8 +2669,9 @@ class GPT(nn.Module):
         return triton_kernels.relu2_mlp(xn, w_up, w_down)
 
     def hidden(self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor, bigram_ids: torch.Tensor,
-               fp8: bool = False) -> torch.Tensor:
-        """Final normalised hidden states (T, D), the input of the LM head; fp8: FP8 MLPs (training)."""
+               fp8: bool = False, masks: dict | None = None) -> torch.Tensor:
+        """Final normalised hidden states (T, D), the input of the LM head; fp8: FP8 MLPs (training);
+        masks: attention_masks(cu_seqlens, T), built here when not given (eager use)."""
         a, s, table = self.args, self.scalars, self.table
         L, H, hd = len(table), a.num_heads, a.head_dim
         ids = input_ids.view(-1)
@@ -2526,7 +2703,8 @@ class GPT(nn.Module):
         x = cache0 = x0 if xb is None else x0 + coef("bigram", 0) * xb
         resid, post = self.resid_lambdas.to(dt), self.post_lambdas.to(dt)
         rope = rotary_tables(self.rotary_freq, T, H, dt)
-        masks: dict = {}
+        if masks is None:
+            masks = self.attention_masks(cu_seqlens, T)
         skip_src = h = mudd_in = None
         for i, row in enumerate(table):
             if i == self.post_gates_layer:
@@ -2566,18 +2744,18 @@ class GPT(nn.Module):
             x = x + m[:, 4:5] * skip_src
         return norm(x)
 
-    def logits(self, input_ids, cu_seqlens, bigram_ids) -> torch.Tensor:
+    def logits(self, input_ids, cu_seqlens, bigram_ids, masks: dict | None = None) -> torch.Tensor:
         """Softcapped fp32 logits (T, Vp) of the plain bf16 head (evaluation and tests)."""
-        return triton_kernels.softcap(self.hidden(input_ids, cu_seqlens, bigram_ids) @ self.lm_head)
+        return triton_kernels.softcap(self.hidden(input_ids, cu_seqlens, bigram_ids, masks=masks) @ self.lm_head)
 
     def forward(self, input_ids, target_ids, cu_seqlens, bigram_ids, mtp_weights=None, loss_scale: float = 1.0,
-                prefix_weight=None):
+                prefix_weight=None, masks: dict | None = None):
         """Training (mtp_weights (K,) fp32 given): loss_scale * sum over tokens of the softcapped
         multi-token CE plus, with prefix_weight (0-D fp32) given and --prefix_loss on, the prefix-token
         term (README "Training loss"); FP8 head and MLPs on capable GPUs. Evaluation (mtp_weights None):
-        mean next-token fp32 CE."""
+        mean next-token fp32 CE. masks: attention_masks(cu_seqlens, T), required when compiled on CUDA."""
         fp8 = mtp_weights is not None and self.args.fp8 and _native_fp8(input_ids.device)
-        x = self.hidden(input_ids, cu_seqlens, bigram_ids, fp8=fp8)
+        x = self.hidden(input_ids, cu_seqlens, bigram_ids, fp8=fp8, masks=masks)
         if mtp_weights is None:  # chunked: full fp32 logits of a long sequence would take gigabytes
             targets = target_ids.view(-1).long()
             total = x.new_zeros((), dtype=torch.float32)
@@ -2587,20 +2765,21 @@ class GPT(nn.Module):
             return total / x.shape[0]
         if not self.args.mtp:  # next-token term only, whatever the schedule's weights
             mtp_weights = mtp_weights[:1]
-        if self.args.fp8 and _native_fp8(x.device):  # elsewhere the emulation would only cost time
-            logits = fp8_matmul(x, self.lm_head, FP8_HEAD_X_SCALE, FP8_HEAD_W_SCALE, FP8_HEAD_GRAD_SCALE * float(loss_scale))
-        else:
-            logits = x @ self.lm_head
         targets = target_ids.view(-1)
         prefix_ids = None
         if prefix_weight is not None and self.args.prefix_loss:
             prefix_ids = self.prefix_table[targets.long()]
         else:
             prefix_weight = None
-        # the kernel's stored gradient assumes exactly this upstream gradient, loss_scale per token
-        # (README "Training loss")
-        return triton_kernels.softcapped_ce_mtp(logits, targets, mtp_weights, prefix_ids, prefix_weight,
-                                                grad_scale=loss_scale).sum() * loss_scale
+        # the loss kernel's stored gradient assumes exactly this upstream gradient, loss_scale per token
+        # (triton_kernels, "Softcapped cross-entropy")
+        if self.args.fp8 and _native_fp8(x.device):  # elsewhere the emulation would only cost time
+            loss = fp8_head_loss(x, self.lm_head, targets, mtp_weights, prefix_ids, prefix_weight, FP8_HEAD_X_SCALE,
+                                 FP8_HEAD_W_SCALE, FP8_HEAD_GRAD_SCALE * float(loss_scale), float(loss_scale))[0]
+        else:
+            loss = triton_kernels.softcapped_ce_mtp(x @ self.lm_head, targets, mtp_weights, prefix_ids, prefix_weight,
+                                                    grad_scale=loss_scale)
+        return loss.sum() * loss_scale
 
 
 def count_parameters(args: Hyperparameters, world_size: int = 1) -> dict[str, tuple[int, ...]]:
@@ -3093,7 +3272,7 @@ class Progress:
             print(text, flush=True)
 
 
-CHECKPOINT_FORMAT = 3  # 2: the record-#89 labels, no Adam mantissa; 3: the record-#89 model (layer table, MUDD, FP8 MLP state)
+CHECKPOINT_FORMAT = 4  # 3: the record-#89 model (layer table, MUDD, FP8 MLP state); 4: FP8 scales in 16-byte slots
 
 
 def save_checkpoint(path: str, step: int, model: nn.Module, opt: NorMuonAdam, loader: DocumentLoader,
@@ -3170,7 +3349,8 @@ def evaluate(model_fn, batches: list[Batch], device: torch.device) -> float:
     total = torch.zeros((), dtype=torch.float64, device=device)
     for b in batches:
         b = b.to(device)
-        total += model_fn(b.inputs, b.targets, b.cu_seqlens, b.bigram_ids).double() * b.inputs.numel()
+        masks = model_fn.attention_masks(b.cu_seqlens, b.inputs.numel())  # outside the compiled graph
+        total += model_fn(b.inputs, b.targets, b.cu_seqlens, b.bigram_ids, masks=masks).double() * b.inputs.numel()
     count = torch.tensor(float(sum(b.inputs.numel() for b in batches)), dtype=torch.float64, device=device)
     if dist.is_initialized():
         both = torch.stack([total, count])
@@ -3199,12 +3379,21 @@ def train_step(model_fn, opt: NorMuonAdam, batches: list[Batch], plan: StepPlan,
     loss = torch.zeros((), device=device)
     for b in batches:
         b = b.to(device)
+        masks = model_fn.attention_masks(b.cu_seqlens, b.inputs.numel())  # outside the compiled graph
         micro = model_fn(b.inputs, b.targets, b.cu_seqlens, b.bigram_ids, mtp_weights=mtp, loss_scale=grad_scale,
-                         prefix_weight=prefix)
+                         prefix_weight=prefix, masks=masks)
         micro.backward()
         loss += micro.detach()
     opt.step(plan.do_adam, lr_scale=plan.lr_mult, momentum=plan.momentum)
     return loss
+
+
+def compile_model(model: nn.Module):
+    """The model compiled whole: one graph per shape (each stage and the evaluation), no graph breaks
+    (fullgraph: a break is an error, not a silent eager fallback). The record raises dynamo's recompile
+    limit to 64 for the same reason: every schedule variant is a graph of its own."""
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+    return torch.compile(model, dynamic=False, fullgraph=True)
 
 
 def generate(model: "GPT", prompt: str, new_tokens: int, device: torch.device, seed: int = 0) -> str:
@@ -3251,7 +3440,7 @@ def train(args: Hyperparameters, d: DistInfo) -> float:
     progress = Progress(d.is_master)
     if dtype_note:
         progress.show(dtype_note, final=True)
-    model_fn = torch.compile(model, dynamic=False) if args.compile else model
+    model_fn = compile_model(model) if args.compile else model
     loader = DocumentLoader(args.train_files, args.bigram_vocab_size, d.rank, d.world_size)
     val_batches = validation_batches(args.val_files, args.val_tokens, min(args.val_seq_len, args.val_tokens),
                                      args.bigram_vocab_size, d.rank, d.world_size)

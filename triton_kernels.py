@@ -299,35 +299,77 @@ def ba_plus_cAA_triton(A: Tensor, alpha: float, beta: float, out: Tensor) -> Ten
     return out
 
 
+# Per shape, the Triton kernel or torch (cuBLAS). The triangle trick halves the FLOPs, but at the
+# NorMuon banks' small shapes cuBLAS's batched GEMM can still be faster. Measured on one H100 80GB HBM3
+# (tests/bench_kernels.py, torch 2.11, triton 3.6, 2026-11-24): (function, batch, rows, cols of A) ->
+# (Triton ms, torch ms). An H100 takes the faster of the two at a listed shape, the kernel everywhere
+# else; tests/gpu_check.py's kernel-choice check measures the table's shapes again on the GPU at hand.
+H100_KERNEL_TIMES = {
+    ("XXT", 8, 768, 768): (0.034, 0.017),
+    ("XTX", 8, 768, 768): (0.044, 0.017),
+    ("ba_plus_cAA", 8, 768, 768): (0.023, 0.028),
+    ("XXT", 3, 768, 3072): (0.047, 0.022),
+    ("XTX", 3, 3072, 768): (0.053, 0.022),
+    ("ba_plus_cAA", 3, 768, 768): (0.068, 0.017),
+}
+USE_KERNEL_TABLE = True  # False: the Triton kernel at every shape (the kernel-choice check times both)
+
+
+def kernel_choice(name: str, shape: tuple, gpu_name: str) -> str:
+    """"torch" where H100_KERNEL_TIMES says torch is faster at this shape on this (H100) GPU, else "triton"."""
+    key = (name, *((1, *shape) if len(shape) == 2 else shape))
+    times = H100_KERNEL_TIMES.get(key)
+    if not USE_KERNEL_TABLE or times is None or "H100" not in gpu_name:
+        return "triton"
+    return "torch" if times[1] < times[0] else "triton"
+
+
+@torch.compiler.assume_constant_result  # read at trace time: a compiled caller does not break its graph here
+def _gpu_name(index: int) -> str:
+    return torch.cuda.get_device_name(index) if torch.cuda.is_available() else ""
+
+
+def _runs_kernel(name: str, A: Tensor) -> bool:
+    """A CUDA tensor whose shape the table does not give to torch."""
+    if not A.is_cuda:
+        return False
+    index = A.device.index if A.device.index is not None else torch.cuda.current_device()
+    return kernel_choice(name, tuple(A.shape), _gpu_name(index)) == "triton"
+
+
 def XXT(A: Tensor, out: Tensor) -> Tensor:
     """out = A @ A^T; A (m, n) or (b, m, n), out (m, m) or (b, m, m), any float dtype; returns out.
 
-    On CUDA only the lower-triangle tiles are multiplied (fp32 accumulation) and mirrored.
-    `out` must not overlap `A`.
+    On CUDA only the lower-triangle tiles are multiplied (fp32 accumulation) and mirrored, except at
+    shapes where kernel_choice gives torch's matmul. `out` must not overlap `A`.
     """
-    if A.is_cuda:
+    if _runs_kernel("XXT", A):
         return XXT_triton(A, out)
-    return XXT_reference(A, out)
+    return torch.matmul(A, A.mT, out=out) if A.is_cuda else XXT_reference(A, out)
 
 
 def XTX(A: Tensor, out: Tensor) -> Tensor:
     """out = A^T @ A; A (m, n) or (b, m, n), out (n, n) or (b, n, n); returns out.
 
-    The symmetric form for tall matrices (rows > cols), same triangle trick as `XXT`.
+    The symmetric form for tall matrices (rows > cols), same triangle trick (and table) as `XXT`.
     """
-    if A.is_cuda:
+    if _runs_kernel("XTX", A):
         return XTX_triton(A, out)
-    return XTX_reference(A, out)
+    return torch.matmul(A.mT, A, out=out) if A.is_cuda else XTX_reference(A, out)
 
 
 def ba_plus_cAA(A: Tensor, alpha: float, beta: float, out: Tensor) -> Tensor:
     """out = alpha * A @ A + beta * A for symmetric A (m, m) or (b, m, m); returns out.
 
     This is the `b*A + c*A^2` step of Polar Express (alpha = c, beta = b). A must be symmetric:
-    only half of the product is computed. `out` must not overlap `A`.
+    only half of the product is computed (torch's baddbmm where kernel_choice says so). `out` must
+    not overlap `A`.
     """
-    if A.is_cuda:
+    if _runs_kernel("ba_plus_cAA", A):
         return ba_plus_cAA_triton(A, alpha, beta, out)
+    if A.is_cuda:
+        fn = torch.baddbmm if A.dim() == 3 else torch.addmm
+        return fn(A, A, A, beta=beta, alpha=alpha, out=out)
     return ba_plus_cAA_reference(A, alpha, beta, out)
 
 
@@ -529,9 +571,19 @@ def relu2_mlp_backward(dy: Tensor, x: Tensor, w_up: Tensor, w_down: Tensor, post
 
 
 # ----------------------------------------------------------------------------------------------
-# FP8 MLP up-projection (README "Model", FP8): e4m3 x e4m3 with fp32 accumulation, the squared ReLU,
-# and the e4m3 copy of the post-activation for the down-projection, in one kernel
+# FP8 MLP up-projection (record #89, modded-nanogpt PR #342): e4m3 x e4m3 into an fp32 accumulator,
+# the squared ReLU, and the e4m3 copy of the post-activation for the down-projection, in one kernel
 # ----------------------------------------------------------------------------------------------
+#
+# Accumulation. On Hopper (sm_90) Triton runs an e4m3 tl.dot with "fast accumulation" unless told
+# otherwise (its CUDA backend sets max_num_imprecise_acc_default = 2**30 on sm_90): the tensor cores
+# keep the running sum with a reduced mantissa (about 13-14 bits; DeepSeek-V3, arXiv 2412.19437, sec.
+# 3.3.2), so a few percent of the bf16 outputs land one bf16 ulp from the exactly rounded value (5.4%
+# on an H100 at 49152 x 768 -> 3072). Record #89's kernel calls tl.dot with Triton's defaults, i.e. with
+# fast accumulation; fast_accum=True (the default here) does the same. fast_accum=False passes
+# max_num_imprecise_acc=32: the running sum is promoted to fp32 after every 32-deep wgmma instruction,
+# as cuBLAS does without fast accumulation (0 would leave wgmma for Ampere's mma.sync);
+# tests/bench_kernels.py measures what it costs. Other GPUs and the interpreter accumulate in fp32.
 
 E4M3_MAX = 448.0  # largest finite float8_e4m3fn
 
@@ -555,6 +607,7 @@ def _fp8_relu2_kernel(
     a_ptr, b_ptr, post_ptr, q_ptr, amax_ptr, dequant_ptr, act_scale_ptr,
     M, N, K,
     sam, sak, sbk, sbn, spm, spn, sqm, sqn,
+    FAST_ACC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     """post = relu(bf16(dequant * (A @ B)))^2 (bf16) and Q = e4m3(min(post * (1 / act_scale), 448)) for e4m3
@@ -580,7 +633,10 @@ def _fp8_relu2_kernel(
             k_ok = offs_k + k0 < K
             a = tl.load(a_tile, mask=(offs_m[:, None] < M) & k_ok[None, :], other=0.0)
             b = tl.load(b_tile, mask=k_ok[:, None] & (offs_n[None, :] < N), other=0.0)
-            acc = tl.dot(a, b, acc, out_dtype=tl.float32)
+            if FAST_ACC:  # Triton's default for e4m3 on sm_90: the record's
+                acc = tl.dot(a, b, acc, out_dtype=tl.float32)
+            else:  # promoted to fp32 after every 32-deep wgmma (0 would fall back to pre-Hopper mma.sync)
+                acc = tl.dot(a, b, acc, max_num_imprecise_acc=32, out_dtype=tl.float32)
             a_tile += BLOCK_K * sak
             b_tile += BLOCK_K * sbk
 
@@ -616,7 +672,7 @@ def _check_fp8_up_args(x_f8: Tensor, w_up_f8: Tensor, dequant: Tensor, act_scale
 
 
 def relu2_fp8_up_triton(x_f8: Tensor, w_up_f8: Tensor, dequant: Tensor, act_scale: Tensor,
-                        config: dict | None = None) -> tuple[Tensor, Tensor, Tensor]:
+                        config: dict | None = None, fast_accum: bool = True) -> tuple[Tensor, Tensor, Tensor]:
     """Triton path of `relu2_fp8_up`: (post, post_f8, per-program maxima of post (programs,) fp32)."""
     _check_fp8_up_args(x_f8, w_up_f8, dequant, act_scale)
     _check_runnable(_fp8_relu2_kernel, x_f8, w_up_f8, dequant, act_scale)
@@ -631,21 +687,23 @@ def relu2_fp8_up_triton(x_f8: Tensor, w_up_f8: Tensor, dequant: Tensor, act_scal
     _fp8_relu2_kernel[(programs,)](
         x_f8, b, post, post_f8, partial, dequant, act_scale, M, N, K,
         x_f8.stride(0), x_f8.stride(1), b.stride(0), b.stride(1),
-        post.stride(0), post.stride(1), post_f8.stride(0), post_f8.stride(1), **cfg,
+        post.stride(0), post.stride(1), post_f8.stride(0), post_f8.stride(1), FAST_ACC=bool(fast_accum), **cfg,
     )
     return post, post_f8, partial
 
 
-def relu2_fp8_up(x_f8: Tensor, w_up_f8: Tensor, dequant: Tensor, act_scale: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+def relu2_fp8_up(x_f8: Tensor, w_up_f8: Tensor, dequant: Tensor, act_scale: Tensor,
+                 fast_accum: bool = True) -> tuple[Tensor, Tensor, Tensor]:
     """(post bf16 (T, H), post_f8 e4m3 (T, H), amax of post (0-D fp32)) of the FP8 up-projection.
 
     x_f8 (T, D) and w_up_f8 (H, D) are e4m3, dequant = the product of both operands' scales, act_scale
-    the delayed scale of post_f8 (README "Model", FP8). Not differentiable: the FP8 MLP op around it
-    owns the (bf16) backward. CUDA runs the kernel (the maximum is reduced from per-program partials on
-    the device, no host sync), other devices the reference.
+    the delayed scale of post_f8 (record #89). fast_accum: the tensor cores' reduced-precision running
+    sum on sm_90 (the record's; see the section comment), else fp32 promotion throughout. Not
+    differentiable: the FP8 MLP op around it owns the (bf16) backward. CUDA runs the kernel (the maximum
+    is reduced from per-program partials on the device, no host sync), other devices the reference.
     """
     if x_f8.is_cuda:
-        post, post_f8, partial = relu2_fp8_up_triton(x_f8, w_up_f8, dequant, act_scale)
+        post, post_f8, partial = relu2_fp8_up_triton(x_f8, w_up_f8, dequant, act_scale, fast_accum=fast_accum)
         return post, post_f8, partial.amax()
     _check_fp8_up_args(x_f8, w_up_f8, dequant, act_scale)
     return relu2_fp8_up_reference(x_f8, w_up_f8, dequant, act_scale)
@@ -667,6 +725,11 @@ def relu2_fp8_up(x_f8: Tensor, w_up_f8: Tensor, dequant: Tensor, act_scale: Tens
 # Whatever gradient flows back into the loss is ignored: the gradient is the one above, computed in
 # the forward pass for the grad_scale the caller gives (the record assumes the upstream gradient is
 # grad_scale; train_gpt's loss is sum(loss) * grad_scale, which sends exactly that).
+#
+# For the FP8 LM head the gradient is written directly as float8_e5m2, the operand of the head's FP8
+# backward matmuls (record #89): dlogits * grad_mul (grad_mul = 1 / the head's gradient scale),
+# clamped to +-57344 (e5m2's largest finite value: saturating, never inf) and rounded to nearest even,
+# in the same pass, so no logits-sized bf16 gradient is written, read back, scaled and cast again.
 #
 # sigma is computed as 0.5 + 0.5 tanh(x / 2), x = (l + 5) / 7.5, with fast math, and stored in bf16
 # (record #89): the rounded value (ties to even) is the only sigma used here, in z = 23 bf16(sigma) and
@@ -784,13 +847,18 @@ def _softcap_sigma(x):
     return _round_to_bf16(0.5 + 0.5 * _tanh((x + 5.0) * (1.0 / 15.0)))
 
 
+E5M2_MAX = 57344.0  # largest finite float8_e5m2
+
+
 @triton.jit
 def _ce_mtp_kernel(
     logits_ptr, targets_ptr, weights_ptr, prefix_ids_ptr, prefix_weight_ptr, loss_ptr, grad_ptr,
-    T, V, s_lt, s_gt, grad_scale,
+    T, V, s_lt, s_gt, grad_scale, grad_mul,
     K: tl.constexpr, HAS_PREFIX: tl.constexpr, J_POW2: tl.constexpr, BLOCK_V: tl.constexpr,
+    GRAD_E5M2: tl.constexpr,
 ):
     """One program per token row: loss[t] and the record's dlogits[t, :] in two passes over the row.
+    GRAD_E5M2: dlogits * grad_mul saturated to +-57344 and stored as e5m2 (grad_ptr is e5m2).
 
     The row's targets sit in one vector of J_POW2 slots: slots 0..K-1 are the MTP targets, slot K the
     prefix token (HAS_PREFIX). A slot without a target (past the end, invalid prefix) holds -1.
@@ -832,6 +900,8 @@ def _ce_mtp_kernel(
         p = tl.exp(23.0 * s - lse)
         hit = tl.sum(tl.where((v0 + cols)[:, None] == tgt[None, :], w_hit[None, :], 0.0), axis=1)
         g = (normaliser * p - hit) * ((23.0 / 7.5) * grad_scale * s * (1.0 - s))
+        if GRAD_E5M2:
+            g = tl.minimum(tl.maximum(g * grad_mul, -57344.0), 57344.0)
         tl.store(g_row + v0 + cols, g.to(grad_ptr.dtype.element_ty), mask=ok)
 
 
@@ -842,30 +912,37 @@ def _ce_config(V: int, device: torch.device) -> dict:
     return dict(BLOCK_V=4096, num_warps=8)
 
 
+def _grad_dtype(logits: Tensor, grad_mul: float) -> torch.dtype:
+    """dlogits in the logits' dtype, or e5m2 (scaled by grad_mul) when grad_mul > 0."""
+    return torch.float8_e5m2 if grad_mul > 0 else logits.dtype
+
+
 @torch.library.custom_op("speedrun::softcapped_ce_mtp_fwd", mutates_args=())
 def _ce_mtp_fwd_op(logits: Tensor, targets: Tensor, mtp_weights: Tensor, prefix_ids: Tensor | None,
-                   prefix_weight: Tensor | None, grad_scale: float) -> tuple[Tensor, Tensor]:
-    """Returns (per-token loss (T,) fp32, the record's dlogits (T, V) in the logits' dtype)."""
+                   prefix_weight: Tensor | None, grad_scale: float, grad_mul: float = 0.0) -> tuple[Tensor, Tensor]:
+    """Returns (per-token loss (T,) fp32, the record's dlogits (T, V) in the logits' dtype, or in
+    e5m2 times grad_mul, saturated, when grad_mul > 0)."""
     extra = () if prefix_ids is None else (prefix_ids, prefix_weight)
     _check_runnable(_ce_mtp_kernel, logits, targets, mtp_weights, *extra)
     T, V = logits.shape
     K = mtp_weights.shape[0]
     loss = torch.empty(T, dtype=torch.float32, device=logits.device)
-    grad = torch.empty((T, V), dtype=logits.dtype, device=logits.device)
+    grad = torch.empty((T, V), dtype=_grad_dtype(logits, grad_mul), device=logits.device)
     has_prefix = prefix_ids is not None
     if T > 0:
         _ce_mtp_kernel[(T,)](
             logits, targets, mtp_weights, prefix_ids if has_prefix else targets,
             prefix_weight if has_prefix else mtp_weights, loss, grad, T, V, logits.stride(0), grad.stride(0), grad_scale,
-            K=K, HAS_PREFIX=has_prefix, J_POW2=max(2, triton.next_power_of_2(K + has_prefix)),
-            **_ce_config(V, logits.device),
+            float(grad_mul), K=K, HAS_PREFIX=has_prefix, J_POW2=max(2, triton.next_power_of_2(K + has_prefix)),
+            GRAD_E5M2=grad_mul > 0, **_ce_config(V, logits.device),
         )
     return loss, grad
 
 
 @_ce_mtp_fwd_op.register_fake
-def _(logits, targets, mtp_weights, prefix_ids, prefix_weight, grad_scale):
-    return logits.new_empty(logits.shape[0], dtype=torch.float32), torch.empty_like(logits)
+def _(logits, targets, mtp_weights, prefix_ids, prefix_weight, grad_scale, grad_mul=0.0):
+    return (logits.new_empty(logits.shape[0], dtype=torch.float32),
+            torch.empty_like(logits, dtype=_grad_dtype(logits, grad_mul)))
 
 
 def _ce_setup(ctx, inputs, output):
@@ -878,7 +955,7 @@ def _ce_setup(ctx, inputs, output):
 def _ce_backward(ctx, _dloss, _dgrad):
     """The stored gradient as is: the incoming one is ignored (the record's; see the section comment)."""
     (grad,) = ctx.saved_tensors
-    return grad, None, None, None, None, None
+    return grad, None, None, None, None, None, None
 
 
 _ce_mtp_fwd_op.register_autograd(_ce_backward, setup_context=_ce_setup)
@@ -908,10 +985,11 @@ CE_CPU_ROWS = 8  # rows per block: 8 x 50304 fp32 values stay in a 2 MiB L2 cach
 
 
 def _ce_rows_block(logits: Tensor, cols: Tensor, w_hit: Tensor, normaliser: Tensor, grad_out: Tensor,
-                   grad_scale: float) -> Tensor:
+                   grad_scale: float, grad_mul: float = 0.0) -> Tensor:
     """Loss (R,) of one block of rows, writing the record's dlogits (R, V) into grad_out; cols and
     w_hit (R, J) are the rows' target columns and their weights (0 where there is no target),
-    normaliser (R,) the rows' S_t. In-place ops keep it to a few cache-resident passes over the block."""
+    normaliser (R,) the rows' S_t. In-place ops keep it to a few cache-resident passes over the block.
+    grad_mul > 0: grad_out is e5m2 and receives dlogits * grad_mul saturated to +-E5M2_MAX."""
     sigma = softcap_sigma_bf16(logits)
     e = sigma.mul(23.0).exp_()                                 # exp(z), z < 23: no overflow in fp32
     total = e.sum(dim=1)
@@ -921,7 +999,11 @@ def _ce_rows_block(logits: Tensor, cols: Tensor, w_hit: Tensor, normaliser: Tens
     scale = grad_scale * 23.0 / 7.5
     g = e.mul_((normaliser * scale / total)[:, None])
     g.scatter_add_(1, cols, w_hit * -scale)
-    torch.mul(g, torch.addcmul(sigma, sigma, sigma, value=-1.0), out=grad_out)
+    if grad_mul > 0:  # fp32 as above, then scaled, saturated and rounded to e5m2 once, as in the kernel
+        g.mul_(torch.addcmul(sigma, sigma, sigma, value=-1.0)).mul_(grad_mul).clamp_(-E5M2_MAX, E5M2_MAX)
+        grad_out.copy_(g)
+    else:
+        torch.mul(g, torch.addcmul(sigma, sigma, sigma, value=-1.0), out=grad_out)
     return loss
 
 
@@ -951,20 +1033,22 @@ def _ce_row_targets(targets: Tensor, mtp_weights: Tensor, prefix_ids: Tensor | N
 
 @torch.library.custom_op("speedrun::softcapped_ce_mtp_rows", mutates_args=())
 def _ce_mtp_rows_op(logits: Tensor, targets: Tensor, mtp_weights: Tensor, prefix_ids: Tensor | None,
-                    prefix_weight: Tensor | None, grad_scale: float) -> tuple[Tensor, Tensor]:
-    """Returns (per-token loss (T,) fp32, the record's dlogits (T, V) in the logits' dtype)."""
+                    prefix_weight: Tensor | None, grad_scale: float, grad_mul: float = 0.0) -> tuple[Tensor, Tensor]:
+    """Returns (per-token loss (T,) fp32, the record's dlogits (T, V) in the logits' dtype, or e5m2
+    as the kernel's when grad_mul > 0)."""
     T, V = logits.shape
     loss = torch.empty(T, dtype=torch.float32, device=logits.device)
-    grad = torch.empty((T, V), dtype=logits.dtype, device=logits.device)
+    grad = torch.empty((T, V), dtype=_grad_dtype(logits, grad_mul), device=logits.device)
     cols, w_hit, normaliser = _ce_row_targets(targets, mtp_weights, prefix_ids, prefix_weight)
     for a, b, (lg, c, w, n, go) in _row_blocks(T, logits, cols, w_hit, normaliser, grad):
-        loss[a:b] = _ce_rows_block(lg, c, w, n, go, grad_scale)
+        loss[a:b] = _ce_rows_block(lg, c, w, n, go, grad_scale, grad_mul)
     return loss, grad
 
 
 @_ce_mtp_rows_op.register_fake
-def _(logits, targets, mtp_weights, prefix_ids, prefix_weight, grad_scale):
-    return logits.new_empty(logits.shape[0], dtype=torch.float32), torch.empty_like(logits)
+def _(logits, targets, mtp_weights, prefix_ids, prefix_weight, grad_scale, grad_mul=0.0):
+    return (logits.new_empty(logits.shape[0], dtype=torch.float32),
+            torch.empty_like(logits, dtype=_grad_dtype(logits, grad_mul)))
 
 
 _ce_mtp_rows_op.register_autograd(_ce_backward, setup_context=_ce_setup)
@@ -977,6 +1061,34 @@ def softcapped_ce_mtp_rows(logits: Tensor, targets: Tensor, mtp_weights: Tensor,
     loss, _ = torch.ops.speedrun.softcapped_ce_mtp_rows(
         logits, *_ce_inputs(targets, mtp_weights, prefix_ids, prefix_weight), float(grad_scale))
     return loss
+
+
+def softcapped_ce_mtp_e5m2(logits: Tensor, targets: Tensor, mtp_weights: Tensor, prefix_ids: Tensor | None,
+                           prefix_weight: Tensor | None, grad_scale: float, grad_s: float,
+                           kernel: bool | None = None) -> tuple[Tensor, Tensor]:
+    """(per-token loss (T,) fp32, dlogits (T, V) float8_e5m2) for the FP8 LM head's backward: the
+    record's gradient (see softcapped_ce_mtp) divided by the head's gradient scale grad_s, saturated
+    at +-57344 and rounded to nearest, written by the same pass that computes the loss. Not
+    differentiable: the FP8 head op owns the backward. kernel: the Triton kernel (default on CUDA) or
+    the CPU twin."""
+    _check_ce_args(logits, targets, mtp_weights, prefix_ids, prefix_weight, grad_scale)
+    if not (math.isfinite(grad_s) and grad_s > 0):
+        raise ValueError(f"softcapped_ce_mtp_e5m2: grad_s must be a positive finite number, got {grad_s}")
+    if logits.stride(1) != 1:
+        logits = logits.contiguous()
+    op = (torch.ops.speedrun.softcapped_ce_mtp_fwd if (logits.is_cuda if kernel is None else kernel)
+          else torch.ops.speedrun.softcapped_ce_mtp_rows)
+    return op(logits, *_ce_inputs(targets, mtp_weights, prefix_ids, prefix_weight), float(grad_scale), 1.0 / grad_s)
+
+
+def softcapped_ce_mtp_e5m2_reference(logits: Tensor, targets: Tensor, mtp_weights: Tensor, prefix_ids: Tensor | None,
+                                     prefix_weight: Tensor | None, grad_scale: float, grad_s: float) -> tuple[Tensor, Tensor]:
+    """Plain-torch reference of softcapped_ce_mtp_e5m2: the reference gradient (in the logits' dtype,
+    float64 for float64 logits) / grad_s, saturated and rounded to e5m2."""
+    x = logits.detach().clone().requires_grad_()
+    loss = softcapped_ce_mtp_reference(x, targets, mtp_weights, prefix_ids, prefix_weight, grad_scale)
+    loss.sum().backward()
+    return loss.detach(), (x.grad / grad_s).clamp(-E5M2_MAX, E5M2_MAX).to(torch.float8_e5m2)
 
 
 def softcapped_ce_mtp(logits: Tensor, targets: Tensor, mtp_weights: Tensor, prefix_ids: Tensor | None = None,

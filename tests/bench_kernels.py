@@ -1,7 +1,12 @@
 """Time every Triton kernel against its torch equivalent at the speedrun shapes (CUDA only).
 
     python tests/bench_kernels.py              # all kernels
-    python tests/bench_kernels.py --only ce    # one group: sym, mlp, ce, transpose
+    python tests/bench_kernels.py --only ce    # one group: sym, mlp, fp8, ce, transpose
+
+The symmetric products are timed at the NorMuon banks' shapes on one rank of 8 and on 1 GPU, for
+triton_kernels.H100_KERNEL_TIMES (which of the two an H100 runs at each shape). The FP8 up-projection
+is timed with the record's fast accumulation and with fp32 promotion; the loss kernel with a bf16 and
+with the FP8 head's e5m2 gradient.
 
 Prints milliseconds, achieved TFLOP/s (matmuls) or GB/s (memory-bound kernels) and the speed ratio
 torch / triton. For the symmetric kernels TFLOP/s counts the full product (2 m^2 k), so the
@@ -25,21 +30,56 @@ def _row(name: str, ms_triton: float, ms_torch: float, work: float, unit: str) -
           f"torch {ms_torch:8.3f} ms {rate(ms_torch):8.1f} {unit:<7} | speedup x{ms_torch / ms_triton:5.2f}")
 
 
-def bench_sym(tk, bench) -> None:
+# (function, batch, rows, cols of its A) of Polar Express at the speedrun's banks: qk (256 x 768), vo
+# (768 x 768) and the tall MLP matrices (3072 x 768, through XTX), per rank of 8 GPUs and on 1 GPU, and
+# the shapes of the first H100 measurement (H100_KERNEL_TIMES).
+SYM_SHAPES = (("XXT", 8, 256, 768), ("ba_plus_cAA", 8, 256, 256), ("XXT", 3, 768, 768), ("ba_plus_cAA", 3, 768, 768),
+              ("XTX", 3, 3072, 768), ("XXT", 64, 256, 768), ("ba_plus_cAA", 64, 256, 256), ("XXT", 24, 768, 768),
+              ("ba_plus_cAA", 24, 768, 768), ("XTX", 24, 3072, 768), ("XXT", 8, 768, 768), ("XTX", 8, 768, 768),
+              ("ba_plus_cAA", 8, 768, 768), ("XXT", 3, 768, 3072))
+
+
+def time_sym(tk, bench, shapes=SYM_SHAPES) -> list[tuple]:
+    """(function, batch, rows, cols, Triton ms, torch ms) at each shape, the kernels called directly."""
     dev, bf16 = "cuda", torch.bfloat16
-    for b, m, n in ((8, 768, 768), (3, 768, 3072)):  # attention banks; MLP bank as its wide transpose
+    rows = []
+    for name, b, m, n in shapes:
         A = torch.randn(b, m, n, device=dev, dtype=bf16) / n**0.5
-        out = torch.empty(b, m, m, device=dev, dtype=bf16)
-        flops = 2 * b * m * m * n
-        _row(f"XXT {b}x{m}x{n}", bench(lambda: tk.XXT(A, out)), bench(lambda: torch.bmm(A, A.mT, out=out)),
-             flops, "TFLOP/s")
-        At = A.mT.contiguous()  # (b, n, m): the tall MLP matrices go through XTX
-        _row(f"XTX {b}x{n}x{m}", bench(lambda: tk.XTX(At, out)), bench(lambda: torch.bmm(At.mT, At, out=out)),
-             flops, "TFLOP/s")
-        S = torch.empty(b, m, m, device=dev, dtype=bf16)
-        tk.XXT(A, S)
-        _row(f"ba_plus_cAA {b}x{m}x{m}", bench(lambda: tk.ba_plus_cAA(S, 1.5, -2.0, out)),
-             bench(lambda: torch.baddbmm(S, S, S, beta=-2.0, alpha=1.5, out=out)), 2 * b * m * m * m, "TFLOP/s")
+        if name == "ba_plus_cAA":
+            A = A @ A.mT  # symmetric
+            out = torch.empty_like(A)
+            t = bench(lambda: tk.ba_plus_cAA_triton(A, 1.5, -2.0, out))
+            r = bench(lambda: torch.baddbmm(A, A, A, beta=-2.0, alpha=1.5, out=out))
+        else:
+            k = m if name == "XXT" else n
+            out = torch.empty(b, k, k, device=dev, dtype=bf16)
+            kernel = tk.XXT_triton if name == "XXT" else tk.XTX_triton
+            t = bench(lambda: kernel(A, out))
+            r = bench(lambda: torch.matmul(A, A.mT, out=out) if name == "XXT" else torch.matmul(A.mT, A, out=out))
+        rows.append((name, b, m, n, t, r))
+    return rows
+
+
+def bench_sym(tk, bench) -> None:
+    for name, b, m, n, t, r in time_sym(tk, bench):
+        k = n if name == "XTX" else m
+        flops = 2 * b * k * k * (m if name == "XTX" else n)
+        _row(f"{name} {b}x{m}x{n}", t, r, flops, "TFLOP/s")
+
+
+def bench_fp8(tk, bench, tokens: int) -> None:
+    """The FP8 up-projection kernel, fast accumulation (the record's) against fp32 promotion."""
+    dev = "cuda"
+    T, D, H = tokens, 768, 3072
+    x_f8 = torch.randn(T, D, device=dev).clamp(-4, 4).mul(100).to(torch.float8_e4m3fn)
+    w_f8 = torch.randn(H, D, device=dev).mul(100).to(torch.float8_e4m3fn)
+    dequant = torch.full((1,), 1e-4, device=dev)
+    act = torch.full((1,), 1.0, device=dev)
+    fast = bench(lambda: tk.relu2_fp8_up_triton(x_f8, w_f8, dequant, act, fast_accum=True))
+    precise = bench(lambda: tk.relu2_fp8_up_triton(x_f8, w_f8, dequant, act, fast_accum=False))
+    flops = 2 * T * D * H
+    print(f"{'relu2_fp8_up ' + f'{T}x{D}x{H}':<44} fast accumulation {fast:8.3f} ms {flops / fast / 1e9:8.1f} TFLOP/s | "
+          f"fp32 promotion {precise:8.3f} ms {flops / precise / 1e9:8.1f} TFLOP/s | cost x{precise / fast:5.2f}")
 
 
 def bench_mlp(tk, bench, tokens: int) -> None:
@@ -77,6 +117,16 @@ def bench_ce(tk, bench, tokens: int) -> None:
     nbytes = T * V * 2 * 3
     _row(f"softcapped_ce_mtp fwd+bwd {T}x{V} K=3 + prefix", bench(fwd_bwd(tk.softcapped_ce_mtp)), bench(fwd_bwd(ref)),
          nbytes, "GB/s")
+    # the FP8 head's form: the e5m2 gradient (1 byte) against the bf16 one plus torch's scale-and-cast
+    # passes that it replaces
+    x = logits.detach()
+    fused = bench(lambda: tk.softcapped_ce_mtp_e5m2(x, targets, w, prefix_ids, pi, 1.0, 0.75 / 448))
+
+    def separate():
+        g = torch.autograd.grad(tk.softcapped_ce_mtp(logits, targets, w, prefix_ids, pi).sum(), logits)[0]
+        return (g / (0.75 / 448)).to(torch.float8_e5m2)
+
+    _row(f"softcapped_ce_mtp e5m2 gradient {T}x{V}", fused, bench(separate), T * V * 5, "GB/s")
 
 
 def bench_transpose(tk, bench) -> None:
@@ -94,7 +144,7 @@ def bench_transpose(tk, bench) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--only", choices=("sym", "mlp", "ce", "transpose"), help="run one group of kernels")
+    parser.add_argument("--only", choices=("sym", "mlp", "fp8", "ce", "transpose"), help="run one group of kernels")
     parser.add_argument("--tokens", type=int, default=49152, help="tokens per rank for the MLP and CE shapes")
     args = parser.parse_args()
     if args.tokens <= 0:
@@ -114,6 +164,7 @@ def main() -> int:
 
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}")
     groups = {"sym": lambda: bench_sym(tk, bench), "mlp": lambda: bench_mlp(tk, bench, args.tokens),
+              "fp8": lambda: bench_fp8(tk, bench, args.tokens),
               "ce": lambda: bench_ce(tk, bench, args.tokens), "transpose": lambda: bench_transpose(tk, bench)}
     for name, run in groups.items():
         if args.only in (None, name):

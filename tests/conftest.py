@@ -77,11 +77,11 @@ _patch_interpreter_bf16_dot()
 
 def _patch_interpreter_rounding() -> None:
     """Make the interpreter's narrowing float casts round like Hopper: fp32 -> bf16 to nearest even,
-    fp32 -> float8_e4m3fn to nearest even with saturation at +-448.
+    fp32 -> float8_e4m3fn / float8_e5m2 to nearest even with saturation at +-448 / +-57344.
 
     The interpreter truncates fp32 -> bf16, and converts to float8 bit by bit (subnormals truncated,
     halves rounded away from zero, values past the top binade on a wrong exponent). The compiled
-    kernels' conversions (cvt.rn.bf16.f32, cvt.rn.satfinite.e4m3x2.f32) are what torch's CPU casts
+    kernels' conversions (cvt.rn.bf16.f32, cvt.rn.satfinite.e4m3x2.f32 / e5m2x2) are what torch's CPU casts
     of a clamped value compute, so the interpreter is given those, and kernels whose outputs are
     defined bit for bit (the FP8 MLP up-projection) can be checked exactly.
     """
@@ -108,6 +108,9 @@ def _patch_interpreter_rounding() -> None:
         if dst_type.scalar == tl.float8e4nv and src.dtype.scalar in (tl.float32, tl.float16):
             bits = fp32_values(src).clamp(-448.0, 448.0).to(torch.float8_e4m3fn).view(torch.uint8).numpy()
             return interpreter.TensorHandle(bits, tl.float8e4nv)
+        if dst_type.scalar == tl.float8e5 and src.dtype.scalar in (tl.float32, tl.float16):
+            bits = fp32_values(src).clamp(-57344.0, 57344.0).to(torch.float8_e5m2).view(torch.uint8).numpy()
+            return interpreter.TensorHandle(bits, tl.float8e5)
         return original_fp_to_fp(self, src, dst_type, rounding_mode)
 
     cast_impl._rounds_like_hopper = True

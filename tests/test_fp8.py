@@ -137,6 +137,8 @@ def test_checker_accepts_the_legal_layout():
     ("scale_vector", "scale_b must be a single float32"),
     ("inner_mismatch", "inner dimensions"),
     ("three_d", "2-D"),
+    ("scale_a_offset_4_bytes", "scale_a sits at byte offset 4 .* not 16-byte aligned"),
+    ("scale_b_offset_12_bytes", "scale_b sits at byte offset 12 .* not 16-byte aligned"),
 ])
 def test_checker_rejects(case, message):
     a, b, sa, sb = _ok()
@@ -162,6 +164,10 @@ def test_checker_rejects(case, message):
         b = torch.zeros(48, 80).to(E4M3).T
     elif case == "three_d":
         a = torch.zeros(2, 32, 64).to(E4M3)
+    elif case == "scale_a_offset_4_bytes":  # a 0-d view of a per-layer vector: what failed on the H100
+        sa = torch.ones(4)[1]
+    elif case == "scale_b_offset_12_bytes":
+        sb = torch.ones(4)[3]
     with pytest.raises(ValueError, match=message):
         tg.check_scaled_mm_args(a, b, sa, sb)
 
@@ -195,18 +201,97 @@ def test_model_training_head_uses_fp8_where_supported(monkeypatch):
     on the CPU here) with the static head scales; --fp8 false keeps the bf16 head. (The MLPs switch to
     FP8 with it; their down-projections are zero at init, so they change little here.)"""
     calls = []
-    real = tg.fp8_matmul
-    monkeypatch.setattr(tg, "fp8_matmul", lambda *a: calls.append(a[2:]) or real(*a))
+    real = tg.fp8_head_loss
+    monkeypatch.setattr(tg, "fp8_head_loss", lambda *a: calls.append(a[6:]) or real(*a))
     loss16, head16, mlp16 = _head_run(fp8=True)   # CPU: no FP8 tensor cores, bf16 head
     assert calls == []
     monkeypatch.setattr(tg, "_native_fp8", lambda device: True)
     loss8, head8, mlp8 = _head_run(fp8=True)
-    assert calls == [(tg.FP8_HEAD_X_SCALE, tg.FP8_HEAD_W_SCALE, tg.FP8_HEAD_GRAD_SCALE / 128)]
+    assert calls == [(tg.FP8_HEAD_X_SCALE, tg.FP8_HEAD_W_SCALE, tg.FP8_HEAD_GRAD_SCALE / 128, 1 / 128)]
     assert loss8 != loss16 and loss8 == pytest.approx(loss16, rel=1e-3)
     assert (head8 - head16).norm() / head16.norm() < 0.1
     assert (mlp8 - mlp16).norm() / mlp16.norm() < 0.1
     calls.clear()
     assert _head_run(fp8=False)[0] == loss16 and calls == []
+
+
+# ---- the FP8 LM head with the loss: e5m2 gradient from the loss kernel, precise backward ----------
+
+
+def _head_inputs(T=64, K=32, N=96, seed=7):
+    g = torch.Generator().manual_seed(seed)
+    x = tg.norm(torch.randn(T, K, generator=g)).bfloat16()
+    w = (0.3 * torch.randn(K, N, generator=g)).bfloat16()
+    targets = torch.randint(0, N, (T,), generator=g)
+    prefix = torch.randint(-1, N, (T,), generator=g)
+    return x, w, targets, torch.tensor([1.0, 0.5, 0.25]), prefix, torch.tensor(0.25)
+
+
+def test_fp8_head_loss_against_float64_references():
+    """Loss of the bf16 logits of the dequantised float8 product; the e5m2 gradient is the float64
+    reference gradient / grad_s rounded to e5m2; dx and dw are float64 products of the float8 operands."""
+    x, w, targets, mtp, prefix, pi = _head_inputs()
+    grad_scale = 1 / 64
+    gs = tg.FP8_HEAD_GRAD_SCALE * grad_scale
+    xs, ws = tg.FP8_HEAD_X_SCALE, tg.FP8_HEAD_W_SCALE
+    a, b = x.clone().requires_grad_(), w.clone().requires_grad_()
+    loss, x_f8, w_f8, g_f8 = tg.fp8_head_loss(a, b, targets, mtp, prefix, pi, xs, ws, gs, grad_scale)
+    (loss.sum() * grad_scale).backward()
+    assert g_f8.dtype == E5M2 and w_f8.stride() == (1, w.shape[0])  # column-major, as cuBLAS reads it
+    # quantised as the record does: t / scale in bf16, then cast to e4m3
+    xq, wq = (x / xs).to(E4M3).double() * xs, (w / ws).to(E4M3).double() * ws
+    logits = (xq @ wq).bfloat16().double()  # the forward's bf16 output
+    import triton_kernels as tk
+    ref_loss, ref_g = tk.softcapped_ce_mtp_e5m2_reference(logits, targets, mtp.double(), prefix, pi.double(),
+                                                          grad_scale, gs)
+    torch.testing.assert_close(loss.double(), ref_loss.double(), rtol=1e-5, atol=1e-5)
+    differ = (g_f8.float() != ref_g.float()).float().mean()
+    assert differ < 0.01  # fp32 against float64 math: a rare neighbouring e5m2 value
+    g = g_f8.double() * gs
+    torch.testing.assert_close(a.grad.double(), (g @ wq.T).bfloat16().double(), rtol=2 ** -7, atol=1e-7)
+    torch.testing.assert_close(b.grad.double(), (xq.T @ g).bfloat16().double(), rtol=2 ** -7, atol=1e-7)
+
+
+def test_fp8_head_backward_runs_without_fast_accumulation(monkeypatch):
+    """Record #89: the forward product uses fast accumulation, dx and dw do not."""
+    seen = []
+    real = tg._scaled_matmul
+    monkeypatch.setattr(tg, "_scaled_matmul", lambda a, b, sa, sb, out_dtype, fast_accum:
+                        seen.append((tuple(a.shape), tuple(b.shape), out_dtype, fast_accum)) or
+                        real(a, b, sa, sb, out_dtype, fast_accum))
+    x, w, targets, mtp, prefix, pi = _head_inputs(T=48, K=32, N=80)
+    a, b = x.clone().requires_grad_(), w.clone().requires_grad_()
+    loss = tg.fp8_head_loss(a, b, targets, mtp, prefix, pi, 0.1, 0.01, 1e-4, 1.0)[0]
+    loss.sum().backward()
+    assert seen == [((48, 32), (32, 80), torch.bfloat16, True),    # logits
+                    ((48, 80), (80, 32), torch.bfloat16, False),   # dx = dlogits @ w^T
+                    ((32, 48), (48, 80), torch.float32, False)]    # dw = x^T @ dlogits
+
+
+def test_fp8_head_gradient_saturates_instead_of_overflowing():
+    """A gradient scale far too small for the gradient: e5m2 values saturate at +-57344, never inf."""
+    x, w, targets, mtp, prefix, pi = _head_inputs()
+    _, _, _, g_f8 = tg.fp8_head_loss(x, w, targets, mtp, prefix, pi, 0.1, 0.01, 1e-9, 1.0)
+    g = g_f8.float()
+    assert torch.isfinite(g).all() and g.abs().max() == 57344
+
+
+def test_fp8_head_loss_registrations():
+    x, w, targets, mtp, prefix, pi = _head_inputs(T=32, K=32, N=48)
+    torch.library.opcheck(tg.fp8_head_loss, (x.requires_grad_(), w.requires_grad_(), targets, mtp, prefix, pi,
+                                             0.1, 0.01, 1e-4, 1.0),
+                          test_utils=("test_autograd_registration", "test_faketensor"))
+
+    def f(a, b):
+        return tg.fp8_head_loss(a, b, targets, mtp, prefix, pi, 0.1, 0.01, 1e-4, 1.0)[0].sum()
+
+    grads = []
+    for fn in (f, torch.compile(f, backend="aot_eager", fullgraph=True)):
+        a, b = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+        fn(a, b).backward()
+        grads.append((a.grad, b.grad))
+    for eager, compiled in zip(*grads):
+        torch.testing.assert_close(compiled, eager, rtol=0, atol=0)
 
 
 # ---- the FP8 MLP (record #89: current-scaled up-projection, delayed-scaled down-projection) ------
@@ -259,7 +344,7 @@ def test_fp8_mlp_forward_backward_match_float64_emulation(headroom):
     act = float(amax64) * headroom / 448
     y_ref, post_ref, _ = fp8_mlp_emulation(x, w_up, w_down, act)
     state = fp8_state(w_up, w_down)
-    state.act_scale.fill_(act)
+    state.act_scale[:, 0] = act
     x_, w_up_, w_down_ = (t.clone().requires_grad_(True) for t in (x, w_up, w_down))
     y = state.mlp(0, x_, w_up_, w_down_)
     assert y.dtype == torch.bfloat16 and y.shape == x.shape
@@ -281,8 +366,8 @@ def test_fp8_mlp_backward_is_the_post_only_bf16_backward():
     x, w_up, w_down, dy = mlp_inputs(seed=1)
     state = fp8_state(w_up, w_down)
     ins = [t.clone().requires_grad_(True) for t in (x, w_up, w_down)]
-    y, post, _ = tg.fp8_mlp(*ins, state.up_f8[0], state.up_scale[0], state.down_f8_t[0], state.down_scale[0],
-                            state.act_scale[0])
+    y, post, _ = tg.fp8_mlp(*ins, state.up_f8[0], state.up_scale[0, 0], state.down_f8_t[0], state.down_scale[0, 0],
+                            state.act_scale[0, 0])
     y.backward(dy)
     want = tg.triton_kernels.relu2_mlp_backward(dy, x, w_up, w_down, post)
     for t, w in zip(ins, want):
@@ -310,7 +395,7 @@ def test_fp8_delayed_scaling_bookkeeping_over_three_steps(monkeypatch):
     state = tg.FP8MLPState(L, H, D)
     state.quantize(bank, bootstrap=True)  # before step 0
     assert (state.down_f8_t.float() == 0).all()
-    assert state.down_scale.tolist() == pytest.approx([1e-12 / 448] * L, rel=1e-6)
+    assert state.down_scale[:, 0].tolist() == pytest.approx([1e-12 / 448] * L, rel=1e-6)
 
     def forward():
         x = tg.norm(torch.randn(T, D, generator=g)).bfloat16()
@@ -327,9 +412,9 @@ def test_fp8_delayed_scaling_bookkeeping_over_three_steps(monkeypatch):
     state.quantize(bank, bootstrap=True)
     for layer in range(L):
         w2 = amax(bank[2 * layer + 1])
-        assert float(state.down_scale[layer]) == pytest.approx(w2 / 448, rel=1e-6)
-        assert float(state.down_next_scale[layer]) == pytest.approx(w2 * 1.12 / 448, rel=1e-6)
-        assert float(state.up_scale[layer]) == pytest.approx(amax(bank[2 * layer]) / 448, rel=2 ** -8)  # bf16
+        assert float(state.down_scale[layer, 0]) == pytest.approx(w2 / 448, rel=1e-6)
+        assert float(state.down_next_scale[layer, 0]) == pytest.approx(w2 * 1.12 / 448, rel=1e-6)
+        assert float(state.up_scale[layer, 0]) == pytest.approx(amax(bank[2 * layer]) / 448, rel=2 ** -8)  # bf16
         assert state.down_f8_t[layer].float().abs().max() == 448  # no headroom: the largest maps to 448
     # step 1: act scale = the previous forward's amax of post * 1.80 / 448; W2 grows 1.5x and is
     # quantised with the scale taken at step 0, so its largest entries clip at 448
@@ -344,15 +429,15 @@ def test_fp8_delayed_scaling_bookkeeping_over_three_steps(monkeypatch):
     for layer in range(L):
         w2 = bank[2 * layer + 1].float()
         q = state.down_f8_t[layer].float().T
-        clipped = (w2 / prev_next[layer]).abs() > 448
+        clipped = (w2 / prev_next[layer, 0]).abs() > 448
         assert clipped.any() and (q[clipped].abs() == 448).all()
-        assert float(state.down_next_scale[layer]) == pytest.approx(amax(w2) * 1.12 / 448, rel=1e-6)
+        assert float(state.down_next_scale[layer, 0]) == pytest.approx(amax(w2) * 1.12 / 448, rel=1e-6)
     # step 2: the same rules once more, with the headroom scale from step 1
     forward()
     for layer in range(L):
         assert seen[4 + layer]["act"] == pytest.approx(seen[2 + layer]["post_amax"] * 1.80 / 448, rel=1e-6)
-        assert seen[4 + layer]["down"] == pytest.approx(float(prev_next[layer]), rel=1e-6)
-    assert float(state.act_scale[1]) == pytest.approx(seen[5]["post_amax"] * 1.80 / 448, rel=1e-6)
+        assert seen[4 + layer]["down"] == pytest.approx(float(prev_next[layer, 0]), rel=1e-6)
+    assert float(state.act_scale[1, 0]) == pytest.approx(seen[5]["post_amax"] * 1.80 / 448, rel=1e-6)
     assert (tg.FP8_BOOTSTRAP_STEPS, tg.FP8_ACT_HEADROOM, tg.FP8_DOWN_W_HEADROOM) == (16, 1.80, 1.12)
 
 
@@ -370,14 +455,14 @@ def test_fp8_mlp_compiles_fullgraph_like_eager():
         results.append((y.detach(), *(t.grad for t in ins), state.act_scale.clone()))
     for eager, comp in zip(*results):
         torch.testing.assert_close(comp, eager, rtol=0, atol=0)
-    assert results[0][-1][0] != 1.0
+    assert results[0][-1][0, 0] != 1.0
 
 
 def test_fp8_mlp_opcheck():
     x, w_up, w_down, _ = mlp_inputs(T=32, D=32, H=48, seed=5)
     state = fp8_state(w_up, w_down)
-    args = (x.requires_grad_(), w_up.requires_grad_(), w_down.requires_grad_(), state.up_f8[0], state.up_scale[0],
-            state.down_f8_t[0], state.down_scale[0], state.act_scale[0])
+    args = (x.requires_grad_(), w_up.requires_grad_(), w_down.requires_grad_(), state.up_f8[0], state.up_scale[0, 0],
+            state.down_f8_t[0], state.down_scale[0, 0], state.act_scale[0, 0])
     # test_schema multiplies every input, which float8 tensors do not support on the CPU; the compile
     # test above covers AOTAutograd
     torch.library.opcheck(tg.fp8_mlp, args, test_utils=("test_autograd_registration", "test_faketensor"))
@@ -426,7 +511,7 @@ def test_model_training_forward_takes_the_fp8_mlp_path(monkeypatch):
         losses[fp8], grads[fp8] = loss.item(), model.mlp_bank.grad.float()
         if fp8:
             assert calls == list(range(model.args.num_layers))
-            assert (model.fp8_mlp.act_scale != 1.0).all()  # this forward's amax recorded for the next
+            assert (model.fp8_mlp.act_scale[:, 0] != 1.0).all()  # this forward's amax recorded for the next
             calls.clear()
             with torch.no_grad():
                 model(*batch)  # evaluation
@@ -448,8 +533,25 @@ def test_fp8_state_rides_in_the_state_dict(monkeypatch):
     with torch.no_grad():
         model.mlp_bank.mul_(1.1)
     model.fp8_mlp.quantize(model.mlp_bank, bootstrap=False)
-    assert (model.fp8_mlp.act_scale != 1.0).all()
+    assert (model.fp8_mlp.act_scale[:, 0] != 1.0).all()
     model.load_state_dict(snapshot)
     assert (model.fp8_mlp.act_scale == 1.0).all()
     for name in ("up_f8", "down_f8_t"):
         assert torch.equal(getattr(model.fp8_mlp, name).view(torch.uint8), snapshot[f"fp8_mlp.{name}"].view(torch.uint8))
+
+
+def test_every_layers_scales_are_16_byte_aligned():
+    """cuBLASLt rejects scale pointers that are not 16-byte aligned (CUBLAS_STATUS_NOT_SUPPORTED on an H100
+    for offsets 4, 8, 12): each layer's scales must start a 16-byte slot, so every layer's MLP runs
+    through the checked _scaled_mm call (emulated on the CPU, with the same checks)."""
+    L, T, D, H = 5, 32, 32, 48
+    g = torch.Generator().manual_seed(6)
+    bank = ((torch.rand(2 * L, H, D, generator=g) * 2 - 1) / 32).bfloat16()
+    state = tg.FP8MLPState(L, H, D)
+    state.quantize(bank, bootstrap=True)
+    x = tg.norm(torch.randn(T, D, generator=g)).bfloat16()
+    for layer in range(L):
+        for name in ("up_scale", "down_scale", "act_scale", "down_next_scale"):
+            assert getattr(state, name)[layer, 0].data_ptr() % 16 == 0, (name, layer)
+        state.mlp(layer, x, bank[2 * layer], bank[2 * layer + 1])
+    assert (state.act_scale[:, 0] != 1.0).all()  # every layer's forward ran and recorded its amax

@@ -233,11 +233,10 @@ def test_attend_matches_float64_brute_force(paired, heads):
     model = make_model()
     T, H, hd = 40, heads, 8
     doc = torch.tensor([0] * 15 + [1] * 25)
-    model.windows.copy_(torch.tensor([6, 11], dtype=torch.int32))
-    model.window_tokens = (6, 11)
+    window = torch.tensor(11, dtype=torch.int32)
     g = torch.Generator().manual_seed(1)
     q, k, v = (torch.randn(T, H, hd, generator=g, dtype=torch.float64) for _ in range(3))
-    got = model._attend(q, k, v, doc, long=True, paired=paired, masks={})
+    got = model._attend(q, k, v, tg.attention_mask(doc, window, 11, 2 if paired else 1, "sdpa"), paired=paired)
     want = torch.zeros(T, H, hd, dtype=torch.float64)
     half = H // 2
     for t in range(T):

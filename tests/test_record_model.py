@@ -158,6 +158,7 @@ def record_forward(model, ids, cu, big):
     cache = {0: x}
     resid, postl = model.resid_lambdas.bfloat16(), model.post_lambdas.bfloat16()
     rope = tg.rotary_tables(model.rotary_freq, T, H, torch.bfloat16)
+    masks = model.attention_masks(cu, T)
     w = {"qk": model.qk_bank.unbind(0), "vo": model.vo_bank.unbind(0)}
     mlp = model.mlp_bank.unbind(0)
     ve_of = {1: 0, 2: 1, 8: 2, 9: 3}
@@ -171,7 +172,6 @@ def record_forward(model, ids, cu, big):
                 g_x0[j], g_big[j] = post[:, 18 + 2 * n: 19 + 2 * n], post[:, 19 + 2 * n: 20 + 2 * n]
             coefs.update({("xsa", 4): post[:, 0:6], ("xsa", 7): post[:, 6:12], ("gate", 10): post[:, 12:18],
                           ("dc_w1", 10): post[:, 29:35], ("dc_w2", 10): post[:, 35:41]})
-        masks = {}
         if i == 6:
             x = x + torch.sigmoid(s[23]).bfloat16() * post[:, 28:29] * cache[3]
         elif i != 10:

@@ -455,10 +455,11 @@ def assert_fp8_up_equal(out, ref):
     assert amax == ref_amax
 
 
+@pytest.mark.parametrize("fast_accum", [True, False])  # the record's fast accumulation, and fp32 promotion
 @pytest.mark.parametrize("T,D,H", [(64, 32, 96), (50, 40, 70), (7, 48, 33)])
-def test_fp8_up_kernel_matches_reference(T, D, H):
+def test_fp8_up_kernel_matches_reference(T, D, H, fast_accum):
     x_f8, w_f8, dequant, act = fp8_up_inputs(T, D, H)
-    post, post_f8, partial = tk.relu2_fp8_up_triton(x_f8, w_f8, dequant, act)
+    post, post_f8, partial = tk.relu2_fp8_up_triton(x_f8, w_f8, dequant, act, fast_accum=fast_accum)
     ref = tk.relu2_fp8_up_reference(x_f8, w_f8, dequant, act)
     assert_fp8_up_equal((post, post_f8, partial.max()), ref)
     assert (ref[1].float() == 448).any() and (ref[1].float() < 448).any()  # both regimes exercised
@@ -521,6 +522,25 @@ def test_ce_matches_the_records_loss_and_gradient(V, K, prefix, impl):
     assert loss.dtype == torch.float32 and loss.shape == (T,) and g.dtype == torch.float32
     assert_close_rel(loss, want_loss, TOL[torch.float32])
     assert_close_rel(g, want_grad, TOL[torch.float32])
+
+
+@pytest.mark.parametrize("kernel", [True, False], ids=["triton", "rows"])
+def test_ce_e5m2_gradient_is_the_float64_gradient_scaled_and_rounded(kernel):
+    """The FP8 head's variant: the same loss, and dlogits / grad_s written as e5m2 in the same pass:
+    the float64 gradient of the record's formula divided by grad_s, rounded to nearest even; values
+    past e5m2's range saturate at +-57344 instead of becoming inf."""
+    T, V = 24, 300
+    logits, targets, w, prefix_ids, pi = ce_inputs(T, V, 3, True, seed=5)
+    want_loss, want_grad = ce_record_float64(logits, targets, w, prefix_ids, 0.25, grad_scale=0.37)
+    for grad_s in (0.37 * 0.75 / 448, 1e-7):  # the head's scale, and one that overflows e5m2
+        loss, g = tk.softcapped_ce_mtp_e5m2(logits, targets, w, prefix_ids, pi, 0.37, grad_s, kernel=kernel)
+        assert g.dtype == torch.float8_e5m2 and g.shape == (T, V)
+        assert_close_rel(loss, want_loss, TOL[torch.float32])
+        want = (want_grad / grad_s).clamp(-57344, 57344).to(torch.float8_e5m2)
+        # fp32 against float64: a value on a rounding midpoint may take the other neighbour
+        assert (g.float() != want.float()).double().mean() < 1e-3
+        assert torch.isfinite(g.float()).all()
+    assert (g.float().abs() == 57344).any()  # the second scale saturated
 
 
 @pytest.mark.parametrize("impl", CE_ALL)
@@ -681,6 +701,7 @@ def _opcheck_cases():
         ("softcapped_ce_mtp_fwd", (logits, torch.randint(0, 50, (8,)), torch.tensor([1.0, 0.5]),
                                    torch.randint(-1, 50, (8,)), torch.tensor(0.25), 0.5)),
         ("softcapped_ce_mtp_fwd", (logits, torch.randint(0, 50, (8,)), torch.tensor([1.0]), None, None, 1.0)),
+        ("softcapped_ce_mtp_fwd", (logits.detach(), torch.randint(0, 50, (8,)), torch.tensor([1.0]), None, None, 1.0, 4.0)),
         ("softcapped_ce_mtp_rows", (torch.randn(40, 50, requires_grad=True), torch.randint(0, 50, (40,)),
                                     torch.tensor([1.0, 0.5, 0.25]), torch.randint(-1, 50, (40,)), torch.tensor(0.25),
                                     0.25)),
@@ -767,11 +788,14 @@ f8 = "*fp8e4nv"
 up = dict(a_ptr=ptr(f8), b_ptr=ptr(f8), post_ptr=ptr(), q_ptr=ptr(f8), amax_ptr=ptr("*fp32"), dequant_ptr=ptr("*fp32"),
           act_scale_ptr=ptr("*fp32"), M=i32(49152), N=i32(3072), K=i32(768), sam=i32(768), sak=i32(1), sbk=i32(1),
           sbn=i32(768), spm=i32(3072), spn=i32(1), sqm=i32(3072), sqn=i32(1))
-res["mlp_fp8_up"] = compile_sm90(tk._fp8_relu2_kernel, up, dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=128, GROUP_M=8), 8, 3)
+res["mlp_fp8_up"] = compile_sm90(tk._fp8_relu2_kernel, up, dict(FAST_ACC=True, BLOCK_M=128, BLOCK_N=256, BLOCK_K=128, GROUP_M=8), 8, 3)
+res["mlp_fp8_up_precise"] = compile_sm90(tk._fp8_relu2_kernel, up, dict(FAST_ACC=False, BLOCK_M=128, BLOCK_N=256, BLOCK_K=128, GROUP_M=8), 8, 3)
 ce = dict(logits_ptr=ptr(), targets_ptr=ptr("*i64"), weights_ptr=ptr("*fp32"), prefix_ids_ptr=ptr("*i64"),
           prefix_weight_ptr=ptr("*fp32"), loss_ptr=ptr("*fp32"), grad_ptr=ptr(),
-          T=i32(49152), V=i32(50304), s_lt=i32(50304), s_gt=i32(50304), grad_scale=("fp32", 0))
-res["ce"] = compile_sm90(tk._ce_mtp_kernel, ce, dict(K=3, HAS_PREFIX=True, J_POW2=4, BLOCK_V=4096), 8, 3)
+          T=i32(49152), V=i32(50304), s_lt=i32(50304), s_gt=i32(50304), grad_scale=("fp32", 0), grad_mul=("fp32", 0))
+res["ce"] = compile_sm90(tk._ce_mtp_kernel, ce, dict(K=3, HAS_PREFIX=True, J_POW2=4, BLOCK_V=4096, GRAD_E5M2=False), 8, 3)
+ce.update(grad_ptr=ptr("*fp8e5"))
+res["ce_e5m2"] = compile_sm90(tk._ce_mtp_kernel, ce, dict(K=3, HAS_PREFIX=True, J_POW2=4, BLOCK_V=4096, GRAD_E5M2=True), 8, 3)
 tr = dict(src_ptr=ptr(), dst_ptr=ptr("*fp32"), M=i32(50304), N=i32(768), ssm=i32(768), ssn=i32(1), sdn=i32(50304), sdm=i32(1))
 res["transpose_add"] = compile_sm90(tk._transpose_kernel, tr, dict(ADD=True, BLOCK_M=64, BLOCK_N=64), 4, 1)
 print(json.dumps(res))
@@ -794,9 +818,35 @@ def test_kernels_compile_for_hopper():
         pytest.skip("triton's bundled ptxas is missing")
     assert proc.returncode == 0, proc.stderr[-3000:]
     res = json.loads(proc.stdout.strip().splitlines()[-1])
-    for name in ("xtx_64", "aa_128", "mlp_fwd", "mlp_bwd", "mlp_fp8_up"):
+    for name in ("xtx_64", "aa_128", "mlp_fwd", "mlp_bwd", "mlp_fp8_up", "mlp_fp8_up_precise"):
         assert res[name]["wgmma"] > 0, (name, res[name])  # Hopper tensor-core instructions
         # K loop software-pipelined: both operand tiles prefetched (stages - 1) iterations ahead
         assert res[name]["async_copy"] >= 2 * (res[name]["stages"] - 1), (name, res[name])
         assert res[name]["shared"] <= 227 * 1024, (name, res[name])  # fits H100 shared memory
-    assert res["ce"]["shared"] <= 227 * 1024
+    assert res["ce"]["shared"] <= 227 * 1024 and res["ce_e5m2"]["shared"] <= 227 * 1024
+
+
+# ----------------------------------------------------------------------------------------------
+# Which of the Triton kernel and torch an H100 runs, per shape
+# ----------------------------------------------------------------------------------------------
+
+
+def test_kernel_choice_takes_the_faster_measured_one_on_an_h100_only(monkeypatch):
+    h100 = "NVIDIA H100 80GB HBM3"
+    for (name, *shape), (triton_ms, torch_ms) in tk.H100_KERNEL_TIMES.items():
+        want = "torch" if torch_ms < triton_ms else "triton"
+        assert tk.kernel_choice(name, tuple(shape), h100) == want
+        assert tk.kernel_choice(name, tuple(shape), "NVIDIA A100-SXM4-80GB") == "triton"  # measured on H100 only
+    assert tk.kernel_choice("XXT", (8, 768, 768), h100) == "torch"        # 0.017 ms against 0.034
+    assert tk.kernel_choice("ba_plus_cAA", (8, 768, 768), h100) == "triton"  # 0.023 against 0.028
+    assert tk.kernel_choice("XXT", (5, 768, 768), h100) == "triton"       # not measured: the kernel
+    assert tk.kernel_choice("XXT", (768, 3072), h100) == "triton"         # a 2-D A is batch 1
+    monkeypatch.setattr(tk, "USE_KERNEL_TABLE", False)
+    assert tk.kernel_choice("XXT", (8, 768, 768), h100) == "triton"
+
+
+def test_gpu_name_is_read_at_trace_time():
+    """The choice is made while tracing a compiled NorMuon update: reading the GPU's name must not
+    break the graph."""
+    compiled = torch.compile(lambda x: x + len(tk._gpu_name(0)), backend="eager", fullgraph=True)
+    assert compiled(torch.zeros(2)).shape == (2,)

@@ -129,11 +129,48 @@ def main(argv=None):
             dist.destroy_process_group()
 
 
+def compile_counts() -> dict:
+    """Graphs dynamo has compiled and graph breaks it has met in this process so far."""
+    from torch._dynamo.utils import counters
+    return dict(graphs=int(counters["stats"]["unique_graphs"]), graph_breaks=int(sum(counters["graph_break"].values())))
+
+
+def profile_summary(prof, steps: int, wall_ms: float, what: str, top: int = 25) -> dict:
+    """From a torch.profiler run of `steps` steps that took wall_ms: the GPU busy fraction (union of the
+    kernels' intervals over the wall time), kernels and aten ops per step, the top kernels by time and
+    the host ops called most often (per step)."""
+    from torch.autograd import DeviceType
+    kernels = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
+    spans = sorted((e.time_range.start, e.time_range.end) for e in kernels)
+    busy_us, end = 0.0, float("-inf")
+    for a, b in spans:
+        if b > end:
+            busy_us += b - max(a, end)
+            end = b
+    by_kernel, host = {}, {}
+    for e in kernels:
+        t, n = by_kernel.get(e.name, (0.0, 0))
+        by_kernel[e.name] = (t + (e.time_range.end - e.time_range.start) / 1000, n + 1)
+    for e in prof.events():
+        if e.device_type == DeviceType.CPU and e.name.startswith("aten::"):
+            n, t = host.get(e.name, (0, 0.0))
+            host[e.name] = (n + 1, t + e.cpu_time_total / 1000)
+    top_kernels = sorted(by_kernel.items(), key=lambda kv: -kv[1][0])[:top]
+    top_ops = sorted(host.items(), key=lambda kv: -kv[1][0])[:top]
+    return dict(what=what, steps=steps, step_ms=wall_ms / steps, busy=busy_us / 1000 / wall_ms,
+                kernels_per_step=len(kernels) / steps, ops_per_step=sum(n for n, _ in host.values()) / steps,
+                top_kernels=[(name, ms / steps, n / steps) for name, (ms, n) in top_kernels],
+                top_ops=[(name, n / steps, ms / steps) for name, (n, ms) in top_ops])
+
+
 def run(args: T.Hyperparameters, d: T.DistInfo, steps: int, warmup: int, peak: float | None,
-        on_stage=None) -> list[dict]:
+        on_stage=None, profile_stage: str | None = None, profile_steps: int = 2) -> list[dict]:
     """Times every stage; on_stage(result) is called as each stage finishes (so a caller keeps the
     stages measured before an interruption). warmup_s is the wall time of a stage's warm-up steps,
-    its compilation included."""
+    its compilation included; graphs_warmup / graphs_timed count the graphs torch.compile made in the
+    warm-up and in the timed steps (recompiles: 0 when every shape was compiled in the warm-up).
+    profile_stage: after that stage's timed steps, profile_steps more under torch.profiler (CUDA only),
+    summarised as result["profile"] (profile_summary)."""
     accum = T.check_batch_split(args, d.world_size)
     slots = d.world_size * accum
     torch.manual_seed(args.seed)
@@ -142,7 +179,7 @@ def run(args: T.Hyperparameters, d: T.DistInfo, steps: int, warmup: int, peak: f
         for p in model.parameters():
             dist.broadcast(p.data, src=0)
     opt = T.build_optimizer(args, model, d.device)
-    model_fn = torch.compile(model, dynamic=False) if args.compile else model
+    model_fn = T.compile_model(model) if args.compile else model
     loader = T.DocumentLoader(args.train_files, args.bigram_vocab_size, d.rank, d.world_size)
     mtp = torch.zeros(len(args.stage_mtp_start[0]), dtype=torch.float32, device=d.device)
     prefix = torch.zeros((), dtype=torch.float32, device=d.device)
@@ -163,10 +200,9 @@ def run(args: T.Hyperparameters, d: T.DistInfo, steps: int, warmup: int, peak: f
         timed_batches, t0 = [], None
         T.cuda_synchronize(d.device)
         t_warm = time.perf_counter()
-        for i in range(warmup + steps):
-            if i == warmup:
-                T.cuda_synchronize(d.device)
-                t0 = time.perf_counter()
+        counts = [compile_counts()]
+
+        def one_step(i):
             plan = T.plan_step(args, first + min(i, length - 1))
             plan = dataclasses.replace(plan, do_adam=i % 2 == 1)  # alternate as in the real run
             model.set_windows(*plan.windows)
@@ -174,28 +210,53 @@ def run(args: T.Hyperparameters, d: T.DistInfo, steps: int, warmup: int, peak: f
             T.train_step(model_fn, opt, batches, plan, mtp, prefix, T.grad_scale_for(args, d.world_size), d.device)
             if fp8_mlp:
                 model.fp8_mlp.quantize(model.mlp_bank, bootstrap=first + i < T.FP8_BOOTSTRAP_STEPS)
+            return plan, batches
+
+        for i in range(warmup + steps):
+            if i == warmup:
+                T.cuda_synchronize(d.device)
+                counts.append(compile_counts())
+                t0 = time.perf_counter()
+            plan, batches = one_step(i)
             if i >= warmup and len(timed_batches) < 4:
                 timed_batches.extend(batches)
         T.cuda_synchronize(d.device)
         ms = 1000 * (time.perf_counter() - t0) / steps
+        counts.append(compile_counts())
+        profile = None
+        if name == profile_stage and d.device.type == "cuda" and profile_steps > 0:
+            from torch.profiler import ProfilerActivity, profile as torch_profile
+            with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                t_prof = time.perf_counter()
+                for i in range(warmup + steps, warmup + steps + profile_steps):
+                    one_step(i)
+                T.cuda_synchronize(d.device)
+                wall = 1000 * (time.perf_counter() - t_prof)
+            profile = profile_summary(prof, profile_steps, wall, f"{name}, rank {d.rank}")
         if dist.is_initialized():  # the slowest rank sets the pace
             t = torch.tensor([ms], dtype=torch.float64, device=d.device)
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
             ms = float(t)
         fpt = flops_per_token(model, timed_batches)
         results.append(dict(stage=name, steps=length, ms=ms, batch=plan.batch_tokens, warmup_s=t0 - t_warm,
-                            tokens_per_s=plan.batch_tokens / (ms / 1000), flops_per_token=fpt))
+                            tokens_per_s=plan.batch_tokens / (ms / 1000), flops_per_token=fpt,
+                            graphs_warmup=counts[1]["graphs"] - counts[0]["graphs"],
+                            graphs_timed=counts[2]["graphs"] - counts[1]["graphs"],
+                            graph_breaks=counts[2]["graph_breaks"] - counts[0]["graph_breaks"]))
+        if profile is not None:
+            results[-1]["profile"] = profile
         if on_stage is not None:
             on_stage(dict(results[-1]))
 
-    say(f"\n{'stage':10s} {'steps':>6s} {'batch':>9s} {'ms/step':>9s} {'tokens/s':>12s} {'GFLOP/token':>12s} {'MFU':>7s}")
+    say(f"\n{'stage':10s} {'steps':>6s} {'batch':>9s} {'ms/step':>9s} {'tokens/s':>12s} {'GFLOP/token':>12s} {'MFU':>7s}"
+        f" {'graphs (warm-up/timed)':>23s}")
     for r in results:
         mfu = ""
         if peak:
             mfu = f"{r['flops_per_token'] * r['tokens_per_s'] / (d.world_size * peak * 1e12):7.1%}"
             r["mfu"] = r["flops_per_token"] * r["tokens_per_s"] / (d.world_size * peak * 1e12)
         say(f"{r['stage']:10s} {r['steps']:6d} {r['batch']:9,d} {r['ms']:9.2f} {r['tokens_per_s']:12,.0f} "
-            f"{r['flops_per_token'] / 1e9:12.3f} {mfu:>7s}")
+            f"{r['flops_per_token'] / 1e9:12.3f} {mfu:>7s} {r['graphs_warmup']:>11d}/{r['graphs_timed']:<11d}")
     total_s = sum(r["steps"] * r["ms"] for r in results) / 1000
     say(f"projected training time of the whole schedule ({T.total_steps(args)} steps, validation excluded): {total_s:.1f} s")
     say("FLOPs/token = 6*(P_matrices + P_head) + sum_attention_layers 12*num_heads*head_dim*keys(layer)"
