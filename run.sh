@@ -15,7 +15,7 @@
 #                                   committed token-efficiency and ablation tables (records/).
 #                                   `./run.sh bench --dry-run` lists them.
 #   ./run.sh gpu-check [ARGS...]    every CUDA path checked on this machine's GPU, then the speedrun's step
-#                                   times; report in records/gpu_check/ (README "GPU check"). Uses
+#                                   times; report in records/gpu_check/ (tests/README.md "GPU check"). Uses
 #                                   PYTHON or python3 as it is (no .venv, no install); `--dry-run` lists
 #                                   the checks on any machine. ARGS pass through to tests/gpu_check.py.
 #
@@ -186,8 +186,8 @@ fi
 if [[ $mode == bench ]]; then
   gpus=$("$PY" -c 'import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)' 2>/dev/null || echo 0)
   py=$(printf '%q' "$PY")  # the commands below are strings (printed, then eval'ed)
-  # The token-efficiency and ablation tables of the committed results (README "Token efficiency"): printed,
-  # not re-trained (that takes hours on a CPU; the commands are in the README).
+  # The token-efficiency and ablation tables of the committed results (records/README.md "Token
+  # efficiency"): printed, not re-trained (that takes hours on a CPU; the commands are in records/README.md).
   benches=("$py tests/bench_kernels.py" "$py tests/bench_optimizer.py"
            "$py tests/benchmarks/token_efficiency.py --load records/token_efficiency_sympy_500K --no_plot"
            "$py tests/benchmarks/token_efficiency.py --load records/token_efficiency_tinyshakespeare_500K --no_plot"

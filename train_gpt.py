@@ -41,7 +41,7 @@ class Hyperparameters:
     train_files: str = "data/fineweb10B/fineweb_train_*.bin"
     val_files: str = "data/fineweb10B/fineweb_val_*.bin"
     val_tokens: int = 10_485_760  # validation always covers exactly these tokens, for any world size
-    # model (README "Model")
+    # model (record #89, modded-nanogpt PR #342)
     vocab_size: int = 50257
     padded_vocab_size: int = 50304
     model_dim: int = 768
@@ -49,7 +49,7 @@ class Hyperparameters:
     head_dim: int = 128
     mlp_hidden: int = 3072
     bigram_vocab_size: int = 377_280
-    layers: tuple = (                              # the per-layer table (README "Per-layer table")
+    layers: tuple = (                              # the per-layer table (record #89's layer roles)
         "paired short",                             # 0
         "attn short ve xsa",                        # 1
         "paired short ve",                          # 2
@@ -70,7 +70,7 @@ class Hyperparameters:
     attn_scale: float = 0.1                        # softmax scale at windows_init (x sqrt(128/head_dim)); YaRN grows it
     fp8: bool = True                               # FP8 LM head and MLPs in training on GPUs with FP8 tensor cores
     fp8_up_fast_accum: bool = True                 # the record's FP8 MLP up-projection: Hopper's fast accumulation
-    # schedule (README "Schedule"): three equal stages, then a short extension at the final settings
+    # schedule (record #89): three equal stages, then a short extension at the final settings
     num_iterations: int = 1270                     # scheduled steps; stage boundaries scale with it
     extension_iterations: int = 15
     micro_batches: int = 8                         # sequences per step over ranks x accumulation steps
@@ -84,22 +84,22 @@ class Hyperparameters:
     final_lr_mult: float = 0.15                    # lr multiplier at num_iterations and in the extension
     stage_mtp_start: tuple = ((1.0, 0.5, 0.25), (1.0, 0.5, 0.0), (1.0, 0.0, 0.0))  # weights of t+1, t+2, t+3
     stage_mtp_end: tuple = ((1.0, 0.5, 0.0), (1.0, 0.0, 0.0), (1.0, 0.0, 0.0))    # linear within each stage
-    stage_prefix_start: tuple = (0.25, 0.25, 0.0)  # prefix-token term's weight (README "Training loss"),
+    stage_prefix_start: tuple = (0.25, 0.25, 0.0)  # prefix-token term's weight (record #89),
     stage_prefix_end: tuple = (0.25, 0.0, 0.0)     # linear within each stage like the MTP weights
     momentum_min: float = 0.85
     momentum_max: float = 0.95
     momentum_warmup: float = 300 / 1270            # x num_iterations steps: momentum_min -> max
     momentum_cooldown: float = 50 / 1270           # x num_iterations last steps of the run (extension included): back down
-    # optimizer (README "Update rules")
+    # optimizer: NorMuon (arXiv 2510.05491) with Polar Express (arXiv 2505.16932), Adam elsewhere
     muon_lr: float = 0.023
     muon_wd: float = 1.2
     adam_lr: float = 0.008
     adam_wd: float = 0.005
     orthogonalizer: str = "polar_express"          # or "gram_newton_schulz", "auto" (Gram N-S for the MLP bank)
     bank_ownership: str = "padded"                 # the record's: banks padded to a multiple of the world size;
-                                                   # "balanced": unpadded banks, FLOP-balanced owners (README "Ownership")
+                                                   # "balanced": unpadded banks, FLOP-balanced owners
     # evaluation, logging, checkpoints
-    val_seq_len: int = 65_536
+    val_seq_len: int = 262_144                     # one sequence per rank and val step on 8 GPUs (the record's)
     val_loss_every: int = 250                      # 0: only at the end
     log_dir: str = "logs"
     save_every: int = 0                            # checkpoint every N steps and at the end (0: none)
@@ -146,7 +146,7 @@ PRESETS: dict[str, dict] = {
         val_files="data/tinyshakespeare/tinyshakespeare_val_*.bin",
         val_tokens=32_768,
         # width 128: the 50,304-wide LM head is most of a CPU step, and at width 256 an fp32 step (CPUs
-        # without fast bf16) took ~2.3x as long for the same final loss (README "The CPU demo")
+        # without fast bf16) took ~2.3x as long for the same final loss
         model_dim=128, num_heads=2, head_dim=64, mlp_hidden=512,
         bigram_vocab_size=20_011,
         layers=("paired short", "attn short ve xsa save_skip", "attn long offset xsa gate post_gates",
@@ -157,7 +157,7 @@ PRESETS: dict[str, dict] = {
         val_seq_len=1024, val_loss_every=25,
         # 78 steps give Adam 39 updates: the speedrun's rates (tuned for 1285 steps) leave the embedding
         # tables undertrained. Measured on this demo at 63 steps: Adam 0.024 / 0.032 / 0.045 -> val 5.15 /
-        # 4.99 / 5.34, NorMuon 0.05 4.99 (README "The CPU demo")
+        # 4.99 / 5.34, NorMuon 0.05 4.99
         muon_lr=0.035, adam_lr=0.032,
         compile=False,  # inductor's CPU compile of every graph would take most of the demo's budget
         sample_tokens=48,
@@ -387,7 +387,7 @@ def matmul_gflops(dtype: torch.dtype, m: int, k: int, n: int, seconds: float = 0
 
 
 def choose_cpu_dtype(args: Hyperparameters) -> tuple[torch.dtype, str]:
-    """The dtype of the model's bf16 parameters on a CPU, and a line saying why (README "CPU dtype").
+    """The dtype of the model's bf16 parameters on a CPU, and a line saying why.
 
     --cpu_dtype bf16 / fp32 forces it; auto times the model's MLP matmul shape in both and takes the
     faster. CPU flags alone mislead: bf16 runs ~90x slower than fp32 on AVX2-only CPUs, a little slower
@@ -417,7 +417,7 @@ def compute_dtype(args: Hyperparameters, d: DistInfo) -> tuple[torch.dtype, str 
 
 
 # ----------------------------------------------------------------------------------------------
-# FP8 custom ops: y = x @ w with float8 inputs and static scales (README "FP8")
+# FP8 custom ops: y = x @ w with float8 inputs and static scales
 # ----------------------------------------------------------------------------------------------
 
 # The LM head is the single biggest matmul (T x 768 x 50304), so it runs in float8 on GPUs that have
@@ -638,7 +638,7 @@ def _fp8_head_loss_autograd(ctx, _grad_loss, _gx, _gw, _gg):
 fp8_head_loss.register_autograd(_fp8_head_loss_autograd, setup_context=_fp8_head_loss_setup_context)
 
 
-# ---- FP8 MLP (record #89; README "Model", FP8) -----------------------------------------------
+# ---- FP8 MLP (record #89, modded-nanogpt PR #342) ---------------------------------------------
 # Training forward only (evaluation stays bf16). Up-projection: x is quantised with its own current
 # amax, x_f8 = e4m3(x * 448 / amax|x|); W1 with a per-layer s1 = amax|W1| / 448 taken in the bank's
 # bf16 after every optimizer step; the kernel accumulates in fp32, dequantises by s1 * amax|x| / 448
@@ -764,10 +764,12 @@ class FP8MLPState(nn.Module):
 
 
 # ----------------------------------------------------------------------------------------------
-# Orthogonalization: Polar Express and Gram Newton-Schulz (README "Update rules")
+# Orthogonalization: Polar Express and Gram Newton-Schulz
 # ----------------------------------------------------------------------------------------------
 
-# Both functions map a gradient-like G (..., m, n) to an approximation of its polar factor U V^T
+# Polar Express: Amsel, Persson, Musco, Gower, arXiv 2505.16932. Gram Newton-Schulz: the iteration on
+# the Gram matrix of Dao-AILab/gram-newton-schulz. Both functions map a gradient-like G (..., m, n) to an
+# approximation of its polar factor U V^T
 # (G = U S V^T), in bf16, batched over the leading dims (a bank of matrices). Each iteration applies
 # the odd polynomial p(x) = a x + b x^3 + c x^5 to the singular values; the Polar Express coefficients
 # below are tuned so that five iterations take every singular value in roughly [1e-3, 1] into a
@@ -824,7 +826,7 @@ def polar_express(G: torch.Tensor, coeffs=POLAR_EXPRESS_COEFFS, dtype: torch.dty
     X <- a X + X (b A + c A^2) with A = X^T X, so the Gram matrix is always the small side. For
     matrices of more than 1024 rows (the MLP bank) the product with X is rounded to bf16 before a X
     is added; smaller ones use one fused multiply-add. Returns `dtype` (bf16) with G's shape;
-    dtype=torch.float32 runs the same iteration in fp32 (CPUs without fast bf16, README "CPU dtype").
+    dtype=torch.float32 runs the same iteration in fp32 (CPUs without fast bf16 matmuls).
     """
     X = _as_bank(G).to(dtype)
     X = X / (X.norm(dim=(-2, -1), keepdim=True) * 1.02 + 1e-6)
@@ -927,8 +929,8 @@ TP_MODES = ("duplicated", "distributed", "blockwise")
 def tensor_parallel_orthogonalize(shard: torch.Tensor, mode: str, shard_dim: int, group=None,
                                   dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """Polar Express of a matrix (or bank) split over the ranks of `group` along shard_dim (-2: row
-    shards, -1: column shards, equal sizes); returns this rank's shard of the result (README
-    "Tensor-parallel orthogonalization").
+    shards, -1: column shards, equal sizes); returns this rank's shard of the result
+    (the modes of Megatron-LM's TensorParallelMuon).
 
     duplicated   all_gather the whole matrix, run polar_express on it on every rank, keep the shard
     distributed  the iteration on shards: the Gram matrix over the unsplit side, X^T X for row shards
@@ -971,7 +973,7 @@ def orthogonalization_flops(rows: int, cols: int, orthogonalizer="polar_express"
     multiply-add, symmetric products counted dense). With s the short side and L the long one:
     Polar Express 5 x (4 s^2 L + 2 s^3); Gram Newton-Schulz 8 s^2 L + 32 s^3 (module docstrings).
     orthogonalizer: a name, one of the functions (or a functools.partial of one); anything else is
-    costed as Polar Express. Ownership balances these counts (README "Ownership")."""
+    costed as Polar Express. Balanced ownership evens out these counts over the ranks."""
     fn = getattr(orthogonalizer, "func", orthogonalizer)
     name = next((k for k, f in ORTHOGONALIZERS.items() if fn is f or fn == k), "polar_express")
     s, L = min(rows, cols), max(rows, cols)
@@ -983,9 +985,11 @@ def orthogonalization_flops(rows: int, cols: int, orthogonalizer="polar_express"
 
 
 # ----------------------------------------------------------------------------------------------
-# Optimizer: one fused NorMuon + Adam step that owns all communication (README "Optimizer")
+# Optimizer: one fused NorMuon + Adam step that owns all communication
 # ----------------------------------------------------------------------------------------------
 
+# Record #89's NorMuonAndAdam: NorMuon (Muon, Keller Jordan's blog post, with the neuron-wise second
+# moment of arXiv 2510.05491) for the matrix banks, Adam for the rest, communication included.
 # Every parameter has a label and a ParamConfig. One NorMuonAdam.step() does all communication:
 #
 #   phase 1 scatter (scatter_order, big banks first): launch the async gradient reduction
@@ -997,7 +1001,7 @@ def orthogonalization_flops(rows: int, cols: int, orthogonalizer="polar_express"
 #       wait for that reduction, update the local shard, launch the async all_gather of the shard
 #   phase 3 finalize: wait for the gathers; refresh the tied embedding from the head
 #
-# The section is four pieces, each usable without the others (README "How the optimizer is built"):
+# The section is four pieces, each usable without the others:
 #   update math     pure functions of one shard, no communication: _normuon_update, _adam_update, qk_clip_
 #   layout          OwnershipLayout: which rank owns which rows of every label (a Slot per label), the
 #                   shapes of its state and its per-matrix learning rates; needs no process group
@@ -1009,7 +1013,7 @@ def orthogonalization_flops(rows: int, cols: int, orthogonalizer="polar_express"
 # buffer (optimizer state of the local shard): (bf16 bits << 16 | mantissa) is the exact fp32 value
 # every update is applied to, and the new bf16 value is its top half (truncation), so tiny updates
 # accumulate exactly as in fp32 at half the memory. Adam computes in fp32 and rounds to nearest into
-# the parameter, with no mantissa (the record's two rules; README, "Update rules").
+# the parameter, with no mantissa (the record's two rules).
 
 OPTIMIZER_KINDS = ("normuon", "adam")
 COMMS_MODES = ("none", "replicated", "sharded", "sharded_sparse")
@@ -1052,7 +1056,7 @@ class ParamConfig:
             object.__setattr__(self, "matrix_lr_mul", tuple(float(m) for m in self.matrix_lr_mul))
 
 
-# ---- Update math: pure functions of one shard, no communication (README "Update rules") ------
+# ---- Update math: pure functions of one shard, no communication -------------------------------
 
 def _master_fp32(param: torch.Tensor, mantissa: torch.Tensor | None) -> torch.Tensor:
     """The exact fp32 value of a parameter: bf16 bits joined with the stored low 16 bits."""
@@ -1092,7 +1096,7 @@ def normuon_variance_reduction(O: torch.Tensor, second_moment: torch.Tensor, bet
 
 
 def _normuon_update(grad, momentum_buf, second_moment, param, mantissa, matrix_lr, hp, orthogonalize):
-    """One NorMuon step on a shard of matrices (k, rows, cols), in place (README, "Update rules").
+    """One NorMuon step on a shard of matrices (k, rows, cols), in place (NorMuon, arXiv 2510.05491, as record #89 runs it).
 
     hp is a 1-D fp32 tensor [lr, wd * wd_mul * lr, momentum, beta2] with lr = base lr x schedule:
     0-D tensor entries, so a compiled version never recompiles when the schedules move. matrix_lr
@@ -1129,13 +1133,13 @@ def qk_clip_(param, mantissa, max_logits, tau: float) -> None:
     rows whose head's largest pre-softmax logit of the step exceeds tau are scaled by
     sqrt(tau / max_logit), so that q.k of that head, scaled on both sides, peaks at tau. max_logits
     broadcasts to (k, rows, 1) (one entry per head of those rows). Applied to the fp32 master value
-    (README "Update rules")."""
+    (MuonClip, Kimi K2, arXiv 2507.20534)."""
     scale = (tau / max_logits.float().clamp_min(tau)).sqrt()
     _store_master(_master_fp32(param, mantissa) * scale, param, mantissa)
 
 
 def _adam_update(grad, exp_avg, exp_avg_sq, param, hp):
-    """One Adam step with cautious weight decay on a shard, in place (README, "Update rules").
+    """One Adam step with cautious weight decay (arXiv 2411.16085) on a shard, in place, as record #89 runs it.
 
     hp is a 1-D fp32 tensor [step_size, decay, beta1, beta2, eps] with lr = base lr x schedule x
     lr_mul, step_size = lr * sqrt(1 - beta2^t) / (1 - beta1^t) and decay = lr^2 * wd * wd_mul:
@@ -1186,7 +1190,7 @@ def normuon_hyperparams(lr: float, wd: float, wd_mul: float, momentum: float, be
 def adam_hyperparams(lr: float, t: int, betas: tuple[float, float], wd: float, wd_mul: float,
                      eps: float) -> list[float]:
     """The hp row _adam_update reads for its t-th update (t from 1): the bias corrections are folded
-    into the step size, and the decay lr^2 * wd * wd_mul scales with lr^2 (README "Update rules")."""
+    into the step size, and the decay lr^2 * wd * wd_mul scales with lr^2 (record #89)."""
     b1, b2 = betas
     return [lr * math.sqrt(1.0 - b2 ** t) / (1.0 - b1 ** t), lr * lr * wd * wd_mul, b1, b2, eps]
 
@@ -1201,7 +1205,7 @@ def hyperparam_tensors(labels, rows, device: torch.device) -> dict[str, torch.Te
     return {label: hp[i] for i, label in enumerate(labels)}
 
 
-# ---- Layout: which rank owns which rows of every label (README "Ownership") -----------------
+# ---- Layout: which rank owns which rows of every label ------------------------------------
 
 OWNERSHIPS = ("balanced", "padded")
 
@@ -1246,7 +1250,7 @@ class Slot:
     real_rows: int        # owned rows that exist (the rest is padding)
     sharded: bool         # split over ranks (sharded / sharded_sparse with more than one rank)
     world_size: int
-    splits: tuple | None = None  # sharded NorMuon banks: matrices each rank owns (README "Ownership")
+    splits: tuple | None = None  # sharded NorMuon banks: matrices each rank owns
 
     @property
     def rows(self) -> int:
@@ -1306,7 +1310,7 @@ def row_slot(label: str, p: torch.Tensor, cfg: ParamConfig, world_size: int, ran
 
 class OwnershipLayout:
     """Which rows of every label `rank` owns in a world of `world_size` ranks; plans ownership for
-    any world size without a process group (README "Ownership").
+    any world size without a process group (FLOP-sorted owners as in Motif-Technologies/optimizer).
 
     slots[label] is that label's Slot. Sharded NorMuon banks are split into whole matrices, one
     contiguous block per rank whose sizes are splits[label]: padded_splits, or balanced_splits over
@@ -1394,7 +1398,7 @@ class OwnershipLayout:
             raise ValueError("NorMuonAdam: tied embedding and head must have the same dtype")
 
 
-# ---- Comms: collectives per label, and the exchange each Slot needs (README "Optimizer") -----
+# ---- Comms: collectives per label, and the exchange each Slot needs ----------------------------
 
 # torch >= 2.12 names these collectives reduce_scatter_single / all_gather_single and deprecates the
 # *_tensor names, which are the only ones torch 2.11 has: take the new name where it exists.
@@ -1612,7 +1616,7 @@ class ShardExchange:
         return full[:slot.rows].view(shard.dtype)
 
 
-# ---- NorMuonAdam: the orchestrator (README "Optimizer") --------------------------------------
+# ---- NorMuonAdam: the orchestrator ----------------------------------------------------------
 
 
 def _check_labels(params, configs) -> tuple[dict, dict]:
@@ -1653,7 +1657,7 @@ class NorMuonAdam:
     untie(); the model initialises the embedding as head^T, the optimizer refreshes it after every
     Adam step. orthogonalizer: a name in ORTHOGONALIZERS ('auto': the cheaper form per bank shape) or
     a callable (bank -> bf16 bank). ownership: 'balanced' or 'padded' (the record's), see
-    OwnershipLayout and README "Ownership". qk_clip: False (off), True (tau = QK_CLIP_TAU = 100) or
+    OwnershipLayout. qk_clip: False (off), True (tau = QK_CLIP_TAU = 100) or
     tau: step(max_logits=...) then clips the NorMuon banks it names after their update (qk_clip_).
     compile: False (eager), True (inductor) or a torch.compile backend (update_functions).
     sparse_threshold: sharded_sparse tables use the dense reduce_scatter when some rank touched more
@@ -1830,7 +1834,7 @@ class NorMuonAdam:
 
 
 # ---- Tensor-parallel NorMuon: one parameter split over a process group ----------------------
-# (README "Tensor-parallel orthogonalization"; NorMuonAdam owns whole matrices and does not use it)
+# (Megatron-LM's TensorParallelMuon modes; NorMuonAdam owns whole matrices and does not use it)
 
 
 def _tp_layout(shard: torch.Tensor, mode: str, shard_dim: int, group) -> tuple[int, int, int, int]:
@@ -1912,11 +1916,12 @@ def tensor_parallel_normuon_update(grad, momentum_buf, second_moment, param, man
 
 
 # ----------------------------------------------------------------------------------------------
-# Model (README "Model")
+# Model
 # ----------------------------------------------------------------------------------------------
 
+# Record #89's model (modded-nanogpt PR #342; MUDD connections, arXiv 2502.12170; YaRN, arXiv 2309.00071).
 # One forward pass over a packed batch of T tokens (batch 1, several documents); the per-layer table
-# (Hyperparameters.layers, README "Per-layer table") says what each layer does:
+# (Hyperparameters.layers, the record's section of layer roles) says what each layer does:
 #   e = embed[ids]; smear: e[t] += smear_lambda * sigmoid(smear_gate . e[t][:12]) * e[t-1]
 #   xb = bigram_embed[hash(prev, cur)] * sign_table[(prev XOR cur) mod 8192]
 #   x0 = norm(e); pre = MUDD gate 0 (x0); x = cache0 = x0 + bigram gate(0) * xb
@@ -1924,7 +1929,7 @@ def tensor_parallel_normuon_update(grad, momentum_buf, second_moment, param, man
 #     "skip" row:  x += sigmoid(skip_lambda) * skip gate * (output of the save_skip layer)
 #     attention:   x = resid[i,0] x + post_l[i,0] attn(norm(x, or h on from_h rows)) + x0 gate(i) x0
 #                  x += bigram gate(i) xb                                            (i > 0)
-#     "mudd" row:  mu = MUDD layer 0 (x): mixes cache0, h and x into x and into V (README "MUDD")
+#     "mudd" row:  mu = MUDD layer 0 (x): mixes cache0, h and x into x and into V (MUDD, arXiv 2502.12170)
 #     MLP:         x = resid[i,1] x + post_l[i,1] mlp(norm(x))        (mudd row: mu12 x + mu13 mlp)
 #   post-loop MUDD layer 1: x += m0 cache0 + m1 h + m2 (mudd layer input) + m3 ve0 + m4 (skip source)
 #   logits = softcap(norm(x) @ lm_head)
@@ -1932,7 +1937,7 @@ def tensor_parallel_normuon_update(grad, momentum_buf, second_moment, param, man
 # interleaved slots), key offset, v += gated value embedding (+ MUDD's V on the mudd row), masked
 # softmax attention, DC term, XSA, linear output gate, out = y (o_lambda W_o)^T.
 #
-# Parameters and their labels (the optimizer configures itself by label; README "Per-label table"):
+# Parameters and their labels (the optimizer configures itself by label, as the record's param_table):
 #   qk_bank      (Nqk, 2*hd, D) bf16  per attention layer j: H/2 Q groups then H/2 K groups of two
 #                heads each ((out, in), 2*hd rows), so layer j's rows [Q; K] are qk_bank[H*j : H*j + H]
 #   vo_bank      (Nvo, D, D) bf16  [2j] = V (out, in), [2j+1] = output projection (out, in)
@@ -1952,9 +1957,8 @@ def tensor_parallel_normuon_update(grad, momentum_buf, second_moment, param, man
 #   mudd_gate_w1 (2, M, D), mudd_gate_w2 (2, n_gate, M), mudd_gate_b2 (2, n_gate) bf16, _mudd_gate_scale
 #                () fp32: the two MUDD gate MLPs (per-token x0/bigram/skip gates, XSA, output gates, DC)
 #   mudd_w1 (2, M, D), mudd_w2 (2, 14, M), mudd_b2 (2, 14) bf16: the two MUDD layer MLPs
-# Initialisation (the record's; README "Fidelity"): Q, K, V, MLP-up uniform with bound
-# sqrt(3) * 0.5 / sqrt(D) (1/32 at D = 768); output projections and MLP-down zero (each block starts as
-# the identity); lm_head normal std 0.005 and embed = lm_head^T; value embeddings 0.01 N(0, 1); bigram
+# Initialisation (the record's): Q, K, V, output projections and MLP-up uniform with bound
+# sqrt(3) * 0.5 / sqrt(D) (1/32 at D = 768); MLP-down zero (each MLP starts as the zero map); lm_head normal std 0.005 and embed = lm_head^T; value embeddings 0.01 N(0, 1); bigram
 # table and all gates zero; qkv lambdas 0.5, o lambdas 1; resid lambdas sqrt(1.1) (1.046875 once cast
 # to bf16 at use), post lambdas 1; smear 0, skip -1.5; MUDD first layers U(+-1/sqrt(D)), second layers
 # zero, biases as in mudd_gate_biases / MUDD_LAYER_BIASES.
@@ -1964,7 +1968,7 @@ EVAL_CHUNK_TOKENS = 8192  # evaluation computes logits and cross-entropy this ma
 RMS_NORM_EPS = torch.finfo(torch.float32).eps  # F.rms_norm's own default for bf16 inputs (the record's)
 BIGRAM_SIGN_ROWS = 8192  # rows of the +-1 table the bigram embedding is multiplied by
 MUDD_LAYER_SCALE = 0.1   # fixed output scale of the MUDD layer MLPs (biases are stored x10)
-# MUDD layer MLP outputs and their biases before the x0.1 scale (the record's; README "MUDD"):
+# MUDD layer MLP outputs and their biases before the x0.1 scale (the record's; MUDD, arXiv 2502.12170):
 # layer 0 (at the mudd row): 0-2 V from cache0/h/x, 3-5 x from cache0/h/x (x's is 1 + mu5), 6-7 VE
 # gates of the two head halves, 8 resid, 9 attention out, 10 cache0, 11 bigram, 12 resid, 13 MLP out;
 # layer 1 (after the loop): cache0, h (the backout, -0.5), mudd-layer input, ve0, skip source.
@@ -2136,7 +2140,7 @@ def attention_mask_mod(doc_ids: torch.Tensor, window, pos_div: int = 1):
 
     Query slot q sees key slot k iff q >= k, q - k <= window (so window + 1 keys, as the record's
     window_size=(window, 0)) and their tokens q//pos_div, k//pos_div are in the same document.
-    pos_div = 2 is the paired-head layout (README "Paired heads"): slot 2t holds the first half of the
+    pos_div = 2 is the record's paired-head layout: slot 2t holds the first half of the
     heads of token t, slot 2t+1 the second half; causality and the window count slots."""
     def mask_mod(b, h, q_idx, kv_idx):
         dq, dk = (q_idx, kv_idx) if pos_div == 1 else (q_idx // pos_div, kv_idx // pos_div)
@@ -2171,7 +2175,8 @@ def _bands(t: torch.Tensor, chunk: int, span: int) -> torch.Tensor:
     return F.pad(t, (0, 0, span, 0)).unfold(0, chunk + span, chunk).transpose(1, 2)
 
 
-def banded_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, span: int) -> torch.Tensor:
+def banded_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, span: int,
+                     scale: float = 1.0) -> torch.Tensor:
     """SDPA of (1, H, n, hd) q, k, v under a sliding-window mask, in O(n * (chunk + span)) instead of O(n^2).
 
     Exact when no query slot sees a key slot more than `span` slots back: each band of `chunk` queries
@@ -2184,7 +2189,7 @@ def banded_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
         return F.pad(t, (0, 0, span, 0)).unfold(2, chunk + span, chunk)[0].permute(1, 0, 3, 2)
 
     qb = q[0].view(H, n // chunk, chunk, hd).transpose(0, 1)
-    y = F.scaled_dot_product_attention(qb, bands(k), bands(v), attn_mask=mask, scale=1.0)
+    y = F.scaled_dot_product_attention(qb, bands(k), bands(v), attn_mask=mask, scale=scale)
     return y.transpose(0, 1).reshape(1, H, n, hd)
 
 
@@ -2271,12 +2276,16 @@ def _runs_compiled_flex(q: torch.Tensor) -> bool:
     return q.is_cuda and not torch.compiler.is_compiling()
 
 
-def flex_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask: BlockMask) -> torch.Tensor:
-    """flex_attention of (1, H, n, hd) q, k, v (q carries the softmax scale): traced when compiling,
-    the compiled kernel on CUDA otherwise, the eager reference on a CPU (tests)."""
-    if _runs_compiled_flex(q):
-        return compiled_flex_attention()(q, k, v, block_mask=block_mask, scale=1.0)
-    return flex_attention(q, k, v, block_mask=block_mask, scale=1.0)
+def flex_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask: BlockMask,
+                scale: torch.Tensor) -> torch.Tensor:
+    """flex_attention of (1, H, n, hd) q, k, v with the fp32 softmax scale (a 0-d tensor) applied to the
+    fp32 scores, as record #89's FA3 call applies softmax_scale (q is not rounded after scaling):
+    traced when compiling, the compiled kernel on CUDA otherwise, the eager reference on a CPU (tests)."""
+    def scaled(score, b, h, q_idx, kv_idx):
+        return score * scale
+
+    fn = compiled_flex_attention() if _runs_compiled_flex(q) else flex_attention
+    return fn(q, k, v, score_mod=scaled, block_mask=block_mask, scale=1.0)
 
 
 # -- rotary embeddings and YaRN -------------------------------------------------------------------
@@ -2319,7 +2328,7 @@ def rotary_tables(freq: torch.Tensor, T: int, num_heads: int, dtype: torch.dtype
     """cos/sin tables in `dtype` at packed-buffer positions (not reset per document, as in the record).
     "plain": (T, hd/4), position t. "paired": (T, H, hd/4), head h at position 2t + (h mod 2): the
     record views each token's heads as pairs (2p, 2p+1) rotated at 2t and 2t+1 before slotting them, so
-    head 1 sits in slot 2t at position 2t+1 and head 4 in slot 2t+1 at position 2t (README "Paired heads")."""
+    head 1 sits in slot 2t at position 2t+1 and head 4 in slot 2t+1 at position 2t (record #89's view of the pairs)."""
     angles = torch.arange(2 * T, device=freq.device, dtype=torch.float32)[:, None] * freq[None, :]
     cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
     parity = torch.arange(num_heads, device=freq.device) % 2
@@ -2360,13 +2369,15 @@ def xsa(y: torch.Tensor, v: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor:
 
 
 def dc_term(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_ids: torch.Tensor,
-            w1: torch.Tensor, w2: torch.Tensor, window: int) -> torch.Tensor:
-    """The DC correction (T, H, hd) added to the attention output (README "DC").
+            w1: torch.Tensor, w2: torch.Tensor, window: int, scale=1.0) -> torch.Tensor:
+    """The DC correction (T, H, hd) added to the attention output (record #89's lightweight
+    dynamically composable heads, after DCFormer, arXiv 2405.08553).
 
-    For token t over the keys s of its document with 0 <= t - s < window: P_h = softmax_s(q_h(t).k_h(s))
-    per head (q carries the softmax scale), A(t, s) = sum_h w1[t, h] P_h(t, s), and head h gets
-    w2[t, h] sum_s A(t, s) v_h(s). q, k, v (T, H, hd), w1, w2 (T, H). Banded: each chunk of DC_CHUNK
-    queries sees its own keys and the window - 1 before; the softmax runs in fp32."""
+    For token t over the keys s of its document with 0 <= t - s < window: P_h = softmax_s(scale
+    q_h(t).k_h(s)) per head, A(t, s) = sum_h w1[t, h] P_h(t, s), and head h gets w2[t, h] sum_s A(t, s)
+    v_h(s). q, k, v (T, H, hd), w1, w2 (T, H), scale the fp32 softmax scale (a number or 0-d tensor).
+    Banded: each chunk of DC_CHUNK queries sees its own keys and the window - 1 before; the scores,
+    their scaling and the softmax run in fp32."""
     T, H, hd = q.shape
     span = window - 1
     n = -(-T // DC_CHUNK) * DC_CHUNK
@@ -2377,7 +2388,7 @@ def dc_term(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_ids: torch.Te
     mask = banded_attention_mask(doc_ids, span, 1, DC_CHUNK, span)[:, 0]           # (nb, chunk, chunk+span)
     kb = _bands(k.reshape(n, H * hd), DC_CHUNK, span).view(nb, DC_CHUNK + span, H, hd)
     acc = torch.promote_types(q.dtype, torch.float32)  # fp32 for bf16 inputs
-    scores = torch.einsum("bqhd,bkhd->bhqk", q.view(nb, DC_CHUNK, H, hd), kb).to(acc)
+    scores = torch.einsum("bqhd,bkhd->bhqk", q.view(nb, DC_CHUNK, H, hd).to(acc), kb.to(acc)) * scale
     p = scores.masked_fill(~mask[:, None], float("-inf")).softmax(-1)
     a = torch.einsum("bhqk,bqh->bqk", p, w1.view(nb, DC_CHUNK, H).to(acc)).to(v.dtype)
     out = torch.bmm(a, _bands(v.reshape(n, H * hd), DC_CHUNK, span)).view(n, H, hd)[:T]
@@ -2423,7 +2434,7 @@ def _check_model_args(args: Hyperparameters, world_size: int) -> None:
 
 def bank_padding(n: int, world_size: int, args: Hyperparameters) -> int:
     """Matrices a bank of n real ones holds: padded ownership (the record's) needs a multiple of the
-    world size, balanced ownership none (README "Ownership")."""
+    world size, balanced ownership none."""
     if args.bank_ownership not in OWNERSHIPS:
         raise ValueError(f"model config: --bank_ownership {args.bank_ownership!r} is not one of {', '.join(OWNERSHIPS)}")
     return -(-n // world_size) * world_size if args.bank_ownership == "padded" else n
@@ -2432,7 +2443,7 @@ def bank_padding(n: int, world_size: int, args: Hyperparameters) -> int:
 class GPT(nn.Module):
     """The speedrun transformer (see the layout comment above). GPT(args, world_size) pads the banks
     so every rank owns whole matrices. dtype is the storage and compute dtype of the bf16 parameters
-    (bf16; fp32 on CPUs without fast bf16 matmuls, README "CPU dtype")."""
+    (bf16; fp32 on CPUs without fast bf16 matmuls)."""
 
     def __init__(self, args: Hyperparameters, world_size: int = 1, dtype: torch.dtype = torch.bfloat16):
         super().__init__()
@@ -2488,7 +2499,7 @@ class GPT(nn.Module):
             "vo_bank": vo_roles + ["pad"] * (n_vo - len(vo_roles)),
             "mlp_bank": mlp_roles + ["pad"] * (n_mlp - len(mlp_roles)),
         }
-        self.fp8_mlp = FP8MLPState(L, args.mlp_hidden, D, fast_accum=args.fp8_up_fast_accum)  # FP8 MLP weights and scales (README "Model", FP8)
+        self.fp8_mlp = FP8MLPState(L, args.mlp_hidden, D, fast_accum=args.fp8_up_fast_accum)  # FP8 MLP weights and scales (record #89)
 
         # Window state: changed in place by set_windows so compiled graphs see new values, not new code.
         self.register_buffer("rotary_freq", rotary_base_frequencies(hd))
@@ -2518,7 +2529,7 @@ class GPT(nn.Module):
         for bank in (self.qk_bank, self.vo_bank, self.mlp_bank):
             bank.zero_()
         uniform_(self.qk_bank[: self.args.num_heads * len(self.attn_layers)])  # H/2 Q + H/2 K groups per layer
-        uniform_(self.vo_bank[0: 2 * len(self.attn_layers): 2])  # V; output projections stay zero
+        uniform_(self.vo_bank[: 2 * len(self.attn_layers)])  # V and the output projections alike (the record's)
         uniform_(self.mlp_bank[0::2])  # up (a padding up-projection too); down stays zero
         fp32_draw(self.lm_head, lambda x: x.normal_(0.0, 0.005))
         self.embed.copy_(self.lm_head.T)
@@ -2565,6 +2576,7 @@ class GPT(nn.Module):
         freq, scale = yarn_state(self.args, yarn_blocks)
         self.rotary_freq.copy_(freq)
         self.attn_scale.fill_(scale)
+        self.attn_scale_value = float(np.float32(scale))  # the buffer's fp32 value as a number (SDPA's scale)
 
     # -- forward -------------------------------------------------------------------------------
 
@@ -2609,9 +2621,9 @@ class GPT(nn.Module):
                 for long, r in sorted(kinds)}
 
     def _attend(self, q, k, v, mask: BlockMask | SDPAMask, paired: bool) -> torch.Tensor:
-        """Masked softmax attention of (T, H, hd) q, k, v (q already carries the softmax scale). Paired:
+        """Masked softmax attention of (T, H, hd) q, k, v at the current fp32 softmax scale. Paired:
         (T, H, hd) is viewed as (2T, H/2, hd), so slot 2t holds heads 0..H/2-1 of token t and slot 2t+1
-        the others; head j attends over the stream of heads j and j + H/2 (README "Paired heads").
+        the others; head j attends over the stream of heads j and j + H/2 (record #89's paired heads).
         The kernel follows the mask: flex_attention for a BlockMask, SDPA (banded where that saves
         work) for an SDPAMask."""
         T, H, hd = q.shape
@@ -2621,13 +2633,13 @@ class GPT(nn.Module):
             return t.reshape(r * T, H // r, hd).transpose(0, 1).unsqueeze(0)
 
         if isinstance(mask, BlockMask):
-            y = flex_attend(to_seq(q), to_seq(k), to_seq(v), mask)
-        else:
+            y = flex_attend(to_seq(q), to_seq(k), to_seq(v), mask, self.attn_scale)
+        else:  # SDPA takes the scale as a number: the same fp32 value, kept as a float by set_windows
             qs, ks, vs = (to_seq(t.float() if mask.fp32 else t) for t in (q, k, v))
             if mask.chunk:
-                y = banded_attention(qs, ks, vs, mask.mask, mask.span)
+                y = banded_attention(qs, ks, vs, mask.mask, mask.span, scale=self.attn_scale_value)
             else:
-                y = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask.mask, scale=1.0)
+                y = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask.mask, scale=self.attn_scale_value)
             y = y.to(q.dtype)
         return y[0].transpose(0, 1).reshape(T, H, hd)
 
@@ -2637,12 +2649,15 @@ class GPT(nn.Module):
         a, row = self.args, self.table[i]
         T, H, hd = xn.shape[0], a.num_heads, a.head_dim
         j = self.attn_slot[i]
-        lam_qkv, lam_o = self.scalars[2 * i].to(xn.dtype), self.scalars[2 * i + 1].to(xn.dtype)
+
+        def scaled(lam, weight):  # the fp32 lambda times the bf16 weight, rounded once (the record's)
+            return (lam * weight.float()).to(weight.dtype)
+
         w_qkv = torch.cat([*w["qk"][H * j: H * j + H], w["vo"][2 * j]])  # [Q; K; V]
-        q, k, v = F.linear(xn, lam_qkv * w_qkv).view(T, 3, H, hd).unbind(1)
+        q, k, v = F.linear(xn, scaled(self.scalars[2 * i], w_qkv)).view(T, 3, H, hd).unbind(1)
         paired = "paired" in row
         cos, sin = rope["paired" if paired else "plain"]
-        q = apply_rotary(norm(q), cos, sin) * self.attn_scale.to(xn.dtype)
+        q = apply_rotary(norm(q), cos, sin)  # the softmax scale is applied to the fp32 scores (_attend)
         k = apply_rotary(norm(k), cos, sin)
         if "offset" in row:
             k = key_offset(k)
@@ -2650,21 +2665,22 @@ class GPT(nn.Module):
             if ve_gate is None:  # 2 sigmoid(W [x[:C/2], ve[:C/2]]): one gate per head, 1 at init
                 half = a.gate_channels // 2
                 ve_gate = 2 * self._gate(self.ve_gate_bank[self.ve_slot[i]], torch.cat([xn[:, :half], ve[:, :half]], dim=-1))
-            v = v + ve_gate[..., None] * ve.view(T, H, hd)
+            ve_v = ve_gate[..., None] * ve.view(T, H, hd)
+            aux_v = ve_v if aux_v is None else ve_v + aux_v  # v + (g ve + MUDD's V): the record's order of sums
         if aux_v is not None:
             v = v + aux_v
         y = self._attend(q, k, v, masks["long" in row, 2 if paired else 1], paired)
         if "dc" in row:
             w1 = F.rms_norm(coef("dc_w1", i).float(), (H,), eps=1e-6).to(xn.dtype)
-            y = y + dc_term(q, k, v, doc, w1, coef("dc_w2", i), a.dc_window)
+            y = y + dc_term(q, k, v, doc, w1, coef("dc_w2", i), a.dc_window, self.attn_scale)
         if "xsa" in row:
             y = xsa(y, v, coef("xsa", i))
         if "gate" in row:  # linear, no sigmoid: 0.25 at init
             y = y * coef("gate", i)[..., None]
-        return F.linear(y.reshape(T, H * hd), lam_o * w["vo"][2 * j + 1])
+        return F.linear(y.reshape(T, H * hd), scaled(self.scalars[2 * i + 1], w["vo"][2 * j + 1]))
 
     def _mlp(self, i: int, xn: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, fp8: bool) -> torch.Tensor:
-        if fp8:  # training on GPUs with FP8 tensor cores (README "FP8")
+        if fp8:  # training on GPUs with FP8 tensor cores (record #89)
             return self.fp8_mlp.mlp(i, xn, w_up, w_down)
         return triton_kernels.relu2_mlp(xn, w_up, w_down)
 
@@ -2752,7 +2768,7 @@ class GPT(nn.Module):
                 prefix_weight=None, masks: dict | None = None):
         """Training (mtp_weights (K,) fp32 given): loss_scale * sum over tokens of the softcapped
         multi-token CE plus, with prefix_weight (0-D fp32) given and --prefix_loss on, the prefix-token
-        term (README "Training loss"); FP8 head and MLPs on capable GPUs. Evaluation (mtp_weights None):
+        term (record #89's loss); FP8 head and MLPs on capable GPUs. Evaluation (mtp_weights None):
         mean next-token fp32 CE. masks: attention_masks(cu_seqlens, T), required when compiled on CUDA."""
         fp8 = mtp_weights is not None and self.args.fp8 and _native_fp8(input_ids.device)
         x = self.hidden(input_ids, cu_seqlens, bigram_ids, fp8=fp8, masks=masks)
@@ -2790,7 +2806,7 @@ def count_parameters(args: Hyperparameters, world_size: int = 1) -> dict[str, tu
 
 
 # ----------------------------------------------------------------------------------------------
-# Shard files: 256 x int32 header + uint16 GPT-2 token ids (README "Data")
+# Shard files: 256 x int32 header + uint16 GPT-2 token ids
 # ----------------------------------------------------------------------------------------------
 
 SHARD_MAGIC = 20240520
@@ -2889,8 +2905,8 @@ def gpt2_encoding(rank_file: str | None = GPT2_TIKTOKEN_FILE):
 
 def build_prefix_table(encoding, padded_vocab_size: int) -> torch.Tensor:
     """table[T] (int64, (padded_vocab_size,)) = id of the longest proper byte-prefix of token T's byte
-    string that is itself a token, -1 if none: single bytes, the special BOS and the pad ids (README
-    "Training loss"). The record builds it from the GPT-2 ranks inside the timed region, so it must be
+    string that is itself a token, -1 if none: single bytes, the special BOS and the pad ids (record
+    #89's prefix-token loss). The record builds it from the GPT-2 ranks inside the timed region, so it must be
     quick: one dict look-up per candidate prefix, ~20 ms on one CPU core. Only tokens with ids below
     padded_vocab_size count, so a smaller test vocabulary never names a column the logits lack."""
     if isinstance(padded_vocab_size, bool) or not isinstance(padded_vocab_size, int) or padded_vocab_size < 1:
@@ -2910,7 +2926,7 @@ def build_prefix_table(encoding, padded_vocab_size: int) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------------------------------
-# Data loader: BOS-aligned packed batches with document boundaries and bigram ids (README "Data")
+# Data loader: BOS-aligned packed batches with document boundaries and bigram ids
 # ----------------------------------------------------------------------------------------------
 
 
@@ -3033,7 +3049,7 @@ def validation_batches(pattern: str, num_tokens: int, seq_len: int, bigram_vocab
 
 
 # ----------------------------------------------------------------------------------------------
-# Schedule: what every step runs with (README "Schedule")
+# Schedule: what every step runs with
 # ----------------------------------------------------------------------------------------------
 
 
@@ -3068,7 +3084,7 @@ def total_steps(args: Hyperparameters) -> int:
 
 
 def plan_step(args: Hyperparameters, step: int) -> StepPlan:
-    """Everything that changes with the step (README "Schedule"), for the speedrun:
+    """Everything that changes with the step (record #89's schedule), for the speedrun:
     lr multiplier s: the stage's multiplier until cd = int(0.4 * 1270) = 508, then
         stage_mult * (1 - t) + 0.15 * t with t = (step - cd) / (1270 - cd), so s jumps up at 847;
     momentum: 0.85 -> 0.95 over steps 0-300, 0.95, then down over the last 50 steps of the 1285;
@@ -3148,7 +3164,7 @@ ADAMW_BANK_BETAS = (0.9, 0.95)
 
 
 def optimizer_configs(args: Hyperparameters, model: "GPT") -> dict[str, ParamConfig]:
-    """Per-label optimizer settings (README "Per-label table"): NorMuon for the banks, Adam for the rest.
+    """Per-label optimizer settings (record #89's param_table): NorMuon for the banks, Adam for the rest.
 
     Ablations: --matrix_optimizer adamw moves the banks to Adam; parameters of a switched-off
     component get lr and decay multipliers of 0 (they receive no gradient and must not drift)."""
@@ -3167,7 +3183,7 @@ def optimizer_configs(args: Hyperparameters, model: "GPT") -> dict[str, ParamCon
         banks = {"qk_bank": ParamConfig("normuon", "sharded"), "vo_bank": ParamConfig("normuon", "sharded"),
                  "mlp_bank": ParamConfig("normuon", "sharded", matrix_lr_mul=down_x2)}
     gates, lambdas = (0.9, 0.99), (0.9, 0.95)
-    configs = {  # the record's table (README "Per-label table")
+    configs = {  # the record's param_table
         **banks,
         "scalars": ParamConfig("adam", "replicated", lr_mul=5.0, wd_mul=0.0, betas=gates),
         "smear_gate": ParamConfig("adam", "replicated", lr_mul=0.01, wd_mul=0.0, betas=gates),
@@ -3388,6 +3404,12 @@ def train_step(model_fn, opt: NorMuonAdam, batches: list[Batch], plan: StepPlan,
     return loss
 
 
+def compile_counts() -> dict:
+    """Graphs torch.compile has made and graph breaks it has met in this process so far."""
+    from torch._dynamo.utils import counters
+    return dict(graphs=int(counters["stats"]["unique_graphs"]), graph_breaks=int(sum(counters["graph_break"].values())))
+
+
 def compile_model(model: nn.Module):
     """The model compiled whole: one graph per shape (each stage and the evaluation), no graph breaks
     (fullgraph: a break is an error, not a silent eager fallback). The record raises dynamo's recompile
@@ -3492,9 +3514,10 @@ def train(args: Hyperparameters, d: DistInfo) -> float:
 
     if opt.tied and start_step > untie_step(args):
         raise SystemExit(f"error: checkpoint at step {start_step} is past the untie step but still tied")
+    compiled_before = compile_counts()  # what the timed run compiles on top of the warm-up: nothing, ideally
     cuda_synchronize(d.device)
     train_ms, t0, val_loss = 0.0, time.perf_counter(), float("nan")
-    # the record's order (README "Training loss"): the clock starts, then the prefix table is built, timed
+    # the record's order: the clock starts, then the prefix table is built, timed
     model.prefix_table.copy_(build_prefix_table(encoding, args.padded_vocab_size))
     pending = None  # (step, loss tensor): read one step late, so the host never waits on the GPU mid-run
 
@@ -3539,6 +3562,10 @@ def train(args: Hyperparameters, d: DistInfo) -> float:
             progress.show(f"step {pending[0] + 1}/{total}  loss {shown:.4f}  "
                           f"{plan.batch_tokens / max(1e-9, now_ms / done / 1000):,.0f} tok/s  eta {eta:.0f}s")
         pending = (step, loss)
+    if args.compile:
+        after = compile_counts()
+        log.write(f"torch.compile: {after['graphs'] - compiled_before['graphs']} graphs compiled during the timed run "
+                  f"(recompiles after the warm-up), {after['graph_breaks']} graph breaks")
     if d.device.type == "cuda":
         log.write(f"peak memory allocated: {torch.cuda.max_memory_allocated(d.device) // 2**20} MiB "
                   f"reserved: {torch.cuda.max_memory_reserved(d.device) // 2**20} MiB")

@@ -713,7 +713,7 @@ def relu2_fp8_up(x_f8: Tensor, w_up_f8: Tensor, dequant: Tensor, act_scale: Tens
 # Softcapped cross-entropy with multi-token prediction and the prefix-token term
 # ----------------------------------------------------------------------------------------------
 #
-# The training loss of record #89 (README "Training loss"). Per position t, with the softcapped logits
+# The training loss of record #89 (modded-nanogpt PR #342). Per position t, with the softcapped logits
 # z = 23 sigma((l + 5) / 7.5), MTP weights w_0..w_{K-1} and the prefix weight pi:
 #   loss[t] = sum_{k < K, t + k < T} w_k (lse(z_t) - z_t[targets[t + k]])
 #             + [prefix_ids[t] >= 0] pi (lse(z_t) - z_t[prefix_ids[t]])

@@ -11,8 +11,8 @@ held-out split (whole files: no validation text was ever seen in training).
     python data/sympy_source.py                     # pip-downloads the wheel (6 MB) into data/sympy/
     python data/sympy_source.py --wheel PATH.whl    # a wheel already at hand (checked against the pin)
 
-Writes data/sympy/sympy_train_000001.bin ... and data/sympy/sympy_val_000000.bin (README "Token
-efficiency").
+Writes data/sympy/sympy_train_000001.bin ... and data/sympy/sympy_val_000000.bin (data/README.md;
+its use: records/README.md "Token efficiency").
 """
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ Inputs: plain text files (one document per file, or several separated by --delim
 (one document per line, text under --jsonl_field). Works offline with the shipped GPT-2 rank file.
 
     # the embedded demo data (data/tinyshakespeare/)
-    python data/tokenize_text.py ../shared/data/tinyshakespeare.txt --name tinyshakespeare \
+    python data/tokenize_text.py data/tinyshakespeare/tinyshakespeare.txt --name tinyshakespeare \
         --out_dir data/tinyshakespeare --split_by chars --val_fraction 0.1 --delimiter '\\n\\n' --pack_chars 4000
 
     # a JSONL corpus, last 1% of documents as validation, 4 worker processes

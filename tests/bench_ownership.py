@@ -1,4 +1,4 @@
-"""Who orthogonalizes which bank matrix: padded vs balanced ownership (README "Ownership").
+"""Who orthogonalizes which bank matrix: padded vs balanced ownership (records/README.md "Ownership").
 Computed from the optimizer's own planning functions, nothing is run; prints the figures, exits 0.
 
     python tests/bench_ownership.py [--orthogonalizer polar_express|gram_newton_schulz|auto]

@@ -104,7 +104,7 @@ CHECKS: tuple[Check, ...] = (
     Check("flex-attention", 80, "flex_attention forward and backward through the one compiled flex_attention, with "
           "the record's block masks (causal, window, documents, paired slots), against SDPA with the dense mask; "
           "no host sync in the eager call",
-          (TG + "flex_attend", TG + "_runs_compiled_flex", TG + "GPT.attention_masks")),
+          (TG + "_runs_compiled_flex", TG + "GPT.attention_masks")),
     # -- model: the compiled model against an independent reference, the sync-free step -----------------
     Check("compiled-model", 350, "the speedrun model (FP8 on, near its init: loss near ln(vocab)) compiled whole "
           "(fullgraph, masks as inputs) against the eager model with fp32 SDPA and dense masks: loss and every "
@@ -119,7 +119,8 @@ CHECKS: tuple[Check, ...] = (
     Check("normuon-nccl", 60, "NorMuonAdam on a single-rank NCCL group (and 2 ranks where 2 GPUs exist) "
           "against the single-process result",
           (TG + "setup_distributed", TG + "ShardExchange._plan_sparse"), "run"),
-    Check("train-script", 100, "train_gpt.py --preset test through torchrun on this GPU (FP8, NCCL, run log)",
+    Check("train-script", 240, "train_gpt.py --preset test --compile true through torchrun on this GPU (FP8, NCCL, "
+          "compile warm-up, run log): learns, and compiles nothing after the warm-up",
           (TG + "train", TG + "RunLog.__init__", TG + "cuda_synchronize", TG + "compute_dtype"), "run"),
     Check("kernel-choice", 120, "Triton against torch at every bank shape (triton_kernels.H100_KERNEL_TIMES) and "
           "Polar Express against Gram Newton-Schulz per bank (H100_ORTHOGONALIZER_MS): the tables' picks within "
@@ -889,16 +890,9 @@ def check_flex_attention(res: Result) -> None:
             "eager call with no host sync")
 
 
-@__import__("functools").lru_cache(maxsize=None)
-def _counters():
-    from torch._dynamo.utils import counters
-    return counters
-
-
 def compile_counts() -> dict:
-    """Graphs dynamo has compiled and graph breaks it has met in this process so far."""
-    c = _counters()
-    return dict(graphs=int(c["stats"]["unique_graphs"]), graph_breaks=int(sum(c["graph_break"].values())))
+    import train_gpt as T
+    return T.compile_counts()
 
 
 def near_init(model, seed: int) -> None:
@@ -1109,7 +1103,7 @@ def check_normuon_nccl(res: Result) -> None:
 def check_train_script(res: Result) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1",
-               os.path.join(REPO, "train_gpt.py"), "--preset", "test", "--compile", "false", "--run_id", "gpu_check",
+               os.path.join(REPO, "train_gpt.py"), "--preset", "test", "--compile", "true", "--run_id", "gpu_check",
                "--log_dir", tmp, "--checkpoint_dir", os.path.join(tmp, "ckpt")]
         r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600, env=check_env())
         log_path = os.path.join(tmp, "gpu_check.txt")
@@ -1123,6 +1117,10 @@ def check_train_script(res: Result) -> None:
     require(hardware and "CPU" not in hardware.group(0), "the run log names no GPU")
     require(len(vals) >= 2 and all(v == v for v in vals) and vals[-1] < vals[0], f"validation losses {vals}")
     require("peak memory allocated" in log, "no peak memory line in the run log")
+    compiled = re.search(r"^torch.compile: (\d+) graphs compiled during the timed run.*, (\d+) graph breaks$", log, re.M)
+    require(compiled is not None, "no torch.compile line in the run log")
+    res.set(summary=res.data["summary"] + f"; {compiled.group(0)}")
+    require(compiled.group(1) == "0" and compiled.group(2) == "0", compiled.group(0))
 
 
 def parse_val_losses(log: str) -> list[float]:

@@ -1,6 +1,6 @@
 """Benchmarks and ablation switches: every switch against an independent way of removing the same
 component, the optimizer variants against hand-written updates, the benchmark arithmetic against
-hand-computed values and the README's model figures, and a --smoke run of every benchmark script."""
+hand-computed values and the model figures of records/README.md, and a --smoke run of every benchmark script."""
 import dataclasses
 import json
 import math
@@ -305,8 +305,8 @@ def test_classic_model_is_gpt2():
 def test_flops_formula_counts_spec_shapes():
     with torch.device("meta"):
         model = tg.GPT(tg.Hyperparameters(), world_size=8)
-    assert step_timing.matrix_params(model) == 75_497_472                   # README: block matrices
-    assert model.args.model_dim * model.args.padded_vocab_size == 38_633_472  # README: LM head
+    assert step_timing.matrix_params(model) == 75_497_472                   # records/README.md: block matrices
+    assert model.args.model_dim * model.args.padded_vocab_size == 38_633_472  # records/README.md: LM head
 
 
 def test_step_budget_counts_by_hand():

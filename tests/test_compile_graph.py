@@ -123,9 +123,9 @@ def test_eager_cuda_calls_share_one_compiled_flex_attention(monkeypatch, flex_on
     assert tg.compiled_flex_attention() is tg.compiled_flex_attention()
     calls = []
 
-    def recorder(q, k, v, block_mask, scale):
+    def recorder(q, k, v, score_mod, block_mask, scale):
         calls.append(block_mask)
-        return flex_module.flex_attention(q, k, v, block_mask=block_mask, scale=scale)
+        return flex_module.flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale)
 
     monkeypatch.setattr(tg, "compiled_flex_attention", lambda: recorder)
     monkeypatch.setattr(tg, "_runs_compiled_flex", lambda q: True)

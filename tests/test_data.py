@@ -12,7 +12,7 @@ sys.path.insert(0, ROOT)
 import train_gpt  # noqa: E402
 from train_gpt import BOS_ID, ShardError, read_shard, read_shard_header, write_shard  # noqa: E402
 
-SHAKESPEARE = os.path.join(ROOT, "..", "shared", "data", "tinyshakespeare.txt")
+SHAKESPEARE = os.path.join(ROOT, "data", "tinyshakespeare", "tinyshakespeare.txt")
 DEMO_DIR = os.path.join(ROOT, "data", "tinyshakespeare")
 
 
@@ -109,7 +109,7 @@ def brute_force_prefix(vocab: dict, token_bytes: bytes) -> int:
 
 
 def test_prefix_table_matches_a_brute_force_search():
-    """README "Training loss": table[T] = longest proper byte-prefix of token T that is a token, -1 for
+    """Record #89's prefix table: table[T] = longest proper byte-prefix of token T that is a token, -1 for
     single bytes, BOS and pads; checked against a search over the whole decoded vocabulary."""
     import torch
     enc = train_gpt.gpt2_encoding()

@@ -307,7 +307,7 @@ def bf16(t: torch.Tensor) -> torch.Tensor:
 
 
 def fp8_mlp_emulation(x, w_up, w_down, act_scale: float):
-    """The FP8 MLP written out in float64 from its definition (README "Model", FP8), bootstrap W2
+    """The FP8 MLP written out in float64 from its definition (record #89's FP8 MLP), bootstrap W2
     scale. Returns (y, post, amax of post)."""
     x, w_up, w_down = x.double(), w_up.double(), w_down.double()
     ax = x.abs().max()

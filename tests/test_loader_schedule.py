@@ -185,7 +185,7 @@ def test_speedrun_schedule_matches_spec_table():
 
 
 def test_prefix_weight_schedule_is_the_records():
-    """README "Training loss": 0.25 constant in stage 1, 0.25 (1 - t) in stage 2 with
+    """Record #89's prefix weight: 0.25 constant in stage 1, 0.25 (1 - t) in stage 2 with
     t = (step - 423) / (847 - 423), 0 in stage 3 and the extension."""
     args = tg.parse_args([])
     for step in (0, 211, 422):
@@ -230,3 +230,26 @@ def test_loss_scale_gives_the_records_gradient_for_any_world_size():
         accum, ranks = tg.grad_accum_steps(args, world_size), world_size
         # each token's gradient weight after the AVG all-reduce
         assert scale / ranks == pytest.approx(1 / 8) and accum * ranks >= 8
+
+
+def test_final_validation_is_the_records_one_sequence_per_rank_and_step(tmp_path):
+    """Record #89 sections 1.1 and 3.6: 10,485,760 tokens in 5 val steps of 2,097,152; on 8 ranks each
+    rank scores one contiguous 262,144-token sequence per step, rank r taking tokens
+    [pos + r * 262,144, pos + (r + 1) * 262,144 + 1) with pos advancing 2,097,152 per step."""
+    args = tg.parse_args(["--preset", "speedrun"])
+    assert (args.val_tokens, args.val_seq_len) == (10_485_760, 262_144)
+    stream = np.random.default_rng(0).integers(0, 50257, args.val_tokens + 1, dtype=np.int64)
+    stream[::1000] = BOS_ID
+    tg.write_shard(str(tmp_path / "fineweb_val_000000.bin"), stream)
+    pattern = str(tmp_path / "fineweb_val_*.bin")
+    for rank in (0, 3, 7):
+        batches = tg.validation_batches(pattern, args.val_tokens, args.val_seq_len, 4001, rank, 8)
+        assert len(batches) == 5
+        for step, b in enumerate(batches):
+            start = step * 2_097_152 + rank * 262_144
+            assert b.inputs.numel() == 262_144
+            assert np.array_equal(b.inputs.numpy(), stream[start: start + 262_144])
+            assert np.array_equal(b.targets.numpy(), stream[start + 1: start + 262_145])
+    # the rotary tables reach every position of such a sequence, and paired slots twice as far (2T)
+    cos, _ = tg.rotary_tables(tg.rotary_base_frequencies(128), 262_144, 6, torch.float32)["plain"]
+    assert cos.shape == (262_144, 32)

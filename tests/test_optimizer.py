@@ -816,7 +816,7 @@ if __name__ == "__main__":
 
 
 # ----------------------------------------------------------------------------------------------
-# The speedrun's per-label table and orders against record #89's (README "Per-label table")
+# The speedrun's per-label table and orders against record #89's param_table
 # ----------------------------------------------------------------------------------------------
 
 # label: (optimizer, comms, betas, lr_mul, wd_mul), copied by hand from the record's table

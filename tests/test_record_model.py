@@ -237,3 +237,40 @@ def test_mudd_at_init_reduces_to_a_plain_last_layer_and_backout():
     assert (mu[:, 6:8] == 2).all() and (mu[:, [8, 12]] == 1.046875).all() and (mu[:, [9, 13]] == 1).all()
     m = original(1, xend)
     assert (m[:, 1] == -0.5).all() and (m[:, [0, 2, 3, 4]] == 0).all()
+
+
+def _v_seen_by_attention(model, layer, lam, w_v, ve_value, aux_value):
+    """V as layer `layer`'s attention receives it, for a one-hot input xn = e_0: W_V[:, 0] = w_v, the
+    QKV lambda lam, every value-embedding entry ve_value (gate 1) and MUDD's V aux_value."""
+    T, D = 128, model.args.model_dim
+    with torch.no_grad():
+        model.scalars[2 * layer] = lam
+        j = model.attn_slot[layer]
+        model.vo_bank[2 * j].zero_()
+        model.vo_bank[2 * j][:, 0] = w_v
+    xn = torch.zeros(T, D, dtype=torch.bfloat16)
+    xn[:, 0] = 1
+    seen = []
+    model._attend = lambda q, k, v, mask, paired: seen.append(v) or v
+    cu = torch.tensor([0] + [T] * 7, dtype=torch.int32)
+    ve = torch.full((T, D), ve_value, dtype=torch.bfloat16)
+    gate = torch.ones(T, model.args.num_heads, dtype=torch.bfloat16)
+    aux = torch.full((T, model.args.num_heads, D // model.args.num_heads), aux_value, dtype=torch.bfloat16)
+    rope = tg.rotary_tables(model.rotary_freq, T, model.args.num_heads, torch.bfloat16)
+    w = {"qk": model.qk_bank.unbind(0), "vo": model.vo_bank.unbind(0)}
+    coef = lambda kind, i: torch.ones(T, model.args.num_heads, dtype=torch.bfloat16)  # noqa: E731
+    with torch.no_grad():
+        model._attention(layer, xn, ve, gate, aux, tg.document_ids(cu, T), rope, model.attention_masks(cu, T), coef, w)
+    return seen[0].float()
+
+
+def test_layer_10_value_sum_and_qkv_lambda_follow_the_records_rounding():
+    """bf16 rounding tells the orders apart. Layer 10's V is v + (g ve + MUDD's V) (record section 1.5):
+    1 + (2^-8 + 2^-8) = 1 + 2^-7 is a bf16 number, while (1 + 2^-8) rounds back to 1 first (a tie to
+    even). The QKV lambda scales the bf16 weights in fp32 (record section 1.6): 3 x 0.333 = 0.999 rounds
+    to 1.0, while 3 x bf16(0.333) = 0.99609375."""
+    model = make_model(RECORD_SMALL)
+    v = _v_seen_by_attention(model, 10, lam=1.0, w_v=1.0, ve_value=2.0 ** -8, aux_value=2.0 ** -8)
+    assert (v == 1 + 2.0 ** -7).all()
+    v = _v_seen_by_attention(model, 10, lam=0.333, w_v=3.0, ve_value=0.0, aux_value=0.0)
+    assert (v == 1.0).all()

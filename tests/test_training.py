@@ -159,7 +159,7 @@ def test_training_step_never_waits_for_the_gpu():
 
 
 def test_prefix_table_is_built_after_the_clock_starts(tmp_path, monkeypatch):
-    """README "Training loss": the compile warm-up trains with the prefix table filled (the graphs of
+    """Record #89's order: the compile warm-up trains with the prefix table filled (the graphs of
     the timed run), then the table is built again right after the clock starts, before the first timed
     step; every step's forward sees it and the schedule's prefix weight."""
     import train_gpt as tg

@@ -82,7 +82,7 @@ def sigma_bf16_float64(logits: torch.Tensor) -> torch.Tensor:
 
 def ce_record_float64(logits, targets, weights, prefix_ids=None, prefix_weight=0.0, grad_scale=1.0):
     """The record's per-token loss (T,) and gradient (T, V) in float64, one loop per term, written from
-    README "Training loss": z = 23 bf16(sigma); L_i = sum_{k, i+k<T} w_k (lse_i - z_i[tgt_{i+k}])
+    Record #89's loss: z = 23 bf16(sigma); L_i = sum_{k, i+k<T} w_k (lse_i - z_i[tgt_{i+k}])
     + [prefix valid] pi (lse_i - z_i[prefix_i]); dl_i = grad_scale (S_i p_i - hits_i) 23/7.5 sigma (1 - sigma)
     with S_i = sum of ALL w_k + pi [valid]; no upstream gradient enters."""
     sigma = sigma_bf16_float64(logits)

@@ -1,7 +1,7 @@
-"""Why the recipe's validation loss rises within stage 2 on tiny Shakespeare (README "Token efficiency").
+"""Why the recipe's validation loss rises within stage 2 on tiny Shakespeare (records/README.md, "Why the loss rose within stage 2 on tiny Shakespeare").
 
 The 2M-token benchmark schedule (demo preset, 231+9 steps) on tiny Shakespeare reaches 5.21 at step 110,
-rises to 5.45 at step 150 and drops to 4.94 at step 160, right after stage 3 begins (README table). Stage 3 changes
+rises to 5.45 at step 150 and drops to 4.94 at step 160, right after stage 3 begins (the table in records/README.md). Stage 3 changes
 several things at once (batch, windows, the lr multiplier, the untie), and the corpus repeats. Each
 variant below trains that schedule up to --stop with one of them changed:
 

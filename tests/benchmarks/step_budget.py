@@ -1,4 +1,4 @@
-"""FLOP and memory budget of one speedrun training step, by component (README "Step budget").
+"""FLOP and memory budget of one speedrun training step, by component (records/README.md, "Step budget").
 
     python tests/benchmarks/step_budget.py [--world_size 8] [--measure_tokens 2048]
 

@@ -129,12 +129,6 @@ def main(argv=None):
             dist.destroy_process_group()
 
 
-def compile_counts() -> dict:
-    """Graphs dynamo has compiled and graph breaks it has met in this process so far."""
-    from torch._dynamo.utils import counters
-    return dict(graphs=int(counters["stats"]["unique_graphs"]), graph_breaks=int(sum(counters["graph_break"].values())))
-
-
 def profile_summary(prof, steps: int, wall_ms: float, what: str, top: int = 25) -> dict:
     """From a torch.profiler run of `steps` steps that took wall_ms: the GPU busy fraction (union of the
     kernels' intervals over the wall time), kernels and aten ops per step, the top kernels by time and
@@ -200,7 +194,7 @@ def run(args: T.Hyperparameters, d: T.DistInfo, steps: int, warmup: int, peak: f
         timed_batches, t0 = [], None
         T.cuda_synchronize(d.device)
         t_warm = time.perf_counter()
-        counts = [compile_counts()]
+        counts = [T.compile_counts()]
 
         def one_step(i):
             plan = T.plan_step(args, first + min(i, length - 1))
@@ -215,14 +209,14 @@ def run(args: T.Hyperparameters, d: T.DistInfo, steps: int, warmup: int, peak: f
         for i in range(warmup + steps):
             if i == warmup:
                 T.cuda_synchronize(d.device)
-                counts.append(compile_counts())
+                counts.append(T.compile_counts())
                 t0 = time.perf_counter()
             plan, batches = one_step(i)
             if i >= warmup and len(timed_batches) < 4:
                 timed_batches.extend(batches)
         T.cuda_synchronize(d.device)
         ms = 1000 * (time.perf_counter() - t0) / steps
-        counts.append(compile_counts())
+        counts.append(T.compile_counts())
         profile = None
         if name == profile_stage and d.device.type == "cuda" and profile_steps > 0:
             from torch.profiler import ProfilerActivity, profile as torch_profile

@@ -1,5 +1,5 @@
 """How much validation loss the recipe buys per training token, against a tuned classic GPT-2 recipe,
-with seed spread; and what each component of the recipe contributes (README "Token efficiency").
+with seed spread; and what each component of the recipe contributes (records/README.md, "Token efficiency").
 
 Every run is saved as one JSON (curve + configuration) in a results folder (--save), so runs can be
 split over processes (one per core, OMP_NUM_THREADS=1), resumed (a saved run is not trained again) and
