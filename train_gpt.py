@@ -356,66 +356,6 @@ def cuda_synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-CPU_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
-
-
-def cpu_model(cpu_name_file: str = "/proc/cpuinfo") -> str:
-    """The CPU's model name (for logs), or the platform's processor string."""
-    import platform
-    try:
-        with open(cpu_name_file) as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def matmul_gflops(dtype: torch.dtype, m: int, k: int, n: int, seconds: float = 0.15) -> float:
-    """GFLOP/s of an (m, k) x (k, n) matmul in `dtype` on this CPU, timed for about `seconds`."""
-    import time
-    a, b = torch.randn(m, k).to(dtype), torch.randn(k, n).to(dtype)
-    a @ b  # warm-up: thread pool, oneDNN primitive creation
-    reps, t0 = 0, time.perf_counter()
-    while True:
-        a @ b
-        reps += 1
-        elapsed = time.perf_counter() - t0
-        if elapsed >= seconds or reps >= 1000:
-            return 2 * m * k * n * reps / elapsed / 1e9
-
-
-def choose_cpu_dtype(args: Hyperparameters) -> tuple[torch.dtype, str]:
-    """The dtype of the model's bf16 parameters on a CPU, and a line saying why.
-
-    --cpu_dtype bf16 / fp32 forces it; auto times the model's MLP matmul shape in both and takes the
-    faster. CPU flags alone mislead: bf16 runs ~90x slower than fp32 on AVX2-only CPUs, a little slower
-    on AVX512-BF16 CPUs without AMX, and faster with AMX."""
-    if args.cpu_dtype != "auto":
-        return CPU_DTYPES[args.cpu_dtype], f"cpu dtype {args.cpu_dtype} (--cpu_dtype) on {cpu_model()}"
-    shape = (256, args.model_dim, args.mlp_hidden)
-    rates = {name: matmul_gflops(dtype, *shape) for name, dtype in CPU_DTYPES.items()}
-    best = max(rates, key=rates.get)
-    figures = ", ".join(f"{name} {rate:.1f}" for name, rate in rates.items())
-    return CPU_DTYPES[best], (f"cpu dtype {best} (auto: {'x'.join(map(str, shape))} matmul GFLOP/s per process: "
-                              f"{figures}; capability {torch.backends.cpu.get_cpu_capability()}) on {cpu_model()}")
-
-
-def compute_dtype(args: Hyperparameters, d: DistInfo) -> tuple[torch.dtype, str | None]:
-    """The model's compute dtype: bf16 on GPUs; on CPUs rank 0's choose_cpu_dtype, taken by every rank
-    (timings differ between processes), with its log line."""
-    if d.device.type != "cpu":
-        return torch.bfloat16, None
-    choice = [None]
-    if d.is_master:
-        dtype, note = choose_cpu_dtype(args)
-        choice = [(str(dtype).removeprefix("torch."), note)]
-    if dist.is_initialized():
-        dist.broadcast_object_list(choice, src=0)
-    return getattr(torch, choice[0][0]), choice[0][1]
-
-
 # ----------------------------------------------------------------------------------------------
 # FP8 custom ops: y = x @ w with float8 inputs and static scales
 # ----------------------------------------------------------------------------------------------
@@ -923,51 +863,6 @@ def orthogonalizer_of(orthogonalizer):
     raise ValueError(f"NorMuonAdam: orthogonalizer={orthogonalizer!r}; choose one of {sorted(ORTHOGONALIZERS)}")
 
 
-TP_MODES = ("duplicated", "distributed", "blockwise")
-
-
-def tensor_parallel_orthogonalize(shard: torch.Tensor, mode: str, shard_dim: int, group=None,
-                                  dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """Polar Express of a matrix (or bank) split over the ranks of `group` along shard_dim (-2: row
-    shards, -1: column shards, equal sizes); returns this rank's shard of the result
-    (the modes of Megatron-LM's TensorParallelMuon).
-
-    duplicated   all_gather the whole matrix, run polar_express on it on every rank, keep the shard
-    distributed  the iteration on shards: the Gram matrix over the unsplit side, X^T X for row shards
-                 or X X^T for column shards, is a sum of per-shard products, all_reduced (fp32, as
-                 is the Frobenius norm); the same polynomial as polar_express, in fp32, cast to dtype
-    blockwise    polar_express of the shard alone: no communication, an approximation
-    """
-    if mode not in TP_MODES:
-        raise ValueError(f"tensor_parallel_orthogonalize: mode={mode!r}; choose one of {', '.join(TP_MODES)}")
-    dim = shard_dim % shard.ndim
-    if dim < shard.ndim - 2:
-        raise ValueError(f"tensor_parallel_orthogonalize: shard_dim must be -2 or -1, got {shard_dim}")
-    if mode == "blockwise":
-        return polar_express(shard, dtype=dtype)
-    W, rank = dist.get_world_size(group), dist.get_rank(group)
-    if mode == "duplicated":
-        return polar_express(_gather_shards(shard, dim, group), dtype=dtype).chunk(W, dim=dim)[rank].contiguous()
-    X = _as_bank(shard).float()
-    sq = X.square().sum(dim=(-2, -1), keepdim=True)
-    dist.all_reduce(sq, group=group)
-    X = X / (sq.sqrt() * 1.02 + 1e-6)
-    rows = dim == shard.ndim - 2  # row shards share the columns: X^T X is summed over the shards
-    for a, b, c in POLAR_EXPRESS_COEFFS:
-        A = X.mT @ X if rows else X @ X.mT
-        dist.all_reduce(A, group=group)
-        B = b * A + c * (A @ A)
-        X = a * X + (X @ B if rows else B @ X)
-    return X.to(dtype).reshape(shard.shape)
-
-
-def _gather_shards(shard: torch.Tensor, dim: int, group) -> torch.Tensor:
-    """The whole tensor from every rank's equal shard along dim (all_gather, concatenated in rank order)."""
-    parts = [torch.empty_like(shard) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(parts, shard.contiguous(), group=group)
-    return torch.cat(parts, dim=dim)
-
-
 def orthogonalization_flops(rows: int, cols: int, orthogonalizer="polar_express") -> int:
     """FLOPs to orthogonalize one rows x cols matrix, counted like torch's FlopCounterMode (2 per
     multiply-add, symmetric products counted dense). With s the short side and L the long one:
@@ -1054,6 +949,19 @@ class ParamConfig:
         object.__setattr__(self, "betas", betas)
         if self.matrix_lr_mul is not None:
             object.__setattr__(self, "matrix_lr_mul", tuple(float(m) for m in self.matrix_lr_mul))
+
+
+def lr_multipliers(cfg: ParamConfig, shape: tuple) -> torch.Tensor:
+    """The one definition of a parameter's learning rate relative to its optimizer's base lr x the
+    schedule multiplier (NorMuonAdam.learning_rates; the updates read it through OwnershipLayout.
+    matrix_lr and NorMuonAdam._hyperparams). NorMuon label of `shape` (matrices, rows, cols): per
+    matrix lr_mul x sqrt(max(1, rows/cols)) (the shape factor of Muon's update, as record #89 scales
+    it) x its matrix_lr_mul entry, (matrices,) float64. Adam label: lr_mul, a 0-d float64 tensor."""
+    if cfg.optimizer != "normuon":
+        return torch.tensor(cfg.lr_mul, dtype=torch.float64)
+    n, r, c = shape
+    per_matrix = torch.tensor(cfg.matrix_lr_mul or [1.0] * n, dtype=torch.float64)
+    return per_matrix * cfg.lr_mul * max(1.0, r / c) ** 0.5
 
 
 # ---- Update math: pure functions of one shard, no communication -------------------------------
@@ -1173,12 +1081,14 @@ def _adam_update_sliced(grad, exp_avg, exp_avg_sq, param, hp):
 
 def update_functions(compile=False):
     """(NorMuon update, Adam update): eager (Adam sliced on CPUs) for compile=False, else compiled
-    with torch.compile, inductor for True or the backend given (a name or callable)."""
+    with torch.compile, inductor for True or the backend given (a name or callable). Compiled, each
+    label's whole update (a NorMuon bank's momentum, orthogonalization, variance reduction and
+    cautious step over all its matrices at once) is one graph, fullgraph: a break is an error."""
     if not compile:
         return _normuon_update, _adam_update_sliced
     backend = "inductor" if compile is True else compile
-    return (torch.compile(_normuon_update, dynamic=False, backend=backend),
-            torch.compile(_adam_update, dynamic=True, backend=backend))
+    return (torch.compile(_normuon_update, dynamic=False, backend=backend, fullgraph=True),
+            torch.compile(_adam_update, dynamic=True, backend=backend, fullgraph=True))
 
 
 def normuon_hyperparams(lr: float, wd: float, wd_mul: float, momentum: float, beta2: float) -> list[float]:
@@ -1338,9 +1248,7 @@ class OwnershipLayout:
         """A NorMuon label's lr multiplier per owned matrix, (shard_rows, 1, 1) fp32: lr_mul x the shape
         factor sqrt(max(1, rows/cols)) x its matrix_lr_mul entry; 0 on padding."""
         slot = self.slots[label]
-        n, r, c = slot.shape
-        per_matrix = torch.tensor(slot.cfg.matrix_lr_mul or [1.0] * n, dtype=torch.float64)
-        per_matrix = per_matrix * slot.cfg.lr_mul * max(1.0, r / c) ** 0.5
+        per_matrix = lr_multipliers(slot.cfg, slot.shape)
         shard = torch.zeros(slot.shard_rows, dtype=torch.float64)
         shard[:slot.real_rows] = per_matrix[slot.lo:slot.lo + slot.real_rows]
         return shard.to(torch.float32).view(-1, 1, 1).to(slot.param.device)
@@ -1723,9 +1631,17 @@ class NorMuonAdam:
                 rows.append(normuon_hyperparams(self.normuon_lr * lr_scale, self.normuon_wd, cfg.wd_mul,
                                                 momentum, self.normuon_beta2))
             else:
-                rows.append(adam_hyperparams(self.adam_lr * lr_scale * cfg.lr_mul, self.adam_steps[label] + 1,
+                lr_mul = float(lr_multipliers(cfg, self.slots[label].shape))
+                rows.append(adam_hyperparams(self.adam_lr * lr_scale * lr_mul, self.adam_steps[label] + 1,
                                              cfg.betas, self.adam_wd, cfg.wd_mul, self.adam_eps))
         return hyperparam_tensors(labels, rows, next(iter(self.slots.values())).param.device)
+
+    def learning_rates(self, lr_scale: float = 1.0) -> dict[str, torch.Tensor]:
+        """Every label's effective learning rate at schedule multiplier lr_scale: the optimizer's base lr
+        (NorMuon or Adam) x lr_scale x lr_multipliers (one value per matrix of a NorMuon bank, padding
+        included; one for an Adam label), float64 on the CPU. The updates apply these, rounded to fp32."""
+        return {label: (self.normuon_lr if slot.cfg.optimizer == "normuon" else self.adam_lr) * lr_scale
+                * lr_multipliers(slot.cfg, slot.shape) for label, slot in self.slots.items()}
 
     def _work(self, slot: Slot, grad: torch.Tensor, hp: torch.Tensor, max_logits=None):
         """Update the local shard; return a function that completes its all_gather (or None)."""
@@ -1833,88 +1749,6 @@ class NorMuonAdam:
         self.exchange.plans.clear()
 
 
-# ---- Tensor-parallel NorMuon: one parameter split over a process group ----------------------
-# (Megatron-LM's TensorParallelMuon modes; NorMuonAdam owns whole matrices and does not use it)
-
-
-def _tp_layout(shard: torch.Tensor, mode: str, shard_dim: int, group) -> tuple[int, int, int, int]:
-    """(dim, world size, rows, cols) of the matrix a shard belongs to; blockwise treats the shard as the matrix."""
-    if mode not in TP_MODES:
-        raise ValueError(f"tensor_parallel_normuon_update: mode={mode!r}; choose one of {', '.join(TP_MODES)}")
-    dim = shard_dim % shard.ndim
-    if shard.ndim < 2 or dim < shard.ndim - 2:
-        raise ValueError(f"tensor_parallel_normuon_update: shard_dim must be -2 or -1 of (..., rows, cols), got {shard_dim}")
-    W = 1 if mode == "blockwise" else dist.get_world_size(group)
-    rows, cols = shard.size(-2) * (W if dim == shard.ndim - 2 else 1), shard.size(-1) * (W if dim == shard.ndim - 1 else 1)
-    return dim, W, rows, cols
-
-
-def tensor_parallel_normuon_state(shard: torch.Tensor, mode: str, shard_dim: int, group=None) -> dict[str, torch.Tensor]:
-    """Zero state for tensor_parallel_normuon_update of this shard: the momentum (the shard's shape),
-    the second moment and, for a bf16 shard, the mantissa. The second moment has one entry per row of
-    the longer side of the whole matrix (of the shard, blockwise); distributed keeps only this rank's
-    entries when those rows are the split ones, duplicated keeps all of them on every rank."""
-    dim, W, rows, cols = _tp_layout(shard, mode, shard_dim, group)
-    per_row = rows >= cols
-    n = rows if per_row else cols
-    if mode == "distributed" and (dim == shard.ndim - 2) == per_row:
-        n //= W
-    lead = shard.shape[:-2]
-    st = {"momentum_buffer": torch.zeros(shard.shape, dtype=torch.float32, device=shard.device),
-          "second_moment": torch.zeros((*lead, n, 1) if per_row else (*lead, 1, n), dtype=torch.float32, device=shard.device)}
-    if shard.dtype == torch.bfloat16:
-        st["mantissa"] = torch.zeros(shard.shape, dtype=torch.uint16, device=shard.device)
-    return st
-
-
-def _split_variance_reduction(O, second_moment, beta2, dim: int, rows: int, cols: int, group) -> torch.Tensor:
-    """normuon_variance_reduction of the whole matrix, computed on its shard O: where the reduced dim
-    is split the per-row sums of O^2 are all_reduced; where the kept dim is split, each rank holds
-    its rows' statistics and the two Frobenius norms of the renormalisation are all_reduced."""
-    red = O.ndim - 1 if rows >= cols else O.ndim - 2
-    size = cols if rows >= cols else rows
-    sq = O.float().square().sum(dim=red, keepdim=True)
-    if red == dim:
-        dist.all_reduce(sq, group=group)
-    mean_sq = sq / size
-    second_moment.lerp_(mean_sq, 1 - beta2)
-    step = second_moment.clamp_min(1e-10).rsqrt()
-    norms = torch.stack([(mean_sq * size).sum(dim=(-2, -1), keepdim=True),
-                         ((mean_sq * size) * step.square()).sum(dim=(-2, -1), keepdim=True)])
-    if red != dim:
-        dist.all_reduce(norms, group=group)
-    norm, new_norm = norms.sqrt()
-    return O.mul_((step * (norm / new_norm.clamp_min(1e-10))).to(O.dtype))
-
-
-def tensor_parallel_normuon_update(grad, momentum_buf, second_moment, param, mantissa, matrix_lr, hp, mode: str,
-                                   shard_dim: int, group=None, dtype: torch.dtype = torch.bfloat16) -> None:
-    """One NorMuon step, as _normuon_update with Polar Express, on this rank's shard of a matrix (or
-    bank) split over the ranks of `group` along shard_dim (-2: row shards, -1: column shards, equal
-    sizes), in place. State from tensor_parallel_normuon_state; hp as _normuon_update's; matrix_lr
-    with the whole matrix's shape factor. Momentum and the cautious update are elementwise on the shard.
-
-    duplicated   all_gather the momentum-applied gradient; orthogonalization and variance reduction of
-                 the whole matrix on every rank; the unsharded update, bit for bit
-    distributed  tensor_parallel_orthogonalize's iteration on shards, then the variance reduction
-                 with statistics combined over the shards (_split_variance_reduction)
-    blockwise    _normuon_update of the shard as a matrix of its own: no communication, an approximation
-    """
-    dim, W, rows, cols = _tp_layout(grad, mode, shard_dim, group)
-    orthogonalize = functools.partial(polar_express, dtype=dtype)
-    if mode == "blockwise":
-        return _normuon_update(grad, momentum_buf, second_moment, param, mantissa, matrix_lr, hp, orthogonalize)
-    lr, decay, momentum, beta2 = hp[0], hp[1], hp[2], hp[3]
-    g = _nesterov_momentum(grad, momentum_buf, momentum)
-    if mode == "duplicated":
-        O = normuon_variance_reduction(orthogonalize(_gather_shards(g, dim, group)), second_moment, beta2)
-        O = O.chunk(W, dim=dim)[dist.get_rank(group)]
-    else:
-        O = tensor_parallel_orthogonalize(g, "distributed", shard_dim, group, dtype=dtype)
-        O = _split_variance_reduction(O, second_moment, beta2, dim, rows, cols, group)
-    _cautious_step(O.float(), param, mantissa, lr * matrix_lr, decay)
-
-
 # ----------------------------------------------------------------------------------------------
 # Model
 # ----------------------------------------------------------------------------------------------
@@ -1968,13 +1802,20 @@ EVAL_CHUNK_TOKENS = 8192  # evaluation computes logits and cross-entropy this ma
 RMS_NORM_EPS = torch.finfo(torch.float32).eps  # F.rms_norm's own default for bf16 inputs (the record's)
 BIGRAM_SIGN_ROWS = 8192  # rows of the +-1 table the bigram embedding is multiplied by
 MUDD_LAYER_SCALE = 0.1   # fixed output scale of the MUDD layer MLPs (biases are stored x10)
-# MUDD layer MLP outputs and their biases before the x0.1 scale (the record's; MUDD, arXiv 2502.12170):
-# layer 0 (at the mudd row): 0-2 V from cache0/h/x, 3-5 x from cache0/h/x (x's is 1 + mu5), 6-7 VE
-# gates of the two head halves, 8 resid, 9 attention out, 10 cache0, 11 bigram, 12 resid, 13 MLP out;
-# layer 1 (after the loop): cache0, h (the backout, -0.5), mudd-layer input, ve0, skip source.
-MUDD_LAYER_OUTPUTS = (14, 5)
-MUDD_LAYER_BIASES = ({6: 20.0, 7: 20.0, 8: 10 * math.sqrt(1.1), 9: 10.0, 11: 0.5, 12: 10 * math.sqrt(1.1),
-                      13: 10.0}, {1: -5.0})
+# MUDD layer MLP outputs, in the record's order, and their biases before the x0.1 scale (the record's;
+# MUDD, arXiv 2502.12170). Layer 0 runs at the mudd row: V from cache0 / h / x, x from cache0 / h / x
+# (x's coefficient is 1 + x_gain), the VE gates of the two head halves, the attention sublayer's resid,
+# output and x0 weights, the bigram gate, the MLP sublayer's resid and output weights. Layer 1 runs
+# after the loop: cache0, h (the backout, -0.5 at init), the mudd row's input, ve0, the skip source.
+MUDD_LAYER_NAMES = (
+    ("v_cache0", "v_h", "v_x", "x_cache0", "x_h", "x_gain", "ve_gate_first_half", "ve_gate_second_half",
+     "resid_attn", "post_attn", "x0", "bigram", "resid_mlp", "post_mlp"),
+    ("cache0", "h", "mudd_input", "ve0", "skip_source"),
+)
+MUDD_LAYER_OUTPUTS = tuple(len(names) for names in MUDD_LAYER_NAMES)  # (14, 5)
+MUDD_LAYER_BIASES = ({"ve_gate_first_half": 20.0, "ve_gate_second_half": 20.0, "resid_attn": 10 * math.sqrt(1.1),
+                      "post_attn": 10.0, "bigram": 0.5, "resid_mlp": 10 * math.sqrt(1.1), "post_mlp": 10.0},
+                     {"h": -5.0})
 # MUDD gate outputs' biases before the gate scale (0.1 at init): output gates start at 0.25, bigram
 # gates 0.05, the skip gate 0.5, DC's w1 1.0; everything else 0.
 MUDD_GATE_BIASES = {"gate": 2.5, "bigram": 0.5, "skip": 5.0, "dc_w1": 10.0}
@@ -2549,8 +2390,8 @@ class GPT(nn.Module):
         for p in (self.mudd_w2, self.mudd_b2, self.mudd_gate_w2, self.mudd_gate_b2):
             p.zero_()
         for k, biases in enumerate(MUDD_LAYER_BIASES):
-            for idx, value in biases.items():
-                self.mudd_b2[k, idx] = value
+            for name, value in biases.items():
+                self.mudd_b2[k, MUDD_LAYER_NAMES[k].index(name)] = value
         for k, layout in enumerate(self.gate_layout):
             for (kind, _), (start, width) in layout.items():
                 self.mudd_gate_b2[k, start: start + width] = MUDD_GATE_BIASES.get(kind, 0.0)
@@ -2601,6 +2442,11 @@ class GPT(nn.Module):
         """MUDD layer MLP k's coefficients (T, n_k), fixed scale 0.1 (see MUDD_LAYER_BIASES)."""
         n = MUDD_LAYER_OUTPUTS[k]
         return self._mudd_mlp(x, self.mudd_w1[k], self.mudd_w2[k, :n], self.mudd_b2[k, :n], MUDD_LAYER_SCALE)
+
+    def _mudd_coefficients(self, k: int, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        """MUDD layer k's coefficients by name (MUDD_LAYER_NAMES), each a (T, 1) column."""
+        mu = self._mudd_layer(k, x)
+        return {name: mu[:, c: c + 1] for c, name in enumerate(MUDD_LAYER_NAMES[k])}
 
     def attention_masks(self, cu_seqlens: torch.Tensor, num_tokens: int, kernel: str | None = None) -> dict:
         """The mask of every attention kind the table uses, {(long window, slots per token): mask}, for
@@ -2731,33 +2577,33 @@ class GPT(nn.Module):
                     x = x + torch.sigmoid(s[2 * L + 1]).to(dt) * coef("skip", i) * skip_src
             elif "mudd" in row:
                 mudd_in = x
-                mu = self._mudd_layer(0, x)
-                m = [mu[:, c: c + 1] for c in range(MUDD_LAYER_OUTPUTS[0])]
-                aux_v = (m[0] * cache0 + m[1] * h + m[2] * x).view(T, H, hd)
-                x = (1 + m[5]) * x + m[3] * cache0 + m[4] * h
-                ve_gate = torch.cat([m[6].expand(T, H // 2), m[7].expand(T, H // 2)], dim=1)
+                m = self._mudd_coefficients(0, x)
+                aux_v = (m["v_cache0"] * cache0 + m["v_h"] * h + m["v_x"] * x).view(T, H, hd)
+                x = (1 + m["x_gain"]) * x + m["x_cache0"] * cache0 + m["x_h"] * h
+                ve_gate = torch.cat([m["ve_gate_first_half"].expand(T, H // 2),
+                                     m["ve_gate_second_half"].expand(T, H // 2)], dim=1)
                 y = self._attention(i, norm(h if "from_h" in row else x), ve_i, ve_gate, aux_v,
                                     doc, rope, masks, coef, w)
-                x = m[8] * x + m[9] * y + m[10] * cache0
+                x = m["resid_attn"] * x + m["post_attn"] * y + m["x0"] * cache0
                 if xb is not None:
-                    x = x + m[11] * xb
+                    x = x + m["bigram"] * xb
             else:
                 y = self._attention(i, norm(h if "from_h" in row else x), ve_i, None, None, doc, rope, masks, coef, w)
                 x = resid[i, 0] * x + post[i, 0] * y + coef("x0", i) * x0
                 if i > 0 and xb is not None:
                     x = x + coef("bigram", i) * xb
             out = self._mlp(i, norm(x), mlp[2 * i], mlp[2 * i + 1], fp8)
-            x = m[12] * x + m[13] * out if "mudd" in row else resid[i, 1] * x + post[i, 1] * out
+            x = m["resid_mlp"] * x + m["post_mlp"] * out if "mudd" in row else resid[i, 1] * x + post[i, 1] * out
             if "save_skip" in row:
                 skip_src = x
             if "save_h" in row:
                 h = x
         if a.backout:  # post-loop MUDD layer 1; its h coefficient starts at -0.5 (the backout)
-            m = self._mudd_layer(1, x)
-            x = x + m[:, 0:1] * cache0 + m[:, 1:2] * h + m[:, 2:3] * mudd_in  # the record's order of sums
+            m = self._mudd_coefficients(1, x)
+            x = x + m["cache0"] * cache0 + m["h"] * h + m["mudd_input"] * mudd_in  # the record's order of sums
             if ve is not None:
-                x = x + m[:, 3:4] * ve[0]
-            x = x + m[:, 4:5] * skip_src
+                x = x + m["ve0"] * ve[0]
+            x = x + m["skip_source"] * skip_src
         return norm(x)
 
     def logits(self, input_ids, cu_seqlens, bigram_ids, masks: dict | None = None) -> torch.Tensor:
@@ -3579,6 +3425,204 @@ def train(args: Hyperparameters, d: DistInfo) -> float:
             print(f"sample ({args.sample_tokens} tokens after {prompt!r}):\n"
                   + generate(model, prompt, args.sample_tokens, d.device, seed=args.seed))
     return val_loss
+
+
+# ----------------------------------------------------------------------------------------------
+# What the record does not run
+# ----------------------------------------------------------------------------------------------
+
+# Record #89 runs none of the code below. The CPU dtype choice serves CPU runs only (a GPU trains in
+# bf16); tensor-parallel NorMuon splits one matrix over ranks, where NorMuonAdam gives every matrix
+# one owner; both are here so that the record's path above reads without them.
+
+# ---- CPU compute dtype -------------------------------------------------------------------------
+
+CPU_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def cpu_model(cpu_name_file: str = "/proc/cpuinfo") -> str:
+    """The CPU's model name (for logs), or the platform's processor string."""
+    import platform
+    try:
+        with open(cpu_name_file) as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def matmul_gflops(dtype: torch.dtype, m: int, k: int, n: int, seconds: float = 0.15) -> float:
+    """GFLOP/s of an (m, k) x (k, n) matmul in `dtype` on this CPU, timed for about `seconds`."""
+    import time
+    a, b = torch.randn(m, k).to(dtype), torch.randn(k, n).to(dtype)
+    a @ b  # warm-up: thread pool, oneDNN primitive creation
+    reps, t0 = 0, time.perf_counter()
+    while True:
+        a @ b
+        reps += 1
+        elapsed = time.perf_counter() - t0
+        if elapsed >= seconds or reps >= 1000:
+            return 2 * m * k * n * reps / elapsed / 1e9
+
+
+def choose_cpu_dtype(args: Hyperparameters) -> tuple[torch.dtype, str]:
+    """The dtype of the model's bf16 parameters on a CPU, and a line saying why.
+
+    --cpu_dtype bf16 / fp32 forces it; auto times the model's MLP matmul shape in both and takes the
+    faster. CPU flags alone mislead: bf16 runs ~90x slower than fp32 on AVX2-only CPUs, a little slower
+    on AVX512-BF16 CPUs without AMX, and faster with AMX."""
+    if args.cpu_dtype != "auto":
+        return CPU_DTYPES[args.cpu_dtype], f"cpu dtype {args.cpu_dtype} (--cpu_dtype) on {cpu_model()}"
+    shape = (256, args.model_dim, args.mlp_hidden)
+    rates = {name: matmul_gflops(dtype, *shape) for name, dtype in CPU_DTYPES.items()}
+    best = max(rates, key=rates.get)
+    figures = ", ".join(f"{name} {rate:.1f}" for name, rate in rates.items())
+    return CPU_DTYPES[best], (f"cpu dtype {best} (auto: {'x'.join(map(str, shape))} matmul GFLOP/s per process: "
+                              f"{figures}; capability {torch.backends.cpu.get_cpu_capability()}) on {cpu_model()}")
+
+
+def compute_dtype(args: Hyperparameters, d: DistInfo) -> tuple[torch.dtype, str | None]:
+    """The model's compute dtype: bf16 on GPUs; on CPUs rank 0's choose_cpu_dtype, taken by every rank
+    (timings differ between processes), with its log line."""
+    if d.device.type != "cpu":
+        return torch.bfloat16, None
+    choice = [None]
+    if d.is_master:
+        dtype, note = choose_cpu_dtype(args)
+        choice = [(str(dtype).removeprefix("torch."), note)]
+    if dist.is_initialized():
+        dist.broadcast_object_list(choice, src=0)
+    return getattr(torch, choice[0][0]), choice[0][1]
+
+
+# ---- Tensor-parallel orthogonalization and NorMuon ------------------------------------------
+# (the modes of Megatron-LM's TensorParallelMuon)
+
+TP_MODES = ("duplicated", "distributed", "blockwise")
+
+
+def tensor_parallel_orthogonalize(shard: torch.Tensor, mode: str, shard_dim: int, group=None,
+                                  dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """Polar Express of a matrix (or bank) split over the ranks of `group` along shard_dim (-2: row
+    shards, -1: column shards, equal sizes); returns this rank's shard of the result
+    (the modes of Megatron-LM's TensorParallelMuon).
+
+    duplicated   all_gather the whole matrix, run polar_express on it on every rank, keep the shard
+    distributed  the iteration on shards: the Gram matrix over the unsplit side, X^T X for row shards
+                 or X X^T for column shards, is a sum of per-shard products, all_reduced (fp32, as
+                 is the Frobenius norm); the same polynomial as polar_express, in fp32, cast to dtype
+    blockwise    polar_express of the shard alone: no communication, an approximation
+    """
+    if mode not in TP_MODES:
+        raise ValueError(f"tensor_parallel_orthogonalize: mode={mode!r}; choose one of {', '.join(TP_MODES)}")
+    dim = shard_dim % shard.ndim
+    if dim < shard.ndim - 2:
+        raise ValueError(f"tensor_parallel_orthogonalize: shard_dim must be -2 or -1, got {shard_dim}")
+    if mode == "blockwise":
+        return polar_express(shard, dtype=dtype)
+    W, rank = dist.get_world_size(group), dist.get_rank(group)
+    if mode == "duplicated":
+        return polar_express(_gather_shards(shard, dim, group), dtype=dtype).chunk(W, dim=dim)[rank].contiguous()
+    X = _as_bank(shard).float()
+    sq = X.square().sum(dim=(-2, -1), keepdim=True)
+    dist.all_reduce(sq, group=group)
+    X = X / (sq.sqrt() * 1.02 + 1e-6)
+    rows = dim == shard.ndim - 2  # row shards share the columns: X^T X is summed over the shards
+    for a, b, c in POLAR_EXPRESS_COEFFS:
+        A = X.mT @ X if rows else X @ X.mT
+        dist.all_reduce(A, group=group)
+        B = b * A + c * (A @ A)
+        X = a * X + (X @ B if rows else B @ X)
+    return X.to(dtype).reshape(shard.shape)
+
+
+def _gather_shards(shard: torch.Tensor, dim: int, group) -> torch.Tensor:
+    """The whole tensor from every rank's equal shard along dim (all_gather, concatenated in rank order)."""
+    parts = [torch.empty_like(shard) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, shard.contiguous(), group=group)
+    return torch.cat(parts, dim=dim)
+
+
+
+
+def _tp_layout(shard: torch.Tensor, mode: str, shard_dim: int, group) -> tuple[int, int, int, int]:
+    """(dim, world size, rows, cols) of the matrix a shard belongs to; blockwise treats the shard as the matrix."""
+    if mode not in TP_MODES:
+        raise ValueError(f"tensor_parallel_normuon_update: mode={mode!r}; choose one of {', '.join(TP_MODES)}")
+    dim = shard_dim % shard.ndim
+    if shard.ndim < 2 or dim < shard.ndim - 2:
+        raise ValueError(f"tensor_parallel_normuon_update: shard_dim must be -2 or -1 of (..., rows, cols), got {shard_dim}")
+    W = 1 if mode == "blockwise" else dist.get_world_size(group)
+    rows, cols = shard.size(-2) * (W if dim == shard.ndim - 2 else 1), shard.size(-1) * (W if dim == shard.ndim - 1 else 1)
+    return dim, W, rows, cols
+
+
+def tensor_parallel_normuon_state(shard: torch.Tensor, mode: str, shard_dim: int, group=None) -> dict[str, torch.Tensor]:
+    """Zero state for tensor_parallel_normuon_update of this shard: the momentum (the shard's shape),
+    the second moment and, for a bf16 shard, the mantissa. The second moment has one entry per row of
+    the longer side of the whole matrix (of the shard, blockwise); distributed keeps only this rank's
+    entries when those rows are the split ones, duplicated keeps all of them on every rank."""
+    dim, W, rows, cols = _tp_layout(shard, mode, shard_dim, group)
+    per_row = rows >= cols
+    n = rows if per_row else cols
+    if mode == "distributed" and (dim == shard.ndim - 2) == per_row:
+        n //= W
+    lead = shard.shape[:-2]
+    st = {"momentum_buffer": torch.zeros(shard.shape, dtype=torch.float32, device=shard.device),
+          "second_moment": torch.zeros((*lead, n, 1) if per_row else (*lead, 1, n), dtype=torch.float32, device=shard.device)}
+    if shard.dtype == torch.bfloat16:
+        st["mantissa"] = torch.zeros(shard.shape, dtype=torch.uint16, device=shard.device)
+    return st
+
+
+def _split_variance_reduction(O, second_moment, beta2, dim: int, rows: int, cols: int, group) -> torch.Tensor:
+    """normuon_variance_reduction of the whole matrix, computed on its shard O: where the reduced dim
+    is split the per-row sums of O^2 are all_reduced; where the kept dim is split, each rank holds
+    its rows' statistics and the two Frobenius norms of the renormalisation are all_reduced."""
+    red = O.ndim - 1 if rows >= cols else O.ndim - 2
+    size = cols if rows >= cols else rows
+    sq = O.float().square().sum(dim=red, keepdim=True)
+    if red == dim:
+        dist.all_reduce(sq, group=group)
+    mean_sq = sq / size
+    second_moment.lerp_(mean_sq, 1 - beta2)
+    step = second_moment.clamp_min(1e-10).rsqrt()
+    norms = torch.stack([(mean_sq * size).sum(dim=(-2, -1), keepdim=True),
+                         ((mean_sq * size) * step.square()).sum(dim=(-2, -1), keepdim=True)])
+    if red != dim:
+        dist.all_reduce(norms, group=group)
+    norm, new_norm = norms.sqrt()
+    return O.mul_((step * (norm / new_norm.clamp_min(1e-10))).to(O.dtype))
+
+
+def tensor_parallel_normuon_update(grad, momentum_buf, second_moment, param, mantissa, matrix_lr, hp, mode: str,
+                                   shard_dim: int, group=None, dtype: torch.dtype = torch.bfloat16) -> None:
+    """One NorMuon step, as _normuon_update with Polar Express, on this rank's shard of a matrix (or
+    bank) split over the ranks of `group` along shard_dim (-2: row shards, -1: column shards, equal
+    sizes), in place. State from tensor_parallel_normuon_state; hp as _normuon_update's; matrix_lr
+    with the whole matrix's shape factor. Momentum and the cautious update are elementwise on the shard.
+
+    duplicated   all_gather the momentum-applied gradient; orthogonalization and variance reduction of
+                 the whole matrix on every rank; the unsharded update, bit for bit
+    distributed  tensor_parallel_orthogonalize's iteration on shards, then the variance reduction
+                 with statistics combined over the shards (_split_variance_reduction)
+    blockwise    _normuon_update of the shard as a matrix of its own: no communication, an approximation
+    """
+    dim, W, rows, cols = _tp_layout(grad, mode, shard_dim, group)
+    orthogonalize = functools.partial(polar_express, dtype=dtype)
+    if mode == "blockwise":
+        return _normuon_update(grad, momentum_buf, second_moment, param, mantissa, matrix_lr, hp, orthogonalize)
+    lr, decay, momentum, beta2 = hp[0], hp[1], hp[2], hp[3]
+    g = _nesterov_momentum(grad, momentum_buf, momentum)
+    if mode == "duplicated":
+        O = normuon_variance_reduction(orthogonalize(_gather_shards(g, dim, group)), second_moment, beta2)
+        O = O.chunk(W, dim=dim)[dist.get_rank(group)]
+    else:
+        O = tensor_parallel_orthogonalize(g, "distributed", shard_dim, group, dtype=dtype)
+        O = _split_variance_reduction(O, second_moment, beta2, dim, rows, cols, group)
+    _cautious_step(O.float(), param, mantissa, lr * matrix_lr, decay)
 
 
 # ----------------------------------------------------------------------------------------------

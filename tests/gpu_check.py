@@ -783,8 +783,11 @@ def check_fp8_head(res: Result) -> None:
     errs.update({f"mm_{what}": rel_err(n, e) for what, n, e in zip(("y", "dx", "dw"), native, emulated)})
     res.set(errors=errs, summary="native vs emulation: " + ", ".join(f"{k} {v:.1e}" for k, v in errs.items()))
     require(errs["loss"] < 1e-3, f"fp8_head_loss loss: native vs emulation {errs['loss']:.2e}")
-    for what in ("dlogits_e5m2", "dx", "dw", "mm_y", "mm_dx", "mm_dw"):  # summation order, then bf16 / e5m2 rounding
-        require(errs[what] < 3e-2, f"fp8 head {what}: native vs emulation relative difference {errs[what]:.2e}")
+    # the logits differ by the forward's fast accumulation (~1e-3), so a few e5m2 gradient values (2
+    # mantissa bits: 25% apart) round the other way; dx and dw sum those
+    require(errs["e5m2_differ"] < 0.05, f"fp8 head: {100 * errs['e5m2_differ']:.2f}% of e5m2 gradient values differ")
+    for what, tol in (("dlogits_e5m2", 0.1), ("dx", 5e-2), ("dw", 5e-2), ("mm_y", 1e-2), ("mm_dx", 1e-2), ("mm_dw", 1e-2)):
+        require(errs[what] < tol, f"fp8 head {what}: native vs emulation relative difference {errs[what]:.2e}")
 
 
 def check_fp8_mlp(res: Result) -> None:
@@ -896,16 +899,16 @@ def compile_counts() -> dict:
 
 
 def near_init(model, seed: int) -> None:
-    """The model's own initialisation, with the parameters that start at zero (output projections,
-    MLP down-projections, MUDD second layers, gates, bigram table) given small random values, so that
-    every path carries a gradient while the loss stays near its initial ln(vocab) per weighted target."""
+    """The model's own initialisation, with the parameters that start at zero (MLP down-projections,
+    MUDD second layers, gates, bigram table) given small random values, so that every path carries a
+    gradient while the loss stays near its initial ln(vocab) per weighted target."""
     import torch
     g = torch.Generator(device=model.lm_head.device).manual_seed(seed)
     with torch.no_grad():
         for name in ("vo_bank", "mlp_bank"):
             bank = getattr(model, name)
             for idx, role in enumerate(model.bank_roles[name]):
-                if role.startswith(("o.", "down.")):
+                if role.startswith("down."):
                     bank[idx] = (0.01 * torch.randn(bank[idx].shape, device=bank.device, generator=g)).to(bank.dtype)
         for p, std in ((model.mudd_w2, 0.02), (model.mudd_gate_w2, 0.02), (model.bigram_embed, 0.01),
                        (model.ve_gate_bank, 0.1), (model.smear_gate, 0.1)):
@@ -957,8 +960,10 @@ def check_compiled_model(res: Result) -> None:
     second = compile_counts()
     graphs, recompiles = first["graphs"] - before["graphs"], second["graphs"] - first["graphs"]
     breaks = second["graph_breaks"] - before["graph_breaks"]
-    per_token = loss_r / (8 * T_ * float(mtp.sum() + prefix))  # loss = sum * loss_scale; near ln(vocab) at init
-    figures = dict(loss_reference=loss_r, loss_eager=loss_e, loss_compiled=loss_c, loss_per_target=per_token,
+    with torch.no_grad():  # the plain next-token loss per token: near ln(vocab) at init
+        per_token = float(model(b.inputs, b.targets, b.cu_seqlens, b.bigram_ids,
+                                masks=model.attention_masks(b.cu_seqlens, T_, "sdpa_fp32")))
+    figures = dict(loss_reference=loss_r, loss_eager=loss_e, loss_compiled=loss_c, eval_loss=per_token,
                    compile_s=compile_s, graphs=graphs, recompiles=recompiles, graph_breaks=breaks)
     for name, grads in (("eager", grads_e), ("compiled", grads_c)):
         require(set(grads) == set(grads_r), f"{name}: gradients differ in which parameters get one: {set(grads) ^ set(grads_r)}")
@@ -972,10 +977,10 @@ def check_compiled_model(res: Result) -> None:
     big = {n: e for n, e in errs.items() if grads_r[n].numel() >= 4096}
     worst = max(big.items(), key=lambda kv: kv[1])
     worst_e = max(v for n, v in figures["grads_eager"].items() if n in big)
-    res.set(summary=f"loss per target {per_token:.3f} (ln 50304 = {math.log(50304):.3f}); compiled {loss_c:.4f} vs "
+    res.set(summary=f"eval loss per token {per_token:.3f} (ln 50304 = {math.log(50304):.3f}); compiled {loss_c:.4f} vs "
             f"reference {loss_r:.4f} ({dl:.1e}); worst gradient {worst[1]:.1e} ({worst[0]}; eager flex {worst_e:.1e}); "
             f"{graphs} graph, {breaks} breaks, {recompiles} recompiles; first compiled call {compile_s:.0f} s")
-    require(abs(per_token - math.log(50304)) < 0.5, f"loss per target {per_token:.3f} is not near ln(vocab)")
+    require(abs(per_token - math.log(50304)) < 0.5, f"eval loss per token {per_token:.3f} is not near ln(vocab)")
     require(graphs == 1 and breaks == 0, f"the training forward and backward compiled into {graphs} graphs with {breaks} breaks")
     require(recompiles == 0, f"a second batch of the same shape compiled {recompiles} new graphs")
     require(dl < 1e-2, f"compiled loss {loss_c} vs reference {loss_r}: relative difference {dl:.2e}")

@@ -9,7 +9,7 @@ Checked:
   output gate and the output projection;
 - the RoPE tables and apply_rotary against the rotation formula, up to the record's largest position.
 
-The references use only the facts of /work/shared/reference/record-89.md (section numbers below) and the
+The references use only facts of record #89's published code (its fact sheet's section numbers below) and the
 model's raw parameters and window state (qk_bank, vo_bank, ve_gate_bank, scalars, rotary_freq,
 attn_scale); they never call the model's helpers (rotary tables, apply_rotary, key_offset, masks,
 _attend, xsa, dc_term, bank_roles).

@@ -30,9 +30,9 @@ def _tensor_args(node: torch.fx.Node) -> list[torch.fx.Node]:
             if isinstance(a, torch.fx.Node) and a.op != "get_attr"]
 
 
-def _trace(model, masks, backend):
+def _trace(model, masks, backend, vocab=50257):
     T = 256
-    inputs, targets, cu = make_batch(T=T, starts=(0, 30, 70, 200))
+    inputs, targets, cu = make_batch(T=T, starts=(0, 30, 70, 200), vocab=vocab)
     big = tg.bigram_hash(inputs, model.args.bigram_vocab_size)
     torch._dynamo.reset()
     compiled = torch.compile(model, backend=backend, fullgraph=True, dynamic=False)
@@ -185,3 +185,41 @@ def test_every_stage_block_mask_equals_the_dense_mask():
             for r in (1, 2):
                 bm = tg.attention_mask(doc, w, blocks * bs, r, "flex")
                 assert torch.equal(_expand(bm, T * r), tg.dense_attention_mask(doc, w, r)), (blocks, r)
+
+
+def test_fp8_training_step_traces_into_one_graph(flex_on_cpu, monkeypatch):
+    """The FP8 path (GPUs with FP8 tensor cores) as the compiled model takes it: the FP8 MLP ops with their
+    in-place delayed-scale updates and the FP8 head fused with the loss trace with the masks into one
+    graph (fullgraph), forward and backward. Pretend the CPU has FP8 tensor cores: the ops' bodies run
+    torch._scaled_mm on the CPU, or its emulation where this torch build has none."""
+    monkeypatch.setattr(tg, "_native_fp8", lambda device: True)
+    try:
+        torch._scaled_mm(torch.zeros(16, 16).to(torch.float8_e4m3fn), torch.zeros(16, 16).to(torch.float8_e4m3fn).T,
+                         torch.ones(()), torch.ones(()), out_dtype=torch.bfloat16)
+    except (RuntimeError, NotImplementedError):  # this torch build has no CPU _scaled_mm: the emulation
+        monkeypatch.setattr(tg, "_scaled_matmul", _emulated_only)
+    args = tg.parse_args(["--preset", "test", "--vocab_size", "1000", "--padded_vocab_size", "1024"])
+    model = tg.GPT(args)
+    randomize(model)
+    model.fp8_mlp.quantize(model.mlp_bank, bootstrap=True)
+    graphs = []
+
+    def keep(kind):
+        def backend(gm, example_inputs):
+            graphs.append((kind, gm))
+            return gm.forward
+        return backend
+
+    _trace(model, lambda cu, T: model.attention_masks(cu, T, kernel="flex"),
+           aot_autograd(fw_compiler=keep("forward"), bw_compiler=keep("backward")), vocab=1000)
+    assert [kind for kind, _ in graphs] == ["forward", "backward"]
+    forward = graphs[0][1]
+    targets = {str(n.target) for n in forward.graph.nodes if n.op == "call_function"}
+    assert any("fp8_mlp" in t for t in targets) and any("fp8_head_loss" in t for t in targets), targets
+    assert (model.fp8_mlp.act_scale[:, 0] != 1.0).all()  # the delayed scales were written back
+
+
+def _emulated_only(a, b, scale_a, scale_b, out_dtype, fast_accum):
+    sa, sb = (s if isinstance(s, torch.Tensor) else torch.full((), s) for s in (scale_a, scale_b))
+    tg.check_scaled_mm_args(a, b, sa, sb)
+    return ((a.float() @ b.float()) * (sa * sb)).to(out_dtype)

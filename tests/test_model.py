@@ -489,6 +489,21 @@ def test_eval_loss_equals_independent_cross_entropy(chunk, monkeypatch):
     assert loss.item() > math.log(TEST.padded_vocab_size) + 0.1  # randomised weights: not the trivial value
 
 
+def test_eval_softcap_is_rounded_once_to_bf16_like_the_records():
+    """Record #89 evaluates z = 23 sigmoid((l + 5) / 7.5) on its bf16 logits as one bf16 expression: the
+    fp32 value rounded once to bf16, then cast to fp32 for the cross-entropy."""
+    model = make_model()
+    randomize(model, seed=2)
+    inputs, _, cu = make_batch(seed=1)
+    with torch.no_grad():
+        raw = model.hidden(inputs, cu, bigrams(inputs)) @ model.lm_head
+        z = model.logits(inputs, cu, bigrams(inputs))
+    assert raw.dtype == torch.bfloat16 and z.dtype == torch.float32
+    want = (23 * torch.sigmoid((raw.double() + 5) / 7.5)).float().bfloat16().float()
+    assert (z != want).float().mean() < 1e-3  # fp32 sigmoid against float64: a rare neighbouring value
+    assert torch.equal(z, z.bfloat16().float())  # bf16 values only
+
+
 def record_training_loss_float64(model, inputs, targets, cu, weights, prefix_ids=None, prefix_weight=0.0):
     """Sum over tokens of the record's training loss (record #89) in float64 from the
     model's own head logits: MTP terms that stay inside the sequence, the prefix term where the target

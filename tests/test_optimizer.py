@@ -750,6 +750,8 @@ def test_load_state_dict_rejects_other_world_size():
 
 
 def test_compiled_step_never_recompiles_on_schedule_changes():
+    """Compiled, each label's update is one graph (fullgraph: a graph break would raise here), and
+    new learning rates and momenta reach it as tensor entries: no recompilation."""
     import torch._dynamo
     torch._dynamo.reset()
     compiles = []
@@ -867,3 +869,34 @@ def test_speedrun_label_table_is_the_records():
                             "mudd_w1", "mudd_gate_w1", "lm_head", "embed", "qk_bank", "vo_bank", "mlp_bank")
     assert (opt.adam_lr, opt.adam_wd, opt.adam_eps, opt.normuon_lr, opt.normuon_wd, opt.normuon_beta2) == \
         (0.008, 0.005, 1e-10, 0.023, 1.2, 0.9)
+
+
+# Record #89, section 2.2, column "Effective lr (x s)", and section 2.3's per-matrix factors.
+RECORD_EFFECTIVE_LR = {
+    "qk_bank": 0.023, "vo_bank": 0.023, "scalars": 0.04, "smear_gate": 8e-5, "ve_gate_bank": 0.008,
+    "lm_head": 0.008, "bigram_embed": 0.6, "post_lambdas": 0.008, "resid_lambdas": 0.04, "value_embeds": 0.6,
+    "embed": 0.008, "mudd_w1": 0.002, "mudd_w2": 0.002, "mudd_b2": 0.002, "mudd_gate_w1": 0.0008,
+    "mudd_gate_w2": 0.0008, "mudd_gate_b2": 0.0008, "_mudd_gate_scale": 0.0008,
+}
+
+
+@pytest.mark.parametrize("step, s", [(0, 1.0), (423, 1.52), (847, 1.0271), (1284, 0.15)])
+def test_every_parameters_learning_rate_is_the_records(step, s):
+    """learning_rates(), the one place a parameter's lr is computed, against the record's table at
+    schedule multipliers of section 3.3: NorMuon banks 0.023 (qk, vo), c_fc 0.046, c_proj 0.092 (every
+    odd matrix of the MLP bank, padding included), the Adam labels lr 0.008 x lr_mul."""
+    args = T.parse_args(["--preset", "speedrun"])
+    with torch.device("meta"):
+        model = T.GPT(args, world_size=8)
+    opt = T.build_optimizer(args, model, torch.device("meta"))
+    plan = T.plan_step(args, step)
+    assert plan.lr_mult == pytest.approx(s, abs=1e-4)
+    lrs = opt.learning_rates(plan.lr_mult)
+    assert set(lrs) == set(RECORD_EFFECTIVE_LR) | {"mlp_bank"}
+    for label, lr in RECORD_EFFECTIVE_LR.items():
+        assert lrs[label].shape == ((64,) if label == "qk_bank" else (24,) if label == "vo_bank" else ())
+        assert torch.allclose(lrs[label], torch.tensor(lr * plan.lr_mult, dtype=torch.float64), rtol=1e-12), label
+    mlp = lrs["mlp_bank"]
+    assert mlp.shape == (24,)
+    assert torch.allclose(mlp[0::2], torch.tensor(0.046 * plan.lr_mult, dtype=torch.float64), rtol=1e-12)
+    assert torch.allclose(mlp[1::2], torch.tensor(0.092 * plan.lr_mult, dtype=torch.float64), rtol=1e-12)

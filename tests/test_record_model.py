@@ -274,3 +274,19 @@ def test_layer_10_value_sum_and_qkv_lambda_follow_the_records_rounding():
     assert (v == 1 + 2.0 ** -7).all()
     v = _v_seen_by_attention(model, 10, lam=0.333, w_v=3.0, ve_value=0.0, aux_value=0.0)
     assert (v == 1.0).all()
+
+
+def test_mudd_layer_outputs_are_read_by_the_records_indices():
+    """Section 1.5 / 1.9: layer 10's 14 coefficients mu0..mu13 and the post-loop 5, by name."""
+    assert tg.MUDD_LAYER_NAMES[0] == (
+        "v_cache0", "v_h", "v_x",            # mu0-2: v_mudd = mu0 cache0 + mu1 h7 + mu2 x
+        "x_cache0", "x_h", "x_gain",         # mu3-5: x <- (1 + mu5) x + mu3 cache0 + mu4 h7
+        "ve_gate_first_half", "ve_gate_second_half",  # mu6, mu7: VE gate [mu6] x 3 + [mu7] x 3
+        "resid_attn", "post_attn", "x0",     # mu8-10: x <- mu8 x + mu9 a + mu10 cache0
+        "bigram",                            # mu11
+        "resid_mlp", "post_mlp")             # mu12, mu13: x <- mu12 x + mu13 MLP(norm(x))
+    assert tg.MUDD_LAYER_NAMES[1] == ("cache0", "h", "mudd_input", "ve0", "skip_source")  # m0..m4 (section 1.5, step 9)
+    model = make_model(RECORD_SMALL)
+    b = model.mudd_b2.detach().float() / 10  # stored x10 (section 1.9)
+    assert b[0, 6] == b[0, 7] == 2.0 and b[0, 9] == b[0, 13] == 1.0 and b[0, 11] == pytest.approx(0.05, rel=1e-2)
+    assert b[0, 8] == b[0, 12] == pytest.approx(1.05, rel=1e-2) and b[1, 1] == -0.5
