@@ -436,7 +436,7 @@ def _scaled_matmul(a: torch.Tensor, b: torch.Tensor, scale_a: float | torch.Tens
     sa, sb = (s if isinstance(s, torch.Tensor) else torch.full((), s, dtype=torch.float32, device=a.device)
               for s in (scale_a, scale_b))
     check_scaled_mm_args(a, b, sa, sb)
-    if _native_fp8(a.device):
+    if a.is_cuda and _native_fp8(a.device):  # CPUs always emulate (oneDNN's float8 matmul needs AVX512-FP16 or AMX)
         return torch._scaled_mm(a, b, sa, sb, out_dtype=out_dtype, use_fast_accum=fast_accum)
     return ((a.float() @ b.float()) * (sa * sb)).to(out_dtype)
 

@@ -190,14 +190,9 @@ def test_every_stage_block_mask_equals_the_dense_mask():
 def test_fp8_training_step_traces_into_one_graph(flex_on_cpu, monkeypatch):
     """The FP8 path (GPUs with FP8 tensor cores) as the compiled model takes it: the FP8 MLP ops with their
     in-place delayed-scale updates and the FP8 head fused with the loss trace with the masks into one
-    graph (fullgraph), forward and backward. Pretend the CPU has FP8 tensor cores: the ops' bodies run
-    torch._scaled_mm on the CPU, or its emulation where this torch build has none."""
+    graph (fullgraph), forward and backward. Pretend the CPU has FP8 tensor cores: the model takes its
+    FP8 paths, whose float8 matmuls run their emulation on CPU tensors."""
     monkeypatch.setattr(tg, "_native_fp8", lambda device: True)
-    try:
-        torch._scaled_mm(torch.zeros(16, 16).to(torch.float8_e4m3fn), torch.zeros(16, 16).to(torch.float8_e4m3fn).T,
-                         torch.ones(()), torch.ones(()), out_dtype=torch.bfloat16)
-    except (RuntimeError, NotImplementedError):  # this torch build has no CPU _scaled_mm: the emulation
-        monkeypatch.setattr(tg, "_scaled_matmul", _emulated_only)
     args = tg.parse_args(["--preset", "test", "--vocab_size", "1000", "--padded_vocab_size", "1024"])
     model = tg.GPT(args)
     randomize(model)
@@ -217,9 +212,3 @@ def test_fp8_training_step_traces_into_one_graph(flex_on_cpu, monkeypatch):
     targets = {str(n.target) for n in forward.graph.nodes if n.op == "call_function"}
     assert any("fp8_mlp" in t for t in targets) and any("fp8_head_loss" in t for t in targets), targets
     assert (model.fp8_mlp.act_scale[:, 0] != 1.0).all()  # the delayed scales were written back
-
-
-def _emulated_only(a, b, scale_a, scale_b, out_dtype, fast_accum):
-    sa, sb = (s if isinstance(s, torch.Tensor) else torch.full((), s) for s in (scale_a, scale_b))
-    tg.check_scaled_mm_args(a, b, sa, sb)
-    return ((a.float() @ b.float()) * (sa * sb)).to(out_dtype)

@@ -182,7 +182,7 @@ def test_op_rejects_dims_cublas_cannot_take():
 
 
 def _head_run(fp8: bool):
-    # a small vocabulary: torch._scaled_mm's CPU kernel is slow at 50k columns
+    # a small vocabulary: the float8 matmuls' CPU emulation is slow at 50k columns
     args = tg.parse_args(["--preset", "test", "--fp8", str(fp8), "--vocab_size", "1000", "--padded_vocab_size", "1024"])
     torch.manual_seed(0)
     model = tg.GPT(args)
@@ -197,8 +197,8 @@ def _head_run(fp8: bool):
 
 
 def test_model_training_head_uses_fp8_where_supported(monkeypatch):
-    """Pretend the CPU has FP8 tensor cores: the head then goes through torch._scaled_mm (which runs
-    on the CPU here) with the static head scales; --fp8 false keeps the bf16 head. (The MLPs switch to
+    """Pretend the CPU has FP8 tensor cores: the head then goes through the FP8 head op (its float8
+    matmuls emulated on the CPU) with the static head scales; --fp8 false keeps the bf16 head. (The MLPs switch to
     FP8 with it; their down-projections are zero at init, so they change little here.)"""
     calls = []
     real = tg.fp8_head_loss
