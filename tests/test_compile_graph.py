@@ -42,6 +42,16 @@ def _trace(model, masks, backend, vocab=50257):
     return loss
 
 
+def _collector(graphs: list):
+    """keep(kind): a compile backend that appends (kind, graph) to graphs and runs the graph as it is."""
+    def keep(kind):
+        def backend(gm, example_inputs):
+            graphs.append((kind, gm))
+            return gm.forward
+        return backend
+    return keep
+
+
 @pytest.fixture
 def flex_on_cpu(monkeypatch):
     """flex_attention's CUDA path on CPU tensors: its CPU-backward refusal off (nothing here runs a kernel
@@ -56,12 +66,7 @@ def test_training_graph_reads_every_mask_tensor_as_an_input(flex_on_cpu):
     model = tg.GPT(TEST)
     randomize(model)
     graphs = []
-
-    def keep(kind):
-        def backend(gm, example_inputs):
-            graphs.append((kind, gm))
-            return gm.forward
-        return backend
+    keep = _collector(graphs)
 
     def masks(cu, T):
         return model.attention_masks(cu, T, kernel="flex")
@@ -198,12 +203,7 @@ def test_fp8_training_step_traces_into_one_graph(flex_on_cpu, monkeypatch):
     randomize(model)
     model.fp8_mlp.quantize(model.mlp_bank, bootstrap=True)
     graphs = []
-
-    def keep(kind):
-        def backend(gm, example_inputs):
-            graphs.append((kind, gm))
-            return gm.forward
-        return backend
+    keep = _collector(graphs)
 
     _trace(model, lambda cu, T: model.attention_masks(cu, T, kernel="flex"),
            aot_autograd(fw_compiler=keep("forward"), bw_compiler=keep("backward")), vocab=1000)
