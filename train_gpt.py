@@ -845,8 +845,7 @@ def orthogonalize_auto(G: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> 
     bank: -29%) and loses on square matrices (attention banks: +33%).
     """
     m, n = G.shape[-2:]
-    gpu = triton_kernels._gpu_name(G.device.index or 0) if G.is_cuda else ""
-    name = auto_orthogonalizer(m, n, gpu)
+    name = auto_orthogonalizer(m, n, triton_kernels.gpu_name_of(G))
     return (gram_newton_schulz if name == "gram_newton_schulz" else polar_express)(G, dtype=dtype)
 
 

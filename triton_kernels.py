@@ -329,12 +329,16 @@ def _gpu_name(index: int) -> str:
     return torch.cuda.get_device_name(index) if torch.cuda.is_available() else ""
 
 
+def gpu_name_of(t: Tensor) -> str:
+    """The name of the GPU holding t ("" for any other device), for the per-GPU measured tables."""
+    if not t.is_cuda:
+        return ""
+    return _gpu_name(t.device.index if t.device.index is not None else torch.cuda.current_device())
+
+
 def _runs_kernel(name: str, A: Tensor) -> bool:
     """A CUDA tensor whose shape the table does not give to torch."""
-    if not A.is_cuda:
-        return False
-    index = A.device.index if A.device.index is not None else torch.cuda.current_device()
-    return kernel_choice(name, tuple(A.shape), _gpu_name(index)) == "triton"
+    return A.is_cuda and kernel_choice(name, tuple(A.shape), gpu_name_of(A)) == "triton"
 
 
 def XXT(A: Tensor, out: Tensor) -> Tensor:

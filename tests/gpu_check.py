@@ -76,8 +76,7 @@ CHECKS: tuple[Check, ...] = (
           "may take torch at a listed shape) and Polar Express on CUDA against the CPU path",
           (K + "_sym_mm_kernel", OP + "xxt", OP + "xtx", OP + "ba_plus_caa", TK + "_cuda_sm_count",
            TK + "_num_programs", TK + "_check_runnable", TK + "_sym_config", TK + "XXT", TK + "XTX",
-           TK + "ba_plus_cAA", TK + "_runs_kernel", TK + "_gpu_name", TG + "_gram_of", TG + "_poly_of_gram",
-           TG + "orthogonalize_auto")),
+           TK + "ba_plus_cAA", TK + "_runs_kernel", TK + "_gpu_name", TK + "gpu_name_of", TG + "_gram_of", TG + "_poly_of_gram")),
     Check("triton-mlp", 60, "relu2_mlp forward and backward (49152 x 768 -> 3072) in bf16 and fp32 against float64",
           (K + "_mm_epilogue_kernel", K + "_grouped_tile", OP + "relu2_mlp_fwd", OP + "relu2_mlp_bwd",
            TK + "_mm_config", TK + "relu2_mlp", TK + "relu2_mlp_backward")),
@@ -893,11 +892,6 @@ def check_flex_attention(res: Result) -> None:
             "eager call with no host sync")
 
 
-def compile_counts() -> dict:
-    import train_gpt as T
-    return T.compile_counts()
-
-
 def near_init(model, seed: int) -> None:
     """The model's own initialisation, with the parameters that start at zero (MLP down-projections,
     MUDD second layers, gates, bigram table) given small random values, so that every path carries a
@@ -951,13 +945,13 @@ def check_compiled_model(res: Result) -> None:
     loss_r, grads_r = run(model, b, "sdpa_fp32")  # the reference: eager, fp32 SDPA with the dense masks
     loss_e, grads_e = run(model, b, "flex")       # eager with the compiled flex kernel
     compiled = T.compile_model(model)
-    before = compile_counts()
+    before = T.compile_counts()
     t = time.perf_counter()
     loss_c, grads_c = run(compiled, b, "flex")
     compile_s = time.perf_counter() - t
-    first = compile_counts()
+    first = T.compile_counts()
     run(compiled, batch(4), "flex")  # another batch of the same shape: must not compile again
-    second = compile_counts()
+    second = T.compile_counts()
     graphs, recompiles = first["graphs"] - before["graphs"], second["graphs"] - first["graphs"]
     breaks = second["graph_breaks"] - before["graph_breaks"]
     with torch.no_grad():  # the plain next-token loss per token: near ln(vocab) at init
@@ -1018,7 +1012,7 @@ def check_sync_free_step(res: Result) -> None:
         return loss
 
     step(2), step(3)  # compile stage 2's shapes, both parities: no recompilation below
-    warm = compile_counts()
+    warm = T.compile_counts()
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     torch._dynamo.config.error_on_recompile = True
@@ -1027,7 +1021,7 @@ def check_sync_free_step(res: Result) -> None:
     finally:
         torch.cuda.set_sync_debug_mode(0)
         torch._dynamo.config.error_on_recompile = False
-    after = compile_counts()
+    after = T.compile_counts()
     finite = all(bool(torch.isfinite(x)) for x in losses)
     res.set(compiled="pass", graphs_warmup=warm["graphs"], graphs_after=after["graphs"],
             summary=f"eager and compiled steps (NorMuon, then NorMuon + Adam) ran with no host sync; {warm['graphs']} "

@@ -850,3 +850,4 @@ def test_gpu_name_is_read_at_trace_time():
     break the graph."""
     compiled = torch.compile(lambda x: x + len(tk._gpu_name(0)), backend="eager", fullgraph=True)
     assert compiled(torch.zeros(2)).shape == (2,)
+    assert torch.compile(lambda x: x + len(tk.gpu_name_of(x)), backend="eager", fullgraph=True)(torch.zeros(2)).tolist() == [0, 0]
