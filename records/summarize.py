@@ -6,7 +6,8 @@
 A log counts only if it embeds both source files and reached its last step with a final validation.
 Prints, per run, the final validation loss and training time; then the mean and (sample) standard
 deviation of the final losses, the one-sided t-test p-value for "mean < target" (a record needs
-p < 0.01) and the mean training time.
+p < 0.01) and the mean training time. Also the tests the benchmarks' ablation tables use (Welch's
+t-test, the paired t-test, Holm's adjustment for many rows).
 """
 from __future__ import annotations
 
@@ -71,6 +72,39 @@ def welch_t_test(a: list[float], b: list[float]) -> tuple[float, float]:
     t = (ma - mb) / math.sqrt(se2)
     dof = se2 ** 2 / ((va / na) ** 2 / (na - 1) + (vb / nb) ** 2 / (nb - 1))
     return t, 2 * student_t_sf_lower(-abs(t), dof)
+
+
+def paired_t_test(a: list[float], b: list[float]) -> tuple[float, float]:
+    """t statistic and two-sided p-value of the paired t-test for "mean(a[i] - b[i]) == 0" (a[i] and b[i]
+    one pair, e.g. two runs of the same seed: what the seed moves cancels in the difference). NaN for
+    fewer than two pairs; differences without spread give p 1 (all zero) or 0."""
+    if len(a) != len(b):
+        raise ValueError(f"paired_t_test: {len(a)} values against {len(b)}; pairs need the same count")
+    d = [x - y for x, y in zip(a, b)]
+    n = len(d)
+    if n < 2 or any(math.isnan(x) for x in d):
+        return math.nan, math.nan
+    m = sum(d) / n
+    var = sum((x - m) ** 2 for x in d) / (n - 1)
+    if var == 0:
+        return (0.0, 1.0) if m == 0 else (math.copysign(math.inf, m), 0.0)
+    t = m / math.sqrt(var / n)
+    return t, 2 * student_t_sf_lower(-abs(t), n - 1)
+
+
+def holm(pvalues: list[float]) -> list[float]:
+    """Holm-Bonferroni adjusted p-values, in the given order: the k-th smallest of m is multiplied by
+    m - k + 1, made non-decreasing along that order and capped at 1, so that "adjusted p < alpha" keeps
+    the chance of any false positive among the m tests below alpha. NaN entries are not tests: they stay
+    NaN and do not count in m."""
+    tests = sorted((p, i) for i, p in enumerate(pvalues) if not math.isnan(p))
+    m = len(tests)
+    adjusted = [math.nan] * len(pvalues)
+    running = 0.0
+    for k, (p, i) in enumerate(tests):
+        running = max(running, min(1.0, (m - k) * p))
+        adjusted[i] = running
+    return adjusted
 
 
 def summarize(runs: list[Run], target: float) -> dict:

@@ -1,5 +1,6 @@
 """records/summarize.py on fabricated logs with known statistics (and on the committed demo record)."""
 import glob
+import math
 import os
 import subprocess
 import sys
@@ -68,6 +69,63 @@ def test_welch_t_test_matches_scipy(a, b):
     t, p = welch_t_test(a, b)
     ref = stats.ttest_ind(a, b, equal_var=False)
     assert t == pytest.approx(ref.statistic, rel=1e-9) and p == pytest.approx(ref.pvalue, rel=1e-6)
+
+
+def _summarize():
+    sys.path.insert(0, os.path.join(ROOT, "records"))
+    import summarize
+    return summarize
+
+
+def test_paired_t_test_by_hand():
+    """Closed forms of Student's t: with 1 degree of freedom it is Cauchy, P(T <= t) = 1/2 + atan(t)/pi;
+    with 2, P(T <= t) = 1/2 + t / (2 sqrt(2 + t^2))."""
+    s = _summarize()
+    t, p = s.paired_t_test([3.0, 5.0], [2.0, 2.0])      # differences 1, 3: mean 2, sd sqrt(2), se 1
+    assert t == pytest.approx(2.0, rel=1e-12)
+    assert p == pytest.approx(1 - 2 * math.atan(2.0) / math.pi, rel=1e-9)   # 0.2952
+    t, p = s.paired_t_test([1.5, 2.5, 7.5], [0.5, 0.5, 1.5])   # differences 1, 2, 6: mean 3, var 7
+    want_t = 3 / math.sqrt(7 / 3)
+    assert t == pytest.approx(want_t, rel=1e-12)
+    assert p == pytest.approx(1 - want_t / math.sqrt(2 + want_t ** 2), rel=1e-9)
+    assert s.paired_t_test([1.0, 2.0], [2.0, 5.0])[0] == pytest.approx(-2.0)   # the sign follows a - b
+    ref = stats.ttest_rel([4.51, 4.53, 4.50, 4.56], [4.49, 4.50, 4.50, 4.52])
+    assert s.paired_t_test([4.51, 4.53, 4.50, 4.56], [4.49, 4.50, 4.50, 4.52]) == pytest.approx(
+        (ref.statistic, ref.pvalue), rel=1e-6)
+    assert all(math.isnan(x) for x in s.paired_t_test([1.0], [2.0]))          # one pair: no test
+    assert s.paired_t_test([1.0, 2.0], [0.5, 1.5]) == (math.inf, 0.0)          # the same difference twice
+    assert s.paired_t_test([1.0, 2.0], [1.0, 2.0]) == (0.0, 1.0)
+    with pytest.raises(ValueError):
+        s.paired_t_test([1.0, 2.0], [1.0])
+
+
+def _step_down_rejections(pvalues, alpha):
+    """Holm's procedure as first stated: test the smallest p against alpha / m, the next against
+    alpha / (m - 1), ..., and stop at the first that fails; the earlier ones are rejected."""
+    order = sorted(range(len(pvalues)), key=lambda i: pvalues[i])
+    rejected = set()
+    for k, i in enumerate(order):
+        if pvalues[i] > alpha / (len(pvalues) - k):
+            break
+        rejected.add(i)
+    return rejected
+
+
+def test_holm_textbook_example_and_step_down():
+    s = _summarize()
+    # four tests: at alpha 0.05 the step-down rejects 0.005 (< 0.0125) and 0.01 (< 0.0167), not 0.03 (> 0.025)
+    adjusted = s.holm([0.01, 0.04, 0.03, 0.005])
+    assert adjusted == pytest.approx([0.03, 0.06, 0.06, 0.02], rel=1e-12)
+    assert {i for i, a in enumerate(adjusted) if a <= 0.05} == _step_down_rejections([0.01, 0.04, 0.03, 0.005], 0.05)
+    rng = np.random.default_rng(0)
+    for _ in range(50):
+        p = list(rng.uniform(0, 0.2, size=int(rng.integers(1, 12))) ** 2)
+        adjusted = s.holm(p)
+        assert all(a >= q for a, q in zip(adjusted, p)) and max(adjusted) <= 1.0
+        for alpha in [*p, *(x * 1.0000001 for x in p), 0.01, 0.05, 0.1]:  # an adjusted p is the smallest alpha that rejects
+            assert {i for i, a in enumerate(adjusted) if a <= alpha} == _step_down_rejections(p, alpha)
+    assert s.holm([0.02, math.nan, 0.01]) == pytest.approx([0.02, math.nan, 0.02], nan_ok=True)  # NaN: not a test
+    assert s.holm([0.6, 0.7]) == [1.0, 1.0]
 
 
 def test_record_folder_and_plot(tmp_path):
