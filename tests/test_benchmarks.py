@@ -374,19 +374,37 @@ def test_token_efficiency_smoke(tmp_path):
     assert "classic: the search winner saved in" in out and "classic_lr0.01_b1024_ctx128_s0: saved" in out
     saved = sorted(f.name for f in (tmp_path / "r").iterdir())
     assert saved == ["classic_lr0.001_b1024_ctx128_s0.json", "classic_lr0.01_b1024_ctx128_s0.json",
-                     "classic_lr0.01_b1024_ctx128_s1.json", "curves.png", "recipe_s0.json", "recipe_s1.json"]
+                     "classic_lr0.01_b1024_ctx128_s1.json", "curves.png", "logs", "recipe_s0.json", "recipe_s1.json"]
+    runs = {f.name: json.load(open(f)) for f in (tmp_path / "r").glob("*.json")}
+    recipe = runs["recipe_s1.json"]
+    assert os.path.isfile(os.path.join(folder, recipe["log"])) and recipe["log"].startswith("logs" + os.sep)
+    assert recipe["command"][1:] == ["--smoke", "--run", "recipe", "--seeds", "0,1", "--save", folder]
+    assert recipe["commit"] == te.git_commit()
+    # both sides of a seed on the same validation tokens and the same training order, with the same floor
+    classic = runs["classic_lr0.01_b1024_ctx128_s1.json"]
+    for key in ("val_set", "val_tokens", "val_digest", "train_order", "floor"):
+        assert recipe[key] == classic[key], key
+    assert recipe["val_set"] == "even" and recipe["train_order"] == "shuffled"
+    assert recipe["floor"] != runs["recipe_s0.json"]["floor"]  # each seed trains on its own order
     out = run_script(script, "--load", folder)
     best = {line.split()[0]: float(line.split()[4]) for line in out.splitlines() if line.startswith(("   0.001", "    0.01"))}
     assert best["0.01"] < best["0.001"] < 10.9        # a few steps from ln(50304) = 10.83; the higher lr wins
     assert "0.01   1,024     128      3" in out and "<- best" in out.split("0.01   1,024")[1].splitlines()[0]
     assert "tuned classic (the search winner): lr 0.01, batch 1,024, context 128" in out
     assert "recipe best val: mean" in out and "(2 seeds)" in out
+    floor = [line for line in out.splitlines() if line.startswith("floor, ")][0]
+    mean_bigram = (runs["recipe_s0.json"]["floor"]["bigram"] + recipe["floor"]["bigram"]) / 2
+    assert f"interpolated bigram {mean_bigram:.4f}" in floor and "recorded by the runs" in floor
+    # a few steps from ln(50304): far above the bigram floor, so no ratio
+    assert "ratio: not stated: the classic's best val loss" in out and "ratio: mean" not in out
 
 
 def test_token_efficiency_tables_by_hand(tmp_path):
-    """The search winner, the per-seed ratios and their spread, and the ablation deltas and p-values on
-    saved curves whose answers are computed here by hand."""
-    meta = {"tokens": 400, "val_tokens": 64, "preset": "test", "val": "v", "classic_params": {"total": 1, "non-embedding": 1}}
+    """The search winner, the per-seed ratios and their spread, the floor that allows or refuses them,
+    and the ablation deltas and p-values on saved curves whose answers are computed here by hand."""
+    floor = {"unigram": 9.0, "bigram": 8.0, "bigram_weight": 0.5, "train_tokens": 400}
+    meta = {"tokens": 400, "val_tokens": 64, "preset": "test", "val": "v", "classic_params": {"total": 1, "non-embedding": 1},
+            "floor": floor}
     classic = lambda lr, seed, best: te.save_curve(str(tmp_path), te.classic_name(  # noqa: E731
         te.ClassicConfig(lr=lr, batch_tokens=100, seq_len=50), seed), [(0, 10.0), (200, best), (400, best + 0.5)],
         {**meta, "seed": seed, "classic_lr": lr, "classic_batch_tokens": 100, "classic_seq_len": 50})
@@ -397,21 +415,44 @@ def test_token_efficiency_tables_by_hand(tmp_path):
         te.save_curve(str(tmp_path), f"recipe_s{seed}", [(0, 10.0), (100, mid), (200, 4.0)], {**meta, "seed": seed})
     runs = te.load_runs(str(tmp_path), None)
     assert te.search_winner(runs)["classic_lr"] == 0.002
-    table, ratios = te.seeds_table(runs)
+    floors = te.folder_floors(str(tmp_path), runs)
+    table, ratios = te.seeds_table(runs, floors)
     # seed 0: 5.0 is reached at 100 + 100 * (6 - 5) / (6 - 4) = 150; seed 1: 5.5 at 100 + 100 * 1.5 / 3 = 150
     assert ratios == pytest.approx([150 / 200, 150 / 200])
-    assert "ratio: mean 0.7500, std 0.0000" in table
+    assert "ratio: mean 0.7500, std 0.0000" in table and "not stated" not in table
+    # the tuned classic's best, (5.0 + 5.5) / 2 = 5.25, must be 0.3 below the bigram floor: 5.55 allows, 5.56 does not
+    for bigram, stated in ((5.56, True), (5.54, False)):
+        table, ratios = te.seeds_table(runs, te.Floors({s: {**floor, "bigram": bigram} for s in (0, 1)}, "here"))
+        assert (ratios != []) == stated and ("ratio: mean" in table) == stated
+        assert ("ratio: not stated: the classic's best val loss 5.2500 is not 0.3 below the interpolated "
+                f"bigram's {bigram:.4f}" in table) != stated
+    table, ratios = te.seeds_table(runs, te.Floors({}, "not known: no shards"))
+    assert ratios == [] and "ratio: not stated: no bigram floor for these runs (not known: no shards)" in table
     at = {line.split()[0]: line.split()[1:] for line in table.splitlines() if line.startswith(" " * 42)}
     assert at["100"] == ["6.5000", "7.6250"] and at["400"] == ["4.0000", "5.7500"]  # recipe flat after 200
     for seed, final in ((0, 4.5), (1, 4.7), (2, 4.6)):
         te.save_curve(str(tmp_path), f"ablate_x_s{seed}", [(400, final)], {**meta, "seed": seed, "component": te.ABLATIONS[5][0]})
-    row = [line for line in te.ablation_table(te.load_runs(str(tmp_path), None)).splitlines()
-           if line.startswith(te.ABLATIONS[5][0])][0].split()
+    for seed, final in ((0, 4.1), (1, 4.4)):
+        te.save_curve(str(tmp_path), f"ablate_y_s{seed}", [(400, final)], {**meta, "seed": seed, "component": te.ABLATIONS[7][0]})
+    runs = te.load_runs(str(tmp_path), None)
+    lines = te.ablation_table(runs, te.folder_floors(str(tmp_path), runs)).splitlines()
+    assert "interpolated bigram 8.0000" in lines[1]
+    rows = {name: [line for line in lines if line.startswith(name)][0][len(name):].split() for name in
+            (te.ABLATIONS[5][0], te.ABLATIONS[7][0])}
+    # columns: n, mean, +-, sd, delta, Welch p, pairs, paired delta, paired p, Holm p, Holm < 0.05, per-seed deltas
+    x, y = rows[te.ABLATIONS[5][0]], rows[te.ABLATIONS[7][0]]
     from scipy import stats
     ref = stats.ttest_ind([4.5, 4.7, 4.6], [4.0, 4.0], equal_var=False)
-    assert float(row[-5]) == pytest.approx(0.6, abs=1e-4) and float(row[-4]) == pytest.approx(ref.pvalue, abs=1e-3)
-    assert row[-3] == ("yes" if ref.pvalue < 0.05 else "no")
-    assert row[-2:] == ["0:+0.5000", "1:+0.7000"]  # seed 2 has no full-recipe run to pair with
+    assert float(x[4]) == pytest.approx(0.6, abs=1e-4) and float(x[5]) == pytest.approx(ref.pvalue, abs=1e-4)
+    assert x[11:] == ["0:+0.5000", "1:+0.7000"]  # seed 2 has no full-recipe run to pair with
+    # paired: x's deltas 0.5, 0.7 (mean 0.6, sd 0.1414, t = 6, 1 dof); y's 0.1, 0.4 (mean 0.25, t = 1.6667);
+    # with 1 degree of freedom p = 1 - 2 atan(|t|) / pi; Holm: the smaller p times 2, the larger times 1
+    px, py = 1 - 2 * math.atan(6.0) / math.pi, 1 - 2 * math.atan(0.25 / (0.3 / math.sqrt(2) / math.sqrt(2))) / math.pi
+    assert x[6] == "2" and float(x[7]) == pytest.approx(0.6, abs=1e-4) and float(x[8]) == pytest.approx(px, abs=1e-4)
+    assert float(y[7]) == pytest.approx(0.25, abs=1e-4) and float(y[8]) == pytest.approx(py, abs=1e-4)
+    assert float(x[9]) == pytest.approx(2 * px, abs=1e-4) and float(y[9]) == pytest.approx(max(2 * px, py), abs=1e-4)
+    assert x[10] == y[10] == "no"
+    assert "adjusted over the 2 rows" in lines[-1]
 
 
 def test_loader_coverage_by_hand(tmp_path):
@@ -450,6 +491,23 @@ def test_token_efficiency_load_errors_are_one_line(tmp_path):
     (tmp_path / "r2").mkdir()
     assert "no classic search runs" in err("--smoke", "--run", "classic", "--classic_from", str(tmp_path / "r2"))
 
+    def err_here(*argv):  # the same one-line errors, in this process (no interpreter start)
+        with pytest.raises(SystemExit) as e:
+            te.main(list(argv))
+        assert str(e.value).startswith("error: ") and "\n" not in str(e.value)
+        return str(e.value)
+
+    assert "--val_tokens 0 must be >= 1" in err_here("--smoke", "--val_tokens", "0")
+    assert "--val_tokens 700 must be a multiple" in err_here("--smoke", "--val_tokens", "700")
+    old = tmp_path / "old"  # a run saved before the validation set and order were recorded
+    te.save_curve(str(old), "recipe_s0", [(0, 10.8)], {"tokens": 3072, "val_tokens": 1024, "preset": "test",
+                                                       "train": "data/tinyshakespeare/tinyshakespeare_train_*.bin",
+                                                       "val": "data/tinyshakespeare/tinyshakespeare_val_*.bin"})
+    message = err_here("--smoke", "--run", "recipe", "--save", str(old))
+    assert f"--save {old} holds runs on other data" in message and "--val_set first --train_order file" in message
+    te.save_curve(str(old), "classic_lr0.001_b10_ctx10_s0", [(0, 10.8)], {"tokens": 3072, "val_set": "even", "val_tokens": 1024})
+    assert "runs on different data" in err_here("--load", str(old))
+
 
 @pytest.mark.slow
 def test_ablation_smoke(tmp_path):
@@ -461,8 +519,11 @@ def test_ablation_smoke(tmp_path):
     full = [final(f"recipe_s{s}") for s in (0, 1)]
     finals = [final(f"ablate_batch_schedule_s{s}") for s in (0, 1)]
     assert all(9.0 < x < 11.0 for x in full + finals)
-    assert float(row[-5]) == pytest.approx(sum(finals) / 2 - sum(full) / 2, abs=2e-4)
+    assert float(row[-9]) == pytest.approx(sum(finals) / 2 - sum(full) / 2, abs=2e-4)
     assert [float(d.split(":")[1]) for d in row[-2:]] == pytest.approx([x - f for x, f in zip(finals, full)], abs=2e-4)
+    assert float(row[-6]) == pytest.approx(sum(finals) / 2 - sum(full) / 2, abs=2e-4)  # the mean paired delta
+    saved = json.load(open(tmp_path / "ablate_batch_schedule_s1.json"))
+    assert os.path.isfile(tmp_path / saved["log"]) and saved["floor"] == json.load(open(tmp_path / "recipe_s1.json"))["floor"]
 
 
 @pytest.mark.slow
@@ -502,5 +563,5 @@ def test_run_sh_bench_dry_run():
         folder = c.split()[-2] if c.endswith("--no_plot") else c.split()[-1]
         assert os.path.isdir(os.path.join(REPO, folder)), folder
         printed = subprocess.run(c.split()[1:], cwd=REPO, capture_output=True, text=True, timeout=120)  # "bench: ..."
-        assert printed.returncode == 0 and ("ratio: mean" in printed.stdout or "walks" in printed.stdout), printed.stderr
+        assert printed.returncode == 0 and ("ratio: " in printed.stdout or "walks" in printed.stdout), printed.stderr
         assert "need a CUDA GPU" in out.stdout

@@ -24,24 +24,42 @@ warm-up then cosine decay to 10%, gradient clipping at 1.0, constant batch size.
 the grid of --search_lr x --search_batch x --search_seq; --run classic then uses the winner (lowest
 best val loss) found in the same folder, or in --classic_from, unless --classic_* flags say otherwise.
 
-Both see the same shards and the same token budget and are scored on the same validation tokens (the
-first val_tokens of the val shards; mean next-token cross-entropy). The ratio, per seed:
+Both read the same shards, written by this script into a temporary folder: the validation documents
+(--val_set even, the default: documents chosen evenly over every val shard until they hold --val_tokens,
+65,536 by default, or the whole held-out split when it holds fewer; --val_set first: the first
+val_tokens tokens, as runs saved before the choice was recorded) and, per seed, a copy of the training
+shards with the documents permuted by that seed (--train_order shuffled, the default, seed 0 included;
+--train_order file keeps the shards' order for every seed). So a seed sets the initialisation and the
+data order of both sides, and both are scored on the same tokens (mean next-token cross-entropy).
+
+Beside every table: the count-model floor on those validation tokens, fitted on the first --tokens
+training tokens the runs read (unigram with add-one smoothing; bigram interpolated with it, its weight
+chosen on the last tenth of those tokens). The ratio, per seed:
     tokens the recipe needs to reach the tuned classic's best val loss / tokens the classic needed
 (the best, not the last, classic loss: on a small corpus both eventually overfit); then the mean,
-standard deviation and range over seeds. Ablations: the final val loss of each switched-off component
-over seeds, its delta against the full recipe's seeds, Welch's t-test (records/summarize.py), and the
-per-seed deltas against the full recipe's run of the same seed.
+standard deviation and range over seeds. It is stated only when the tuned classic's best is at least
+FLOOR_MARGIN (0.3 nats) below the bigram floor: a baseline that a table of token-pair counts matches
+is measured at the start of training, where any ratio says little. Ablations: the final val loss of
+each switched-off component over seeds, its delta against the full recipe's seeds and Welch's t-test;
+the per-seed deltas against the full recipe's run of the same seed, their mean, the paired t-test and
+its Holm adjustment over the rows shown (records/summarize.py).
+
+Every saved run records the commit (git rev-parse HEAD, -dirty with uncommitted changes to tracked
+files), its command line, its validation set and training order, and the floor; the recipe's run logs
+go to DIR/logs/ (committed with the results).
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
 import dataclasses
+import hashlib
 import io
 import json
 import math
 import os
 import re
+import subprocess
 import sys
 import tempfile
 import time
@@ -59,6 +77,15 @@ import train_gpt as T  # noqa: E402
 DEFAULT_TOKENS = 500_000
 SPEEDRUN = T.Hyperparameters()  # the recipe's learning rates default to the speedrun's
 SMOKE_TOKENS = 3_072
+# A ratio against a baseline that is not this far (nats) below the count bigram on the same validation
+# tokens measures the first steps of training, not what either recipe learns.
+FLOOR_MARGIN = 0.3
+EVEN_VAL_TOKENS = 65_536  # --val_set even: enough documents that one file's style cannot dominate
+HELDOUT_FRACTION = 0.1    # the tail of the floor's training tokens that chooses the bigram's weight
+GPT2_VOCAB = 50_257       # token ids a GPT-2 tokenizer emits: the add-one unigram's support
+SHARD_TOKENS = 100_000_000  # at most this many tokens per written training shard (FineWeb's shard size)
+VAL_SETS = ("even", "first")
+TRAIN_ORDERS = ("shuffled", "file")
 
 # (component, Hyperparameters overrides that switch it off). A callable gets the base args.
 ABLATIONS: list[tuple[str, object]] = [
@@ -328,20 +355,235 @@ def run_classic(c: ClassicConfig, train: str, val: str, tokens: int, evals: int,
 
 
 # ------------------------------------------------------------------------------------------------
+# the data both sides read: validation documents, training order per seed, the count-model floor
+# ------------------------------------------------------------------------------------------------
+
+def split_documents(tokens: np.ndarray) -> list[np.ndarray]:
+    """A token stream cut before every BOS: one piece per document (tokens before the first BOS, if any,
+    are a document of their own)."""
+    starts = np.flatnonzero(tokens == T.BOS_ID)
+    return [d for d in np.split(tokens, starts[starts > 0]) if len(d)]
+
+
+def shard_documents(pattern: str, what: str) -> list[list[np.ndarray]]:
+    """The documents of every shard matching the glob, shard by shard in the loader's (sorted) order."""
+    out = []
+    for path in T.find_shards(pattern, what):
+        try:
+            out.append(split_documents(T.read_shard(path).numpy()))
+        except T.ShardError as e:
+            raise SystemExit(f"error: --{what} {pattern}: {e}") from None
+    return out
+
+
+def even_picks(num_docs: int, k: int) -> list[int]:
+    """k document indices spread evenly over 0 .. num_docs - 1: the middle one of each of k equal strides."""
+    return [(2 * j + 1) * num_docs // (2 * k) for j in range(k)]
+
+
+@dataclasses.dataclass
+class ValidationSet:
+    """The val_tokens + 1 tokens whose val_tokens next-token predictions both sides are scored on."""
+    tokens: np.ndarray
+    val_tokens: int
+    how: str                    # "even", "whole" (even, but the split holds fewer tokens) or "first"
+    documents: tuple[int, int]  # (documents scored, documents in the val shards)
+    shards: tuple[int, int]     # (val shards they come from, val shards)
+
+    def digest(self) -> str:
+        return hashlib.sha256(self.tokens.astype("<u2").tobytes()).hexdigest()[:16]
+
+    def meta(self) -> dict:
+        return {"val_tokens": self.val_tokens, "val_set": self.how, "val_documents": list(self.documents),
+                "val_shards": list(self.shards), "val_digest": self.digest()}
+
+
+def choose_validation(pattern: str, how: str, val_tokens: int, seq_len: int) -> ValidationSet:
+    """--val_set even: the fewest documents, spread evenly over the document index of all val shards
+    together, that hold val_tokens + 1 tokens (the last one cut); the whole split, cut to whole seq_len
+    sequences, when it holds fewer. --val_set first: the first val_tokens + 1 tokens of the shards."""
+    per_shard = shard_documents(pattern, "val")
+    docs = [(s, d) for s, ds in enumerate(per_shard) for d in ds]
+    lengths = np.array([len(d) for _, d in docs])
+    total = int(lengths.sum())
+    if how == "first":
+        if total < val_tokens + 1:
+            raise SystemExit(f"error: --val_tokens {val_tokens} needs {val_tokens + 1} tokens but the val shards "
+                             f"{pattern!r} hold {total}; lower --val_tokens")
+        touched = int(np.searchsorted(np.cumsum(lengths), val_tokens + 1) + 1)  # documents with a scored token
+        stream = np.concatenate([d for _, d in docs[:touched]])[:val_tokens + 1]
+        return ValidationSet(stream, val_tokens, "first", (touched, len(docs)),
+                             (len({s for s, _ in docs[:touched]}), len(per_shard)))
+    if total < val_tokens + 1:
+        n = (total - 1) // seq_len * seq_len or total - 1
+        if n < 1:
+            raise SystemExit(f"error: --val {pattern}: the val shards hold {total} token(s); nothing to score")
+        stream = np.concatenate([d for _, d in docs])[:n + 1]
+        return ValidationSet(stream, n, "whole", (len(docs), len(docs)), (len(per_shard), len(per_shard)))
+    for k in range(1, len(docs) + 1):
+        picks = even_picks(len(docs), k)
+        if lengths[picks].sum() >= val_tokens + 1:
+            break
+    stream = np.concatenate([docs[i][1] for i in picks])[:val_tokens + 1]
+    return ValidationSet(stream, val_tokens, "even", (k, len(docs)), (len({docs[i][0] for i in picks}), len(per_shard)))
+
+
+def training_documents(pattern: str, order: str, seed: int) -> list[np.ndarray]:
+    """The documents of the training shards: in the shards' order (--train_order file) or permuted by
+    the seed (shuffled; seed 0 too, so no seed keeps whatever order the shards were written in)."""
+    docs = [d for ds in shard_documents(pattern, "train") for d in ds]
+    if order == "shuffled":
+        docs = [docs[i] for i in np.random.default_rng(seed).permutation(len(docs))]
+    return docs
+
+
+def write_training_shards(docs: list[np.ndarray], folder: str) -> str:
+    """Documents into folder/train_000001.bin ... (whole documents, at most SHARD_TOKENS per shard);
+    returns their glob."""
+    os.makedirs(folder, exist_ok=True)
+    shard, size, n = [], 0, 1
+    for d in docs:
+        if shard and size + len(d) > SHARD_TOKENS:
+            T.write_shard(os.path.join(folder, f"train_{n:06d}.bin"), np.concatenate(shard))
+            shard, size, n = [], 0, n + 1
+        shard.append(d)
+        size += len(d)
+    T.write_shard(os.path.join(folder, f"train_{n:06d}.bin"), np.concatenate(shard))
+    return os.path.join(folder, "train_*.bin")
+
+
+def count_probabilities(train: np.ndarray, prev: np.ndarray, nxt: np.ndarray,
+                        vocab: int = GPT2_VOCAB) -> tuple[np.ndarray, np.ndarray]:
+    """Fitted on the token stream `train`, for each pair (prev[i], nxt[i]): the add-one unigram P(nxt)
+    over `vocab` ids, and the maximum-likelihood bigram P(nxt | prev) (0 where prev never precedes a
+    token in train)."""
+    train, prev, nxt = (np.asarray(x, dtype=np.int64) for x in (train, prev, nxt))
+    vocab = max(vocab, int(max(train.max(), prev.max(initial=0), nxt.max(initial=0))) + 1)
+    unigram = (np.bincount(train, minlength=vocab)[nxt] + 1) / (len(train) + vocab)
+    keys, counts = np.unique(train[:-1] * vocab + train[1:], return_counts=True)
+    want = prev * vocab + nxt
+    at = np.minimum(np.searchsorted(keys, want), len(keys) - 1)
+    pair = np.where(keys[at] == want, counts[at], 0)
+    context = np.bincount(train[:-1], minlength=vocab)[prev]
+    return unigram, np.where(context > 0, pair / np.maximum(context, 1), 0.0)
+
+
+def interpolation_weight(bigram: np.ndarray, unigram: np.ndarray, tol: float = 1e-10) -> float:
+    """The weight w in [0, 1] that maximises mean log(w bigram + (1 - w) unigram) (unigram > 0), by EM:
+    w <- mean of the bigram's share of each mixture, which never lowers the likelihood."""
+    w = 0.5
+    for _ in range(10_000):
+        new = float(np.mean(w * bigram / (w * bigram + (1 - w) * unigram)))
+        if abs(new - w) < tol:
+            return new
+        w = new
+    return w
+
+
+def count_floor(train: np.ndarray, scored: np.ndarray, vocab: int = GPT2_VOCAB) -> dict:
+    """Mean next-token cross-entropy (nats) of two count models on the predictions of scored[1:] from
+    scored[:-1], both fitted on `train` only: the add-one unigram, and the bigram interpolated with it.
+    The bigram's weight comes from deleted interpolation: counts from all but the last HELDOUT_FRACTION
+    of train, the weight that best predicts that tail, then the counts refitted on all of train."""
+    train = np.asarray(train, dtype=np.int64)
+    if len(train) < 4 or len(scored) < 2:
+        raise ValueError(f"count_floor: {len(train)} training and {len(scored)} scored tokens; need >= 4 and >= 2")
+    cut = len(train) - max(2, round(HELDOUT_FRACTION * len(train)))
+    held = train[cut:]
+    unigram, bigram = count_probabilities(train[:cut], held[:-1], held[1:], vocab)
+    weight = interpolation_weight(bigram, unigram)
+    unigram, bigram = count_probabilities(train, scored[:-1], scored[1:], vocab)
+    return {"unigram": float(-np.log(unigram).mean()),
+            "bigram": float(-np.log(weight * bigram + (1 - weight) * unigram).mean()),
+            "bigram_weight": weight, "train_tokens": int(len(train))}
+
+
+class BenchData:
+    """The shards both sides of this invocation read, in a temporary folder: one validation shard and,
+    per seed, the training shards in that seed's order; with the floor each seed's runs are set against."""
+
+    def __init__(self, a, folder: str):
+        base = dataclasses.replace(T.Hyperparameters(), **T.PRESETS[a.preset])
+        self.train_glob, self.val_glob = a.train or base.train_files, a.val or base.val_files
+        self.order, self.tokens, self.folder = a.train_order, a.tokens, folder
+        wanted = a.val_tokens or (EVEN_VAL_TOKENS if a.val_set == "even" else base.val_tokens)
+        self.val = choose_validation(self.val_glob, a.val_set, wanted, base.val_seq_len)
+        seq = min(base.val_seq_len, self.val.val_tokens)
+        if self.val.val_tokens % seq:
+            raise SystemExit(f"error: --val_tokens {self.val.val_tokens} must be a multiple of the --preset "
+                             f"{a.preset} validation sequence length {seq}")
+        os.makedirs(folder, exist_ok=True)
+        self.val_path = os.path.join(folder, "val_000000.bin")
+        T.write_shard(self.val_path, self.val.tokens)
+        self._train: dict = {}
+        self._floor: dict = {}
+
+    def _key(self, seed: int):
+        return seed if self.order == "shuffled" else None  # file order: one copy for every seed
+
+    def _documents(self, seed: int) -> list[np.ndarray]:
+        return training_documents(self.train_glob, self.order, seed)
+
+    def train(self, seed: int) -> str:
+        """Glob of the training shards of this seed (written on first use)."""
+        key = self._key(seed)
+        if key not in self._train:
+            if self.order == "file":
+                self._train[key] = self.train_glob
+            else:
+                self._train[key] = write_training_shards(self._documents(seed), os.path.join(self.folder, f"train_s{seed}"))
+        return self._train[key]
+
+    def floor(self, seed: int) -> dict:
+        """count_floor of the first --tokens training tokens this seed's runs read (all of them when the
+        budget repeats the split) on the validation tokens."""
+        key = self._key(seed)
+        if key not in self._floor:
+            stream = np.concatenate(self._documents(seed))[:self.tokens]
+            self._floor[key] = count_floor(stream, self.val.tokens)
+        return self._floor[key]
+
+    def meta(self, seed: int) -> dict:
+        return {"train": self.train_glob, "val": self.val_glob, **self.val.meta(), "train_order": self.order,
+                "floor": self.floor(seed)}
+
+
+def git_commit(repo: str = REPO) -> str:
+    """The checkout's commit (git rev-parse HEAD), with "-dirty" when tracked files differ from it
+    (untracked files do not count: results folders being written are untracked)."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True, timeout=60)
+        if head.returncode:
+            return "unknown (not a git checkout)"
+        status = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=repo,
+                                capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return f"unknown ({e.__class__.__name__})"
+    return head.stdout.strip() + ("-dirty" if status.returncode or status.stdout.strip() else "")
+
+
+# ------------------------------------------------------------------------------------------------
 # results folders: one JSON per run (curve + configuration), joined by --load
 # ------------------------------------------------------------------------------------------------
+
+FLOOR_FILE = "floor.json"  # the floor of runs that record none (older runs), beside them
+
 
 def classic_name(c: ClassicConfig, seed: int) -> str:
     return f"classic_lr{c.lr:g}_b{c.batch_tokens}_ctx{c.seq_len}_s{seed}"
 
 
-def save_curve(folder: str, name: str, curve: list[tuple[int, float]], meta: dict) -> None:
-    """Write one learning curve as JSON (temporary file + rename: never a half-written curve)."""
-    os.makedirs(folder, exist_ok=True)
-    path = os.path.join(folder, f"{name}.json")
+def save_json(path: str, data: dict) -> None:
+    """Temporary file + rename: never a half-written file."""
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     with open(path + ".tmp", "w", encoding="utf-8") as f:
-        json.dump({"curve": curve, **meta}, f, indent=1)
+        json.dump(data, f, indent=1)
     os.replace(path + ".tmp", path)
+
+
+def save_curve(folder: str, name: str, curve: list[tuple[int, float]], meta: dict) -> None:
+    """Write one learning curve and its configuration as JSON."""
+    save_json(os.path.join(folder, f"{name}.json"), {"curve": curve, **meta})
 
 
 def read_runs(folder: str, prefix: str = "", flag: str = "--load") -> dict[str, dict]:
@@ -351,7 +593,7 @@ def read_runs(folder: str, prefix: str = "", flag: str = "--load") -> dict[str, 
         raise SystemExit(f"error: {flag} {folder}: no such folder; run --run ... --save {folder} first")
     runs = {}
     for f in sorted(os.listdir(folder)):
-        if not f.endswith(".json") or not f.startswith(prefix):
+        if not f.endswith(".json") or not f.startswith(prefix) or f == FLOOR_FILE:
             continue
         try:
             with open(os.path.join(folder, f), encoding="utf-8") as fh:
@@ -363,8 +605,31 @@ def read_runs(folder: str, prefix: str = "", flag: str = "--load") -> dict[str, 
     return runs
 
 
+def data_of(r: dict) -> dict:
+    """What a saved run was trained and scored on; runs saved before these were recorded were scored
+    on the first val_tokens tokens and trained in the shards' order."""
+    return {"train": r.get("train"), "val": r.get("val"), "val_tokens": r.get("val_tokens"),
+            "val_set": r.get("val_set", "first"), "train_order": r.get("train_order", "file")}
+
+
+def data_conflict(runs: list[dict]) -> str | None:
+    """Why these runs cannot be compared (different shards, validation sets or training orders), or None."""
+    kinds = {json.dumps(data_of(r), sort_keys=True) for r in runs}
+    digests = {r["val_digest"] for r in runs if "val_digest" in r}
+    if len(kinds) > 1:
+        return "; ".join(describe_data(json.loads(k)) for k in sorted(kinds))
+    if len(digests) > 1:
+        return f"validation tokens with different contents ({', '.join(sorted(digests))})"
+    return None
+
+
+def describe_data(d: dict) -> str:
+    order = "training documents shuffled per seed" if d["train_order"] == "shuffled" else "training documents in the shards' order"
+    return f"val {d['val']} ({d['val_set']}, {d['val_tokens']:,} tokens), train {d['train']} ({order})"
+
+
 def load_runs(folder: str, tokens: int | None) -> dict[str, dict]:
-    """read_runs, for a report: both sides present, one token budget per folder."""
+    """read_runs, for a report: both sides present, one token budget and one kind of data per folder."""
     runs = read_runs(folder)
     if not any(n.startswith("recipe_") for n in runs) or not any(n.startswith("classic_") for n in runs):
         raise SystemExit(f"error: --load {folder}: needs recipe_s*.json and classic_*.json; "
@@ -375,7 +640,89 @@ def load_runs(folder: str, tokens: int | None) -> dict[str, dict]:
                          "keep one budget per folder")
     if tokens is not None and budgets != {tokens}:
         raise SystemExit(f"error: --load {folder}: measured at --tokens {budgets.pop()}, not {tokens}; pass the same --tokens")
+    conflict = data_conflict(list(runs.values()))
+    if conflict:
+        raise SystemExit(f"error: --load {folder}: runs on different data: {conflict}; keep one kind per folder")
     return runs
+
+
+def check_folder(folder: str, data: BenchData, seed: int) -> None:
+    """New runs join a results folder only if its runs were trained and scored on the same data."""
+    if not os.path.isdir(folder):
+        return
+    runs = list(read_runs(folder, flag="--save").values())
+    conflict = data_conflict(runs + [data.meta(seed)]) if runs else None
+    if conflict:
+        raise SystemExit(f"error: --save {folder} holds runs on other data ({conflict}); save into a new folder, or "
+                         "pass the --train, --val, --val_tokens, --val_set and --train_order they ran with "
+                         "(--val_set first --train_order file for runs that record neither)")
+
+
+@dataclasses.dataclass
+class Floors:
+    """The count-model floor of each seed's runs (count_floor), and where it comes from or why it is missing."""
+    by_seed: dict
+    source: str
+
+    def bigram(self, seeds) -> float | None:
+        values = [self.by_seed[s]["bigram"] for s in seeds if s in self.by_seed]
+        return sum(values) / len(values) if values and len(values) == len(list(seeds)) else None
+
+
+def folder_floors(folder: str, runs: dict[str, dict]) -> Floors:
+    """The runs' own floors; for runs that record none (trained in the shards' order, so one floor for
+    every seed), the one saved in FLOOR_FILE, else computed from the shards and saved there so that
+    --load prints it where the corpus is not built."""
+    seeds = sorted({r.get("seed", 0) for r in runs.values()})
+    if all("floor" in r for r in runs.values()):
+        return Floors({r.get("seed", 0): r["floor"] for r in runs.values()}, "recorded by the runs")
+    d = data_of(next(iter(runs.values())))
+    want = {**d, "tokens": next(iter(runs.values())).get("tokens")}
+    path = os.path.join(folder, FLOOR_FILE)
+    try:
+        with open(path, encoding="utf-8") as f:
+            saved = json.load(f)
+        if all(saved.get(k) == v for k, v in want.items()):
+            return Floors({s: saved["floor"] for s in seeds}, f"saved in {FLOOR_FILE}")
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    if not (d["train"] and d["val"] and d["val_tokens"] and want["tokens"]):
+        return Floors({}, "not known: the runs name no train and val shards")
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):
+            val = choose_validation(d["val"], "first", d["val_tokens"], d["val_tokens"])
+            docs = training_documents(d["train"], "file", 0)
+    except SystemExit as e:
+        return Floors({}, f"not known: {str(e).removeprefix('error: ')}")
+    floor = count_floor(np.concatenate(docs)[:want["tokens"]], val.tokens)
+    with contextlib.suppress(OSError):
+        save_json(path, {**want, "floor": floor, "commit": git_commit(), "command": sys.argv})
+    return Floors({s: floor for s in seeds}, f"computed from the shards (saved in {FLOOR_FILE})")
+
+
+def floor_line(floors: Floors) -> str:
+    if not floors.by_seed:
+        return f"floor: {floors.source}"
+    fl = list(floors.by_seed.values())
+    mean = lambda k: sum(f[k] for f in fl) / len(fl)  # noqa: E731
+    spread = "" if len({f["bigram"] for f in fl}) == 1 else \
+        f"; bigram {min(f['bigram'] for f in fl):.4f} .. {max(f['bigram'] for f in fl):.4f} over seeds {sorted(floors.by_seed)}"
+    return (f"floor, count models fitted on {fl[0]['train_tokens']:,} training tokens, on the same validation tokens: "
+            f"unigram {mean('unigram'):.4f}, interpolated bigram {mean('bigram'):.4f} (weight {mean('bigram_weight'):.3f}, "
+            f"chosen on held-out training tokens{spread}); {floors.source}")
+
+
+def ratio_refusal(classic: dict[int, float], floors: Floors) -> str | None:
+    """Why no ratio may be stated (one line), or None: the classic's best val loss (mean over its seeds)
+    must be FLOOR_MARGIN below the bigram floor of the same seeds."""
+    bigram = floors.bigram(sorted(classic))
+    if bigram is None:
+        return f"ratio: not stated: no bigram floor for these runs ({floors.source})"
+    best = sum(classic.values()) / len(classic)
+    if best > bigram - FLOOR_MARGIN:
+        return (f"ratio: not stated: the classic's best val loss {best:.4f} is not {FLOOR_MARGIN} below the interpolated "
+                f"bigram's {bigram:.4f} on the same tokens: these runs measure the start of training")
+    return None
 
 
 def search_winner(runs: dict[str, dict]) -> dict | None:
@@ -384,12 +731,17 @@ def search_winner(runs: dict[str, dict]) -> dict | None:
     return min(seed0, key=lambda r: best_point(r["curve"])[1]) if seed0 else None
 
 
-def welch_p(a: list[float], b: list[float]) -> float:
-    """Two-sided p-value of Welch's t-test for equal means (the records tool's t distribution)."""
+def _summarize():
+    """records/summarize.py, the records tool that holds the statistical tests."""
     if os.path.join(REPO, "records") not in sys.path:
         sys.path.insert(0, os.path.join(REPO, "records"))
-    from summarize import welch_t_test
-    return welch_t_test(a, b)[1]
+    import summarize
+    return summarize
+
+
+def welch_p(a: list[float], b: list[float]) -> float:
+    """Two-sided p-value of Welch's t-test for equal means (the records tool's t distribution)."""
+    return _summarize().welch_t_test(a, b)[1]
 
 
 def mean_std(xs: list[float]) -> tuple[float, float]:
@@ -414,17 +766,20 @@ def search_table(runs: dict[str, dict]) -> str:
     return "\n".join(lines)
 
 
-def seeds_table(runs: dict[str, dict]) -> tuple[str, list[float]]:
-    """Per seed: the recipe's and the tuned classic's best val loss and the ratio; then mean and spread."""
+def seeds_table(runs: dict[str, dict], floors: Floors | None = None) -> tuple[str, list[float]]:
+    """Per seed: the recipe's and the tuned classic's best val loss, the bigram floor and the ratio (when
+    ratio_refusal allows one); then mean and spread."""
+    floors = floors or Floors({}, "not known")
     win = search_winner(runs)
     key = classic_name(ClassicConfig(lr=win["classic_lr"], batch_tokens=win["classic_batch_tokens"],
                                      seq_len=win["classic_seq_len"]), 0)[:-1]
     recipe = {r["seed"]: r for n, r in runs.items() if n.startswith("recipe_")}
     classic = {r["seed"]: r for n, r in runs.items() if n.startswith(key)}
+    refusal = ratio_refusal({s: best_point(r["curve"])[1] for s, r in classic.items()}, floors)
     searched = sum(n.startswith("classic_") and r.get("seed", 0) == 0 for n, r in runs.items()) > 1
     lines = [f"{'tuned classic (the search winner)' if searched else 'classic'}: lr {win['classic_lr']:g}, "
              f"batch {win['classic_batch_tokens']:,}, context {win['classic_seq_len']}",
-             f"{'seed':>4} {'recipe best':>19} {'classic best':>19} {'ratio':>6}"]
+             f"{'seed':>4} {'recipe best':>19} {'classic best':>19} {'bigram floor':>12} {'ratio':>6}"]
     ratios, rb, cb = [], [], []
     for seed in sorted(set(recipe) | set(classic)):
         cells = []
@@ -435,10 +790,12 @@ def seeds_table(runs: dict[str, dict]) -> tuple[str, list[float]]:
                 cells.append(f"{v:8.4f} @{t:>9,}")
             else:
                 cells.append(f"{'-':>19}")
-        ratio = efficiency_ratio(recipe[seed]["curve"], classic[seed]["curve"]) if seed in recipe and seed in classic else None
+        floor = f"{floors.by_seed[seed]['bigram']:12.4f}" if seed in floors.by_seed else f"{'-':>12}"
+        ratio = efficiency_ratio(recipe[seed]["curve"], classic[seed]["curve"]) \
+            if seed in recipe and seed in classic and refusal is None else None
         if ratio is not None:
             ratios.append(ratio)
-        lines.append(f"{seed:4} {cells[0]} {cells[1]} " + (f"{ratio:6.3f}" if ratio is not None else f"{'-':>6}"))
+        lines.append(f"{seed:4} {cells[0]} {cells[1]} {floor} " + (f"{ratio:6.3f}" if ratio is not None else f"{'-':>6}"))
     budget = next(iter(runs.values()))["tokens"]
     lines.append(f"val loss at equal tokens, mean over seeds: {'tokens':>10} {'recipe':>8} {'classic':>8}")
     for frac in (0.25, 0.5, 0.75, 1.0):
@@ -449,13 +806,16 @@ def seeds_table(runs: dict[str, dict]) -> tuple[str, list[float]]:
         if col:
             m, sd = mean_std(col)
             lines.append(f"{name}: mean {m:.4f}, std {sd:.4f}, range {min(col):.4f} .. {max(col):.4f} ({len(col)} seeds)")
+    if refusal:
+        lines.append(refusal)
     return "\n".join(lines), ratios
 
 
-def ablation_table(runs: dict[str, dict]) -> str:
-    """Per component: final val loss over seeds, delta and Welch's p against the full recipe, and the
+def ablation_table(runs: dict[str, dict], floors: Floors | None = None) -> str:
+    """Per component: final val loss over seeds, delta and Welch's p against the full recipe; the
     per-seed deltas against the full recipe's run of the same seed (same initialisation and data order,
-    so their agreement shows what the unpaired spread hides)."""
+    so what the seed moves cancels), their mean, the paired t-test and its Holm adjustment over the rows
+    shown."""
     by, full = {}, {}
     for n, r in runs.items():
         if n.startswith("ablate_"):
@@ -464,21 +824,35 @@ def ablation_table(runs: dict[str, dict]) -> str:
             full[r["seed"]] = r["curve"][-1][1]
     if not by or not full:
         return ""
+    stats = _summarize()
     fm, fs = mean_std(list(full.values()))
-    lines = [f"ablations: final val loss over seeds; full recipe {fm:.4f} +- {fs:.4f} ({len(full)} seeds)",
-             f"{'switched off / replaced':42s} {'n':>2} {'final val':>16} {'delta':>8} {'p':>7} significant"
-             "  per-seed deltas (seed: delta)"]
+    rows = []
     for name, _ in ABLATIONS:
         if name not in by:
             continue
         xs = list(by[name].values())
         m, sd = mean_std(xs)
         p = welch_p(xs, list(full.values())) if len(xs) > 1 and len(full) > 1 else float("nan")
-        significant = "-" if math.isnan(p) else "yes" if p < 0.05 else "no"
-        paired = " ".join(f"{s}:{by[name][s] - full[s]:+.4f}" for s in sorted(by[name]) if s in full)
-        lines.append(f"{name:42s} {len(xs):2} {m:8.4f} +- {sd:.4f} {m - fm:+8.4f} {p:7.3f} {significant:11s}  {paired}")
-    lines.append("delta > 0: the component helps. p: Welch's two-sided t-test against the full recipe's seeds "
-                 "(records/summarize.py); significant: p < 0.05")
+        pairs = sorted(s for s in by[name] if s in full)
+        deltas = [by[name][s] - full[s] for s in pairs]
+        paired_p = stats.paired_t_test([by[name][s] for s in pairs], [full[s] for s in pairs])[1]
+        rows.append((name, xs, m, sd, p, pairs, deltas, paired_p))
+    adjusted = stats.holm([r[-1] for r in rows])
+    lines = [f"ablations: final val loss over seeds; full recipe {fm:.4f} +- {fs:.4f} ({len(full)} seeds)"]
+    if floors is not None:
+        lines.append(floor_line(floors))
+    lines.append(f"{'switched off / replaced':42s} {'n':>2} {'final val':>16} {'delta':>8} {'Welch p':>7} {'pairs':>5} "
+                 f"{'paired':>8} {'paired p':>8} {'Holm p':>7} Holm < 0.05  per-seed deltas (seed: delta)")
+    for (name, xs, m, sd, p, pairs, deltas, paired_p), holm_p in zip(rows, adjusted):
+        pm = sum(deltas) / len(deltas) if deltas else float("nan")
+        significant = "-" if math.isnan(holm_p) else "yes" if holm_p < 0.05 else "no"
+        per_seed = " ".join(f"{s}:{d:+.4f}" for s, d in zip(pairs, deltas))
+        lines.append(f"{name:42s} {len(xs):2} {m:8.4f} +- {sd:.4f} {m - fm:+8.4f} {p:7.4f} {len(pairs):5} "
+                     f"{pm:+8.4f} {paired_p:8.4f} {holm_p:7.4f} {significant:11s}  {per_seed}")
+    lines.append("delta > 0: the component helps. delta and Welch p: against the full recipe's seeds (Welch's two-sided "
+                 "t-test); paired: the mean of the per-seed deltas (seeds both have) and its two-sided paired t-test; "
+                 f"Holm p: the paired p adjusted over the {sum(not math.isnan(a) for a in adjusted)} rows with one "
+                 "(records/summarize.py)")
     return "\n".join(lines)
 
 
@@ -512,20 +886,50 @@ def plot_curves(runs: dict[str, dict], out: str, title: str) -> None:
     os.replace(out + ".tmp.png", out)
 
 
+def val_text(r: dict) -> str:
+    """Which validation tokens a saved run was scored on."""
+    n, how, val = r["val_tokens"], r.get("val_set"), r.get("val")
+    docs, shards = r.get("val_documents", ["?", "?"]), r.get("val_shards", ["?", "?"])
+    if how is None:
+        return f"the first {n:,} tokens of {val} (runs saved before the validation set was recorded)"
+    if how == "first":
+        return f"the first {n:,} tokens of {val}: {docs[0]} of its {docs[1]} documents, from {shards[0]} of {shards[1]} shards"
+    if how == "whole":
+        return f"all of {val}, {n:,} tokens: its {docs[1]} documents, cut to whole validation sequences"
+    return (f"{n:,} tokens of {val}: {docs[0]} of its {docs[1]} documents, chosen evenly over all of them "
+            f"(from {shards[0]} of {shards[1]} shards)")
+
+
+def order_text(r: dict) -> str:
+    if "train_order" not in r:
+        return "in the shards' order for every seed (runs saved before the order was recorded)"
+    return "shuffled by each seed" if r["train_order"] == "shuffled" else "in the shards' order for every seed"
+
+
 def report(folder: str, tokens: int | None, plot: bool = True) -> list[float]:
-    """Print every table a results folder supports (search, seeds and ratio, ablations); plot the curves."""
+    """Print every table a results folder supports (search, seeds and ratio, ablations) with the floor
+    beside them; plot the curves."""
     runs = load_runs(folder, tokens)
     any_run = next(iter(runs.values()))
-    print(f"{folder}: {any_run['tokens']:,} training tokens per run, val loss on {any_run['val_tokens']:,} "
-          f"tokens of {any_run['val']}")
+    print(f"{folder}: {any_run['tokens']:,} training tokens per run from {any_run['train']}, documents "
+          f"{order_text(any_run)}; val loss on {val_text(any_run)}")
+    commits = {}
+    for r in runs.values():
+        commits[r.get("commit", "not recorded")] = commits.get(r.get("commit", "not recorded"), 0) + 1
+    print("commit: " + ", ".join(f"{c} ({n} runs)" for c, n in sorted(commits.items())))
+    lrs = {(r["recipe_muon_lr"], r["recipe_adam_lr"]) for n, r in runs.items() if "recipe_muon_lr" in r}
     base = dataclasses.replace(T.Hyperparameters(), **T.PRESETS[any_run["preset"]])
     classic = next(r for n, r in runs.items() if n.startswith("classic_"))
     for name, p in (("recipe", recipe_params(base)), ("classic", classic["classic_params"])):
         print(f"{name} parameters: {p['non-embedding']:,} outside the embedding tables, {p['total']:,} in all")
+    if lrs:
+        print("recipe learning rates: " + ", ".join(f"NorMuon {m:g}, Adam {a:g}" for m, a in sorted(lrs)))
+    floors = folder_floors(folder, runs)
+    print(floor_line(floors))
     print(search_table(runs) + "\n")
-    table, ratios = seeds_table(runs)
+    table, ratios = seeds_table(runs, floors)
     print(table)
-    abl = ablation_table(runs)
+    abl = ablation_table(runs, floors)
     if abl:
         print("\n" + abl)
     if plot:
@@ -566,18 +970,39 @@ def saved(folder: str, name: str) -> bool:
     return False
 
 
-def run_meta(a, args: T.Hyperparameters, device: torch.device) -> dict:
-    """What every saved run records besides its curve: budget, data, and the machine it ran on."""
-    return {"tokens": a.tokens, "val_tokens": args.val_tokens, "preset": a.preset, "train": args.train_files,
-            "val": args.val_files, "device": device.type, "threads": torch.get_num_threads(),
+def run_meta(a, data: BenchData, seed: int, device: torch.device) -> dict:
+    """What every saved run records besides its curve: budget, data and floor, provenance, and the
+    machine it ran on."""
+    return {"tokens": a.tokens, "preset": a.preset, **data.meta(seed), "seed": seed, "commit": a.commit,
+            "command": a.command, "device": device.type, "threads": torch.get_num_threads(),
             "cpu_capability": torch.backends.cpu.get_cpu_capability()}
+
+
+def log_of(args: T.Hyperparameters, run_id: str, folder: str) -> str:
+    """The recipe's run log, as a path relative to the results folder when it lies inside it."""
+    path = os.path.abspath(os.path.join(args.log_dir, f"{run_id}.txt"))
+    inside = path.startswith(os.path.abspath(folder) + os.sep)
+    return os.path.relpath(path, folder) if inside else path
+
+
+def prepare(a) -> BenchData:
+    """The shards of this invocation, checked against the runs already in the results folder."""
+    seeds = [int(x) for x in a.seeds.split(",")]
+    data = BenchData(a, a.data_dir)
+    check_folder(a.save, data, seeds[0])
+    v = data.val.meta()
+    print(f"val: {val_text({**v, 'val': data.val_glob})}; train: {data.train_glob}, documents "
+          f"{order_text({'train_order': data.order})}")
+    print(floor_line(Floors({s: data.floor(s) for s in seeds}, "of this invocation's seeds")), flush=True)
+    return data
 
 
 def run_sides(a, device: torch.device) -> None:
     """Train what --run asks for, one JSON per run in the results folder, then report it."""
     seeds = [int(x) for x in a.seeds.split(",")]
-    args = recipe_args(a.preset, a.train, a.val, a.tokens, a.evals, a.val_tokens, device, a.recipe_lrs, a.log_dir)
-    meta = run_meta(a, args, device)
+    data = prepare(a)
+    args = recipe_args(a.preset, data.train_glob, data.val_path, a.tokens, a.evals, data.val.val_tokens, device,
+                       a.recipe_lrs, a.log_dir)
     folder = a.save
     if a.run in ("both", "recipe"):
         for seed in seeds:
@@ -585,11 +1010,14 @@ def run_sides(a, device: torch.device) -> None:
                 continue
             print(f"recipe seed {seed}: --preset {a.preset} {args.num_layers} layers x {args.model_dim}, "
                   f"{args.num_iterations}+{args.extension_iterations} steps, {sum(schedule_tokens(args)):,} tokens, "
-                  f"NorMuon lr {args.muon_lr:g}, Adam lr {args.adam_lr:g}; train {args.train_files}", flush=True)
+                  f"NorMuon lr {args.muon_lr:g}, Adam lr {args.adam_lr:g}", flush=True)
             t = time.perf_counter()
-            curve = run_recipe(dataclasses.replace(args, seed=seed), device, f"recipe_s{seed}_{os.getpid()}")
-            save_curve(folder, f"recipe_s{seed}", curve, {**meta, "seed": seed, "seconds": time.perf_counter() - t,
-                                                          "recipe_muon_lr": args.muon_lr, "recipe_adam_lr": args.adam_lr})
+            run_id = f"recipe_s{seed}_{os.getpid()}"
+            seeded = dataclasses.replace(args, seed=seed, train_files=data.train(seed))
+            curve = run_recipe(seeded, device, run_id)
+            save_curve(folder, f"recipe_s{seed}", curve, {
+                **run_meta(a, data, seed, device), "seconds": time.perf_counter() - t,
+                "recipe_muon_lr": args.muon_lr, "recipe_adam_lr": args.adam_lr, "log": log_of(seeded, run_id, folder)})
             print(f"  best val {best_point(curve)[1]:.4f} in {time.perf_counter() - t:.0f}s", flush=True)
     if a.run in ("both", "classic", "search"):
         for c in classic_configs(a, folder):
@@ -601,9 +1029,9 @@ def run_sides(a, device: torch.device) -> None:
                 print(f"classic seed {seed}: {c.num_layers} layers x {c.model_dim}, context {c.seq_len}, batch "
                       f"{c.batch_tokens:,} tokens, AdamW lr {c.lr:g}, {max(1, a.tokens // c.batch_tokens)} steps", flush=True)
                 t = time.perf_counter()
-                curve = run_classic(c, args.train_files, args.val_files, a.tokens, a.evals, args.val_tokens, device, seed)
+                curve = run_classic(c, data.train(seed), data.val_path, a.tokens, a.evals, data.val.val_tokens, device, seed)
                 save_curve(folder, classic_name(c, seed), curve,
-                           {**meta, "seed": seed, "seconds": time.perf_counter() - t, "classic_lr": c.lr,
+                           {**run_meta(a, data, seed, device), "seconds": time.perf_counter() - t, "classic_lr": c.lr,
                             "classic_batch_tokens": c.batch_tokens, "classic_seq_len": c.seq_len,
                             "classic_params": classic_params(c)})
                 print(f"  best val {best_point(curve)[1]:.4f} in {time.perf_counter() - t:.0f}s", flush=True)
@@ -635,8 +1063,9 @@ def run_ablations(a, device: torch.device) -> None:
     """One recipe run per switched-off component and seed, each saved; then the table."""
     only = [s.strip().lower() for s in a.only.split(",")] if a.only else None
     seeds = [int(x) for x in a.seeds.split(",")]
-    base = recipe_args(a.preset, a.train, a.val, a.tokens, 0, a.val_tokens, device, a.recipe_lrs, a.log_dir)
-    meta = run_meta(a, base, device)
+    data = prepare(a)
+    base = recipe_args(a.preset, data.train_glob, data.val_path, a.tokens, 0, data.val.val_tokens, device,
+                       a.recipe_lrs, a.log_dir)
     print(f"ablations: --preset {a.preset}, {base.num_iterations}+{base.extension_iterations} steps, "
           f"{sum(schedule_tokens(base)):,} train tokens each, seeds {seeds}, final val loss on {base.val_tokens:,} val tokens")
     for i, (name, spec) in enumerate(ABLATIONS):
@@ -647,18 +1076,21 @@ def run_ablations(a, device: torch.device) -> None:
             file = "recipe" if i == 0 else "ablate_" + re.sub(r"[^a-z0-9]+", "_", name.lower()).strip("_")
             if saved(a.save, f"{file}_s{seed}"):
                 continue
-            args = recipe_args(a.preset, a.train, a.val, a.tokens, 0, a.val_tokens, device,
+            args = recipe_args(a.preset, data.train(seed), data.val_path, a.tokens, 0, data.val.val_tokens, device,
                                {**a.recipe_lrs, **overrides, "seed": seed}, a.log_dir)
+            run_id = f"{file}_s{seed}_{os.getpid()}"
             t = time.perf_counter()
             try:
-                curve = run_recipe(args, device, f"{file}_s{seed}_{os.getpid()}")
+                curve = run_recipe(args, device, run_id)
             except SystemExit as e:  # a diverging variant is a result, not a crash of the benchmark
                 print(f"  {name}: stopped ({e})")
                 curve = [(a.tokens, float("nan"))]
-            save_curve(a.save, f"{file}_s{seed}", curve, {**meta, "seed": seed, "component": name,
-                                                          "seconds": time.perf_counter() - t})
+            save_curve(a.save, f"{file}_s{seed}", curve, {
+                **run_meta(a, data, seed, device), "component": name, "seconds": time.perf_counter() - t,
+                "recipe_muon_lr": args.muon_lr, "recipe_adam_lr": args.adam_lr, "log": log_of(args, run_id, a.save)})
             print(f"  {name:42s} seed {seed} {curve[-1][1]:8.4f}  ({time.perf_counter() - t:.0f}s)", flush=True)
-    print(ablation_table(read_runs(a.save, flag="--save")))
+    runs = read_runs(a.save, flag="--save")
+    print(ablation_table(runs, folder_floors(a.save, runs)))
 
 
 def main(argv=None):
@@ -668,7 +1100,14 @@ def main(argv=None):
     ap.add_argument("--tokens", type=int, default=None, help=f"training tokens per run (default {DEFAULT_TOKENS:,})")
     ap.add_argument("--preset", default="demo", choices=sorted(T.PRESETS), help="model size of both recipes")
     ap.add_argument("--evals", type=int, default=8, help="validation points per curve")
-    ap.add_argument("--val_tokens", type=int, default=None, help="validation tokens (default: the preset's)")
+    ap.add_argument("--val_tokens", type=int, default=None,
+                    help=f"validation tokens (default: {EVEN_VAL_TOKENS:,} for --val_set even, the preset's for first)")
+    ap.add_argument("--val_set", default="even", choices=VAL_SETS,
+                    help="even: documents chosen evenly over every val shard (the whole split when it holds fewer "
+                         "than --val_tokens); first: the first --val_tokens tokens (as runs saved before this flag)")
+    ap.add_argument("--train_order", default="shuffled", choices=TRAIN_ORDERS,
+                    help="shuffled: each seed permutes the training documents (seed 0 too) for both sides; "
+                         "file: the shards' order for every seed (as runs saved before this flag)")
     ap.add_argument("--muon_lr", type=float, default=SPEEDRUN.muon_lr,
                     help="recipe NorMuon lr (default: the speedrun's; the demo preset's higher rates suit only its 63 steps)")
     ap.add_argument("--adam_lr", type=float, default=SPEEDRUN.adam_lr, help="recipe Adam lr (default: the speedrun's)")
@@ -687,10 +1126,13 @@ def main(argv=None):
     ap.add_argument("--no_plot", action="store_true", help="--load: tables only")
     ap.add_argument("--ablate", action="store_true", help="run the ablation table instead of the comparison")
     ap.add_argument("--only", default="", help="--ablate: comma-separated substrings of component names")
-    ap.add_argument("--log_dir", default="", help="keep the recipe's run logs here (default: a temporary directory)")
+    ap.add_argument("--log_dir", default="", help="keep the recipe's run logs here (default: the results folder's logs/)")
     ap.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     ap.add_argument("--smoke", action="store_true", help="a few steps of the test preset (checks the tooling only)")
     a = ap.parse_args(argv)
+    a.command = sys.argv if argv is None else [sys.argv[0], *argv]
+    if a.val_tokens is not None and a.val_tokens < 1:
+        raise SystemExit(f"error: --val_tokens {a.val_tokens} must be >= 1")
     if a.load:
         report(a.load, a.tokens, plot=not a.no_plot)
         return
@@ -709,9 +1151,11 @@ def main(argv=None):
         [int(x) for x in a.seeds.split(",")]
     except ValueError:
         raise SystemExit(f"error: --seeds {a.seeds!r}: give comma-separated integers, e.g. 0,1,2") from None
+    a.commit = git_commit()
     with tempfile.TemporaryDirectory(prefix="bench_") as tmp:
-        a.log_dir = a.log_dir or os.path.join(tmp, "logs")
         a.save = a.save or os.path.join(tmp, "results")
+        a.log_dir = a.log_dir or os.path.join(a.save, "logs")
+        a.data_dir = os.path.join(tmp, "data")
         (run_ablations if a.ablate else run_sides)(a, device)
 
 
