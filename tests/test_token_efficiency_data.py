@@ -226,3 +226,23 @@ def test_results_folder_logs_are_not_ignored():
         return out.returncode == 0
     assert not ignored("records/some_results/logs/recipe_s0_1.txt")
     assert ignored("logs/3f1c.txt")
+
+
+def test_floor_flag_prints_each_seeds_floor(capsys):
+    """--floor on the demo shards: the evenly chosen validation documents (the whole split here: it
+    holds fewer than 65,536 tokens) and, per seed, the floor of the first --tokens tokens in that seed's
+    document order, built here from the shard directly."""
+    te.main(["--floor", "--tokens", "20000", "--seeds", "0,3"])
+    out = capsys.readouterr().out
+    val_path = os.path.join(REPO, "data", "tinyshakespeare", "tinyshakespeare_val_000000.bin")
+    val = tg.read_shard(val_path).numpy()
+    scored = val[:(len(val) - 1) // 1024 * 1024 + 1]
+    assert f"val: all of data/tinyshakespeare/tinyshakespeare_val_*.bin, {len(scored) - 1:,} tokens" in out
+    train = tg.read_shard(os.path.join(REPO, "data", "tinyshakespeare", "tinyshakespeare_train_000001.bin")).numpy()
+    starts = [i for i, t in enumerate(train) if t == BOS]
+    docs = [train[a:b] for a, b in zip(starts, starts[1:] + [len(train)])]
+    for seed in (0, 3):
+        order = np.random.default_rng(seed).permutation(len(docs))
+        floor = te.count_floor(np.concatenate([docs[i] for i in order])[:20_000], scored)
+        assert (f"seed {seed}: unigram {floor['unigram']:.4f}, interpolated bigram {floor['bigram']:.4f} "
+                f"(weight {floor['bigram_weight']:.3f})") in out

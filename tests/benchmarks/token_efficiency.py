@@ -985,11 +985,12 @@ def log_of(args: T.Hyperparameters, run_id: str, folder: str) -> str:
     return os.path.relpath(path, folder) if inside else path
 
 
-def prepare(a) -> BenchData:
+def prepare(a, check: bool = True) -> BenchData:
     """The shards of this invocation, checked against the runs already in the results folder."""
     seeds = [int(x) for x in a.seeds.split(",")]
     data = BenchData(a, a.data_dir)
-    check_folder(a.save, data, seeds[0])
+    if check:
+        check_folder(a.save, data, seeds[0])
     v = data.val.meta()
     print(f"val: {val_text({**v, 'val': data.val_glob})}; train: {data.train_glob}, documents "
           f"{order_text({'train_order': data.order})}")
@@ -1124,6 +1125,8 @@ def main(argv=None):
     ap.add_argument("--save", default="", help="results folder: one JSON per run (default: a temporary one)")
     ap.add_argument("--load", default="", help="print the tables of a results folder and plot it (no training)")
     ap.add_argument("--no_plot", action="store_true", help="--load: tables only")
+    ap.add_argument("--floor", action="store_true",
+                    help="print the validation set and each --seeds floor of these data flags, then stop (no training)")
     ap.add_argument("--ablate", action="store_true", help="run the ablation table instead of the comparison")
     ap.add_argument("--only", default="", help="--ablate: comma-separated substrings of component names")
     ap.add_argument("--log_dir", default="", help="keep the recipe's run logs here (default: the results folder's logs/)")
@@ -1156,6 +1159,13 @@ def main(argv=None):
         a.save = a.save or os.path.join(tmp, "results")
         a.log_dir = a.log_dir or os.path.join(a.save, "logs")
         a.data_dir = os.path.join(tmp, "data")
+        if a.floor:
+            data = prepare(a, check=False)
+            for seed in (int(x) for x in a.seeds.split(",")):
+                f = data.floor(seed)
+                print(f"seed {seed}: unigram {f['unigram']:.4f}, interpolated bigram {f['bigram']:.4f} "
+                      f"(weight {f['bigram_weight']:.3f})")
+            return
         (run_ablations if a.ablate else run_sides)(a, device)
 
 
