@@ -10,7 +10,8 @@ joined (--load prints every table the folder supports and plots the curves):
     python tests/benchmarks/token_efficiency.py $D --run recipe --seeds 0,1,2
     python tests/benchmarks/token_efficiency.py $D --run classic --seeds 1,2   # the search winner, more seeds
     python tests/benchmarks/token_efficiency.py $D --ablate --seeds 0,1 --only dc,xsa
-    python tests/benchmarks/token_efficiency.py --load DIR             # search, seeds, ratio, ablations; DIR/curves.png
+    python tests/benchmarks/token_efficiency.py --load DIR             # floor, search, seeds, ratio, ablations; DIR/curves.png
+    python tests/benchmarks/token_efficiency.py $D --seeds 0,1,2 --floor   # the validation set and floors only
     python tests/benchmarks/token_efficiency.py --smoke                # a few steps of each (the test suite runs this)
 
 Recipe: train_gpt.train() itself (model, NorMuon + Adam, loader, schedule, every component) at the
