@@ -31,198 +31,17 @@ from torch.nn.attention.flex_attention import BlockMask, flex_attention
 import triton_kernels
 
 # ----------------------------------------------------------------------------------------------
-# Hyperparameters: one dataclass, three presets
+# The recipe: stages, layers, per-parameter optimizer settings, run knobs, presets
 # ----------------------------------------------------------------------------------------------
 
-
-@dataclass
-class Hyperparameters:
-    # data
-    train_files: str = "data/fineweb10B/fineweb_train_*.bin"
-    val_files: str = "data/fineweb10B/fineweb_val_*.bin"
-    val_tokens: int = 10_485_760  # validation always covers exactly these tokens, for any world size
-    # model (record #89, modded-nanogpt PR #342)
-    vocab_size: int = 50257
-    padded_vocab_size: int = 50304
-    model_dim: int = 768
-    num_heads: int = 6
-    head_dim: int = 128
-    mlp_hidden: int = 3072
-    bigram_vocab_size: int = 377_280
-    layers: tuple = (                              # the per-layer table (record #89's layer roles)
-        "paired short",                             # 0
-        "attn short ve xsa",                        # 1
-        "paired short ve",                          # 2
-        "attn long offset xsa gate save_skip",      # 3
-        "attn short xsa post_gates",                # 4
-        "paired short",                             # 5
-        "skip",                                     # 6: no attention, the U-net skip from layer 3
-        "attn short xsa save_h",                    # 7
-        "attn short ve from_h",                     # 8
-        "paired short ve from_h",                   # 9
-        "attn long offset ve gate dc from_h mudd",  # 10
-    )
-    gate_channels: int = 12                        # input channels of the VE and smear gates
-    mudd_hidden: int = 64                          # hidden width of the MUDD gate and layer MLPs
-    dc_window: int = 112                           # DC's own window in tokens (keys t-111 .. t)
-    window_block_size: int = 128                   # sliding windows are counted in blocks of this many tokens
-    windows_init: tuple = (1, 3)                   # (short, long) windows in blocks at init; long = YaRN reference
-    attn_scale: float = 0.1                        # softmax scale at windows_init (x sqrt(128/head_dim)); YaRN grows it
-    fp8: bool = True                               # FP8 LM head and MLPs in training on GPUs with FP8 tensor cores
-    fp8_up_fast_accum: bool = True                 # the record's FP8 MLP up-projection: Hopper's fast accumulation
-    # schedule (record #89): three equal stages, then a short extension at the final settings
-    num_iterations: int = 1270                     # scheduled steps; stage boundaries scale with it
-    extension_iterations: int = 15
-    micro_batches: int = 8                         # sequences per step over ranks x accumulation steps
-    stage_batch_tokens: tuple = (131_072, 262_144, 393_216)  # global tokens per step
-    stage_max_doc_len: tuple = (896, 2048, 2048)   # documents are truncated to this many tokens
-    stage_windows: tuple = ((1, 3), (3, 7), (5, 11))  # (short, long) attention windows in blocks
-    extension_windows: tuple = (6, 13)
-    final_val_windows: tuple = (6, 20)             # the last validation's windows; YaRN stays at the extension's
-    stage_lr_mult: tuple = (1.0, 1.52, 1.73)
-    cooldown_start: float = 0.4                    # lr decay starts at step int(cooldown_start * num_iterations)
-    final_lr_mult: float = 0.15                    # lr multiplier at num_iterations and in the extension
-    stage_mtp_start: tuple = ((1.0, 0.5, 0.25), (1.0, 0.5, 0.0), (1.0, 0.0, 0.0))  # weights of t+1, t+2, t+3
-    stage_mtp_end: tuple = ((1.0, 0.5, 0.0), (1.0, 0.0, 0.0), (1.0, 0.0, 0.0))    # linear within each stage
-    stage_prefix_start: tuple = (0.25, 0.25, 0.0)  # prefix-token term's weight (record #89),
-    stage_prefix_end: tuple = (0.25, 0.0, 0.0)     # linear within each stage like the MTP weights
-    momentum_min: float = 0.85
-    momentum_max: float = 0.95
-    momentum_warmup: float = 300 / 1270            # x num_iterations steps: momentum_min -> max
-    momentum_cooldown: float = 50 / 1270           # x num_iterations last steps of the run (extension included): back down
-    # optimizer: NorMuon (arXiv 2510.05491) with Polar Express (arXiv 2505.16932), Adam elsewhere
-    muon_lr: float = 0.023
-    muon_wd: float = 1.2
-    adam_lr: float = 0.008
-    adam_wd: float = 0.005
-    orthogonalizer: str = "polar_express"          # or "gram_newton_schulz", "auto" (Gram N-S for the MLP bank)
-    bank_ownership: str = "padded"                 # the record's: banks padded to a multiple of the world size;
-                                                   # "balanced": unpadded banks, FLOP-balanced owners
-    # evaluation, logging, checkpoints
-    val_seq_len: int = 262_144                     # one sequence per rank and val step on 8 GPUs (the record's)
-    val_loss_every: int = 250                      # 0: only at the end
-    log_dir: str = "logs"
-    save_every: int = 0                            # checkpoint every N steps and at the end (0: none)
-    checkpoint_dir: str = "checkpoints"
-    resume: str = ""                               # checkpoint directory to continue from
-    compile: bool = True
-    cpu_dtype: str = "auto"                        # CPU only: bf16 | fp32 | auto (the faster, timed at start-up)
-    sample_tokens: int = 0                         # after training, print a sampled continuation this long
-    # ablations (every component can be switched off; defaults are the full recipe)
-    # Switched-off parameters stay in the model (checkpoints keep one layout) but are never read
-    # and are frozen by the optimizer. Table-level changes (which layers do what) edit --layers;
-    # --orthogonalizer and a constant --stage_batch_tokens are ablations through existing fields.
-    matrix_optimizer: str = "normuon"              # banks: normuon | muon (no variance reduction) | adamw
-    mtp: bool = True                               # multi-token prediction terms (false: next token only)
-    prefix_loss: bool = True                       # prefix-token loss term (false: no term, whatever the schedule)
-    value_embeds: bool = True                      # value-embedding tables added to V ("ve" rows)
-    bigram_embed: bool = True                      # bigram hash embedding injected at every layer
-    bigram_signs: bool = True                      # the bigram rows times a +-1 table keyed on (prev XOR cur)
-    smear: bool = True                             # one-token look-back on the embeddings
-    unet_skip: bool = True                         # the "skip" row adds the save_skip layer's output
-    backout: bool = True                           # the post-loop MUDD mixing (its h coefficient starts at -0.5)
-    mudd: bool = True                              # false: MUDD coefficients are learned constants, not per token
-    paired_heads: bool = True                      # false: "paired" rows attend with plain heads
-    xsa: bool = True                               # "xsa" rows remove y's projection on the own value
-    attn_gates: bool = True                        # "gate" rows scale the attention output per head
-    dc: bool = True                                # "dc" rows add the dynamically composed heads term
-    key_offset: bool = True                        # "offset" rows shift K's unrotated half by one position
-    from_h: bool = True                            # "from_h" rows attend from norm(h); false: from the residual
-    window_schedule: bool = True                   # false: the last stage's windows from step 0, no YaRN
-    # run
-    seed: int = 0
-    run_id: str = ""  # empty: a fresh uuid per run
-
-    @property
-    def num_layers(self) -> int:
-        return len(self.layers)
-
-
-# Presets override the speedrun defaults. "demo" trains on a CPU in minutes, "test" is tiny.
-PRESETS: dict[str, dict] = {
-    "speedrun": {},
-    "demo": dict(
-        train_files="data/tinyshakespeare/tinyshakespeare_train_*.bin",
-        val_files="data/tinyshakespeare/tinyshakespeare_val_*.bin",
-        val_tokens=32_768,
-        # width 128: the 50,304-wide LM head is most of a CPU step, and at width 256 an fp32 step (CPUs
-        # without fast bf16) took ~2.3x as long for the same final loss
-        model_dim=128, num_heads=2, head_dim=64, mlp_hidden=512,
-        bigram_vocab_size=20_011,
-        layers=("paired short", "attn short ve xsa save_skip", "attn long offset xsa gate post_gates",
-                "skip save_h", "paired short ve from_h", "attn long offset ve gate dc from_h mudd"),
-        mudd_hidden=32, dc_window=56, window_block_size=64,
-        num_iterations=75, extension_iterations=3,
-        stage_batch_tokens=(4_096, 8_192, 12_288), stage_max_doc_len=(512, 1024, 1024),
-        val_seq_len=1024, val_loss_every=25,
-        # 78 steps give Adam 39 updates: the speedrun's rates (tuned for 1285 steps) leave the embedding
-        # tables undertrained. Measured on this demo at 63 steps: Adam 0.024 / 0.032 / 0.045 -> val 5.15 /
-        # 4.99 / 5.34, NorMuon 0.05 4.99
-        muon_lr=0.035, adam_lr=0.032,
-        compile=False,  # inductor's CPU compile of every graph would take most of the demo's budget
-        sample_tokens=48,
-    ),
-    "test": dict(
-        train_files="data/tinyshakespeare/tinyshakespeare_train_*.bin",
-        val_files="data/tinyshakespeare/tinyshakespeare_val_*.bin",
-        model_dim=64, num_heads=2, head_dim=32, mlp_hidden=256,
-        bigram_vocab_size=4_001,
-        layers=("paired short save_skip", "attn long offset ve xsa gate post_gates", "skip save_h",
-                "attn long offset ve gate dc from_h mudd"),
-        mudd_hidden=16, dc_window=14, window_block_size=16,
-        num_iterations=6, extension_iterations=1, micro_batches=4,
-        stage_batch_tokens=(512, 1024, 1536), stage_max_doc_len=(64, 128, 128),
-        val_tokens=2048, val_seq_len=512, val_loss_every=3,
-    ),
-}
-
-
-def _parse_value(name: str, text: str, default):
-    """Parse a command-line value into the type of the field's default."""
-    try:
-        if isinstance(default, bool):
-            if text.lower() in ("1", "true", "yes", "on"):
-                return True
-            if text.lower() in ("0", "false", "no", "off"):
-                return False
-            raise ValueError
-        if isinstance(default, tuple):
-            import ast
-            value = ast.literal_eval(text)
-            return tuple(value) if isinstance(value, (list, tuple)) else (value,)
-        return type(default)(text)
-    except (ValueError, SyntaxError):
-        kind = "true/false" if isinstance(default, bool) else type(default).__name__
-        raise SystemExit(f"error: --{name} {text!r} is not a valid {kind} (default: {default!r})")
-
-
-def parse_args(argv: list[str] | None = None) -> Hyperparameters:
-    """`--preset NAME` then `--field value` overrides for any Hyperparameters field."""
-    defaults = Hyperparameters()
-    parser = argparse.ArgumentParser(
-        description="Speedrun GPT training. Any hyperparameter can be overridden: --field value.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--preset", default="speedrun", choices=sorted(PRESETS),
-                        help="base configuration the overrides apply to")
-    for f in dataclasses.fields(Hyperparameters):
-        parser.add_argument(f"--{f.name}", default=None, metavar=type(getattr(defaults, f.name)).__name__.upper(),
-                            help=f"(speedrun default: {getattr(defaults, f.name)!r})")
-    ns, unknown = parser.parse_known_args(argv)
-    if unknown:
-        raise SystemExit(f"error: unknown argument {unknown[0]!r}; `python train_gpt.py --help` lists every field")
-    args = dataclasses.replace(defaults, **PRESETS[ns.preset])
-    overrides = {}
-    for f in dataclasses.fields(Hyperparameters):
-        text = getattr(ns, f.name)
-        if text is not None:
-            overrides[f.name] = _parse_value(f.name, text, getattr(args, f.name))
-    return dataclasses.replace(args, **overrides)
+# Record #89 (modded-nanogpt PR #342) as data: the schedule and the forward read these rows, so a
+# change of recipe is a change of a row, and an ablation a dataclasses.replace over rows (ABLATIONS).
 
 
 @dataclass(frozen=True)
 class FlagRange:
-    """Allowed values of a numeric flag: every number in it is in [lo, hi] (hi excluded if hi_open),
-    finite, an int if integer; a tuple flag has `shape` (None: any length, the same for siblings)."""
+    """Allowed values of a number: every number in it is in [lo, hi] (hi excluded if hi_open), finite,
+    an int if integer; a tuple value has `shape` (None: any length, the same for siblings)."""
     lo: float
     hi: float = math.inf
     hi_open: bool = False
@@ -247,6 +66,10 @@ class FlagRange:
             (isinstance(x, int) or not self.integer and math.isfinite(x))
             and self.lo <= x and (x < self.hi if self.hi_open else x <= self.hi) for x in nums)
 
+    def column(self, rows: int) -> "FlagRange":
+        """The range of a tuple with one such value per row (a stage column on the command line)."""
+        return dataclasses.replace(self, shape=(rows, *self.shape))
+
     def __str__(self) -> str:
         bounds = f">= {self.lo}" if self.hi == math.inf else f"in [{self.lo}, {self.hi}{')' if self.hi_open else ']'}"
         if not self.shape:
@@ -257,41 +80,449 @@ class FlagRange:
 
 _AT_LEAST_0, _AT_LEAST_1 = FlagRange(0, integer=True), FlagRange(1, integer=True)
 _RATE, _FRACTION, _MOMENTUM = FlagRange(0), FlagRange(0, 1), FlagRange(0, 1, hi_open=True)
-_STAGES = 3
+_WINDOWS = FlagRange(1, integer=True, shape=(2,))
 
-# Every numeric field of Hyperparameters (tests/test_flags.py checks that none is missing).
-FLAG_RANGES: dict[str, FlagRange] = {
-    "val_tokens": _AT_LEAST_1, "vocab_size": _AT_LEAST_1, "padded_vocab_size": _AT_LEAST_1,
-    "model_dim": _AT_LEAST_1, "num_heads": _AT_LEAST_1, "head_dim": _AT_LEAST_1,
-    "mlp_hidden": _AT_LEAST_1, "bigram_vocab_size": FlagRange(2, integer=True),
-    "gate_channels": _AT_LEAST_1, "mudd_hidden": _AT_LEAST_1, "dc_window": _AT_LEAST_1,
-    "window_block_size": _AT_LEAST_1,
-    "windows_init": FlagRange(1, integer=True, shape=(2,)),
-    "num_iterations": _AT_LEAST_1, "extension_iterations": _AT_LEAST_0, "micro_batches": _AT_LEAST_1,
-    "stage_batch_tokens": FlagRange(1, integer=True, shape=(_STAGES,)),
-    "stage_max_doc_len": FlagRange(1, integer=True, shape=(_STAGES,)),
-    "stage_windows": FlagRange(1, integer=True, shape=(_STAGES, 2)),
-    "extension_windows": FlagRange(1, integer=True, shape=(2,)),
-    "stage_lr_mult": FlagRange(0, shape=(_STAGES,)), "cooldown_start": _FRACTION, "final_lr_mult": _RATE,
-    "stage_mtp_start": FlagRange(0, shape=(_STAGES, None)), "stage_mtp_end": FlagRange(0, shape=(_STAGES, None)),
-    "stage_prefix_start": FlagRange(0, shape=(_STAGES,)), "stage_prefix_end": FlagRange(0, shape=(_STAGES,)),
-    "momentum_min": _MOMENTUM, "momentum_max": _MOMENTUM, "momentum_warmup": _FRACTION, "momentum_cooldown": _FRACTION,
-    "muon_lr": _RATE, "muon_wd": _RATE, "adam_lr": _RATE, "adam_wd": _RATE,
-    "val_seq_len": _AT_LEAST_1, "val_loss_every": _AT_LEAST_0, "save_every": _AT_LEAST_0,
-    "sample_tokens": _AT_LEAST_0, "seed": FlagRange(0, 2**63 - 1, integer=True),
-    "attn_scale": _RATE, "final_val_windows": FlagRange(1, integer=True, shape=(2,)),
+
+def knob(default, allowed: FlagRange | None = None):
+    """A field whose numbers check_args checks against `allowed` (one line naming the flag if not)."""
+    return dataclasses.field(default=default, metadata={"allowed": allowed} if allowed else {})
+
+
+# -- stages: what changes along the run ---------------------------------------------------------
+
+@dataclass(frozen=True)
+class Stage:
+    """One row of the schedule (record #89's training stages). Scheduled rows split num_iterations by
+    `share` (stage s ends at step round(n x the shares up to s)); the last row, share None, is the
+    extension: extension_iterations more steps after them. Within a row the MTP and prefix weights go
+    linearly from start to end; the lr multiplier holds until the cooldown (plan_step)."""
+    share: float | None                          # share of num_iterations; None: the extension
+    batch_tokens: int = knob(0, _AT_LEAST_1)     # global tokens per step, for any world size
+    max_doc_len: int = knob(0, _AT_LEAST_1)      # documents are truncated to this many tokens
+    windows: tuple = knob((1, 1), _WINDOWS)      # (short, long) attention windows in window_block_size blocks
+    lr_mult: float = knob(1.0, _RATE)            # the extension's is the cooldown's floor (0.15)
+    mtp_start: tuple = knob((1.0,), FlagRange(0, shape=(None,)))  # weights of the targets t+1, t+2, t+3
+    mtp_end: tuple = knob((1.0,), FlagRange(0, shape=(None,)))
+    prefix_start: float = knob(0.0, _RATE)       # weight of the prefix-token term (record #89)
+    prefix_end: float = knob(0.0, _RATE)
+
+
+STAGES = (  # three equal stages (423, 424, 423 of 1270 steps), then the 15-step extension
+    Stage(1 / 3, batch_tokens=131_072, max_doc_len=896, windows=(1, 3), lr_mult=1.0,
+          mtp_start=(1.0, 0.5, 0.25), mtp_end=(1.0, 0.5, 0.0), prefix_start=0.25, prefix_end=0.25),
+    Stage(1 / 3, batch_tokens=262_144, max_doc_len=2048, windows=(3, 7), lr_mult=1.52,
+          mtp_start=(1.0, 0.5, 0.0), mtp_end=(1.0, 0.0, 0.0), prefix_start=0.25, prefix_end=0.0),
+    Stage(1 / 3, batch_tokens=393_216, max_doc_len=2048, windows=(5, 11), lr_mult=1.73,
+          mtp_start=(1.0, 0.0, 0.0), mtp_end=(1.0, 0.0, 0.0)),
+    Stage(None, batch_tokens=393_216, max_doc_len=2048, windows=(6, 13), lr_mult=0.15,
+          mtp_start=(1.0, 0.0, 0.0), mtp_end=(1.0, 0.0, 0.0)),
+)
+
+
+def restaged(stages: tuple, **columns) -> tuple:
+    """The rows with whole columns replaced, one value per row: restaged(STAGES, batch_tokens=(...))."""
+    for name, values in columns.items():
+        if len(values) != len(stages):
+            raise ValueError(f"--stage_{name} needs {len(stages)} values (one per stage, extension included),"
+                             f" got {len(values)}")
+    return tuple(dataclasses.replace(row, **{name: values[i] for name, values in columns.items()})
+                 for i, row in enumerate(stages))
+
+
+def check_stages(stages) -> None:
+    """One-line ValueErrors naming the flag: every column in range, the shares, one extension row last."""
+    if not isinstance(stages, tuple) or len(stages) < 2 or not all(isinstance(r, Stage) for r in stages):
+        raise ValueError("--stages must be a tuple of >= 2 Stage rows (scheduled stages, then the extension)")
+    for f in dataclasses.fields(Stage):
+        allowed = f.metadata.get("allowed")
+        column = tuple(getattr(r, f.name) for r in stages)
+        if allowed and not allowed.column(len(stages)).allows(column):
+            raise ValueError(f"--stage_{f.name} {column!r} must be {allowed.column(len(stages))}")
+    shares = [r.share for r in stages]
+    if shares[-1] is not None or any(not isinstance(s, (int, float)) or isinstance(s, bool) or not 0 < s <= 1
+                                     for s in shares[:-1]):
+        raise ValueError(f"--stage_share {tuple(shares)!r}: scheduled stages need shares in (0, 1] and the last"
+                         " row (the extension) None")
+    if abs(sum(shares[:-1]) - 1) > 1e-9:
+        raise ValueError(f"--stage_share {tuple(shares)!r}: the scheduled stages' shares must add up to 1")
+    if len({len(r.mtp_start) for r in stages} | {len(r.mtp_end) for r in stages}) != 1:
+        raise ValueError("--stage_mtp_start and --stage_mtp_end must give the same number (>= 1) of weights")
+
+
+# -- layers: what each layer does ---------------------------------------------------------------
+
+ATTENTION_KINDS = ("plain", "paired", "none")
+
+
+@dataclass(frozen=True)
+class Layer:
+    """One row of the per-layer table (record #89's layer roles)."""
+    attention: str = "plain"   # plain heads | paired heads (two slots a token) | none: the U-net skip instead
+    window: str = ""           # short | long sliding window ("" without attention)
+    value_embed: bool = False  # a value-embedding table is added to V
+    xsa: bool = False          # XSA: y loses its projection on the own value
+    gate: bool = False         # linear per-head output gate
+    dc: bool = False           # the dynamically composed heads term
+    key_offset: bool = False   # K's unrotated half shifted one position back
+    input: str = "x"           # attention reads norm(x) (the residual) or norm(h) (the save_h layer's output)
+    mudd: bool = False         # the MUDD layer (MUDD, arXiv 2502.12170): the last one
+    save_skip: bool = False    # output is the U-net skip source
+    save_h: bool = False       # output is h
+    post_gates: bool = False   # MUDD gate 1 runs on the residual entering this layer (gate 0 before it)
+
+    def __str__(self) -> str:
+        """The row in --layers words: 'attn long offset ve gate dc from_h mudd'."""
+        return " ".join(word for word, (name, value) in LAYER_WORDS.items() if getattr(self, name) == value)
+
+
+LAYERS = (
+    Layer("paired", "short"),                                                            # 0
+    Layer("plain", "short", value_embed=True, xsa=True),                                 # 1
+    Layer("paired", "short", value_embed=True),                                          # 2
+    Layer("plain", "long", xsa=True, gate=True, key_offset=True, save_skip=True),        # 3
+    Layer("plain", "short", xsa=True, post_gates=True),                                  # 4
+    Layer("paired", "short"),                                                            # 5
+    Layer("none"),                                                                       # 6: the skip from 3
+    Layer("plain", "short", xsa=True, save_h=True),                                      # 7
+    Layer("plain", "short", value_embed=True, input="h"),                                # 8
+    Layer("paired", "short", value_embed=True, input="h"),                               # 9
+    Layer("plain", "long", value_embed=True, gate=True, dc=True, key_offset=True, input="h", mudd=True),  # 10
+)
+
+# --layers takes the rows as words, one string a row: "attn long offset ve gate dc from_h mudd".
+LAYER_WORDS = {
+    "attn": ("attention", "plain"), "paired": ("attention", "paired"), "skip": ("attention", "none"),
+    "short": ("window", "short"), "long": ("window", "long"), "ve": ("value_embed", True), "xsa": ("xsa", True),
+    "gate": ("gate", True), "dc": ("dc", True), "offset": ("key_offset", True), "from_h": ("input", "h"),
+    "mudd": ("mudd", True), "save_skip": ("save_skip", True), "save_h": ("save_h", True),
+    "post_gates": ("post_gates", True),
 }
+
+
+def layers_from_words(rows) -> tuple:
+    """--layers' strings as Layer rows (check_layers checks them)."""
+    if not isinstance(rows, (tuple, list)) or not rows or not all(isinstance(r, str) for r in rows):
+        raise ValueError(f"--layers must be a non-empty tuple of strings (one row per layer), got {rows!r}")
+    layers = []
+    for i, row in enumerate(rows):
+        unknown = [w for w in row.split() if w not in LAYER_WORDS]
+        if unknown:
+            raise ValueError(f"--layers row {i} ({row!r}): unknown word(s) {unknown}; known: {', '.join(LAYER_WORDS)}")
+        fields = {}
+        for word in row.split():
+            name, value = LAYER_WORDS[word]
+            if name in fields and fields[name] != value:
+                raise ValueError(f"--layers row {i} ({row!r}): more than one {name} ({fields[name]!r}, {value!r})")
+            fields[name] = value
+        if "attention" not in fields:
+            raise ValueError(f"--layers row {i} ({row!r}): needs exactly one of attn, paired, skip")
+        layers.append(Layer(**fields))
+    return tuple(layers)
+
+
+def check_layers(layers) -> None:
+    """One-line ValueErrors naming --layers and the row: a table the model can build."""
+    if not isinstance(layers, tuple) or not layers or not all(isinstance(r, Layer) for r in layers):
+        raise ValueError(f"--layers must be a non-empty tuple of Layer rows, got {layers!r}")
+
+    def fail(i, msg):
+        raise ValueError(f"--layers row {i} ({layers[i]}): {msg}")
+
+    for i, r in enumerate(layers):
+        if r.attention not in ATTENTION_KINDS or r.input not in ("x", "h"):
+            fail(i, f"attention must be one of {', '.join(ATTENTION_KINDS)} and input x or h")
+        if r.attention == "none" and (r.window or r.value_embed or r.xsa or r.gate or r.dc or r.key_offset
+                                      or r.input != "x" or r.mudd):
+            fail(i, "a skip row has no attention, so no window/offset/ve/xsa/gate/dc/from_h/mudd")
+        if r.attention != "none" and r.window not in ("short", "long"):
+            fail(i, "an attention row needs a short or long window")
+        if r.attention == "paired" and (r.key_offset or r.xsa or r.dc):
+            fail(i, "paired rows take no offset, xsa or dc")
+
+    def where(role):
+        return [i for i, r in enumerate(layers) if getattr(r, role)]
+
+    for role in ("save_skip", "save_h", "post_gates", "mudd"):
+        if len(where(role)) != 1:
+            raise ValueError(f"--layers: exactly one row must be {role}, got rows {where(role)}")
+    if where("mudd") != [len(layers) - 1]:
+        fail(where("mudd")[0], "the mudd row must be the last layer")
+    if where("post_gates")[0] == 0:
+        fail(0, "post_gates must come after layer 0 (gate 0 covers the layers before it)")
+    for i, r in enumerate(layers):
+        if r.attention == "none" and i <= where("save_skip")[0]:
+            fail(i, "a skip row must come after the save_skip row")
+        if (r.input == "h" or r.mudd) and i <= where("save_h")[0]:
+            fail(i, "from_h and mudd rows must come after the save_h row")
+    if not where("value_embed"):
+        raise ValueError("--layers: at least one row must take a value embedding (the post-loop MUDD mixing reads table 0)")
+
+
+# -- the per-parameter optimizer table (record #89's param_table; ParamConfig's fields) ----------
+
+GATE_BETAS, LAMBDA_BETAS, EMBED_BETAS, TABLE_BETAS = (0.9, 0.99), (0.9, 0.95), (0.5, 0.95), (0.75, 0.95)
+MLP_DOWN_LR_MUL = 2.0  # the MLP bank's down-projections (odd entries, padding included) step at 2x
+PARAM_TABLE = {
+    "qk_bank": dict(optimizer="normuon", comms="sharded"),
+    "vo_bank": dict(optimizer="normuon", comms="sharded"),
+    "mlp_bank": dict(optimizer="normuon", comms="sharded"),
+    "scalars": dict(optimizer="adam", comms="replicated", lr_mul=5.0, wd_mul=0.0, betas=GATE_BETAS),
+    "smear_gate": dict(optimizer="adam", comms="replicated", lr_mul=0.01, wd_mul=0.0, betas=GATE_BETAS),
+    "ve_gate_bank": dict(optimizer="adam", comms="replicated", lr_mul=1.0, wd_mul=1.0, betas=GATE_BETAS),
+    "lm_head": dict(optimizer="adam", comms="sharded", lr_mul=1.0, wd_mul=150.0, betas=EMBED_BETAS),
+    "bigram_embed": dict(optimizer="adam", comms="sharded_sparse", lr_mul=75.0, wd_mul=5.0, betas=TABLE_BETAS),
+    "post_lambdas": dict(optimizer="adam", comms="replicated", lr_mul=1.0, wd_mul=0.0, betas=LAMBDA_BETAS),
+    "resid_lambdas": dict(optimizer="adam", comms="replicated", lr_mul=5.0, wd_mul=0.0, betas=LAMBDA_BETAS),
+    "value_embeds": dict(optimizer="adam", comms="sharded", lr_mul=75.0, wd_mul=5.0, betas=TABLE_BETAS),
+    "embed": dict(optimizer="adam", comms="sharded", lr_mul=1.0, wd_mul=150.0, betas=EMBED_BETAS),
+    "mudd_w1": dict(optimizer="adam", comms="replicated", lr_mul=0.25, wd_mul=1.0, betas=GATE_BETAS),
+    "mudd_w2": dict(optimizer="adam", comms="replicated", lr_mul=0.25, wd_mul=1.0, betas=GATE_BETAS),
+    "mudd_b2": dict(optimizer="adam", comms="replicated", lr_mul=0.25, wd_mul=0.0, betas=GATE_BETAS),
+    "mudd_gate_w1": dict(optimizer="adam", comms="replicated", lr_mul=0.1, wd_mul=1.0, betas=GATE_BETAS),
+    "mudd_gate_w2": dict(optimizer="adam", comms="replicated", lr_mul=0.1, wd_mul=1.0, betas=GATE_BETAS),
+    "mudd_gate_b2": dict(optimizer="adam", comms="replicated", lr_mul=0.1, wd_mul=0.0, betas=GATE_BETAS),
+    "_mudd_gate_scale": dict(optimizer="adam", comms="replicated", lr_mul=0.1, wd_mul=0.0, betas=GATE_BETAS),
+}
+# The record's orders. Scatter: big banks' reductions start first. Work: small parameters are updated
+# first so that the banks' reductions have landed before their (long) orthogonalization.
+SCATTER_ORDER = ("qk_bank", "vo_bank", "mlp_bank", "scalars", "smear_gate", "ve_gate_bank", "lm_head",
+                 "bigram_embed", "post_lambdas", "resid_lambdas", "value_embeds", "embed", "mudd_w1", "mudd_w2",
+                 "mudd_b2", "mudd_gate_w1", "mudd_gate_w2", "mudd_gate_b2", "_mudd_gate_scale")
+WORK_ORDER = ("scalars", "smear_gate", "ve_gate_bank", "mudd_b2", "mudd_gate_b2", "_mudd_gate_scale",
+              "post_lambdas", "resid_lambdas", "mudd_w2", "mudd_gate_w2", "value_embeds", "bigram_embed",
+              "mudd_w1", "mudd_gate_w1", "lm_head", "embed", "qk_bank", "vo_bank", "mlp_bank")
+
+
+# -- run knobs ----------------------------------------------------------------------------------
+
+@dataclass
+class Hyperparameters:
+    # data
+    train_files: str = "data/fineweb10B/fineweb_train_*.bin"
+    val_files: str = "data/fineweb10B/fineweb_val_*.bin"
+    val_tokens: int = knob(10_485_760, _AT_LEAST_1)  # validation covers exactly these tokens, for any world size
+    # model: the rows above, and the sizes
+    stages: tuple = STAGES
+    layers: tuple = LAYERS
+    vocab_size: int = knob(50257, _AT_LEAST_1)
+    padded_vocab_size: int = knob(50304, _AT_LEAST_1)
+    model_dim: int = knob(768, _AT_LEAST_1)
+    num_heads: int = knob(6, _AT_LEAST_1)
+    head_dim: int = knob(128, _AT_LEAST_1)
+    mlp_hidden: int = knob(3072, _AT_LEAST_1)
+    bigram_vocab_size: int = knob(377_280, FlagRange(2, integer=True))
+    gate_channels: int = knob(12, _AT_LEAST_1)      # input channels of the VE and smear gates
+    mudd_hidden: int = knob(64, _AT_LEAST_1)        # hidden width of the MUDD gate and layer MLPs
+    dc_window: int = knob(112, _AT_LEAST_1)         # DC's own window in tokens (keys t-111 .. t)
+    window_block_size: int = knob(128, _AT_LEAST_1)  # sliding windows are counted in blocks of this many tokens
+    windows_init: tuple = knob((1, 3), _WINDOWS)    # (short, long) windows in blocks at init; long = YaRN reference
+    final_val_windows: tuple = knob((6, 20), _WINDOWS)  # the last validation's; YaRN stays at the extension's
+    attn_scale: float = knob(0.1, _RATE)            # softmax scale at windows_init (x sqrt(128/head_dim)); YaRN grows it
+    fp8: bool = True                                # FP8 LM head and MLPs in training on GPUs with FP8 tensor cores
+    fp8_up_fast_accum: bool = True                  # the record's FP8 MLP up-projection: Hopper's fast accumulation
+    # schedule: stage boundaries scale with num_iterations
+    num_iterations: int = knob(1270, _AT_LEAST_1)   # scheduled steps, then extension_iterations at the last row
+    extension_iterations: int = knob(15, _AT_LEAST_0)
+    micro_batches: int = knob(8, _AT_LEAST_1)       # sequences per step over ranks x accumulation steps
+    cooldown_start: float = knob(0.4, _FRACTION)    # lr decay starts at step int(cooldown_start * num_iterations)
+    momentum_min: float = knob(0.85, _MOMENTUM)
+    momentum_max: float = knob(0.95, _MOMENTUM)
+    momentum_warmup: float = knob(300 / 1270, _FRACTION)   # x num_iterations steps: momentum_min -> max
+    momentum_cooldown: float = knob(50 / 1270, _FRACTION)  # x num_iterations last steps of the run: back down
+    # optimizer: NorMuon (arXiv 2510.05491) with Polar Express (arXiv 2505.16932), Adam elsewhere
+    muon_lr: float = knob(0.023, _RATE)
+    muon_wd: float = knob(1.2, _RATE)
+    adam_lr: float = knob(0.008, _RATE)
+    adam_wd: float = knob(0.005, _RATE)
+    orthogonalizer: str = "polar_express"           # or "gram_newton_schulz", "auto" (Gram N-S for the MLP bank)
+    bank_ownership: str = "padded"                  # the record's: banks padded to a multiple of the world size;
+                                                    # "balanced": unpadded banks, FLOP-balanced owners
+    # evaluation, logging, checkpoints
+    val_seq_len: int = knob(262_144, _AT_LEAST_1)   # one sequence per rank and val step on 8 GPUs (the record's)
+    val_loss_every: int = knob(250, _AT_LEAST_0)    # 0: only at the end
+    log_dir: str = "logs"
+    save_every: int = knob(0, _AT_LEAST_0)          # checkpoint every N steps and at the end (0: none)
+    checkpoint_dir: str = "checkpoints"
+    resume: str = ""                                # checkpoint directory to continue from
+    compile: bool = True
+    cpu_dtype: str = "auto"                         # CPU only: bf16 | fp32 | auto (the faster, timed at start-up)
+    sample_tokens: int = knob(0, _AT_LEAST_0)       # after training, print a sampled continuation this long
+    # component switches outside the rows (ABLATIONS edits rows for the others). A switched-off
+    # component's parameters stay in the model (checkpoints keep one layout), unread and frozen.
+    matrix_optimizer: str = "normuon"               # banks: normuon | muon (no variance reduction) | adamw
+    value_embeds: bool = True                       # value-embedding tables added to V (the value_embed rows)
+    bigram_embed: bool = True                       # bigram hash embedding injected at every layer
+    bigram_signs: bool = True                       # the bigram rows times a +-1 table keyed on (prev XOR cur)
+    smear: bool = True                              # one-token look-back on the embeddings
+    unet_skip: bool = True                          # the attention-none row adds the save_skip layer's output
+    backout: bool = True                            # the post-loop MUDD mixing (its h coefficient starts at -0.5)
+    mudd: bool = True                               # false: MUDD coefficients are learned constants, not per token
+    # run
+    seed: int = knob(0, FlagRange(0, 2**63 - 1, integer=True))
+    run_id: str = ""  # empty: a fresh uuid per run
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+
+# -- ablations: each switches one component off by editing rows ----------------------------------
+
+def _layers_with(args: Hyperparameters, **fields) -> Hyperparameters:
+    """args with the fields set on every attention row (skip rows have nothing to switch off)."""
+    return dataclasses.replace(args, layers=tuple(
+        row if row.attention == "none" else dataclasses.replace(row, **fields) for row in args.layers))
+
+
+def _fixed_windows(args: Hyperparameters) -> Hyperparameters:
+    """The last scheduled stage's windows from step 0 to the end (final validation too), at the YaRN
+    reference itself: no YaRN step ever."""
+    last = args.stages[-2].windows
+    return dataclasses.replace(args, stages=restaged(args.stages, windows=(last,) * len(args.stages)),
+                               windows_init=last, final_val_windows=last)
+
+
+ABLATIONS = {
+    "xsa": lambda a: _layers_with(a, xsa=False),
+    "attn_gates": lambda a: _layers_with(a, gate=False),
+    "dc": lambda a: _layers_with(a, dc=False),
+    "key_offset": lambda a: _layers_with(a, key_offset=False),
+    "from_h": lambda a: _layers_with(a, input="x"),
+    "paired_heads": lambda a: dataclasses.replace(a, layers=tuple(
+        dataclasses.replace(r, attention="plain") if r.attention == "paired" else r for r in a.layers)),
+    "mtp": lambda a: dataclasses.replace(a, stages=tuple(  # the next-token term only
+        dataclasses.replace(r, mtp_start=r.mtp_start[:1], mtp_end=r.mtp_end[:1]) for r in a.stages)),
+    "prefix_loss": lambda a: dataclasses.replace(a, stages=tuple(
+        dataclasses.replace(r, prefix_start=0.0, prefix_end=0.0) for r in a.stages)),
+    "window_schedule": _fixed_windows,
+}
+
+
+def ablated(args: Hyperparameters, names) -> Hyperparameters:
+    """args with the named ABLATIONS applied in order (--ablate xsa,dc)."""
+    for name in names:
+        if name not in ABLATIONS:
+            raise ValueError(f"--ablate {name!r} is not one of {', '.join(ABLATIONS)}")
+        args = ABLATIONS[name](args)
+    return args
+
+
+# -- presets: "demo" trains on a CPU in minutes, "test" is tiny ----------------------------------
+
+PRESETS: dict[str, dict] = {
+    "speedrun": {},
+    "demo": dict(
+        train_files="data/tinyshakespeare/tinyshakespeare_train_*.bin",
+        val_files="data/tinyshakespeare/tinyshakespeare_val_*.bin",
+        val_tokens=32_768,
+        # width 128: the 50,304-wide LM head is most of a CPU step, and at width 256 an fp32 step (CPUs
+        # without fast bf16) took ~2.3x as long for the same final loss
+        model_dim=128, num_heads=2, head_dim=64, mlp_hidden=512,
+        bigram_vocab_size=20_011,
+        layers=layers_from_words(("paired short", "attn short ve xsa save_skip",
+                                  "attn long offset xsa gate post_gates", "skip save_h", "paired short ve from_h",
+                                  "attn long offset ve gate dc from_h mudd")),
+        mudd_hidden=32, dc_window=56, window_block_size=64,
+        num_iterations=75, extension_iterations=3,
+        stages=restaged(STAGES, batch_tokens=(4_096, 8_192, 12_288, 12_288), max_doc_len=(512, 1024, 1024, 1024)),
+        val_seq_len=1024, val_loss_every=25,
+        # 78 steps give Adam 39 updates: the speedrun's rates (tuned for 1285 steps) leave the embedding
+        # tables undertrained. Measured on this demo at 63 steps: Adam 0.024 / 0.032 / 0.045 -> val 5.15 /
+        # 4.99 / 5.34, NorMuon 0.05 4.99
+        muon_lr=0.035, adam_lr=0.032,
+        compile=False,  # inductor's CPU compile of every graph would take most of the demo's budget
+        sample_tokens=48,
+    ),
+    "test": dict(
+        train_files="data/tinyshakespeare/tinyshakespeare_train_*.bin",
+        val_files="data/tinyshakespeare/tinyshakespeare_val_*.bin",
+        model_dim=64, num_heads=2, head_dim=32, mlp_hidden=256,
+        bigram_vocab_size=4_001,
+        layers=layers_from_words(("paired short save_skip", "attn long offset ve xsa gate post_gates", "skip save_h",
+                                  "attn long offset ve gate dc from_h mudd")),
+        mudd_hidden=16, dc_window=14, window_block_size=16,
+        num_iterations=6, extension_iterations=1, micro_batches=4,
+        stages=restaged(STAGES, batch_tokens=(512, 1024, 1536, 1536), max_doc_len=(64, 128, 128, 128)),
+        val_tokens=2048, val_seq_len=512, val_loss_every=3,
+    ),
+}
+
+
+# -- the command line ---------------------------------------------------------------------------
+
+def _parse_value(name: str, text: str, default):
+    """Parse a command-line value into the type of the field's default."""
+    try:
+        if isinstance(default, bool):
+            if text.lower() in ("1", "true", "yes", "on"):
+                return True
+            if text.lower() in ("0", "false", "no", "off"):
+                return False
+            raise ValueError
+        if isinstance(default, tuple):
+            import ast
+            value = ast.literal_eval(text)
+            value = tuple(value) if isinstance(value, (list, tuple)) else (value,)
+            return tuple(tuple(v) if isinstance(v, list) else v for v in value)
+        return type(default)(text)
+    except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
+        kind = "true/false" if isinstance(default, bool) else type(default).__name__
+        raise SystemExit(f"error: --{name} {text!r} is not a valid {kind} (default: {default!r})")
+
+
+_STAGE_COLUMNS = [f.name for f in dataclasses.fields(Stage)]
+_ROW_FIELDS = ("stages", "layers")  # set through --stage_<column> and --layers, not whole
+
+
+def parse_args(argv: list[str] | None = None) -> Hyperparameters:
+    """`--preset NAME`, then `--field value` for any Hyperparameters field, `--stage_<column>` with one
+    value per stage row, `--layers` as words, and `--ablate` names (applied last)."""
+    defaults = Hyperparameters()
+    parser = argparse.ArgumentParser(
+        description="Speedrun GPT training. Any hyperparameter can be overridden: --field value.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--preset", default="speedrun", choices=sorted(PRESETS),
+                        help="base configuration the overrides apply to")
+    for f in dataclasses.fields(Hyperparameters):
+        if f.name not in _ROW_FIELDS:
+            parser.add_argument(f"--{f.name}", default=None, metavar=type(getattr(defaults, f.name)).__name__.upper(),
+                                help=f"(speedrun default: {getattr(defaults, f.name)!r})")
+    for name in _STAGE_COLUMNS:
+        parser.add_argument(f"--stage_{name}", default=None, metavar="TUPLE",
+                            help=f"one value per stage row, extension last (speedrun: "
+                                 f"{tuple(getattr(r, name) for r in STAGES)!r})")
+    parser.add_argument("--layers", default=None, metavar="TUPLE",
+                        help=f"one string of words per layer; words: {', '.join(LAYER_WORDS)}")
+    parser.add_argument("--ablate", default="", metavar="NAMES",
+                        help=f"comma-separated components to switch off: {', '.join(ABLATIONS)}")
+    ns, unknown = parser.parse_known_args(argv)
+    if unknown:
+        raise SystemExit(f"error: unknown argument {unknown[0]!r}; `python train_gpt.py --help` lists every field")
+    args = dataclasses.replace(defaults, **PRESETS[ns.preset])
+    overrides = {}
+    for f in dataclasses.fields(Hyperparameters):
+        text = getattr(ns, f.name, None) if f.name not in _ROW_FIELDS else None
+        if text is not None:
+            overrides[f.name] = _parse_value(f.name, text, getattr(args, f.name))
+    columns = {name: _parse_value(f"stage_{name}", getattr(ns, f"stage_{name}"), ())
+               for name in _STAGE_COLUMNS if getattr(ns, f"stage_{name}") is not None}
+    try:
+        if columns:
+            overrides["stages"] = restaged(args.stages, **columns)
+        if ns.layers is not None:
+            overrides["layers"] = layers_from_words(_parse_value("layers", ns.layers, ()))
+        return ablated(dataclasses.replace(args, **overrides), [n for n in ns.ablate.split(",") if n.strip()])
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
 
 
 def check_args(args: Hyperparameters, world_size: int) -> None:
     """Every flag and shard checked at start-up, before the process group, model, loader or log:
     a bad one stops the run with one line naming it (SystemExit), never a traceback from later on."""
-    for name, allowed in FLAG_RANGES.items():
-        value = getattr(args, name)
-        if not allowed.allows(value):
-            raise SystemExit(f"error: --{name} {value!r} must be {allowed}")
-    if len(args.stage_mtp_start[0]) != len(args.stage_mtp_end[0]) or not args.stage_mtp_start[0]:
-        raise SystemExit("error: --stage_mtp_start and --stage_mtp_end must give the same number (>= 1) of weights")
+    for f in dataclasses.fields(Hyperparameters):
+        allowed, value = f.metadata.get("allowed"), getattr(args, f.name)
+        if allowed and not allowed.allows(value):
+            raise SystemExit(f"error: --{f.name} {value!r} must be {allowed}")
     for name, choices in (("matrix_optimizer", MATRIX_OPTIMIZERS), ("orthogonalizer", sorted(ORTHOGONALIZERS)),
                           ("cpu_dtype", ("auto", *CPU_DTYPES)), ("bank_ownership", OWNERSHIPS)):
         if getattr(args, name) not in choices:
@@ -299,6 +530,7 @@ def check_args(args: Hyperparameters, world_size: int) -> None:
     if args.val_tokens % min(args.val_seq_len, args.val_tokens):
         raise SystemExit(f"error: --val_tokens {args.val_tokens} must be a multiple of --val_seq_len {args.val_seq_len}")
     try:
+        check_stages(args.stages)
         _check_model_args(args, world_size)
     except ValueError as e:
         raise SystemExit(f"error: {e}") from None
@@ -896,7 +1128,7 @@ def orthogonalization_flops(rows: int, cols: int, orthogonalizer="polar_express"
 #   phase 3 finalize: wait for the gathers; refresh the tied embedding from the head
 #
 # The section is four pieces, each usable without the others:
-#   update math     pure functions of one shard, no communication: _normuon_update, _adam_update, qk_clip_
+#   update math     pure functions of one shard, no communication: _normuon_update, _adam_update
 #   layout          OwnershipLayout: which rank owns which rows of every label (a Slot per label), the
 #                   shapes of its state and its per-matrix learning rates; needs no process group
 #   comms           CommLayer (async collectives, bytes counted per label) and ShardExchange (the
@@ -1032,19 +1264,6 @@ def _cautious_step(O, param, mantissa, eff_lr, decay) -> None:
     _store_master(p, param, mantissa)  # bf16: truncated to the top 16 bits, the rest kept in mantissa
 
 
-QK_CLIP_TAU = 100.0  # MuonClip's threshold on the largest pre-softmax attention logit
-
-
-def qk_clip_(param, mantissa, max_logits, tau: float) -> None:
-    """QK-Clip (MuonClip) on the owned matrices of a Q or K weight bank (k, rows, cols), in place:
-    rows whose head's largest pre-softmax logit of the step exceeds tau are scaled by
-    sqrt(tau / max_logit), so that q.k of that head, scaled on both sides, peaks at tau. max_logits
-    broadcasts to (k, rows, 1) (one entry per head of those rows). Applied to the fp32 master value
-    (MuonClip, Kimi K2, arXiv 2507.20534)."""
-    scale = (tau / max_logits.float().clamp_min(tau)).sqrt()
-    _store_master(_master_fp32(param, mantissa) * scale, param, mantissa)
-
-
 def _adam_update(grad, exp_avg, exp_avg_sq, param, hp):
     """One Adam step with cautious weight decay (arXiv 2411.16085) on a shard, in place, as record #89 runs it.
 
@@ -1061,21 +1280,6 @@ def _adam_update(grad, exp_avg, exp_avg_sq, param, hp):
     p = param.float()
     u = u + (u * p > 0).float() * decay * p
     param.copy_(p - u)
-
-
-ADAM_CPU_CHUNK = 1 << 16  # elements per slice of the CPU Adam update (its temporaries stay in cache)
-
-
-def _adam_update_sliced(grad, exp_avg, exp_avg_sq, param, hp):
-    """_adam_update one flat slice at a time on a CPU. The update is elementwise, so the result is the
-    same bits; full-size temporaries would instead be allocated, page-faulted and streamed from memory
-    a dozen times per step, which made Adam over the embedding tables the CPU demo's slowest part."""
-    tensors = (grad, exp_avg, exp_avg_sq, param)
-    if grad.is_cuda or grad.numel() <= ADAM_CPU_CHUNK or not all(t.is_contiguous() for t in tensors):
-        return _adam_update(grad, exp_avg, exp_avg_sq, param, hp)
-    flat = [t.view(-1) for t in tensors]
-    for a in range(0, grad.numel(), ADAM_CPU_CHUNK):
-        _adam_update(*(t[a: a + ADAM_CPU_CHUNK] for t in flat), hp)
 
 
 def update_functions(compile=False):
@@ -1126,25 +1330,6 @@ def padded_splits(n: int, world_size: int, label: str = "bank") -> tuple[int, ..
         raise ValueError(f"NorMuonAdam: bank {label!r} has {n} matrices, not divisible by the world size {world_size};"
                          f" pad the bank with zero matrices to a multiple of {world_size} or use ownership='balanced'")
     return (n // world_size,) * world_size
-
-
-def balanced_splits(banks: dict[str, tuple[int, int]], world_size: int) -> dict[str, tuple[int, ...]]:
-    """FLOP-balanced ownership of every matrix of every bank, for any world size, without padding.
-
-    banks: label -> (number of matrices, FLOPs of one). Longest-processing-time first over all banks
-    together: matrices by falling cost (ties in dict order), each to the rank with the least work so
-    far (the lowest rank on ties). The result is per label the count each rank owns; ownership within
-    a bank is contiguous in rank order, so the gradient rows a rank owns stay one slice of the bank.
-    """
-    counts = {label: [0] * world_size for label in banks}
-    heap = [(0, r) for r in range(world_size)]  # (load, rank): the least-loaded rank, lowest on ties
-    items = sorted(((cost, i, label) for i, (label, (n, cost)) in enumerate(banks.items()) for _ in range(n)),
-                   key=lambda t: (-t[0], t[1]))
-    for cost, _, label in items:
-        work, r = heapq.heappop(heap)
-        counts[label][r] += 1
-        heapq.heappush(heap, (work + cost, r))
-    return {label: tuple(c) for label, c in counts.items()}
 
 
 @dataclass(frozen=True)
@@ -1564,9 +1749,7 @@ class NorMuonAdam:
     untie(); the model initialises the embedding as head^T, the optimizer refreshes it after every
     Adam step. orthogonalizer: a name in ORTHOGONALIZERS ('auto': the cheaper form per bank shape) or
     a callable (bank -> bf16 bank). ownership: 'balanced' or 'padded' (the record's), see
-    OwnershipLayout. qk_clip: False (off), True (tau = QK_CLIP_TAU = 100) or
-    tau: step(max_logits=...) then clips the NorMuon banks it names after their update (qk_clip_).
-    compile: False (eager), True (inductor) or a torch.compile backend (update_functions).
+    OwnershipLayout. compile: False (eager), True (inductor) or a torch.compile backend (update_functions).
     sparse_threshold: sharded_sparse tables use the dense reduce_scatter when some rank touched more
     than this fraction of the rows (0 forces dense).
 
@@ -1580,7 +1763,7 @@ class NorMuonAdam:
                  normuon_beta2: float = 0.9, adam_lr: float = 0.008, adam_wd: float = 0.005,
                  adam_eps: float = 1e-10, orthogonalizer="polar_express",
                  tied: tuple[str, str] | None = None, process_group=None,
-                 sparse_threshold: float = 0.5, ownership: str = "balanced", qk_clip=False, compile=False):
+                 sparse_threshold: float = 0.5, ownership: str = "balanced", compile=False):
         params, configs = _check_labels(params, configs)
         self.scatter_order = _check_order("scatter_order", scatter_order, params)
         self.work_order = _check_order("work_order", work_order, params)
@@ -1589,7 +1772,6 @@ class NorMuonAdam:
         self.normuon_lr, self.normuon_wd, self.normuon_momentum = normuon_lr, normuon_wd, normuon_momentum
         self.normuon_beta2 = normuon_beta2
         self.adam_lr, self.adam_wd, self.adam_eps = adam_lr, adam_wd, adam_eps
-        self.qk_clip_tau = None if qk_clip is False else QK_CLIP_TAU if qk_clip is True else float(qk_clip)
         self.orthogonalize = orthogonalizer_of(orthogonalizer)
         self.ownership = ownership
         self.layout = OwnershipLayout(params, configs, self.world_size, self.rank, ownership,
@@ -1642,7 +1824,7 @@ class NorMuonAdam:
         return {label: (self.normuon_lr if slot.cfg.optimizer == "normuon" else self.adam_lr) * lr_scale
                 * lr_multipliers(slot.cfg, slot.shape) for label, slot in self.slots.items()}
 
-    def _work(self, slot: Slot, grad: torch.Tensor, hp: torch.Tensor, max_logits=None):
+    def _work(self, slot: Slot, grad: torch.Tensor, hp: torch.Tensor, after_update=None):
         """Update the local shard; return a function that completes its all_gather (or None)."""
         st = self.state[slot.label]
         shard = slot.local_shard()
@@ -1650,9 +1832,8 @@ class NorMuonAdam:
             if shard.size(0):  # a balanced bank may give this rank none of its matrices
                 self._normuon_fn(grad, st["momentum_buffer"], st["second_moment"], shard, st.get("mantissa"),
                                  self._matrix_lr[slot.label], hp, self.orthogonalize)
-            if max_logits is not None:  # QK-Clip on the owned rows, before they are gathered
-                m = torch.broadcast_to(torch.as_tensor(max_logits, device=shard.device), (slot.rows, slot.shape[1], 1))
-                qk_clip_(shard, st.get("mantissa"), m[slot.lo:slot.lo + slot.shard_rows], self.qk_clip_tau)
+            if after_update is not None:  # on the owned matrices, before they are gathered
+                after_update(slot, shard, st.get("mantissa"))
         else:
             self._adam_fn(grad, st["exp_avg"], st["exp_avg_sq"], shard, hp)
             self.adam_steps[slot.label] += 1
@@ -1660,19 +1841,19 @@ class NorMuonAdam:
 
     @torch.no_grad()
     def step(self, do_adam: bool = True, lr_scale: float = 1.0, momentum: float | None = None,
-             max_logits: dict | None = None) -> None:
+             after_update: dict | None = None) -> None:
         """One optimizer step: NorMuon every call, Adam only when do_adam (odd steps).
 
         lr_scale multiplies every base learning rate (the lr schedule); momentum is the NorMuon
         momentum for this step (default: the constructor's). Both reach the update functions as
-        tensor entries, so compiled updates never recompile when they change. max_logits (with
-        qk_clip on): label of a Q or K bank -> the step's largest logit per head, broadcastable to
-        the bank's (matrices, rows, 1), the same on every rank.
+        tensor entries, so compiled updates never recompile when they change. after_update: label of
+        a NorMuon bank -> fn(slot, shard, mantissa) run on this rank's updated matrices (shard, in
+        place) before they are gathered, e.g. qk_clip_hooks.
         """
-        max_logits = dict(max_logits or {})
-        for label in max_logits:
-            if self.qk_clip_tau is None or label not in self.slots or self.slots[label].cfg.optimizer != "normuon":
-                raise ValueError(f"NorMuonAdam.step: max_logits[{label!r}] needs qk_clip on and a normuon label")
+        after_update = dict(after_update or {})
+        for label in after_update:
+            if label not in self.slots or self.slots[label].cfg.optimizer != "normuon":
+                raise ValueError(f"NorMuonAdam.step: after_update[{label!r}] needs a normuon label")
         momentum = self.normuon_momentum if momentum is None else momentum
         skip = self.tied[0] if self.tied else None
         active = [label for label in self.scatter_order
@@ -1693,7 +1874,7 @@ class NorMuonAdam:
         active_set = set(active)
         for label in self.work_order:
             if label in active_set:
-                done = self._work(self.slots[label], reduced[label](), hps[label], max_logits.get(label))
+                done = self._work(self.slots[label], reduced[label](), hps[label], after_update.get(label))
                 if done is not None:
                     gathers[label] = done
         # phase 3: finalize. The head's gather is waited on first, so the tied embedding is refreshed
@@ -1826,86 +2007,18 @@ def norm(x: torch.Tensor) -> torch.Tensor:
     return F.rms_norm(x, (x.size(-1),), eps=RMS_NORM_EPS)
 
 
-# -- the per-layer table ------------------------------------------------------------------------
+# -- the MUDD gates' coefficient layout, from the layer rows ------------------------------------
 
-LAYER_WORDS = {
-    "attn": "attention with plain heads", "paired": "paired-head attention in interleaved slots",
-    "skip": "no attention: the U-net skip from the save_skip layer instead",
-    "short": "short window", "long": "long window", "offset": "key offset", "ve": "takes a value-embedding table",
-    "xsa": "XSA", "gate": "linear attention output gate", "dc": "DC term",
-    "from_h": "attention reads norm(h)", "save_skip": "output is the skip source", "save_h": "output is h",
-    "post_gates": "MUDD gate 1 runs on the residual entering this layer", "mudd": "the MUDD layer (last)",
-}
-_SWITCHED_WORDS = {"xsa": "xsa", "gate": "attn_gates", "dc": "dc", "offset": "key_offset", "from_h": "from_h"}
-
-
-def parse_layer_table(rows) -> list[frozenset]:
-    """The table's rows as sets of words, checked; one-line ValueErrors name --layers and the row."""
-    def fail(i, msg):
-        raise ValueError(f"--layers row {i} ({rows[i]!r}): {msg}")
-
-    if not isinstance(rows, (tuple, list)) or not rows or not all(isinstance(r, str) for r in rows):
-        raise ValueError(f"--layers must be a non-empty tuple of strings (one row per layer), got {rows!r}")
-    table = []
-    for i, row in enumerate(rows):
-        words = row.split()
-        unknown = [w for w in words if w not in LAYER_WORDS]
-        if unknown:
-            fail(i, f"unknown word(s) {unknown}; known: {', '.join(LAYER_WORDS)}")
-        w = frozenset(words)
-        if len(w & {"attn", "paired", "skip"}) != 1:
-            fail(i, "needs exactly one of attn, paired, skip")
-        if "skip" in w and w & {"short", "long", "offset", "ve", "xsa", "gate", "dc", "from_h", "mudd"}:
-            fail(i, "a skip row has no attention, so no window/offset/ve/xsa/gate/dc/from_h/mudd")
-        if "skip" not in w and len(w & {"short", "long"}) != 1:
-            fail(i, "an attention row needs exactly one of short, long")
-        if "paired" in w and w & {"offset", "xsa", "dc"}:
-            fail(i, "paired rows take no offset, xsa or dc")
-        table.append(w)
-    L = len(table)
-
-    def where(word):
-        return [i for i, w in enumerate(table) if word in w]
-
-    for word in ("save_skip", "save_h", "post_gates", "mudd"):
-        if len(where(word)) != 1:
-            raise ValueError(f"--layers: exactly one row must say {word!r} ({LAYER_WORDS[word]}), got rows {where(word)}")
-    if where("mudd") != [L - 1]:
-        fail(where("mudd")[0], "the mudd row must be the last layer")
-    if where("post_gates")[0] == 0:
-        fail(0, "post_gates must come after layer 0 (gate 0 covers the layers before it)")
-    for i in where("skip"):
-        if i <= where("save_skip")[0]:
-            fail(i, "a skip row must come after the save_skip row")
-    for i in where("from_h") + where("mudd"):
-        if i <= where("save_h")[0]:
-            fail(i, "from_h and mudd rows must come after the save_h row")
-    if not where("ve"):
-        raise ValueError("--layers: at least one row must say 've' (the post-loop MUDD mixing reads table 0)")
-    return table
-
-
-def effective_layer_table(args: Hyperparameters) -> list[frozenset]:
-    """The table the forward reads: --layers with switched-off components' words removed."""
-    table = []
-    for w in parse_layer_table(args.layers):
-        w = {word for word in w if word not in _SWITCHED_WORDS or getattr(args, _SWITCHED_WORDS[word])}
-        if "paired" in w and not args.paired_heads:
-            w = (w - {"paired"}) | {"attn"}
-        table.append(frozenset(w))
-    return table
-
-
-def mudd_gate_layout(table: list[frozenset], num_heads: int) -> tuple[dict, dict]:
+def mudd_gate_layout(layers: tuple, num_heads: int) -> tuple[dict, dict]:
     """Where each per-token coefficient sits in the outputs of MUDD gates 0 and 1.
 
     Gate 0 serves the layers before the post_gates row, gate 1 the rest. In each: XSA alphas (H per xsa
     row), output gates (H per gate row), then (x0, bigram) per attention row other than the mudd row,
     the skip gate, DC w1 (H per dc row), DC w2 (H per dc row). On the record's table this is its layout:
     26 coefficients for gate 0 and 41 for gate 1. Returns ({(kind, layer): (start, width)}, ...)."""
-    split = next(i for i, w in enumerate(table) if "post_gates" in w)
+    split = next(i for i, r in enumerate(layers) if r.post_gates)
     layouts = []
-    for layers in (range(split), range(split, len(table))):
+    for part in (range(split), range(split, len(layers))):
         pos, n = {}, 0
 
         def take(kind, i, width):
@@ -1913,20 +2026,20 @@ def mudd_gate_layout(table: list[frozenset], num_heads: int) -> tuple[dict, dict
             pos[kind, i] = (n, width)
             n += width
 
-        for kind, word, width in (("xsa", "xsa", num_heads), ("gate", "gate", num_heads)):
-            for i in layers:
-                if word in table[i]:
-                    take(kind, i, width)
-        for i in layers:
-            if "skip" not in table[i] and "mudd" not in table[i]:
+        for kind in ("xsa", "gate"):
+            for i in part:
+                if getattr(layers[i], kind):
+                    take(kind, i, num_heads)
+        for i in part:
+            if layers[i].attention != "none" and not layers[i].mudd:
                 take("x0", i, 1)
                 take("bigram", i, 1)
-        for i in layers:
-            if "skip" in table[i]:
+        for i in part:
+            if layers[i].attention == "none":
                 take("skip", i, 1)
         for kind in ("dc_w1", "dc_w2"):
-            for i in layers:
-                if "dc" in table[i]:
+            for i in part:
+                if layers[i].dc:
                     take(kind, i, num_heads)
         layouts.append(pos)
     return layouts[0], layouts[1]
@@ -2154,7 +2267,7 @@ def yarn_state(args: Hyperparameters, long_blocks: int) -> tuple[torch.Tensor, f
     bs = args.window_block_size
     freq = rotary_base_frequencies(args.head_dim)
     scale = args.attn_scale * math.sqrt(128 / args.head_dim)
-    chain = [args.windows_init[1]] + [w[1] for w in (*args.stage_windows, args.extension_windows)]
+    chain = [args.windows_init[1]] + [row.windows[1] for row in args.stages]
     chain = [w for w in dict.fromkeys(chain) if w < long_blocks] + [long_blocks]
     old = chain[0]
     for new in chain[1:]:
@@ -2267,7 +2380,7 @@ def _check_model_args(args: Hyperparameters, world_size: int) -> None:
     if len(args.windows_init) != 2 or not all(isinstance(w, int) and w >= 1 for w in args.windows_init):
         fail(f"--windows_init must be (short, long) block counts >= 1, got {args.windows_init!r}")
     try:
-        parse_layer_table(args.layers)
+        check_layers(args.layers)
     except ValueError as e:
         fail(str(e))
 
@@ -2291,14 +2404,13 @@ class GPT(nn.Module):
         self.args = args
         D, H, hd = args.model_dim, args.num_heads, args.head_dim
         V, C, M = args.padded_vocab_size, args.gate_channels, args.mudd_hidden
-        full = parse_layer_table(args.layers)   # shapes follow the full table, whatever is switched off
-        self.table = effective_layer_table(args)  # what the forward does
-        L = len(full)
-        self.attn_layers = [i for i, w in enumerate(full) if "skip" not in w]
+        self.layers = layers = args.layers
+        L = len(layers)
+        self.attn_layers = [i for i, r in enumerate(layers) if r.attention != "none"]
         self.attn_slot = {layer: j for j, layer in enumerate(self.attn_layers)}
-        self.ve_slot = {layer: j for j, layer in enumerate(i for i, w in enumerate(full) if "ve" in w)}
-        self.post_gates_layer = next(i for i, w in enumerate(full) if "post_gates" in w)
-        self.gate_layout = mudd_gate_layout(full, H)
+        self.ve_slot = {layer: j for j, layer in enumerate(i for i, r in enumerate(layers) if r.value_embed)}
+        self.post_gates_layer = next(i for i, r in enumerate(layers) if r.post_gates)
+        self.gate_layout = mudd_gate_layout(layers, H)
         self.gate_outputs = tuple(sum(width for _, width in layout.values()) for layout in self.gate_layout)
 
         def padded(n):
@@ -2407,9 +2519,6 @@ class GPT(nn.Module):
                 raise ValueError(f"set_windows: {name} window must be a block count >= 1, got {v!r}")
         short_blocks, long_blocks = int(short_blocks), int(long_blocks)
         yarn_blocks = long_blocks if yarn_blocks is None else int(yarn_blocks)
-        if not self.args.window_schedule:  # fixed windows: the last stage's from step 0, no YaRN steps
-            short_blocks, long_blocks = (int(w) for w in self.args.stage_windows[-1])
-            yarn_blocks = self.args.windows_init[1]
         bs = self.args.window_block_size
         self.windows.copy_(torch.tensor([short_blocks * bs, long_blocks * bs], dtype=torch.int32))
         self.window_tokens = (short_blocks * bs, long_blocks * bs)  # the CPU attention's band, as Python ints
@@ -2461,7 +2570,8 @@ class GPT(nn.Module):
             raise RuntimeError("attention_masks: build the flex masks outside the compiled model and pass"
                                " forward(masks=model.attention_masks(cu_seqlens, T))")
         doc = document_ids(cu_seqlens, num_tokens)
-        kinds = {("long" in row, 2 if "paired" in row else 1) for row in self.table if "skip" not in row}
+        kinds = {(row.window == "long", 2 if row.attention == "paired" else 1)
+                 for row in self.layers if row.attention != "none"}
         return {(long, r): attention_mask(doc, self.windows[int(long)], self.window_tokens[int(long)], r, kernel)
                 for long, r in sorted(kinds)}
 
@@ -2491,7 +2601,7 @@ class GPT(nn.Module):
     def _attention(self, i, xn, ve, ve_gate, aux_v, doc, rope, masks, coef, w) -> torch.Tensor:
         """Layer i's attention sublayer on the normed input xn (T, D); ve (T, D) or None is this row's
         value embedding with per-head gates ve_gate (T, H) (None: from ve_gate_bank); aux_v is MUDD's V."""
-        a, row = self.args, self.table[i]
+        a, row = self.args, self.layers[i]
         T, H, hd = xn.shape[0], a.num_heads, a.head_dim
         j = self.attn_slot[i]
 
@@ -2500,11 +2610,11 @@ class GPT(nn.Module):
 
         w_qkv = torch.cat([*w["qk"][H * j: H * j + H], w["vo"][2 * j]])  # [Q; K; V]
         q, k, v = F.linear(xn, scaled(self.scalars[2 * i], w_qkv)).view(T, 3, H, hd).unbind(1)
-        paired = "paired" in row
+        paired = row.attention == "paired"
         cos, sin = rope["paired" if paired else "plain"]
         q = apply_rotary(norm(q), cos, sin)  # the softmax scale is applied to the fp32 scores (_attend)
         k = apply_rotary(norm(k), cos, sin)
-        if "offset" in row:
+        if row.key_offset:
             k = key_offset(k)
         if ve is not None:
             if ve_gate is None:  # 2 sigmoid(W [x[:C/2], ve[:C/2]]): one gate per head, 1 at init
@@ -2514,13 +2624,13 @@ class GPT(nn.Module):
             aux_v = ve_v if aux_v is None else ve_v + aux_v  # v + (g ve + MUDD's V): the record's order of sums
         if aux_v is not None:
             v = v + aux_v
-        y = self._attend(q, k, v, masks["long" in row, 2 if paired else 1], paired)
-        if "dc" in row:
+        y = self._attend(q, k, v, masks[row.window == "long", 2 if paired else 1], paired)
+        if row.dc:
             w1 = F.rms_norm(coef("dc_w1", i).float(), (H,), eps=1e-6).to(xn.dtype)
             y = y + dc_term(q, k, v, doc, w1, coef("dc_w2", i), a.dc_window, self.attn_scale)
-        if "xsa" in row:
+        if row.xsa:
             y = xsa(y, v, coef("xsa", i))
-        if "gate" in row:  # linear, no sigmoid: 0.25 at init
+        if row.gate:  # linear, no sigmoid: 0.25 at init
             y = y * coef("gate", i)[..., None]
         return F.linear(y.reshape(T, H * hd), scaled(self.scalars[2 * i + 1], w["vo"][2 * j + 1]))
 
@@ -2533,8 +2643,8 @@ class GPT(nn.Module):
                fp8: bool = False, masks: dict | None = None) -> torch.Tensor:
         """Final normalised hidden states (T, D), the input of the LM head; fp8: FP8 MLPs (training);
         masks: attention_masks(cu_seqlens, T), built here when not given (eager use)."""
-        a, s, table = self.args, self.scalars, self.table
-        L, H, hd = len(table), a.num_heads, a.head_dim
+        a, s = self.args, self.scalars
+        L, H, hd = len(self.layers), a.num_heads, a.head_dim
         ids = input_ids.view(-1)
         T = ids.numel()
         doc = document_ids(cu_seqlens, T)
@@ -2567,35 +2677,35 @@ class GPT(nn.Module):
         if masks is None:
             masks = self.attention_masks(cu_seqlens, T)
         skip_src = h = mudd_in = None
-        for i, row in enumerate(table):
+        for i, row in enumerate(self.layers):
             if i == self.post_gates_layer:
                 gates[1] = self._mudd_gate(1, x)  # from the raw residual entering this layer
             ve_i = ve[self.ve_slot[i]] if ve is not None and i in self.ve_slot else None
-            if "skip" in row:
+            if row.attention == "none":
                 if a.unet_skip:
                     x = x + torch.sigmoid(s[2 * L + 1]).to(dt) * coef("skip", i) * skip_src
-            elif "mudd" in row:
+            elif row.mudd:
                 mudd_in = x
                 m = self._mudd_coefficients(0, x)
                 aux_v = (m["v_cache0"] * cache0 + m["v_h"] * h + m["v_x"] * x).view(T, H, hd)
                 x = (1 + m["x_gain"]) * x + m["x_cache0"] * cache0 + m["x_h"] * h
                 ve_gate = torch.cat([m["ve_gate_first_half"].expand(T, H // 2),
                                      m["ve_gate_second_half"].expand(T, H // 2)], dim=1)
-                y = self._attention(i, norm(h if "from_h" in row else x), ve_i, ve_gate, aux_v,
+                y = self._attention(i, norm(h if row.input == "h" else x), ve_i, ve_gate, aux_v,
                                     doc, rope, masks, coef, w)
                 x = m["resid_attn"] * x + m["post_attn"] * y + m["x0"] * cache0
                 if xb is not None:
                     x = x + m["bigram"] * xb
             else:
-                y = self._attention(i, norm(h if "from_h" in row else x), ve_i, None, None, doc, rope, masks, coef, w)
+                y = self._attention(i, norm(h if row.input == "h" else x), ve_i, None, None, doc, rope, masks, coef, w)
                 x = resid[i, 0] * x + post[i, 0] * y + coef("x0", i) * x0
                 if i > 0 and xb is not None:
                     x = x + coef("bigram", i) * xb
             out = self._mlp(i, norm(x), mlp[2 * i], mlp[2 * i + 1], fp8)
-            x = m["resid_mlp"] * x + m["post_mlp"] * out if "mudd" in row else resid[i, 1] * x + post[i, 1] * out
-            if "save_skip" in row:
+            x = m["resid_mlp"] * x + m["post_mlp"] * out if row.mudd else resid[i, 1] * x + post[i, 1] * out
+            if row.save_skip:
                 skip_src = x
-            if "save_h" in row:
+            if row.save_h:
                 h = x
         if a.backout:  # post-loop MUDD layer 1; its h coefficient starts at -0.5 (the backout)
             m = self._mudd_coefficients(1, x)
@@ -2612,7 +2722,7 @@ class GPT(nn.Module):
     def forward(self, input_ids, target_ids, cu_seqlens, bigram_ids, mtp_weights=None, loss_scale: float = 1.0,
                 prefix_weight=None, masks: dict | None = None):
         """Training (mtp_weights (K,) fp32 given): loss_scale * sum over tokens of the softcapped
-        multi-token CE plus, with prefix_weight (0-D fp32) given and --prefix_loss on, the prefix-token
+        multi-token CE plus, with prefix_weight (0-D fp32) given, the prefix-token
         term (record #89's loss); FP8 head and MLPs on capable GPUs. Evaluation (mtp_weights None):
         mean next-token fp32 CE. masks: attention_masks(cu_seqlens, T), required when compiled on CUDA."""
         fp8 = mtp_weights is not None and self.args.fp8 and _native_fp8(input_ids.device)
@@ -2624,11 +2734,9 @@ class GPT(nn.Module):
                 z = triton_kernels.softcap(x[c: c + EVAL_CHUNK_TOKENS] @ self.lm_head)
                 total = total + F.cross_entropy(z, targets[c: c + EVAL_CHUNK_TOKENS], reduction="sum")
             return total / x.shape[0]
-        if not self.args.mtp:  # next-token term only, whatever the schedule's weights
-            mtp_weights = mtp_weights[:1]
         targets = target_ids.view(-1)
         prefix_ids = None
-        if prefix_weight is not None and self.args.prefix_loss:
+        if prefix_weight is not None:
             prefix_ids = self.prefix_table[targets.long()]
         else:
             prefix_weight = None
@@ -2901,7 +3009,7 @@ def validation_batches(pattern: str, num_tokens: int, seq_len: int, bigram_vocab
 @dataclass(frozen=True)
 class StepPlan:
     step: int
-    stage: int                # 0, 1, 2; 3 is the extension
+    stage: int                # index of the stage row; the last row is the extension
     batch_tokens: int         # global tokens this step
     max_doc_len: int
     windows: tuple            # (short, long) in blocks
@@ -2912,15 +3020,21 @@ class StepPlan:
     do_adam: bool             # Adam parameters step on odd steps; their gradients accumulate meanwhile
 
 
-def stage_starts(args: Hyperparameters) -> tuple[int, int]:
-    """First steps of stages 2 and 3: three equal stages (423 and 847 for 1270 steps)."""
-    return round(args.num_iterations / 3), round(2 * args.num_iterations / 3)
+def stage_bounds(args: Hyperparameters) -> tuple[int, ...]:
+    """First step of every stage row, then the end of the run: (0, 423, 847, 1270, 1285) for the
+    speedrun (round(1270/3), round(2 x 1270/3): the record's)."""
+    n, bounds, done = args.num_iterations, [0], 0.0
+    for row in args.stages[:-2]:
+        done += row.share
+        bounds.append(round(done * n))
+    return (*bounds, n, n + args.extension_iterations)
 
 
 def untie_step(args: Hyperparameters) -> int:
-    """The last tied step: stage 3's first step made odd (847), so it is an Adam step; the embedding
-    gets its own Adam state (the head's, transposed) right after it, and its first own update is 849."""
-    step = stage_starts(args)[1]
+    """The last tied step: the last scheduled stage's first step made odd (847), so it is an Adam step;
+    the embedding gets its own Adam state (the head's, transposed) right after it, and its first own
+    update is 849."""
+    step = stage_bounds(args)[-3]
     return step if step % 2 else step + 1
 
 
@@ -2931,29 +3045,26 @@ def total_steps(args: Hyperparameters) -> int:
 def plan_step(args: Hyperparameters, step: int) -> StepPlan:
     """Everything that changes with the step (record #89's schedule), for the speedrun:
     lr multiplier s: the stage's multiplier until cd = int(0.4 * 1270) = 508, then
-        stage_mult * (1 - t) + 0.15 * t with t = (step - cd) / (1270 - cd), so s jumps up at 847;
+        stage_mult * (1 - t) + 0.15 * t with t = (step - cd) / (1270 - cd), so s jumps up at 847; the
+        extension row's 0.15 in the extension;
     momentum: 0.85 -> 0.95 over steps 0-300, 0.95, then down over the last 50 steps of the 1285;
     MTP and prefix weights: linear in t = (step - stage start) / (stage end - stage start), so the
         prefix weight is 0.25 in stage 1, 0.25 (1 - t) in stage 2 and 0 afterwards (the record's)."""
     n, total = args.num_iterations, total_steps(args)
-    bounds = (0, *stage_starts(args), n)
-    stage = 3 if step >= n else sum(step >= b for b in bounds[1:3])
-    s = min(stage, 2)
-    if stage == 3:
-        mtp, prefix, windows = args.stage_mtp_end[2], args.stage_prefix_end[2], args.extension_windows
-    else:
-        frac = (step - bounds[s]) / (bounds[s + 1] - bounds[s])
-        mtp = tuple(a + (b - a) * frac for a, b in zip(args.stage_mtp_start[s], args.stage_mtp_end[s]))
-        prefix = args.stage_prefix_start[s] + (args.stage_prefix_end[s] - args.stage_prefix_start[s]) * frac
-        windows = args.stage_windows[s]
+    bounds = stage_bounds(args)
+    stage = sum(step >= b for b in bounds[1:-1])
+    row, final = args.stages[stage], args.stages[-1]
+    frac = (step - bounds[stage]) / max(1, bounds[stage + 1] - bounds[stage])
+    mtp = tuple(a + (b - a) * frac for a, b in zip(row.mtp_start, row.mtp_end))
+    prefix = row.prefix_start + (row.prefix_end - row.prefix_start) * frac
     cooldown_at = int(args.cooldown_start * n)
     if step >= n:
-        lr_mult = args.final_lr_mult
+        lr_mult = final.lr_mult
     elif step < cooldown_at:
-        lr_mult = args.stage_lr_mult[s]
+        lr_mult = row.lr_mult
     else:
         w = min(1.0, (step - cooldown_at) / (n - cooldown_at))
-        lr_mult = args.stage_lr_mult[s] * (1 - w) + args.final_lr_mult * w
+        lr_mult = row.lr_mult * (1 - w) + final.lr_mult * w
     warmup, cooldown = round(args.momentum_warmup * n), round(args.momentum_cooldown * n)
     lo, hi = args.momentum_min, args.momentum_max
     if step < warmup:
@@ -2962,7 +3073,7 @@ def plan_step(args: Hyperparameters, step: int) -> StepPlan:
         momentum = hi - (hi - lo) * (step - (total - cooldown)) / cooldown
     else:
         momentum = hi
-    return StepPlan(step, stage, args.stage_batch_tokens[s], args.stage_max_doc_len[s], tuple(windows),
+    return StepPlan(step, stage, row.batch_tokens, row.max_doc_len, tuple(row.windows),
                     lr_mult, momentum, tuple(float(w) for w in mtp), float(prefix), step % 2 == 1)
 
 
@@ -2971,7 +3082,7 @@ def warmup_steps(args: Hyperparameters) -> list[int]:
     and two steps either side of each stage start (423, 847, 1270), which covers every batch size,
     window, Adam parity and the untie."""
     steps = {0, 1}
-    for b in (*stage_starts(args), args.num_iterations):
+    for b in stage_bounds(args)[1:-1]:
         steps |= {b - 2, b - 1, b, b + 1}
     return sorted(s for s in steps if 0 <= s < total_steps(args))
 
@@ -2986,7 +3097,7 @@ def check_batch_split(args: Hyperparameters, world_size: int) -> int:
     """Tokens per micro-batch (the same for every stage's T / micro-batch count) or a start-up error."""
     accum = grad_accum_steps(args, world_size)
     slots = world_size * accum
-    for tokens in args.stage_batch_tokens:
+    for tokens in (row.batch_tokens for row in args.stages):
         if tokens % slots:
             raise SystemExit(f"error: the global batch of {tokens} tokens (--stage_batch_tokens) does not split into "
                              f"{world_size} ranks x {accum} accumulation steps; use a world size that divides "
@@ -3009,44 +3120,24 @@ ADAMW_BANK_BETAS = (0.9, 0.95)
 
 
 def optimizer_configs(args: Hyperparameters, model: "GPT") -> dict[str, ParamConfig]:
-    """Per-label optimizer settings (record #89's param_table): NorMuon for the banks, Adam for the rest.
+    """Per-label optimizer settings: PARAM_TABLE's rows (NorMuon for the banks, Adam for the rest).
 
     Ablations: --matrix_optimizer adamw moves the banks to Adam; parameters of a switched-off
     component get lr and decay multipliers of 0 (they receive no gradient and must not drift)."""
     if args.matrix_optimizer not in MATRIX_OPTIMIZERS:
         raise ValueError(f"--matrix_optimizer {args.matrix_optimizer!r} is not one of {', '.join(MATRIX_OPTIMIZERS)}")
-    # c_proj lr x2: every odd entry of the MLP bank (the down-projections, and the record's padding)
-    down_x2 = tuple(2.0 if i % 2 else 1.0 for i in range(len(model.bank_roles["mlp_bank"])))
+    configs = {label: ParamConfig(**row) for label, row in PARAM_TABLE.items()}
+    # every odd entry of the MLP bank: the down-projections (c_proj), and the record's padding
+    configs["mlp_bank"] = dataclasses.replace(configs["mlp_bank"], matrix_lr_mul=tuple(
+        MLP_DOWN_LR_MUL if i % 2 else 1.0 for i in range(len(model.bank_roles["mlp_bank"]))))
     if args.matrix_optimizer == "adamw":
         # Adam's decay is (lr * lr_mul)^2 * adam_wd * wd_mul: pick wd_mul so that it equals
         # ADAMW_BANK_DECAY times the bank's learning rate at the base lr.
         bank_lr = args.adam_lr * ADAMW_BANK_LR_MUL
         wd_mul = ADAMW_BANK_DECAY / (bank_lr * args.adam_wd) if bank_lr * args.adam_wd > 0 else 0.0
-        bank = ParamConfig("adam", "sharded", lr_mul=ADAMW_BANK_LR_MUL, wd_mul=wd_mul, betas=ADAMW_BANK_BETAS)
-        banks = {"qk_bank": bank, "vo_bank": bank, "mlp_bank": bank}
-    else:  # muon differs from normuon only in the optimizer's beta2 (build_optimizer)
-        banks = {"qk_bank": ParamConfig("normuon", "sharded"), "vo_bank": ParamConfig("normuon", "sharded"),
-                 "mlp_bank": ParamConfig("normuon", "sharded", matrix_lr_mul=down_x2)}
-    gates, lambdas = (0.9, 0.99), (0.9, 0.95)
-    configs = {  # the record's param_table
-        **banks,
-        "scalars": ParamConfig("adam", "replicated", lr_mul=5.0, wd_mul=0.0, betas=gates),
-        "smear_gate": ParamConfig("adam", "replicated", lr_mul=0.01, wd_mul=0.0, betas=gates),
-        "ve_gate_bank": ParamConfig("adam", "replicated", lr_mul=1.0, wd_mul=1.0, betas=gates),
-        "lm_head": ParamConfig("adam", "sharded", lr_mul=1.0, wd_mul=150.0, betas=(0.5, 0.95)),
-        "bigram_embed": ParamConfig("adam", "sharded_sparse", lr_mul=75.0, wd_mul=5.0, betas=(0.75, 0.95)),
-        "post_lambdas": ParamConfig("adam", "replicated", lr_mul=1.0, wd_mul=0.0, betas=lambdas),
-        "resid_lambdas": ParamConfig("adam", "replicated", lr_mul=5.0, wd_mul=0.0, betas=lambdas),
-        "value_embeds": ParamConfig("adam", "sharded", lr_mul=75.0, wd_mul=5.0, betas=(0.75, 0.95)),
-        "embed": ParamConfig("adam", "sharded", lr_mul=1.0, wd_mul=150.0, betas=(0.5, 0.95)),
-        "mudd_w1": ParamConfig("adam", "replicated", lr_mul=0.25, wd_mul=1.0, betas=gates),
-        "mudd_w2": ParamConfig("adam", "replicated", lr_mul=0.25, wd_mul=1.0, betas=gates),
-        "mudd_b2": ParamConfig("adam", "replicated", lr_mul=0.25, wd_mul=0.0, betas=gates),
-        "mudd_gate_w1": ParamConfig("adam", "replicated", lr_mul=0.1, wd_mul=1.0, betas=gates),
-        "mudd_gate_w2": ParamConfig("adam", "replicated", lr_mul=0.1, wd_mul=1.0, betas=gates),
-        "mudd_gate_b2": ParamConfig("adam", "replicated", lr_mul=0.1, wd_mul=0.0, betas=gates),
-        "_mudd_gate_scale": ParamConfig("adam", "replicated", lr_mul=0.1, wd_mul=0.0, betas=gates),
-    }
+        for label in ("qk_bank", "vo_bank", "mlp_bank"):  # muon differs from normuon only in beta2 (build_optimizer)
+            configs[label] = ParamConfig("adam", "sharded", lr_mul=ADAMW_BANK_LR_MUL, wd_mul=wd_mul,
+                                         betas=ADAMW_BANK_BETAS)
     switched_off = {"value_embeds": not args.value_embeds, "ve_gate_bank": not args.value_embeds,
                     "bigram_embed": not args.bigram_embed, "smear_gate": not args.smear,
                     **{label: not args.mudd for label in ("mudd_w1", "mudd_w2", "mudd_gate_w1", "mudd_gate_w2")}}
@@ -3054,16 +3145,6 @@ def optimizer_configs(args: Hyperparameters, model: "GPT") -> dict[str, ParamCon
         if off:
             configs[label] = dataclasses.replace(configs[label], lr_mul=0.0, wd_mul=0.0)
     return configs
-
-
-# The record's orders. Scatter: big banks' reductions start first. Work: small parameters are updated
-# first so that the banks' reductions have landed before their (long) orthogonalization.
-SCATTER_ORDER = ("qk_bank", "vo_bank", "mlp_bank", "scalars", "smear_gate", "ve_gate_bank", "lm_head",
-                 "bigram_embed", "post_lambdas", "resid_lambdas", "value_embeds", "embed", "mudd_w1", "mudd_w2",
-                 "mudd_b2", "mudd_gate_w1", "mudd_gate_w2", "mudd_gate_b2", "_mudd_gate_scale")
-WORK_ORDER = ("scalars", "smear_gate", "ve_gate_bank", "mudd_b2", "mudd_gate_b2", "_mudd_gate_scale",
-              "post_lambdas", "resid_lambdas", "mudd_w2", "mudd_gate_w2", "value_embeds", "bigram_embed",
-              "mudd_w1", "mudd_gate_w1", "lm_head", "embed", "qk_bank", "vo_bank", "mlp_bank")
 
 
 def build_optimizer(args: Hyperparameters, model: "GPT", device: torch.device) -> NorMuonAdam:
@@ -3109,7 +3190,11 @@ class RunLog:
             self.write(note)
         self.write("==== hyperparameters ====")
         for f in dataclasses.fields(args):
-            self.write(f"{f.name} = {getattr(args, f.name)!r}")
+            value = getattr(args, f.name)
+            if f.name in _ROW_FIELDS:  # a row a line
+                self.write(f"{f.name} = (\n" + "".join(f"    {row!r},\n" for row in value) + ")")
+            else:
+                self.write(f"{f.name} = {value!r}")
         self.write("==== training ====")
 
     def write(self, line: str) -> None:
@@ -3133,7 +3218,8 @@ class Progress:
             print(text, flush=True)
 
 
-CHECKPOINT_FORMAT = 4  # 3: the record-#89 model (layer table, MUDD, FP8 MLP state); 4: FP8 scales in 16-byte slots
+CHECKPOINT_FORMAT = 5  # 3: the record-#89 model (layer table, MUDD, FP8 MLP state); 4: FP8 scales in 16-byte
+#                        slots; 5: the stage and layer rows in the saved settings
 
 
 def save_checkpoint(path: str, step: int, model: nn.Module, opt: NorMuonAdam, loader: DocumentLoader,
@@ -3187,11 +3273,12 @@ def load_checkpoint(path: str, model: nn.Module, opt: NorMuonAdam, loader: Docum
         refuse(f"checkpoint format {meta.get('format')}, this script reads {CHECKPOINT_FORMAT}")
     if meta["world_size"] != d.world_size:
         refuse(f"written by {meta['world_size']} ranks, this run has {d.world_size}; resume with the same world size")
-    changed = [k for k, v in meta["args"].items()
-               if k not in RESUMABLE_CHANGES and (v if not isinstance(v, list) else tuple(v)) != getattr(args, k, None)]
+    now = dataclasses.asdict(args)  # rows as dicts, as saved
+    changed = [k for k in [*meta["args"], *(k for k in now if k not in meta["args"])]  # in field order
+               if k not in RESUMABLE_CHANGES and meta["args"].get(k) != now.get(k)]
     if changed:
         k = changed[0]
-        refuse(f"--{k} was {meta['args'][k]!r}, now {getattr(args, k)!r} ({len(changed)} field(s) differ)")
+        refuse(f"--{k} was {meta['args'].get(k)!r}, now {now.get(k)!r} ({len(changed)} field(s) differ)")
     model.load_state_dict(meta["model"])
     try:
         opt.load_state_dict(mine["optimizer"])
@@ -3311,7 +3398,7 @@ def train(args: Hyperparameters, d: DistInfo) -> float:
     loader = DocumentLoader(args.train_files, args.bigram_vocab_size, d.rank, d.world_size)
     val_batches = validation_batches(args.val_files, args.val_tokens, min(args.val_seq_len, args.val_tokens),
                                      args.bigram_vocab_size, d.rank, d.world_size)
-    mtp = torch.zeros(len(args.stage_mtp_start[0]), dtype=torch.float32, device=d.device)
+    mtp = torch.zeros(len(args.stages[0].mtp_start), dtype=torch.float32, device=d.device)
     prefix = torch.zeros((), dtype=torch.float32, device=d.device)
     encoding = gpt2_encoding()  # read before the clock; the prefix table built from it is timed (below)
     start_step = load_checkpoint(args.resume, model, opt, loader, args, d) if args.resume else 0
@@ -3430,9 +3517,79 @@ def train(args: Hyperparameters, d: DistInfo) -> float:
 # What the record does not run
 # ----------------------------------------------------------------------------------------------
 
-# Record #89 runs none of the code below. The CPU dtype choice serves CPU runs only (a GPU trains in
-# bf16); tensor-parallel NorMuon splits one matrix over ranks, where NorMuonAdam gives every matrix
-# one owner; both are here so that the record's path above reads without them.
+# Record #89 runs none of the code below. The sliced Adam update and the CPU dtype choice serve CPU
+# runs only (a GPU trains in bf16, its Adam compiled); balanced ownership replaces the record's
+# padding; QK-Clip is an optional step of the optimizer; tensor-parallel NorMuon splits one matrix over
+# ranks, where NorMuonAdam gives every matrix one owner. They are here so that the record's path above
+# reads without them.
+
+# ---- CPU-only helpers of the optimizer --------------------------------------------------------
+
+ADAM_CPU_CHUNK = 1 << 16  # elements per slice of the CPU Adam update (its temporaries stay in cache)
+
+
+def _adam_update_sliced(grad, exp_avg, exp_avg_sq, param, hp):
+    """_adam_update one flat slice at a time on a CPU. The update is elementwise, so the result is the
+    same bits; full-size temporaries would instead be allocated, page-faulted and streamed from memory
+    a dozen times per step, which made Adam over the embedding tables the CPU demo's slowest part."""
+    tensors = (grad, exp_avg, exp_avg_sq, param)
+    if grad.is_cuda or grad.numel() <= ADAM_CPU_CHUNK or not all(t.is_contiguous() for t in tensors):
+        return _adam_update(grad, exp_avg, exp_avg_sq, param, hp)
+    flat = [t.view(-1) for t in tensors]
+    for a in range(0, grad.numel(), ADAM_CPU_CHUNK):
+        _adam_update(*(t[a: a + ADAM_CPU_CHUNK] for t in flat), hp)
+
+
+# ---- Balanced ownership: banks without padding ----------------------------------------------
+# OwnershipLayout(ownership="balanced") gives each rank whole matrices by FLOPs, for any world size;
+# the record pads banks instead (padded_splits), so its runs never call this.
+
+def balanced_splits(banks: dict[str, tuple[int, int]], world_size: int) -> dict[str, tuple[int, ...]]:
+    """FLOP-balanced ownership of every matrix of every bank, for any world size, without padding.
+
+    banks: label -> (number of matrices, FLOPs of one). Longest-processing-time first over all banks
+    together: matrices by falling cost (ties in dict order), each to the rank with the least work so
+    far (the lowest rank on ties). The result is per label the count each rank owns; ownership within
+    a bank is contiguous in rank order, so the gradient rows a rank owns stay one slice of the bank.
+    """
+    counts = {label: [0] * world_size for label in banks}
+    heap = [(0, r) for r in range(world_size)]  # (load, rank): the least-loaded rank, lowest on ties
+    items = sorted(((cost, i, label) for i, (label, (n, cost)) in enumerate(banks.items()) for _ in range(n)),
+                   key=lambda t: (-t[0], t[1]))
+    for cost, _, label in items:
+        work, r = heapq.heappop(heap)
+        counts[label][r] += 1
+        heapq.heappush(heap, (work + cost, r))
+    return {label: tuple(c) for label, c in counts.items()}
+
+
+# ---- QK-Clip (MuonClip) ----------------------------------------------------------------------
+# Caps a head's attention logits by scaling its Q and K rows after the NorMuon update. No record
+# uses it; NorMuonAdam.step(after_update=qk_clip_hooks(...)) applies it.
+
+QK_CLIP_TAU = 100.0  # MuonClip's threshold on the largest pre-softmax attention logit
+
+
+def qk_clip_(param, mantissa, max_logits, tau: float) -> None:
+    """QK-Clip (MuonClip) on the owned matrices of a Q or K weight bank (k, rows, cols), in place:
+    rows whose head's largest pre-softmax logit of the step exceeds tau are scaled by
+    sqrt(tau / max_logit), so that q.k of that head, scaled on both sides, peaks at tau. max_logits
+    broadcasts to (k, rows, 1) (one entry per head of those rows). Applied to the fp32 master value
+    (MuonClip, Kimi K2, arXiv 2507.20534)."""
+    scale = (tau / max_logits.float().clamp_min(tau)).sqrt()
+    _store_master(_master_fp32(param, mantissa) * scale, param, mantissa)
+
+
+def qk_clip_hooks(max_logits: dict, tau: float = QK_CLIP_TAU) -> dict:
+    """NorMuonAdam.step's after_update for QK-Clip: label of a Q or K bank -> the step's largest
+    logit per head, broadcastable to the bank's (matrices, rows, 1) and the same on every rank."""
+    def clip(m):
+        def hook(slot, shard, mantissa):
+            full = torch.broadcast_to(torch.as_tensor(m, device=shard.device), (slot.rows, slot.shape[1], 1))
+            qk_clip_(shard, mantissa, full[slot.lo: slot.lo + slot.shard_rows], tau)
+        return hook
+    return {label: clip(m) for label, m in max_logits.items()}
+
 
 # ---- CPU compute dtype -------------------------------------------------------------------------
 

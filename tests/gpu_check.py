@@ -917,7 +917,7 @@ def check_compiled_model(res: Result) -> None:
     torch.manual_seed(0)
     model = T.GPT(args).cuda()
     near_init(model, seed=1)
-    model.set_windows(*args.stage_windows[1])
+    model.set_windows(*args.stages[1].windows)
     model.prefix_table.copy_(T.build_prefix_table(T.gpt2_encoding(), args.padded_vocab_size))
     model.fp8_mlp.quantize(model.mlp_bank, bootstrap=True)
     fp8_state = {k: v.clone() for k, v in model.fp8_mlp.state_dict().items()}
@@ -997,7 +997,7 @@ def check_sync_free_step(res: Result) -> None:
     opt = T.build_optimizer(args, model, device)
     model_fn = T.compile_model(model)
     loader = T.DocumentLoader(args.train_files, args.bigram_vocab_size)
-    mtp = torch.zeros(len(args.stage_mtp_start[0]), device=device)
+    mtp = torch.zeros(len(args.stages[0].mtp_start), device=device)
     prefix = torch.zeros((), device=device)
     model.prefix_table.copy_(T.build_prefix_table(T.gpt2_encoding(), args.padded_vocab_size))
     slots = T.check_batch_split(args, 1)

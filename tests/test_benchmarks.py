@@ -91,8 +91,12 @@ def _zero_skip_gate(m):
     m.mudd_gate_b2[1, start] = 0.0
 
 
+def _words(edit):  # the test table rewritten as --layers words: an independent route to the ablated rows
+    return {"layers": tg.layers_from_words(tuple(edit(str(row).split()) for row in TEST.layers))}
+
+
 def _without(word):  # the test table with a word dropped from every row
-    return {"layers": tuple(" ".join(w for w in row.split() if w != word) for row in TEST.layers)}
+    return _words(lambda words: " ".join(w for w in words if w != word))
 
 
 def _coefficients(kind, value):  # every MUDD gate coefficient of this kind forced to `value`
@@ -109,6 +113,9 @@ def _coefficients(kind, value):  # every MUDD gate coefficient of this kind forc
     return edit
 
 
+# Switches outside the rows: the model with the switch off equals the full model with the component
+# zeroed. Row ablations (train_gpt.ABLATIONS) build another model (the MUDD gates' layout follows
+# the rows): they equal the table with the words dropped, through --layers' parser.
 EQUIVALENTS = {
     "smear": (_zero_smear, {}),
     "backout": (_zero_post_loop_mudd, {}),
@@ -117,10 +124,10 @@ EQUIVALENTS = {
     "value_embeds": (_zero_value_embeds, {}),
     "mudd": (_constant_mudd, {}),
     "unet_skip": (_zero_skip_gate, {}),
-    "paired_heads": (None, {"layers": tuple(row.replace("paired", "attn") for row in TEST.layers)}),
-    "xsa": (_coefficients("xsa", 0.0), {}),          # tanh(0) = 0: y unchanged
-    "attn_gates": (_coefficients("gate", 1.0), {}),  # y * 1
-    "dc": (_coefficients("dc_w2", 0.0), {}),         # y + 0
+    "paired_heads": (None, _words(lambda words: " ".join("attn" if w == "paired" else w for w in words))),
+    "xsa": (None, _without("xsa")),
+    "attn_gates": (None, _without("gate")),
+    "dc": (None, _without("dc")),
     "key_offset": (None, _without("offset")),
     "from_h": (None, _without("from_h")),
 }
@@ -130,7 +137,8 @@ EQUIVALENTS = {
 def test_switch_equals_removing_the_component(switch):
     edit, arg_change = EQUIVALENTS[switch]
     full = randomized(TEST)
-    off = randomized(dataclasses.replace(TEST, **{switch: False}))
+    off_args = tg.ablated(TEST, [switch]) if switch in tg.ABLATIONS else dataclasses.replace(TEST, **{switch: False})
+    off = randomized(off_args)
     reference = randomized(dataclasses.replace(TEST, **arg_change))
     if edit:
         with torch.no_grad():
@@ -140,18 +148,37 @@ def test_switch_equals_removing_the_component(switch):
     assert l_off == pytest.approx(l_ref, abs=1e-5)
 
 
-def test_mtp_switch_scores_the_next_token_only():
-    off = randomized(dataclasses.replace(TEST, mtp=False))
-    full = randomized(TEST)
-    assert loss_of(off, (1.0, 0.5, 0.25)) == pytest.approx(loss_of(full, (1.0, 0.0, 0.0)), abs=1e-5)
+def test_row_ablations_switch_the_feature_off_in_every_row():
+    """Row ablations against the rows spelt out: no row keeps the feature, nothing else changes."""
+    feature = {"xsa": ("xsa", False), "attn_gates": ("gate", False), "dc": ("dc", False),
+               "key_offset": ("key_offset", False), "from_h": ("input", "x")}
+    for name, (field, off) in feature.items():
+        rows = tg.ablated(tg.Hyperparameters(), [name]).layers
+        assert any(getattr(r, field) != off for r in tg.LAYERS), name  # the record has the feature
+        assert all(getattr(r, field) == off for r in rows), name
+        assert [dataclasses.replace(r, **{field: off}) for r in tg.LAYERS] == list(rows)
+    rows = tg.ablated(tg.Hyperparameters(), ["paired_heads"]).layers
+    assert [r.attention for r in rows] == ["plain"] * 6 + ["none"] + ["plain"] * 4
+
+
+def test_mtp_ablation_scores_the_next_token_only():
+    off_args = tg.ablated(TEST, ["mtp"])
+    assert {tg.plan_step(off_args, s).mtp_weights for s in range(tg.total_steps(off_args))} == {(1.0,)}
+    off, full = randomized(off_args), randomized(TEST)
+    assert loss_of(off, (1.0,)) == pytest.approx(loss_of(full, (1.0, 0.0, 0.0)), abs=1e-5)
     assert abs(loss_of(full, (1.0, 0.5, 0.25)) - loss_of(full, (1.0, 0.0, 0.0))) > 1e-2
 
 
-def test_window_schedule_switch_fixes_the_last_stage_windows_without_yarn():
-    model = tg.GPT(dataclasses.replace(TEST, window_schedule=False))
+def test_window_schedule_ablation_fixes_the_last_stage_windows_without_yarn():
+    args = tg.ablated(TEST, ["window_schedule"])
+    model = tg.GPT(args)
     bs = TEST.window_block_size
-    short, long = TEST.stage_windows[-1]
-    for windows in (TEST.windows_init, TEST.stage_windows[0], TEST.extension_windows):
+    short, long = TEST.stages[2].windows
+    total = tg.total_steps(args)
+    assert {tg.plan_step(args, s).windows for s in range(total)} == {(short, long)}
+    assert args.windows_init == args.final_val_windows == (short, long)
+    for windows in ((*args.windows_init, None), (*tg.plan_step(args, total - 1).windows, None),
+                    (*args.final_val_windows, tg.plan_step(args, total - 1).windows[1])):  # as train() calls it
         model.set_windows(*windows)
         assert model.windows.tolist() == [short * bs, long * bs]
         torch.testing.assert_close(model.rotary_freq, tg.rotary_base_frequencies(TEST.head_dim), rtol=0, atol=0)
@@ -243,16 +270,18 @@ def test_every_ablation_builds_a_model_and_optimizer():
     base = te.recipe_args("test", "", "", 3072, 0, 1024, torch.device("cpu"))
     seen = set()
     for name, spec in te.ABLATIONS:
-        overrides = spec(base) if callable(spec) else spec
-        args = te.recipe_args("test", "", "", 3072, 0, 1024, torch.device("cpu"), overrides)
-        seen.update(k for k, v in overrides.items() if getattr(TEST, k) != v)
+        overrides, edit = ({}, spec) if callable(spec) else (spec, None)
+        args = te.recipe_args("test", "", "", 3072, 0, 1024, torch.device("cpu"), overrides, edit=edit)
+        seen.update(f.name for f in dataclasses.fields(args) if getattr(args, f.name) != getattr(base, f.name))
         model = tg.GPT(args)
         tg.build_optimizer(args, model, torch.device("cpu"))
-    new_fields = ("matrix_optimizer", "mtp", "prefix_loss", "value_embeds", "bigram_embed", "bigram_signs", "smear",
-                  "unet_skip", "backout", "mudd", "paired_heads", "xsa", "attn_gates", "dc", "key_offset", "from_h",
-                  "window_schedule")
-    assert set(new_fields) <= seen
-    assert {"orthogonalizer", "stage_batch_tokens"} <= seen
+        if edit is not None:
+            seen.update(name for name in tg.ABLATIONS if dataclasses.replace(args, log_dir="") == dataclasses.replace(
+                te.recipe_args("test", "", "", 3072, 0, 1024, torch.device("cpu"), edit=lambda a, n=name: tg.ablated(a, [n])),
+                log_dir=""))
+    switches = ("matrix_optimizer", "value_embeds", "bigram_embed", "bigram_signs", "smear", "unet_skip", "backout",
+                "mudd", "orthogonalizer", "stages", "layers", *tg.ABLATIONS)
+    assert set(switches) <= seen
 
 
 # ---- benchmark arithmetic ------------------------------------------------------------------------
@@ -273,10 +302,10 @@ def test_schedule_is_sized_to_the_token_budget():
     for budget in (200_000, 2_000_000):
         args = te.sized_for_tokens(demo, budget)
         total = sum(te.schedule_tokens(args))
-        assert abs(total - budget) <= max(demo.stage_batch_tokens)
+        assert abs(total - budget) <= max(row.batch_tokens for row in demo.stages)
         assert total == sum(tg.plan_step(args, s).batch_tokens for s in range(tg.total_steps(args)))
     flat = te.constant_batch(demo)
-    assert flat * 3 == sum(demo.stage_batch_tokens) and flat % (128 * demo.micro_batches) == 0
+    assert flat * 3 == sum(row.batch_tokens for row in demo.stages[:3]) and flat % (128 * demo.micro_batches) == 0
 
 
 def test_classic_model_is_gpt2():
@@ -463,7 +492,8 @@ def test_loader_coverage_by_hand(tmp_path):
     docs = [[tg.BOS_ID] + [7] * (n - 1) for n in (10, 30, 5, 20)]
     tg.write_shard(str(tmp_path / "x_train_000001.bin"), np.array(sum(docs, []), dtype=np.uint16))
     args = dataclasses.replace(TEST, train_files=str(tmp_path / "x_train_*.bin"), micro_batches=1, num_iterations=3,
-                               extension_iterations=0, stage_batch_tokens=(16, 16, 16), stage_max_doc_len=(8, 8, 8))
+                               extension_iterations=0,
+                               stages=tg.restaged(TEST.stages, batch_tokens=(16,) * 4, max_doc_len=(8,) * 4))
     cov = stage_rise.coverage_by_step(args, 3)
     assert [w for w, _ in cov] == pytest.approx([3 / 4, 6 / 4, 9 / 4])
     assert [f for _, f in cov] == pytest.approx([17 / 65, 25 / 65, 29 / 65])
@@ -544,7 +574,7 @@ def test_step_timing_smoke():
     stages = [line.split() for line in out.splitlines()
               if line.startswith(("stage ", "extension")) and line.split()[-5].replace(",", "").isdigit()]
     assert [s[0] for s in stages] == ["stage", "stage", "stage", "extension"]
-    assert [int(s[3].replace(",", "")) for s in stages[:3]] == list(TEST.stage_batch_tokens)
+    assert [int(s[3].replace(",", "")) for s in stages[:3]] == [row.batch_tokens for row in TEST.stages[:3]]
     assert "need a CUDA GPU" in out and "projected training time" in out
 
 

@@ -74,7 +74,7 @@ def test_training_graph_reads_every_mask_tensor_as_an_input(flex_on_cpu):
     _trace(model, masks, keep("dynamo"))
     _trace(model, masks, aot_autograd(fw_compiler=keep("forward"), bw_compiler=keep("backward")))
     assert [kind for kind, _ in graphs] == ["dynamo", "forward", "backward"]  # one graph each: no break
-    attention_layers = sum("skip" not in row for row in model.table)
+    attention_layers = sum(row.attention != "none" for row in model.layers)
     for kind, gm in graphs:
         nodes = _flex_nodes(gm)
         assert len(nodes) == attention_layers, kind
@@ -139,7 +139,7 @@ def test_eager_cuda_calls_share_one_compiled_flex_attention(monkeypatch, flex_on
     with torch.no_grad():
         model.logits(inputs, cu, tg.bigram_hash(inputs, TEST.bigram_vocab_size),
                      masks=model.attention_masks(cu, 128, kernel="flex"))
-    assert len(calls) == sum("skip" not in row for row in model.table)
+    assert len(calls) == sum(row.attention != "none" for row in model.layers)
     assert all(isinstance(m, flex_module.BlockMask) for m in calls)
 
 
@@ -148,7 +148,8 @@ def test_attention_masks_cover_the_tables_kinds():
     _, _, cu = make_batch(T=128, starts=(0, 30))
     for kernel, kind in (("flex", flex_module.BlockMask), ("sdpa", tg.SDPAMask), ("sdpa_fp32", tg.SDPAMask)):
         masks = model.attention_masks(cu, 128, kernel)
-        want = {("long" in row, 2 if "paired" in row else 1) for row in model.table if "skip" not in row}
+        want = {(row.window == "long", 2 if row.attention == "paired" else 1) for row in model.layers
+                if row.attention != "none"}
         assert set(masks) == want and all(isinstance(m, kind) for m in masks.values())
     with pytest.raises(ValueError, match="kernel='bad'"):
         model.attention_masks(cu, 128, "bad")
@@ -180,7 +181,7 @@ def test_every_stage_block_mask_equals_the_dense_mask():
     starts = torch.cumsum(lengths, 0)[:-1]
     cu = torch.cat([torch.zeros(1, dtype=torch.int64), starts[starts < T], torch.full((8,), T)]).to(torch.int32)
     doc = tg.document_ids(cu, T)
-    windows = {tg.plan_step(args, s).windows for s in (0, *tg.stage_starts(args), args.num_iterations)}
+    windows = {tg.plan_step(args, s).windows for s in tg.stage_bounds(args)[:-1]}
     windows.add(args.final_val_windows)
     assert len(windows) == 5
     bs = args.window_block_size

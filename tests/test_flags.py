@@ -21,11 +21,11 @@ QUICK_S = 60
 
 
 def start_up_error(tmp_path, *flags, world_size=1) -> str:
-    """check_args' SystemExit message for the test preset with these flags; the directories a run
-    would write to (log, checkpoints) are in tmp_path and must stay absent."""
-    args = tg.parse_args(["--preset", "test", "--log_dir", str(tmp_path / "logs"),
-                          "--checkpoint_dir", str(tmp_path / "ckpt"), *flags])
+    """parse_args' or check_args' SystemExit message for the test preset with these flags; the
+    directories a run would write to (log, checkpoints) are in tmp_path and must stay absent."""
     with pytest.raises(SystemExit) as e:
+        args = tg.parse_args(["--preset", "test", "--log_dir", str(tmp_path / "logs"),
+                              "--checkpoint_dir", str(tmp_path / "ckpt"), *flags])
         tg.check_args(args, world_size)
     return one_line(str(e.value), tmp_path)
 
@@ -47,12 +47,18 @@ def run_script(tmp_path, *flags) -> str:
     return one_line(r.stderr, tmp_path)
 
 
-def test_every_numeric_flag_has_a_range():
+def test_every_numeric_field_has_a_range():
+    """Hyperparameters' and Stage's numeric fields carry their allowed range (knob(default, range))."""
     defaults = tg.Hyperparameters()
     numeric = {f.name for f in dataclasses.fields(tg.Hyperparameters)
                if isinstance(getattr(defaults, f.name), (int, float, tuple))
-               and not isinstance(getattr(defaults, f.name), bool) and f.name != "layers"}  # layers: strings
-    assert numeric == set(tg.FLAG_RANGES), "add the new field's allowed range to FLAG_RANGES"
+               and not isinstance(getattr(defaults, f.name), bool) and f.name not in ("stages", "layers")}
+    ranged = {f.name for f in dataclasses.fields(tg.Hyperparameters) if "allowed" in f.metadata}
+    assert numeric == ranged, "give the new field its allowed range: knob(default, FlagRange(...))"
+    row = tg.STAGES[0]
+    numeric = {f.name for f in dataclasses.fields(tg.Stage) if f.name != "share"}  # shares: check_stages
+    assert {f.name for f in dataclasses.fields(tg.Stage) if "allowed" in f.metadata} == numeric
+    assert all(isinstance(getattr(row, name), (int, float, tuple)) for name in numeric)
 
 
 @pytest.mark.parametrize("preset", sorted(tg.PRESETS))
@@ -83,9 +89,10 @@ def test_counts(tmp_path, flag, value):
 
 @pytest.mark.parametrize("flag,value,shown", [
     ("--muon_lr", "-0.01", "-0.01"), ("--adam_lr", "nan", "nan"), ("--muon_wd", "inf", "inf"),
-    ("--adam_wd=-1e-3", None, "-0.001"),  # argparse takes a bare -1e-3 for an option ("--final_lr_mult", "-0.5", "-0.5"),
-    ("--stage_lr_mult", "(1.0, -1.0, 1.0)", "(1.0, -1.0, 1.0)"),
-    ("--stage_lr_mult", "(1.0, 1e999, 1.0)", "(1.0, inf, 1.0)"),  # a literal that overflows to inf
+    ("--adam_wd=-1e-3", None, "-0.001"),  # argparse takes a bare -1e-3 for an option
+    ("--stage_lr_mult", "(1.0, 1.52, 1.73, -0.5)", "(1.0, 1.52, 1.73, -0.5)"),  # the extension's: the lr floor
+    ("--stage_lr_mult", "(1.0, -1.0, 1.0, 0.15)", "(1.0, -1.0, 1.0, 0.15)"),
+    ("--stage_lr_mult", "(1.0, 1e999, 1.0, 0.15)", "(1.0, inf, 1.0, 0.15)"),  # a literal that overflows to inf
 ])
 def test_rates(tmp_path, flag, value, shown):
     msg = start_up_error(tmp_path, *([flag] if value is None else [flag, value]))
@@ -102,27 +109,49 @@ def test_fractions_and_momentum(tmp_path, flag, value):
 
 
 @pytest.mark.parametrize("flag,value,expect", [
-    ("--stage_batch_tokens", "(512, 1024)", "must be 3 integers >= 1"),
-    ("--stage_batch_tokens", "(512, -1024, 1536)", "must be 3 integers >= 1"),
-    ("--stage_batch_tokens", "(512.0, 1024, 1536)", "must be 3 integers >= 1"),
-    ("--stage_max_doc_len", "(64, 128, 0)", "must be 3 integers >= 1"),
-    ("--stage_windows", "((1, 3), (3, 7))", "must be 3 x 2 integers >= 1"),
-    ("--stage_windows", "(1, 3)", "must be 3 x 2 integers >= 1"),
-    ("--stage_windows", "((1, 3), (3, 0), (5, 11))", "must be 3 x 2 integers >= 1"),
-    ("--extension_windows", "(6,)", "must be 2 integers >= 1"),
+    ("--stage_batch_tokens", "(512, -1024, 1536, 1536)", "must be 4 integers >= 1"),
+    ("--stage_batch_tokens", "(512.0, 1024, 1536, 1536)", "must be 4 integers >= 1"),
+    ("--stage_max_doc_len", "(64, 128, 128, 0)", "must be 4 integers >= 1"),
+    ("--stage_windows", "((1, 3), (3, 0), (5, 11), (6, 13))", "must be 4 x 2 integers >= 1"),
+    ("--stage_windows", "((1, 3), (3, 7), (5, 11), (6,))", "must be 4 x 2 integers >= 1"),
     ("--windows_init", "(1, 'a')", "must be 2 integers >= 1"),
-    ("--stage_mtp_start", "((1.0, 0.5), (1.0, 0.5, 0.0), (1.0, 0.0, 0.0))", "must be 3 x K finite numbers >= 0"),
-    ("--stage_mtp_end", "((1.0, -0.5, 0.0), (1.0, 0.0, 0.0), (1.0, 0.0, 0.0))", "must be 3 x K finite numbers >= 0"),
-    ("--stage_prefix_start", "(0.25, 0.25)", "must be 3 finite numbers >= 0"),
-    ("--stage_prefix_end", "(0.25, -0.1, 0.0)", "must be 3 finite numbers >= 0"),
+    ("--final_val_windows", "(6,)", "must be 2 integers >= 1"),
+    ("--stage_mtp_start", "((1.0, 0.5), (1.0, 0.5, 0.0), (1.0, 0.0, 0.0), (1.0, 0.0, 0.0))",
+     "must be 4 x K finite numbers >= 0"),
+    ("--stage_mtp_end", "((1.0, -0.5, 0.0), (1.0, 0.0, 0.0), (1.0, 0.0, 0.0), (1.0, 0.0, 0.0))",
+     "must be 4 x K finite numbers >= 0"),
+    ("--stage_prefix_end", "(0.25, -0.1, 0.0, 0.0)", "must be 4 finite numbers >= 0"),
 ])
 def test_tuples(tmp_path, flag, value, expect):
     msg = start_up_error(tmp_path, flag, value)
     assert msg.startswith(f"error: {flag} (") and expect in msg, msg
 
 
+@pytest.mark.parametrize("flag,value,expect", [
+    ("--stage_batch_tokens", "(512, 1024)", "needs 4 values (one per stage, extension included), got 2"),
+    ("--stage_windows", "(1, 3)", "needs 4 values (one per stage, extension included), got 2"),
+    ("--stage_prefix_start", "(0.25, 0.25)", "needs 4 values (one per stage, extension included), got 2"),
+    ("--stage_share", "(0.5, 0.25, 0.5, None)", "the scheduled stages' shares must add up to 1"),
+    ("--stage_share", "(0.5, 0.25, 0.25, 0.1)", "the last row (the extension) None"),
+    ("--stage_share", "(0.5, 0.0, 0.5, None)", "scheduled stages need shares in (0, 1]"),
+])
+def test_stage_columns(tmp_path, flag, value, expect):
+    """A column flag sets one value per stage row, the extension last."""
+    msg = start_up_error(tmp_path, flag, value)
+    assert msg.startswith(f"error: {flag} ") and expect in msg, msg
+
+
+def test_stage_columns_set_rows():
+    args = tg.parse_args(["--preset", "test", "--stage_windows", "((2, 4), (3, 7), (5, 11), (6, 13))",
+                          "--stage_share", "(0.5, 0.25, 0.25, None)", "--num_iterations", "8"])
+    assert [row.windows for row in args.stages] == [(2, 4), (3, 7), (5, 11), (6, 13)]
+    assert tg.stage_bounds(args) == (0, 4, 6, 8, 9)
+    assert [tg.plan_step(args, s).windows for s in (3, 4, 8)] == [(2, 4), (3, 7), (6, 13)]
+    assert [row.batch_tokens for row in args.stages] == [512, 1024, 1536, 1536]  # the preset's, kept
+
+
 def test_tuple_cross_checks(tmp_path):
-    msg = start_up_error(tmp_path, "--stage_mtp_start", "((1.0, 0.5), (1.0, 0.5), (1.0, 0.0))")
+    msg = start_up_error(tmp_path, "--stage_mtp_start", "((1.0, 0.5), (1.0, 0.5), (1.0, 0.0), (1.0, 0.0))")
     assert "--stage_mtp_start and --stage_mtp_end must give the same number" in msg
     msg = start_up_error(tmp_path, "--val_tokens", "1000")
     assert msg == "error: --val_tokens 1000 must be a multiple of --val_seq_len 512"
@@ -133,6 +162,9 @@ def test_tuple_cross_checks(tmp_path):
     ("--mudd_hidden", "four", "error: --mudd_hidden 'four' is not a valid int"),
     ("--muon_lr", "fast", "error: --muon_lr 'fast' is not a valid float"),
     ("--stage_windows", "((1, 3", "error: --stage_windows '((1, 3' is not a valid tuple"),
+    ("--layers", "('paired short', 'attn sideways')", "error: --layers row 1 ('attn sideways'): unknown word(s)"),
+    ("--layers", "('paired short long',)", "error: --layers row 0 ('paired short long'): more than one window"),
+    ("--ablate", "xsa,wings", "error: --ablate 'wings' is not one of xsa, attn_gates"),
     ("--num_iterationz", "5", "error: unknown argument '--num_iterationz'"),
 ])
 def test_booleans_and_unparsable_values(tmp_path, flag, value, expect):
@@ -154,8 +186,9 @@ def test_model_and_batch_split_checks_run_at_start_up(tmp_path):
     """_check_model_args and check_batch_split keep their own checks; check_args runs both first."""
     msg = start_up_error(tmp_path, "--model_dim", "65")
     assert msg.startswith("error: model config: --model_dim (65) must equal --num_heads * --head_dim"), msg
-    msg = start_up_error(tmp_path, "--layers", "('paired short', 'attn sideways')")
-    assert msg.startswith("error: model config: --layers row 1 ('attn sideways'): unknown word(s) ['sideways']"), msg
+    msg = start_up_error(tmp_path, "--layers", "('skip', 'paired short save_skip', 'attn long xsa save_h post_gates',"
+                         " 'attn short ve mudd')")
+    assert msg == "error: model config: --layers row 0 (skip): a skip row must come after the save_skip row", msg
     msg = start_up_error(tmp_path, world_size=3)
     assert "(--stage_batch_tokens) does not split into 3 ranks x 2 accumulation steps" in msg, msg
 
@@ -193,3 +226,13 @@ def test_val_tokens_beyond_the_val_shards(tmp_path):
 def test_missing_shards(tmp_path):
     msg = start_up_error(tmp_path, "--val_files", str(tmp_path / "nothing_*.bin"))
     assert msg.startswith(f"error: no val shards match '{tmp_path / 'nothing_*.bin'}'"), msg
+
+
+def test_layer_words_round_trip_to_the_records_rows():
+    """--layers' words and the Layer rows say the same: the record's table through str() and back."""
+    words = tuple(str(row) for row in tg.LAYERS)
+    assert words[10] == "attn long ve gate dc offset from_h mudd" and words[6] == "skip"
+    assert tg.layers_from_words(words) == tg.LAYERS
+    args = tg.parse_args(["--layers", repr(words)])
+    assert args.layers == tg.LAYERS
+    assert tg.parse_args(["--layers", repr(words[:6] + ("skip",) + words[7:])]).layers == tg.LAYERS

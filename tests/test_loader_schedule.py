@@ -150,7 +150,8 @@ def test_validation_same_tokens_any_world_size(tmp_path):
 
 def test_speedrun_schedule_matches_spec_table():
     args = tg.parse_args([])
-    assert tg.stage_starts(args) == (423, 847) and tg.untie_step(args) == 847 and tg.total_steps(args) == 1285
+    assert tg.stage_bounds(args) == (0, 423, 847, 1270, 1285)  # round(1270/3), round(2540/3): the record's
+    assert tg.untie_step(args) == 847 and tg.total_steps(args) == 1285
     expect = {0: (0, 131_072, 896, (1, 3), 1.0), 422: (0, 131_072, 896, (1, 3), 1.0),
               423: (1, 262_144, 2048, (3, 7), 1.52), 846: (1, 262_144, 2048, (3, 7), None),
               847: (2, 393_216, 2048, (5, 11), None), 1270: (3, 393_216, 2048, (6, 13), 0.15),
@@ -198,15 +199,15 @@ def test_prefix_weight_schedule_is_the_records():
         assert tg.plan_step(args, step).prefix_weight == 0.0, step
     for preset in ("demo", "test"):  # the small presets train with the term too
         small = tg.parse_args(["--preset", preset])
-        assert small.prefix_loss and tg.plan_step(small, 0).prefix_weight == 0.25
+        assert tg.plan_step(small, 0).prefix_weight == 0.25
         assert tg.plan_step(small, tg.total_steps(small) - 1).prefix_weight == 0.0
 
 
 def test_small_presets_scale_boundaries():
     args = tg.parse_args(["--preset", "demo", "--num_iterations", "300"])
-    assert tg.stage_starts(args) == (100, 200) and tg.untie_step(args) == 201
+    assert tg.stage_bounds(args) == (0, 100, 200, 300, 303) and tg.untie_step(args) == 201
     assert tg.plan_step(args, 99).stage == 0 and tg.plan_step(args, 100).stage == 1
-    assert tg.plan_step(args, 300).windows == args.extension_windows
+    assert tg.plan_step(args, 300).windows == args.stages[-1].windows == (6, 13)
     assert tg.plan_step(args, round(300 * 300 / 1270)).momentum == pytest.approx(0.95)
     assert tg.plan_step(args, tg.total_steps(args) - 1).momentum < 0.86  # cools down to the last step
 

@@ -233,7 +233,7 @@ def test_attend_matches_float64_brute_force(paired, heads, kernel):
     `window` slots back, so a first-half head does not see its partner of the same token. The scores
     are scaled by the model's fp32 softmax scale (stage 2's: 0.116946 at head_dim 128)."""
     model = make_model()
-    model.set_windows(*model.args.stage_windows[1])
+    model.set_windows(*model.args.stages[1].windows)
     scale = model.attn_scale_value
     assert scale == float(model.attn_scale) and model.attn_scale.dtype == torch.float32
     T, H, hd = 64, heads, 8
@@ -268,7 +268,7 @@ def test_softmax_scale_is_the_fp32_value_not_bf16():
     """Record #89 hands the fp32 scale to the attention kernel: stage 2's 0.116946, not bf16's 0.11719 (a
     0.2% sharper softmax). Brute force at both scales: the model's output matches only the fp32 one."""
     model = make_model(dataclasses.replace(TEST, head_dim=128, model_dim=256))
-    model.set_windows(*model.args.stage_windows[1])
+    model.set_windows(*model.args.stages[1].windows)
     scale = model.attn_scale_value
     assert scale == pytest.approx(0.116946, abs=1e-6)
     rounded = float(torch.tensor(scale).bfloat16())
@@ -292,7 +292,7 @@ def test_document_isolation_is_bit_exact():
     """Attention never crosses a document start. The smear and the bigram hash do (the record's): a
     document's last token reaches the next document's first position, and through it that document.
     So does the key offset (test_key_offset_crosses_documents); it is off here."""
-    model = make_model(dataclasses.replace(TEST, key_offset=False))
+    model = make_model(tg.ablated(TEST, ["key_offset"]))
     randomize(model)
     inputs, _, cu = make_batch()  # documents [0, 30), [30, 70), [70, 100), [100, 128)
     gen = torch.Generator().manual_seed(5)
@@ -357,7 +357,8 @@ def yarn_step64(freq, scale, old, new):
 
 def test_yarn_frequencies_after_384_to_896_tokens():
     """Speedrun shapes: the first stage change (long window 3 -> 7 blocks of 128) against float64."""
-    model = make_model(dataclasses.replace(tg.Hyperparameters(), layers=("attn short ve save_skip save_h", "attn long from_h mudd post_gates"),
+    two_layers = tg.layers_from_words(("attn short ve save_skip save_h", "attn long from_h mudd post_gates"))
+    model = make_model(dataclasses.replace(tg.Hyperparameters(), layers=two_layers,
                                            mlp_hidden=64, padded_vocab_size=50304, bigram_vocab_size=64))
     base = [1024 ** (-j / 31) for j in range(32)]  # omega_j = 1024^(-j/31): 1 down to 1/1024
     torch.testing.assert_close(model.rotary_freq.double(), torch.tensor(base, dtype=torch.float64), rtol=1e-6, atol=0)
@@ -375,7 +376,8 @@ def test_attention_scale_per_stage_and_final_validation():
     """The record's table: 0.1, 0.116946, 0.127518, 0.131778, compounding on the long window; the final
     validation's wider window (20 blocks) keeps the extension's YaRN state."""
     args = tg.Hyperparameters()
-    model = make_model(dataclasses.replace(args, layers=("attn short ve save_skip save_h", "attn long from_h mudd post_gates"), mlp_hidden=64, bigram_vocab_size=64))
+    two_layers = tg.layers_from_words(("attn short ve save_skip save_h", "attn long from_h mudd post_gates"))
+    model = make_model(dataclasses.replace(args, layers=two_layers, mlp_hidden=64, bigram_vocab_size=64))
     freq64, scale64 = [1024 ** (-j / 31) for j in range(32)], 0.1
     old = 3
     for step, expected in ((0, 0.1), (423, 0.116946), (847, 0.127518), (1270, 0.131778)):
@@ -544,7 +546,8 @@ def prefix_model(args=TEST, seed=5):
 
 def test_training_loss_adds_the_prefix_term():
     """The prefix term reads the model's prefix_table buffer (-1 until train() fills it, not saved in
-    checkpoints); --prefix_loss false, or no prefix_weight, leaves the MTP terms alone."""
+    checkpoints); a weight of 0 (--ablate prefix_loss gives every stage row 0), or no prefix_weight,
+    leaves the MTP terms alone."""
     assert (make_model().prefix_table == -1).all() and "prefix_table" not in make_model().state_dict()
     model = prefix_model()
     inputs, targets, cu = make_batch(seed=2)
@@ -563,8 +566,10 @@ def test_training_loss_adds_the_prefix_term():
     without = 0.125 * record_training_loss_float64(model, inputs, targets, cu, w)
     assert with_prefix - without > 1.0  # the term is there
     assert loss_of(model, None) == pytest.approx(without, rel=1e-5)
-    switched_off = prefix_model(dataclasses.replace(TEST, prefix_loss=False))
-    assert loss_of(switched_off, pi) == pytest.approx(without, rel=1e-5)
+    assert loss_of(model, torch.tensor(0.0)) == pytest.approx(without, rel=1e-5)
+    ablated = tg.ablated(TEST, ["prefix_loss"])
+    assert TEST.stages[0].prefix_start == 0.25
+    assert {tg.plan_step(ablated, s).prefix_weight for s in range(tg.total_steps(ablated))} == {0.0}
 
 
 def test_bigram_hash_matches_loop_for_torch_and_numpy():
@@ -703,13 +708,13 @@ def test_speedrun_preset_forward_backward_on_cpu():
 @pytest.mark.parametrize("override, message", [
     (dict(model_dim=96), "--model_dim"),
     (dict(num_heads=1, head_dim=64), "--num_heads must be even"),
-    (dict(layers=("paired short save_skip", "skip save_h ve", "attn long post_gates", "attn long ve from_h mudd")),
-     "--layers row 1 \\('skip save_h ve'\\): a skip row has no attention"),
-    (dict(layers=("paired short xsa", "attn long ve save_skip save_h post_gates", "attn long from_h mudd")),
+    (dict(layers=tg.layers_from_words(("paired short save_skip", "skip save_h ve", "attn long post_gates", "attn long ve from_h mudd"))),
+     "--layers row 1 \\(skip ve save_h\\): a skip row has no attention"),
+    (dict(layers=tg.layers_from_words(("paired short xsa", "attn long ve save_skip save_h post_gates", "attn long from_h mudd"))),
      "paired rows take no offset, xsa or dc"),
-    (dict(layers=("attn short ve save_skip save_h", "attn long from_h mudd post_gates", "attn short")),
+    (dict(layers=tg.layers_from_words(("attn short ve save_skip save_h", "attn long from_h mudd post_gates", "attn short"))),
      "the mudd row must be the last layer"),
-    (dict(layers=("attn short ve save_skip", "attn long from_h mudd post_gates")), "exactly one row must say 'save_h'"),
+    (dict(layers=tg.layers_from_words(("attn short ve save_skip", "attn long from_h mudd post_gates"))), "exactly one row must be save_h"),
     (dict(head_dim=30, num_heads=2, model_dim=60), "--head_dim"),
     (dict(windows_init=(1,)), "--windows_init"),
     (dict(padded_vocab_size=100), "--padded_vocab_size"),
@@ -721,8 +726,9 @@ def test_bad_config_gives_one_line_error(override, message):
 
 
 def test_model_fields_parse_from_command_line():
-    args = tg.parse_args(["--preset", "test", "--paired_heads", "false", "--fp8", "false", "--windows_init", "(2, 4)"])
-    assert args.paired_heads is False and args.fp8 is False and args.windows_init == (2, 4)
+    args = tg.parse_args(["--preset", "test", "--ablate", "paired_heads", "--fp8", "false", "--windows_init", "(2, 4)"])
+    assert args.fp8 is False and args.windows_init == (2, 4)
+    assert [row.attention for row in args.layers] == ["plain", "plain", "none", "plain"]  # the preset's row 0 was paired
     model = tg.GPT(args)
     assert model.windows.tolist() == [2 * 16, 4 * 16]
 

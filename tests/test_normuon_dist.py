@@ -331,22 +331,24 @@ def qk_clip_worker(rank, world_size, group="world"):
     before = head_logits(x, wq, wk)
     params = {"wq": torch.nn.Parameter(wq.clone()), "wk": torch.nn.Parameter(wk.clone())}
     opt = T.NorMuonAdam(params, {k: T.ParamConfig("normuon", "sharded") for k in params}, scatter_order=list(params),
-                        work_order=list(params), normuon_lr=0.0, qk_clip=True)  # lr 0: only the clip moves weights
+                        work_order=list(params), normuon_lr=0.0)  # lr 0: only the clip moves weights
     for p in params.values():
         p.grad = torch.randn(p.shape, generator=g)
     m = before.flatten(1).max(dim=1).values.float().view(H, 1, 1)  # the step's largest logit per head
-    opt.step(do_adam=False, max_logits={"wq": m, "wk": m})
+    opt.step(do_adam=False, after_update=T.qk_clip_hooks({"wq": m, "wk": m}))  # tau = QK_CLIP_TAU = 100
     after = head_logits(x, params["wq"].data, params["wk"].data)
     return before, after, wq, params["wq"].data.clone()
 
 
-def test_qk_clip_is_off_by_default():
-    p = {"wq": torch.nn.Parameter(torch.randn(2, 4, 8))}
-    opt = T.NorMuonAdam(p, {"wq": T.ParamConfig("normuon", "none")}, scatter_order=["wq"], work_order=["wq"])
-    assert opt.qk_clip_tau is None and T.QK_CLIP_TAU == 100.0
-    p["wq"].grad = torch.randn(2, 4, 8)
-    with pytest.raises(ValueError, match="needs qk_clip on"):
-        opt.step(do_adam=False, max_logits={"wq": torch.tensor(1e4)})
+def test_after_update_hooks_need_normuon_labels():
+    p = {"wq": torch.nn.Parameter(torch.randn(2, 4, 8)), "b": torch.nn.Parameter(torch.randn(4))}
+    opt = T.NorMuonAdam(p, {"wq": T.ParamConfig("normuon", "none"), "b": T.ParamConfig("adam", "none")},
+                        scatter_order=["wq", "b"], work_order=["wq", "b"])
+    assert T.QK_CLIP_TAU == 100.0
+    p["wq"].grad, p["b"].grad = torch.randn(2, 4, 8), torch.randn(4)
+    for label in ("b", "nope"):
+        with pytest.raises(ValueError, match=f"after_update\\[{label!r}\\] needs a normuon label"):
+            opt.step(do_adam=False, after_update=T.qk_clip_hooks({label: torch.tensor(1e4)}))
 
 
 # ----------------------------------------------------------------------------------------------

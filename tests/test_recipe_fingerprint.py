@@ -7,7 +7,6 @@ import subprocess
 import sys
 
 import pytest
-import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STORED = os.path.join(ROOT, "tests", "data", "recipe_fingerprint.json")

@@ -18,7 +18,7 @@ RECORD_SMALL = dataclasses.replace(tg.Hyperparameters(), vocab_size=1000, padded
 
 def test_mudd_gate_layout_is_the_records():
     """Section 1.8's index table: gate 0 (26 outputs) and gate 1 (41)."""
-    pre, post = tg.mudd_gate_layout(tg.parse_layer_table(tg.Hyperparameters().layers), 6)
+    pre, post = tg.mudd_gate_layout(tg.LAYERS, 6)
     assert pre == {("xsa", 1): (0, 6), ("xsa", 3): (6, 6), ("gate", 3): (12, 6),
                    **{("x0", i): (18 + 2 * i, 1) for i in range(4)}, **{("bigram", i): (19 + 2 * i, 1) for i in range(4)}}
     assert post == {("xsa", 4): (0, 6), ("xsa", 7): (6, 6), ("gate", 10): (12, 6),
@@ -129,7 +129,7 @@ def test_key_offset_crosses_documents():
     with torch.no_grad():
         base, out = model.logits(inputs, cu, bigrams(inputs)), model.logits(changed, cu, bigrams(changed))
         assert torch.equal(out[:30], base[:30]) and not torch.allclose(out[70:100], base[70:100])
-        off = make_model(dataclasses.replace(model.args, key_offset=False))
+        off = make_model(tg.ablated(model.args, ["key_offset"]))
         off.load_state_dict(model.state_dict())
         assert torch.equal(off.logits(changed, cu, bigrams(changed))[70:], off.logits(inputs, cu, bigrams(inputs))[70:])
 

@@ -17,7 +17,6 @@ import os
 import re
 import sys
 
-import numpy as np
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -65,18 +64,15 @@ def test_every_results_folder_is_quoted():
     assert set(FOLDERS) <= quoted, f"no <!-- figures: ... --> region quotes {sorted(set(FOLDERS) - quoted)}"
 
 
-# README.md's front page quotes the primary (SymPy) folders in its "Token efficiency" paragraph. Its
-# two ratios are ones --load no longer states: the tuned classic there is above the bigram floor.
+# README.md's front page quotes the primary (SymPy) folders in its "Token efficiency" paragraph.
 FRONT_PAGE_FOLDERS = ("records/token_efficiency_sympy_500K", "records/token_efficiency_sympy_500K_demo_lr")
-RATIOS_LOAD_REFUSES = {"0.587", "0.117", "0.204", "0.036"}
 
 
 def front_page_figures() -> list:
     with open(os.path.join(REPO, "README.md"), encoding="utf-8") as f:
         text = f.read()
     paragraph = text.split("**Token efficiency**", 1)[1].split("\n\n", 1)[0] if "**Token efficiency**" in text else ""
-    return [pytest.param(f, marks=pytest.mark.xfail(strict=True, reason="README.md quotes a ratio --load refuses"))
-            if f in RATIOS_LOAD_REFUSES else f for f in figures(paragraph)] or [pytest.param("", marks=pytest.mark.skip)]
+    return figures(paragraph) or [pytest.param("", marks=pytest.mark.skip)]
 
 
 @pytest.mark.parametrize("figure", front_page_figures())

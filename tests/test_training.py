@@ -116,7 +116,7 @@ def test_nan_stops_the_run(two_rank_run, tmp_path):
 @pytest.mark.parametrize("flag,value,message", [
     ("--matrix_optimizer", "foo", "--matrix_optimizer 'foo' is not one of normuon, muon, adamw"),
     ("--model_dim", "65", "--model_dim (65) must equal --num_heads * --head_dim"),
-    ("--stage_batch_tokens", "(502, 1000, 1500)", "does not split into 1 ranks x 4 accumulation steps"),
+    ("--stage_batch_tokens", "(502, 1000, 1500, 1500)", "does not split into 1 ranks x 4 accumulation steps"),
     ("--mudd_hidden", "four", "--mudd_hidden 'four' is not a valid int"),
 ])
 def test_bad_flags_are_one_line_errors(tmp_path, flag, value, message):
@@ -139,7 +139,7 @@ def test_training_step_never_waits_for_the_gpu():
     model = tg.GPT(args).to(device)
     opt = tg.build_optimizer(args, model, device)
     loader = tg.DocumentLoader(args.train_files, args.bigram_vocab_size)
-    mtp, prefix = torch.zeros(len(args.stage_mtp_start[0]), device=device), torch.zeros((), device=device)
+    mtp, prefix = torch.zeros(len(args.stages[0].mtp_start), device=device), torch.zeros((), device=device)
     model.prefix_table.copy_(tg.build_prefix_table(tg.gpt2_encoding(), args.padded_vocab_size))
     slots = tg.check_batch_split(args, 1)
 
@@ -179,7 +179,7 @@ def test_prefix_table_is_built_after_the_clock_starts(tmp_path, monkeypatch):
     # three steps of small batches (the CPU cross-entropy over 50,304 logits per token is most of a step)
     args = tg.parse_args(["--preset", "test", "--compile", "true", "--val_loss_every", "0", "--val_tokens", "512",
                           "--num_iterations", "3", "--extension_iterations", "0", "--micro_batches", "2",
-                          "--stage_batch_tokens", "(256, 256, 256)", "--log_dir", str(tmp_path / "logs")])
+                          "--stage_batch_tokens", "(256, 256, 256, 256)", "--log_dir", str(tmp_path / "logs")])
     tg.train(args, tg.setup_distributed(force_cpu=True))
     first, second = [i for i, e in enumerate(events) if e == "build"]
     micro = tg.grad_accum_steps(args, 1)

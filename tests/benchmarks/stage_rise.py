@@ -48,12 +48,12 @@ def variant_args(name: str, evals_every: int, val_tokens: int, preset: str = "de
     args = TE.recipe_args(preset, train, val, tokens, 0, val_tokens, torch.device("cpu"),
                           {"muon_lr": TE.SPEEDRUN.muon_lr, "adam_lr": TE.SPEEDRUN.adam_lr})
     if name == "no_growth":
-        b, w = args.stage_batch_tokens, args.stage_windows
-        args = dataclasses.replace(args, stage_batch_tokens=(b[0], b[1], b[1]), stage_windows=(w[0], w[1], w[1]),
-                                   extension_windows=w[1])
+        s = args.stages
+        args = dataclasses.replace(args, stages=T.restaged(s, batch_tokens=(s[0].batch_tokens,) + (s[1].batch_tokens,) * 3,
+                                                           windows=(s[0].windows,) + (s[1].windows,) * 3))
     if name == "no_batch_growth":
-        b = args.stage_batch_tokens
-        args = dataclasses.replace(args, stage_batch_tokens=(b[0], b[1], b[1]))
+        s = args.stages
+        args = dataclasses.replace(args, stages=T.restaged(s, batch_tokens=(s[0].batch_tokens,) + (s[1].batch_tokens,) * 3))
     return dataclasses.replace(args, val_loss_every=evals_every)
 
 
@@ -108,7 +108,7 @@ def run_variant(name: str, stop: int, every: int, val_tokens: int, out_dir: str,
     curve = [(int(s), float(v)) for s, _, v in TE.VAL_LINE.findall(text)]
     TE.save_curve(out_dir, name, curve, {"variant": name, "stop": stop, "every": every, "val_tokens": val_tokens,
                                          "seconds": time.perf_counter() - t, "train": args.train_files,
-                                         "stage_starts": list(T.stage_starts(args)), "untie_step": T.untie_step(args)})
+                                         "stage_starts": list(T.stage_bounds(args)[1:-2]), "untie_step": T.untie_step(args)})
     print(f"{name}: {len(curve)} validations up to step {curve[-1][0]} in {time.perf_counter() - t:.0f}s")
 
 

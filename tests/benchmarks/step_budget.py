@@ -27,15 +27,15 @@ def flops_per_token(args: T.Hyperparameters, model: T.GPT, stage: int) -> dict[s
     """Training FLOPs per token (forward + backward) by component at a stage's windows."""
     D, H, hd, Vp = args.model_dim, args.num_heads, args.head_dim, args.padded_vocab_size
     bs = args.window_block_size
-    short, long = (w * bs for w in (args.stage_windows + (args.extension_windows,))[stage])
-    rows = [model.table[i] for i in model.attn_layers]
-    score = sum(12 * H * hd * ((long if "long" in r else short) + 1) for r in rows)
+    short, long = (w * bs for w in args.stages[stage].windows)
+    rows = [model.layers[i] for i in model.attn_layers]
+    score = sum(12 * H * hd * ((long if r.window == "long" else short) + 1) for r in rows)
     return {
         "Q/K/V/O projections": 6 * 4 * D * D * len(rows),
         "MLP": 6 * 2 * D * args.mlp_hidden * args.num_layers,
         "LM head": 6 * D * Vp,
         "attention scores and values": score,
-        "DC": sum(12 * H * hd * args.dc_window for r in rows if "dc" in r),
+        "DC": sum(12 * H * hd * args.dc_window for r in rows if r.dc),
         "MUDD gates and layers": 6 * sum(args.mudd_hidden * (D + n) for n in (*model.gate_outputs, *T.MUDD_LAYER_OUTPUTS)),
     }
 
@@ -96,7 +96,7 @@ def main(argv=None) -> None:
     with torch.device("meta"):
         model = T.GPT(args, a.world_size)
     stages = ("stage 1", "stage 2", "stage 3", "extension")
-    batch = list(args.stage_batch_tokens) + [args.stage_batch_tokens[-1]]
+    batch = [row.batch_tokens for row in args.stages]
     per_token = [flops_per_token(args, model, s) for s in range(4)]
     print("FLOPs of one training step (all ranks), by component; GFLOP per token in brackets")
     print(f"{'component':<30}" + "".join(f"{s:>22}" for s in stages))
@@ -107,7 +107,8 @@ def main(argv=None) -> None:
     print(f"{'NorMuon (Polar Express)':<30}" + "".join(f"{opt / 1e12:>11.1f} TF{'':>9}" for _ in range(4)))
     totals = [sum(p.values()) * batch[s] + opt for s, p in enumerate(per_token)]
     print(f"{'total':<30}" + "".join(f"{t / 1e12:>11.1f} TF{'':>9}" for t in totals))
-    steps = [423, 424, 423, 15]
+    bounds = T.stage_bounds(args)
+    steps = [hi - lo for lo, hi in zip(bounds, bounds[1:])]  # 423, 424, 423, 15
     run = sum(t * n for t, n in zip(totals, steps))
     print(f"whole run (1285 steps): {run / 1e15:.1f} PFLOP; at {a.world_size} x 989 TFLOP/s (H100 bf16 dense) "
           f"that is {run / (a.world_size * 989e12):.1f} s of peak compute")
@@ -119,7 +120,7 @@ def main(argv=None) -> None:
     print(f"  activations of the layer stack: {act / 1024:.1f} KiB per token (measured, CPU path, "
           f"{a.measure_tokens} tokens)")
     for s in range(3):
-        tokens = args.stage_batch_tokens[s] // a.world_size // max(1, args.micro_batches // a.world_size)
+        tokens = args.stages[s].batch_tokens // a.world_size // max(1, args.micro_batches // a.world_size)
         head = tokens * args.padded_vocab_size * 2 * 2  # bf16 logits and their gradient
         print(f"  {stages[s]}: {tokens} tokens per micro-batch: layer stack {act * tokens / GIB:.2f},"
               f" logits + gradient {head / GIB:.2f}")

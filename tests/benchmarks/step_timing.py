@@ -65,9 +65,10 @@ def attention_flops_per_token(model: T.GPT, batches: list[T.Batch]) -> float:
     for b in batches:
         T_ = b.inputs.numel()
         for i in model.attn_layers:
-            row = model.table[i]
-            keys = mean_keys(b.cu_seqlens, T_, long if "long" in row else short, 2 if "paired" in row else 1)
-            if "dc" in row:
+            row = model.layers[i]
+            keys = mean_keys(b.cu_seqlens, T_, long if row.window == "long" else short,
+                             2 if row.attention == "paired" else 1)
+            if row.dc:
                 keys += mean_keys(b.cu_seqlens, T_, a.dc_window - 1)
             total += 12 * a.num_heads * a.head_dim * keys
     return total / len(batches)
@@ -88,12 +89,10 @@ def flops_per_token(model: T.GPT, batches: list[T.Batch]) -> float:
 
 
 def stage_table(args: T.Hyperparameters) -> list[tuple[str, int, int]]:
-    """(name, first step, number of steps) of the three stages and the extension."""
-    s1, s2 = T.stage_starts(args)
-    rows = [("stage 1", 0, s1), ("stage 2", s1, s2 - s1), ("stage 3", s2, args.num_iterations - s2)]
-    if args.extension_iterations:
-        rows.append(("extension", args.num_iterations, args.extension_iterations))
-    return rows
+    """(name, first step, number of steps) of every stage row, the extension last (if it has steps)."""
+    bounds = T.stage_bounds(args)
+    names = [f"stage {s + 1}" for s in range(len(args.stages) - 1)] + ["extension"]
+    return [(name, lo, hi - lo) for name, lo, hi in zip(names, bounds, bounds[1:]) if name != "extension" or hi > lo]
 
 
 def peak_tflops(device: torch.device, override: float | None) -> float | None:
@@ -175,7 +174,7 @@ def run(args: T.Hyperparameters, d: T.DistInfo, steps: int, warmup: int, peak: f
     opt = T.build_optimizer(args, model, d.device)
     model_fn = T.compile_model(model) if args.compile else model
     loader = T.DocumentLoader(args.train_files, args.bigram_vocab_size, d.rank, d.world_size)
-    mtp = torch.zeros(len(args.stage_mtp_start[0]), dtype=torch.float32, device=d.device)
+    mtp = torch.zeros(len(args.stages[0].mtp_start), dtype=torch.float32, device=d.device)
     prefix = torch.zeros((), dtype=torch.float32, device=d.device)
     model.prefix_table.copy_(T.build_prefix_table(T.gpt2_encoding(), args.padded_vocab_size))
     fp8_mlp = args.fp8 and T._native_fp8(d.device)  # as train(): quantised before step 0 and after every step

@@ -88,14 +88,16 @@ SHARD_TOKENS = 100_000_000  # at most this many tokens per written training shar
 VAL_SETS = ("even", "first")
 TRAIN_ORDERS = ("shuffled", "file")
 
-# (component, Hyperparameters overrides that switch it off). A callable gets the base args.
+# (component, what switches it off): Hyperparameters overrides (a dict), or an edit of the rows, a
+# function of the preset's args applied before the run is sized to its token budget (train_gpt's
+# ABLATIONS by name, and the constant batch).
 ABLATIONS: list[tuple[str, object]] = [
     ("full recipe", {}),
     ("NorMuon -> Muon (no variance reduction)", {"matrix_optimizer": "muon"}),
     ("NorMuon -> AdamW on the matrices", {"matrix_optimizer": "adamw"}),
     ("Polar Express -> Gram Newton-Schulz", {"orthogonalizer": "gram_newton_schulz"}),
-    ("multi-token prediction", {"mtp": False}),
-    ("prefix-token loss", {"prefix_loss": False}),
+    ("multi-token prediction", lambda a: T.ablated(a, ["mtp"])),
+    ("prefix-token loss", lambda a: T.ablated(a, ["prefix_loss"])),
     ("value embeddings", {"value_embeds": False}),
     ("bigram hash embedding", {"bigram_embed": False}),
     ("bigram sign table", {"bigram_signs": False}),
@@ -103,22 +105,23 @@ ABLATIONS: list[tuple[str, object]] = [
     ("U-net skip", {"unet_skip": False}),
     ("post-loop MUDD (backout)", {"backout": False}),
     ("MUDD per-token coefficients", {"mudd": False}),
-    ("paired-head attention", {"paired_heads": False}),
-    ("XSA", {"xsa": False}),
-    ("attention output gates", {"attn_gates": False}),
-    ("DC", {"dc": False}),
-    ("key offset", {"key_offset": False}),
-    ("attention from h", {"from_h": False}),
-    ("window schedule", {"window_schedule": False}),
-    ("batch schedule", lambda a: {"stage_batch_tokens": (constant_batch(a),) * len(a.stage_batch_tokens)}),
+    ("paired-head attention", lambda a: T.ablated(a, ["paired_heads"])),
+    ("XSA", lambda a: T.ablated(a, ["xsa"])),
+    ("attention output gates", lambda a: T.ablated(a, ["attn_gates"])),
+    ("DC", lambda a: T.ablated(a, ["dc"])),
+    ("key offset", lambda a: T.ablated(a, ["key_offset"])),
+    ("attention from h", lambda a: T.ablated(a, ["from_h"])),
+    ("window schedule", lambda a: T.ablated(a, ["window_schedule"])),
+    ("batch schedule", lambda a: dataclasses.replace(
+        a, stages=T.restaged(a.stages, batch_tokens=(constant_batch(a),) * len(a.stages)))),
 ]
 
 
 def constant_batch(args: T.Hyperparameters) -> int:
-    """The constant batch with the same total tokens as the staged one (stages have equal step counts),
+    """The constant batch with the same total tokens as the scheduled stages (weighted by their shares),
     rounded to whole 128-token attention blocks per micro-batch."""
     quantum = args.micro_batches * 128
-    mean = sum(args.stage_batch_tokens) / len(args.stage_batch_tokens)
+    mean = sum(row.share * row.batch_tokens for row in args.stages[:-1])
     return max(quantum, int(round(mean / quantum)) * quantum)
 
 
@@ -184,17 +187,20 @@ def sized_for_tokens(base: T.Hyperparameters, tokens: int) -> T.Hyperparameters:
 
 
 def recipe_args(preset: str, train: str, val: str, tokens: int, evals: int, val_tokens: int | None,
-                device: torch.device, overrides: dict | None = None, log_dir: str = "") -> T.Hyperparameters:
+                device: torch.device, overrides: dict | None = None, log_dir: str = "",
+                edit=None) -> T.Hyperparameters:
+    """The preset sized to `tokens`, with `edit` (args -> args: rows changed, e.g. an ablation)
+    applied before sizing (a changed batch changes the step count) and `overrides` after."""
     base = dataclasses.replace(T.Hyperparameters(), **T.PRESETS[preset])
     base = dataclasses.replace(base, train_files=train or base.train_files, val_files=val or base.val_files)
     if val_tokens:
         base = dataclasses.replace(base, val_tokens=val_tokens, val_seq_len=min(base.val_seq_len, val_tokens))
-    overrides = dict(overrides or {})
-    base = dataclasses.replace(base, **{k: v for k, v in overrides.items() if k == "stage_batch_tokens"})
+    if edit is not None:
+        base = edit(base)
     args = sized_for_tokens(base, tokens)
     steps = T.total_steps(args)
     return dataclasses.replace(
-        args, **{k: v for k, v in overrides.items() if k != "stage_batch_tokens"},
+        args, **dict(overrides or {}),
         val_loss_every=max(1, steps // evals) if evals else 0,
         compile=device.type == "cuda", checkpoint_dir="", log_dir=log_dir or tempfile.mkdtemp(prefix="bench_logs_"))
 
@@ -1073,13 +1079,13 @@ def run_ablations(a, device: torch.device) -> None:
     for i, (name, spec) in enumerate(ABLATIONS):
         if only and i and not any(o in name.lower() for o in only):
             continue
-        overrides = spec(base) if callable(spec) else spec
+        overrides, edit = ({}, spec) if callable(spec) else (spec, None)
         for seed in seeds:
             file = "recipe" if i == 0 else "ablate_" + re.sub(r"[^a-z0-9]+", "_", name.lower()).strip("_")
             if saved(a.save, f"{file}_s{seed}"):
                 continue
             args = recipe_args(a.preset, data.train(seed), data.val_path, a.tokens, 0, data.val.val_tokens, device,
-                               {**a.recipe_lrs, **overrides, "seed": seed}, a.log_dir)
+                               {**a.recipe_lrs, **overrides, "seed": seed}, a.log_dir, edit)
             run_id = f"{file}_s{seed}_{os.getpid()}"
             t = time.perf_counter()
             try:
