@@ -350,6 +350,7 @@ class Hyperparameters:
     # component switches outside the rows (ABLATIONS edits rows for the others). A switched-off
     # component's parameters stay in the model (checkpoints keep one layout), unread and frozen.
     matrix_optimizer: str = "normuon"               # banks: normuon | muon (no variance reduction) | adamw
+    adamw_bank_lr_mul: float = knob(0.25, _RATE)    # adamw: the banks' lr, x adam_lr (Adam on every step)
     value_embeds: bool = True                       # value-embedding tables added to V (the value_embed rows)
     bigram_embed: bool = True                       # bigram hash embedding injected at every layer
     bigram_signs: bool = True                       # the bigram rows times a +-1 table keyed on (prev XOR cur)
@@ -1157,6 +1158,7 @@ class ParamConfig:
     betas          Adam (beta1, beta2)
     matrix_lr_mul  NorMuon banks: one lr multiplier per matrix of the bank (e.g. x2 on the MLP
                    down-projections), on top of lr_mul and the shape factor sqrt(max(1, rows/cols))
+    every_step     Adam: step on every step() call, not only on do_adam ones
     """
     optimizer: str = "adam"
     comms: str = "replicated"
@@ -1164,6 +1166,7 @@ class ParamConfig:
     wd_mul: float = 1.0
     betas: tuple[float, float] = (0.9, 0.95)
     matrix_lr_mul: tuple[float, ...] | None = None
+    every_step: bool = False
 
     def __post_init__(self):
         if self.optimizer not in OPTIMIZER_KINDS:
@@ -1174,6 +1177,8 @@ class ParamConfig:
             raise ValueError("ParamConfig: comms='sharded_sparse' is for Adam embedding tables; use 'sharded' for normuon")
         if self.matrix_lr_mul is not None and self.optimizer != "normuon":
             raise ValueError("ParamConfig: matrix_lr_mul applies to normuon banks only; use lr_mul for adam")
+        if self.every_step and self.optimizer != "adam":
+            raise ValueError("ParamConfig: every_step applies to adam labels (normuon steps every step)")
         betas = tuple(float(b) for b in self.betas)
         if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
             raise ValueError(f"ParamConfig: betas={self.betas!r} must be two numbers in [0, 1)")
@@ -1857,7 +1862,8 @@ class NorMuonAdam:
         momentum = self.normuon_momentum if momentum is None else momentum
         skip = self.tied[0] if self.tied else None
         active = [label for label in self.scatter_order
-                  if label != skip and (do_adam or self.slots[label].cfg.optimizer == "normuon")]
+                  if label != skip and (do_adam or self.slots[label].cfg.optimizer == "normuon"
+                                        or self.slots[label].cfg.every_step)]
         hps = self._hyperparams(active, float(lr_scale), float(momentum))
         if self.tied and do_adam:
             embed, head = (self.slots[t].param for t in self.tied)
@@ -3111,10 +3117,9 @@ def check_batch_split(args: Hyperparameters, world_size: int) -> int:
 
 
 MATRIX_OPTIMIZERS = ("normuon", "muon", "adamw")
-# matrix_optimizer='adamw' runs the banks through the recipe's Adam (odd steps, cautious decay) at
-# AdamW-like settings: a quarter of the embeddings' learning rate (0.002 by default; hidden matrices
-# want much smaller Adam steps than embedding rows) and decoupled decay of 0.1 x lr at the base lr.
-ADAMW_BANK_LR_MUL = 0.25
+# matrix_optimizer='adamw' runs the banks through the recipe's Adam (cautious decay) on every step, at
+# AdamW-like settings: adamw_bank_lr_mul x the embeddings' learning rate (a quarter, 0.002, by default;
+# hidden matrices want much smaller Adam steps than embedding rows) and decoupled decay of 0.1 x lr.
 ADAMW_BANK_DECAY = 0.1
 ADAMW_BANK_BETAS = (0.9, 0.95)
 
@@ -3133,11 +3138,11 @@ def optimizer_configs(args: Hyperparameters, model: "GPT") -> dict[str, ParamCon
     if args.matrix_optimizer == "adamw":
         # Adam's decay is (lr * lr_mul)^2 * adam_wd * wd_mul: pick wd_mul so that it equals
         # ADAMW_BANK_DECAY times the bank's learning rate at the base lr.
-        bank_lr = args.adam_lr * ADAMW_BANK_LR_MUL
+        bank_lr = args.adam_lr * args.adamw_bank_lr_mul
         wd_mul = ADAMW_BANK_DECAY / (bank_lr * args.adam_wd) if bank_lr * args.adam_wd > 0 else 0.0
         for label in ("qk_bank", "vo_bank", "mlp_bank"):  # muon differs from normuon only in beta2 (build_optimizer)
-            configs[label] = ParamConfig("adam", "sharded", lr_mul=ADAMW_BANK_LR_MUL, wd_mul=wd_mul,
-                                         betas=ADAMW_BANK_BETAS)
+            configs[label] = ParamConfig("adam", "sharded", lr_mul=args.adamw_bank_lr_mul, wd_mul=wd_mul,
+                                         betas=ADAMW_BANK_BETAS, every_step=True)
     switched_off = {"value_embeds": not args.value_embeds, "ve_gate_bank": not args.value_embeds,
                     "bigram_embed": not args.bigram_embed, "smear_gate": not args.smear,
                     **{label: not args.mudd for label in ("mudd_w1", "mudd_w2", "mudd_gate_w1", "mudd_gate_w2")}}

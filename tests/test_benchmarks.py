@@ -231,7 +231,7 @@ def test_adamw_puts_the_banks_on_adam():
     assert all(configs[b].optimizer == "adam" for b in ("qk_bank", "vo_bank", "mlp_bank"))
     model, before, grads, after = _one_step(args, do_adam=True)
     lr = args.adam_lr
-    bank_lr = lr * tg.ADAMW_BANK_LR_MUL
+    bank_lr = lr * 0.25  # --adamw_bank_lr_mul's default
     decay = tg.ADAMW_BANK_DECAY * bank_lr  # the decoupled decay per step at the base lr
     p, g = before["mlp_bank"], grads["mlp_bank"].double()
     update = bank_lr * g / (g.abs() + 1e-10 / math.sqrt(1 - 0.95))  # first Adam step, eps on the raw root
@@ -239,9 +239,13 @@ def test_adamw_puts_the_banks_on_adam():
     got = after["mlp_bank"]
     assert (got == expected).double().mean() > 0.99  # fp32 vs float64 arithmetic may flip a rare tie
     assert ((got - expected).abs() <= expected.abs() * 2.0 ** -7).all()
-    # without Adam on this step the banks do not move (Adam parameters step on odd steps only)
+    # the banks step on every step (the other Adam parameters on odd steps only), at the lr asked for
     _, before0, _, after0 = _one_step(args, do_adam=False)
-    torch.testing.assert_close(after0["mlp_bank"], before0["mlp_bank"], rtol=0, atol=0)
+    torch.testing.assert_close(after0["mlp_bank"], after["mlp_bank"], rtol=0, atol=0)
+    torch.testing.assert_close(after0["embed"], before0["embed"], rtol=0, atol=0)
+    _, before2, _, after2 = _one_step(dataclasses.replace(args, adamw_bank_lr_mul=0.5), do_adam=False)
+    step2, step1 = after2["mlp_bank"] - before2["mlp_bank"], after["mlp_bank"] - before["mlp_bank"]
+    assert step2.abs().mean() == pytest.approx(2 * step1.abs().mean(), rel=0.02)
 
 
 @pytest.mark.parametrize("switch,labels", [("value_embeds", ("value_embeds", "ve_gate_bank")),
@@ -295,6 +299,42 @@ def test_tokens_to_reach_and_ratio_by_hand():
     assert te.tokens_to_reach(recipe, 3.0) is None
     assert te.efficiency_ratio([(0, 10.0), (100, 7.0)], classic) is None
     assert te.loss_at(classic, 150) == pytest.approx(5.5)
+
+
+def test_ratio_of_seed_mean_curves_by_hand():
+    """Two seeds. Classic: 10 -> 6 -> 4 and 10 -> 8 -> 6 at 0, 100, 200 tokens: mean 10, 7, 5, best 5 at
+    200. Recipe: 10 -> 4 and 10 -> 6 at 0, 100 (the other seed also at 50: 8): mean at 50 is
+    (7 + 8) / 2 = 7.5, at 100 it is 5, so the mean recipe reaches 5 at 100 tokens: ratio 0.5."""
+    classic = [[(0, 10.0), (100, 6.0), (200, 4.0)], [(0, 10.0), (100, 8.0), (200, 6.0)]]
+    recipe = [[(0, 10.0), (100, 4.0)], [(0, 10.0), (50, 8.0), (100, 6.0)]]
+    assert te.mean_curve(recipe) == [(0, 10.0), (50, 7.5), (100, 5.0)]
+    assert te.mean_curve(classic) == [(0, 10.0), (100, 7.0), (200, 5.0)]
+    ratio, boot = te.mean_curve_ratio(recipe, classic)
+    assert ratio == pytest.approx(0.5)
+    # resampling both seeds alike: {0, 0} gives 4 @ 200 and the recipe reaches it at 100 (0.5); {1, 1}
+    # gives 6 @ 200, reached at 100 (0.5); {0, 1} is the full mean (0.5)
+    assert len(boot) == 1000 and all(b == pytest.approx(0.5) for b in boot)
+    # seed 1 slower (8 at 100, 6 at 200): the mean curve stops at the shorter seed's 100 tokens, where it
+    # is (4 + 8) / 2 = 6, so it never reaches 5
+    slower = [[(0, 10.0), (100, 4.0)], [(0, 10.0), (200, 6.0)]]
+    assert te.mean_curve(slower) == [(0, 10.0), (100, 6.0)]
+    assert te.mean_curve_ratio(slower, classic, resamples=0) == (None, [])
+
+
+def test_search_edges_name_the_axes_to_extend():
+    def run(lr, batch, seq):
+        return {"classic_lr": lr, "classic_batch_tokens": batch, "classic_seq_len": seq}
+    grid = [run(lr, b, s) for lr in (0.001, 0.002, 0.004) for b in (2048, 4096, 8192) for s in (256, 1024)]
+    inside = next(r for r in grid if r["classic_lr"] == 0.002 and r["classic_batch_tokens"] == 4096
+                  and r["classic_seq_len"] == 1024)
+    lines = te.search_edges(grid, inside)
+    assert len(lines) == 1 and "seq_len 1,024 is the largest value searched (256, 1,024): extend --search_seq" in lines[0]
+    corner = grid[0]  # lr 0.001, batch 2048, context 256: the smallest of all three
+    assert [line.split(" is the ")[1].split(" value")[0] for line in te.search_edges(grid, corner)] == ["smallest"] * 3
+    middle = [run(0.002, b, 512) for b in (2048, 4096, 8192)] + [run(lr, 4096, s) for lr in (0.001, 0.004)
+                                                                   for s in (256, 1024)]
+    assert te.search_edges(middle, middle[1]) == ["the winner is inside the searched grid on every axis"]
+    assert "is the only value searched" in te.search_edges([run(0.002, 4096, 512)], run(0.002, 4096, 512))[0]
 
 
 def test_schedule_is_sized_to_the_token_budget():

@@ -790,6 +790,7 @@ def test_bad_configs_give_one_line_errors():
     one_line_error(lambda: T.ParamConfig("adam", "broadcast"), "comms='broadcast'")
     one_line_error(lambda: T.ParamConfig("sgd"), "optimizer='sgd'")
     one_line_error(lambda: T.ParamConfig("normuon", "sharded_sparse"), "sharded_sparse")
+    one_line_error(lambda: T.ParamConfig("normuon", "sharded", every_step=True), "every_step applies to adam")
     one_line_error(lambda: mk(orthogonalizer="svd"), "orthogonalizer='svd'")
     one_line_error(lambda: mk(tied=("embed", "proj")), "tied")
     one_line_error(lambda: T.NorMuonAdam(params, {k: v for k, v in cfgs.items() if k != "local"},

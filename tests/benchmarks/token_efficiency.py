@@ -159,6 +159,29 @@ def efficiency_ratio(recipe: list[tuple[int, float]], classic: list[tuple[int, f
     return None if reach is None or tokens == 0 else reach / tokens
 
 
+def mean_curve(curves: list[list[tuple[int, float]]]) -> list[tuple[int, float]]:
+    """The seeds' curves averaged point by point: at every evaluation token count of any of them (up to
+    the shortest curve's end), the mean of each curve's loss there (linear between its evaluations)."""
+    end = min(c[-1][0] for c in curves)
+    grid = sorted({t for c in curves for t, _ in c if t <= end})
+    return [(t, sum(loss_at(c, t) for c in curves) / len(curves)) for t in grid]
+
+
+def mean_curve_ratio(recipe: list[list[tuple[int, float]]], classic: list[list[tuple[int, float]]],
+                     resamples: int = 1000) -> tuple[float | None, list[float]]:
+    """efficiency_ratio of the seed-mean curves, and its bootstrap over seeds: the same resampled seeds
+    (with replacement, a fixed generator) for both sides, which share a seed's data order; resamples
+    whose mean recipe curve never reaches the classic's best are left out."""
+    ratio = efficiency_ratio(mean_curve(recipe), mean_curve(classic))
+    rng, n, boot = np.random.default_rng(0), len(recipe), []
+    for _ in range(resamples if n > 1 else 0):
+        pick = rng.integers(0, n, n)
+        r = efficiency_ratio(mean_curve([recipe[i] for i in pick]), mean_curve([classic[i] for i in pick]))
+        if r is not None:
+            boot.append(r)
+    return ratio, boot
+
+
 # ------------------------------------------------------------------------------------------------
 # the recipe: train_gpt.train() itself
 # ------------------------------------------------------------------------------------------------
@@ -770,7 +793,30 @@ def search_table(runs: dict[str, dict]) -> str:
         t, v = best_point(r["curve"])
         lines.append(f"{r['classic_lr']:8g} {r['classic_batch_tokens']:7,} {r['classic_seq_len']:7} "
                      f"{r['tokens'] // r['classic_batch_tokens']:6} {v:9.4f} {t:10,}" + ("  <- best" if r is win else ""))
+    if len(rows) > 1:
+        lines += search_edges(rows, win)
     return "\n".join(lines)
+
+
+SEARCH_AXES = (("classic_lr", "--search_lr"), ("classic_batch_tokens", "--search_batch"),
+               ("classic_seq_len", "--search_seq"))
+
+
+def search_edges(rows: list[dict], win: dict) -> list[str]:
+    """One line per axis on which the winner sits at the smallest or largest value searched (or the only
+    one): its optimum may lie beyond, so the search is not done there."""
+    out = []
+    for key, flag in SEARCH_AXES:
+        values = sorted({r[key] for r in rows})
+        if win[key] in (values[0], values[-1]):
+            side = "only" if len(values) == 1 else "smallest" if win[key] == values[0] else "largest"
+            def fmt(v):
+                return f"{v:,}" if isinstance(v, int) else f"{v:g}"
+            out.append(f"the winner's {key[len('classic_'):]} {fmt(win[key])} is the {side} value searched "
+                       f"({', '.join(fmt(v) for v in values)}): extend {flag} past it")
+    if not out:
+        out.append("the winner is inside the searched grid on every axis")
+    return out
 
 
 def seeds_table(runs: dict[str, dict], floors: Floors | None = None) -> tuple[str, list[float]]:
@@ -813,8 +859,15 @@ def seeds_table(runs: dict[str, dict], floors: Floors | None = None) -> tuple[st
         if col:
             m, sd = mean_std(col)
             lines.append(f"{name}: mean {m:.4f}, std {sd:.4f}, range {min(col):.4f} .. {max(col):.4f} ({len(col)} seeds)")
+    paired = sorted(set(recipe) & set(classic))
     if refusal:
         lines.append(refusal)
+    elif paired:
+        ratio, boot = mean_curve_ratio([recipe[s]["curve"] for s in paired], [classic[s]["curve"] for s in paired])
+        spread = (f"; bootstrap over the {len(paired)} seeds: std {np.std(boot):.4f}, 95% "
+                  f"{np.percentile(boot, 2.5):.4f} .. {np.percentile(boot, 97.5):.4f}" if len(boot) > 1 else "")
+        lines.append("ratio of the seed-mean curves: " + (f"{ratio:.4f}{spread}" if ratio is not None else
+                                                          "none (the mean recipe curve never reaches the classic's best)"))
     return "\n".join(lines), ratios
 
 
