@@ -94,7 +94,11 @@ TRAIN_ORDERS = ("shuffled", "file")
 ABLATIONS: list[tuple[str, object]] = [
     ("full recipe", {}),
     ("NorMuon -> Muon (no variance reduction)", {"matrix_optimizer": "muon"}),
-    ("NorMuon -> AdamW on the matrices", {"matrix_optimizer": "adamw"}),
+    # AdamW on the banks, stepped every step, over a grid of its learning rate (x the Adam lr): the
+    # best row is the comparison (runs saved before the grid, "NorMuon -> AdamW on the matrices",
+    # stepped the banks on odd steps at x0.25)
+    *((f"NorMuon -> AdamW on the matrices, bank lr x{m:g}", {"matrix_optimizer": "adamw", "adamw_bank_lr_mul": m})
+      for m in (0.125, 0.25, 0.5, 1.0)),
     ("Polar Express -> Gram Newton-Schulz", {"orthogonalizer": "gram_newton_schulz"}),
     ("multi-token prediction", lambda a: T.ablated(a, ["mtp"])),
     ("prefix-token loss", lambda a: T.ablated(a, ["prefix_loss"])),
