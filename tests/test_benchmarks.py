@@ -431,6 +431,31 @@ def run_script(*argv, timeout=300):
 
 
 @pytest.mark.slow
+@pytest.mark.slow
+def test_recipe_learning_rate_search_smoke(tmp_path):
+    """--run recipe_search on a tuning split trains the grid on seed 0; --recipe_from then trains the
+    compared recipe at the winner's rates (the lowest best val loss of the grid)."""
+    tune, folder = str(tmp_path / "tune"), str(tmp_path / "r")
+    script = "tests/benchmarks/token_efficiency.py"
+    run_script(script, "--smoke", "--val_set", "tune", "--run", "recipe_search", "--search_muon_lr", "0.001,0.03",
+               "--search_adam_lr", "0.0001,0.01", "--save", tune)
+    runs = te.read_runs(tune, te.RECIPE_SEARCH_PREFIX)
+    assert sorted(runs) == ["rsearch_m0.001_a0.0001_s0", "rsearch_m0.001_a0.01_s0", "rsearch_m0.03_a0.0001_s0",
+                            "rsearch_m0.03_a0.01_s0"]
+    assert {r["val_set"] for r in runs.values()} == {"tune"}
+    best = min(runs.values(), key=lambda r: min(v for _, v in r["curve"]))
+    out = run_script(script, "--smoke", "--run", "recipe", "--recipe_from", tune, "--save", folder)
+    assert f"NorMuon lr {best['recipe_muon_lr']:g}, Adam lr {best['recipe_adam_lr']:g}" in out
+    recipe = json.load(open(os.path.join(folder, "recipe_s0.json")))
+    assert (recipe["recipe_muon_lr"], recipe["recipe_adam_lr"]) == (best["recipe_muon_lr"], best["recipe_adam_lr"])
+    assert recipe["val_set"] == "even" and recipe["val_digest"] != runs["rsearch_m0.03_a0.01_s0"]["val_digest"]
+    table = te.recipe_search_table(runs).splitlines()
+    marked = [line.split()[:2] for line in table if line.endswith("<- best")]
+    assert marked == [[f"{best['recipe_muon_lr']:g}", f"{best['recipe_adam_lr']:g}"]]
+    assert sum("is the smallest value searched" in line or "is the largest value searched" in line
+               for line in table) == 2  # a 2 x 2 grid: every winner is on both edges
+
+
 def test_token_efficiency_smoke(tmp_path):
     """A 2-point classic search, the recipe on two seeds and the search winner on a second seed, each a
     separate process on one results folder (as on a 2-core machine), then --load joins them."""

@@ -119,6 +119,20 @@ def test_even_validation_takes_documents_from_every_shard(tmp_path):
     assert even.digest() != first.digest() and even.digest() == te.choose_validation(pattern, "even", 299, 64).digest()
 
 
+def test_tuning_validation_is_disjoint_from_the_scored_one(tmp_path):
+    """The same 30 documents. Even scores 2, 7, 12, 17, 22, 27; the other 24 (0, 1, 3, ..., 29) give the
+    tuning set, 6 of them at the middles of 6 strides of 4: positions 2, 6, 10, 14, 18, 22 of that list,
+    i.e. documents 3, 8, 13, 18, 23, 28."""
+    pattern = _write_shards(str(tmp_path), "v", [_tagged_documents(10 * s, 10, 50) for s in range(3)])
+    tune = te.choose_validation(pattern, "tune", 299, 64)
+    assert tune.how == "tune" and len(tune.tokens) == 300 and tune.documents == (6, 30)
+    assert [int(t) for t in tune.tokens[1::50]] == [3, 8, 13, 18, 23, 28]
+    even = te.choose_validation(pattern, "even", 299, 64)
+    assert not {int(t) for t in tune.tokens[1::50]} & {int(t) for t in even.tokens[1::50]}
+    with pytest.raises(SystemExit, match="--val_set tune: the val documents that --val_set even does not score hold"):
+        te.choose_validation(pattern, "tune", 900, 64)  # even takes 19 documents, the other 11 hold 550 tokens
+
+
 def test_both_sides_score_the_same_validation_tokens(tmp_path):
     """The shard the benchmark writes, read by the recipe's validation_batches and the classic's
     token_stream: the same val_tokens predictions, the chosen documents'. 20 documents of 40 tokens (ids

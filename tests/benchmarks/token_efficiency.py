@@ -85,7 +85,7 @@ EVEN_VAL_TOKENS = 65_536  # --val_set even: enough documents that one file's sty
 HELDOUT_FRACTION = 0.1    # the tail of the floor's training tokens that chooses the bigram's weight
 GPT2_VOCAB = 50_257       # token ids a GPT-2 tokenizer emits: the add-one unigram's support
 SHARD_TOKENS = 100_000_000  # at most this many tokens per written training shard (FineWeb's shard size)
-VAL_SETS = ("even", "first")
+VAL_SETS = ("even", "first", "tune")
 TRAIN_ORDERS = ("shuffled", "file")
 
 # (component, what switches it off): Hyperparameters overrides (a dict), or an edit of the rows, a
@@ -435,7 +435,9 @@ class ValidationSet:
 def choose_validation(pattern: str, how: str, val_tokens: int, seq_len: int) -> ValidationSet:
     """--val_set even: the fewest documents, spread evenly over the document index of all val shards
     together, that hold val_tokens + 1 tokens (the last one cut); the whole split, cut to whole seq_len
-    sequences, when it holds fewer. --val_set first: the first val_tokens + 1 tokens of the shards."""
+    sequences, when it holds fewer. --val_set first: the first val_tokens + 1 tokens of the shards.
+    --val_set tune: chosen the same way as even, but among the documents even does not score, for
+    choosing learning rates and the like on tokens the reported figures are not scored on."""
     per_shard = shard_documents(pattern, "val")
     docs = [(s, d) for s, ds in enumerate(per_shard) for d in ds]
     lengths = np.array([len(d) for _, d in docs])
@@ -454,12 +456,27 @@ def choose_validation(pattern: str, how: str, val_tokens: int, seq_len: int) -> 
             raise SystemExit(f"error: --val {pattern}: the val shards hold {total} token(s); nothing to score")
         stream = np.concatenate([d for _, d in docs])[:n + 1]
         return ValidationSet(stream, n, "whole", (len(docs), len(docs)), (len(per_shard), len(per_shard)))
-    for k in range(1, len(docs) + 1):
-        picks = even_picks(len(docs), k)
-        if lengths[picks].sum() >= val_tokens + 1:
-            break
+    picks = fewest_even_picks(lengths, range(len(docs)), val_tokens + 1)
+    if how == "tune":
+        scored = set(picks)
+        rest = [i for i in range(len(docs)) if i not in scored]
+        if lengths[rest].sum() < val_tokens + 1:
+            raise SystemExit(f"error: --val_set tune: the val documents that --val_set even does not score hold "
+                             f"{int(lengths[rest].sum())} tokens, fewer than --val_tokens {val_tokens} + 1; lower --val_tokens")
+        picks = fewest_even_picks(lengths, rest, val_tokens + 1)
     stream = np.concatenate([docs[i][1] for i in picks])[:val_tokens + 1]
-    return ValidationSet(stream, val_tokens, "even", (k, len(docs)), (len({docs[i][0] for i in picks}), len(per_shard)))
+    return ValidationSet(stream, val_tokens, how, (len(picks), len(docs)),
+                         (len({docs[i][0] for i in picks}), len(per_shard)))
+
+
+def fewest_even_picks(lengths: np.ndarray, candidates, need: int) -> list[int]:
+    """The fewest of the candidate documents, spread evenly over them (even_picks), holding >= need tokens."""
+    candidates = list(candidates)
+    for k in range(1, len(candidates) + 1):
+        picks = [candidates[j] for j in even_picks(len(candidates), k)]
+        if lengths[picks].sum() >= need:
+            return picks
+    return candidates
 
 
 def training_documents(pattern: str, order: str, seed: int) -> list[np.ndarray]:
@@ -802,25 +819,46 @@ def search_table(runs: dict[str, dict]) -> str:
     return "\n".join(lines)
 
 
+RECIPE_SEARCH_PREFIX = "rsearch_"  # not "recipe_": those are the compared recipe runs
 SEARCH_AXES = (("classic_lr", "--search_lr"), ("classic_batch_tokens", "--search_batch"),
                ("classic_seq_len", "--search_seq"))
+RECIPE_SEARCH_AXES = (("recipe_muon_lr", "--search_muon_lr"), ("recipe_adam_lr", "--search_adam_lr"))
 
 
-def search_edges(rows: list[dict], win: dict) -> list[str]:
+def search_edges(rows: list[dict], win: dict, axes=SEARCH_AXES) -> list[str]:
     """One line per axis on which the winner sits at the smallest or largest value searched (or the only
     one): its optimum may lie beyond, so the search is not done there."""
     out = []
-    for key, flag in SEARCH_AXES:
+    for key, flag in axes:
         values = sorted({r[key] for r in rows})
         if win[key] in (values[0], values[-1]):
             side = "only" if len(values) == 1 else "smallest" if win[key] == values[0] else "largest"
             def fmt(v):
                 return f"{v:,}" if isinstance(v, int) else f"{v:g}"
-            out.append(f"the winner's {key[len('classic_'):]} {fmt(win[key])} is the {side} value searched "
+            out.append(f"the winner's {key.split('_', 1)[1]} {fmt(win[key])} is the {side} value searched "
                        f"({', '.join(fmt(v) for v in values)}): extend {flag} past it")
     if not out:
         out.append("the winner is inside the searched grid on every axis")
     return out
+
+
+def recipe_search_winner(runs: dict[str, dict]) -> dict | None:
+    """The recipe search run (--run recipe_search) with the lowest best val loss."""
+    rows = [r for n, r in runs.items() if n.startswith(RECIPE_SEARCH_PREFIX)]
+    return min(rows, key=lambda r: best_point(r["curve"])[1]) if rows else None
+
+
+def recipe_search_table(runs: dict[str, dict]) -> str:
+    rows = sorted((r for n, r in runs.items() if n.startswith(RECIPE_SEARCH_PREFIX)),
+                  key=lambda r: (r["recipe_muon_lr"], r["recipe_adam_lr"]))
+    if not rows:
+        return ""
+    win = recipe_search_winner(runs)
+    lines = [f"recipe learning-rate search (seed 0): {len(rows)}", f"{'NorMuon lr':>10} {'Adam lr':>8} {'best val':>9} {'@ tokens':>10}"]
+    for r in rows:
+        t, v = best_point(r["curve"])
+        lines.append(f"{r['recipe_muon_lr']:10g} {r['recipe_adam_lr']:8g} {v:9.4f} {t:10,}" + ("  <- best" if r is win else ""))
+    return "\n".join(lines + search_edges(rows, win, RECIPE_SEARCH_AXES))
 
 
 def seeds_table(runs: dict[str, dict], floors: Floors | None = None) -> tuple[str, list[float]]:
@@ -891,7 +929,9 @@ def ablation_table(runs: dict[str, dict], floors: Floors | None = None) -> str:
     stats = _summarize()
     fm, fs = mean_std(list(full.values()))
     rows = []
-    for name, _ in ABLATIONS:
+    listed = [name for name, _ in ABLATIONS]
+    # in ABLATIONS' order; components saved under a name no longer listed (an older arm) after them
+    for name in listed + sorted(set(by) - set(listed)):
         if name not in by:
             continue
         xs = list(by[name].values())
@@ -983,7 +1023,9 @@ def report(folder: str, tokens: int | None, plot: bool = True) -> list[float]:
     print("commit: " + ", ".join(f"{c} ({n} runs)" for c, n in sorted(commits.items())))
     lrs = {(r["recipe_muon_lr"], r["recipe_adam_lr"]) for n, r in runs.items() if "recipe_muon_lr" in r}
     base = dataclasses.replace(T.Hyperparameters(), **T.PRESETS[any_run["preset"]])
-    classic = next(r for n, r in runs.items() if n.startswith("classic_"))
+    classic = next((r for n, r in runs.items() if n.startswith("classic_")), None)
+    if classic is None:
+        raise SystemExit(f"error: --load {folder}: no classic run there; the tables compare both sides")
     for name, p in (("recipe", recipe_params(base)), ("classic", classic["classic_params"])):
         print(f"{name} parameters: {p['non-embedding']:,} outside the embedding tables, {p['total']:,} in all")
     if lrs:
@@ -991,6 +1033,8 @@ def report(folder: str, tokens: int | None, plot: bool = True) -> list[float]:
     floors = folder_floors(folder, runs)
     print(floor_line(floors))
     print(search_table(runs) + "\n")
+    if recipe_search_table(runs):
+        print(recipe_search_table(runs) + "\n")
     table, ratios = seeds_table(runs, floors)
     print(table)
     abl = ablation_table(runs, floors)
@@ -1069,6 +1113,21 @@ def run_sides(a, device: torch.device) -> None:
     args = recipe_args(a.preset, data.train_glob, data.val_path, a.tokens, a.evals, data.val.val_tokens, device,
                        a.recipe_lrs, a.log_dir)
     folder = a.save
+    if a.run == "recipe_search":
+        grid = [(float(m), float(ad)) for m in a.search_muon_lr.split(",") for ad in a.search_adam_lr.split(",")]
+        for m, ad in grid:
+            name = f"{RECIPE_SEARCH_PREFIX}m{m:g}_a{ad:g}_s0"
+            if saved(folder, name):
+                continue
+            run_args = dataclasses.replace(args, muon_lr=m, adam_lr=ad, train_files=data.train(0))
+            print(f"recipe search: NorMuon lr {m:g}, Adam lr {ad:g}, seed 0", flush=True)
+            t = time.perf_counter()
+            run_id = f"{name}_{os.getpid()}"
+            curve = run_recipe(run_args, device, run_id)
+            save_curve(folder, name, curve, {**run_meta(a, data, 0, device), "seconds": time.perf_counter() - t,
+                                             "recipe_muon_lr": m, "recipe_adam_lr": ad,
+                                             "log": log_of(run_args, run_id, folder)})
+            print(f"  best val {best_point(curve)[1]:.4f} in {time.perf_counter() - t:.0f}s", flush=True)
     if a.run in ("both", "recipe"):
         for seed in seeds:
             if saved(folder, f"recipe_s{seed}"):
@@ -1183,7 +1242,11 @@ def main(argv=None):
     ap.add_argument("--search_lr", default="0.003,0.006", help="--run search: classic learning rates")
     ap.add_argument("--search_batch", default="4096,8192", help="--run search: classic batch sizes (tokens)")
     ap.add_argument("--search_seq", default="256,1024", help="--run search: classic contexts")
-    ap.add_argument("--run", default="both", choices=("both", "recipe", "classic", "search"),
+    ap.add_argument("--search_muon_lr", default="0.0115,0.023,0.046", help="--run recipe_search: NorMuon lrs")
+    ap.add_argument("--search_adam_lr", default="0.004,0.008,0.016", help="--run recipe_search: Adam lrs")
+    ap.add_argument("--recipe_from", default="",
+                    help="recipe learning rates: the --run recipe_search winner saved in this results folder")
+    ap.add_argument("--run", default="both", choices=("both", "recipe", "classic", "search", "recipe_search"),
                     help="train one side only (processes can then share the machine and one --save folder)")
     ap.add_argument("--seeds", default="0", help="comma-separated seeds (recipe, classic and ablation runs)")
     ap.add_argument("--save", default="", help="results folder: one JSON per run (default: a temporary one)")
@@ -1212,6 +1275,15 @@ def main(argv=None):
     a.default_batch, a.default_seq = (1024, 128) if a.smoke else (16_384, 1024)
     a.tokens = a.tokens or DEFAULT_TOKENS
     a.recipe_lrs = {"muon_lr": a.muon_lr, "adam_lr": a.adam_lr}
+    if a.recipe_from:
+        win = recipe_search_winner(read_runs(a.recipe_from, RECIPE_SEARCH_PREFIX, "--recipe_from")) \
+            if os.path.isdir(a.recipe_from) else None
+        if win is None:
+            raise SystemExit(f"error: --recipe_from {a.recipe_from}: no recipe search runs there; run "
+                             f"--run recipe_search --save {a.recipe_from} first")
+        a.recipe_lrs = {"muon_lr": win["recipe_muon_lr"], "adam_lr": win["recipe_adam_lr"]}
+        print(f"recipe: the search winner saved in {a.recipe_from}: NorMuon lr {win['recipe_muon_lr']:g}, "
+              f"Adam lr {win['recipe_adam_lr']:g}")
     if a.tokens < 1 or a.evals < 0:
         raise SystemExit("error: --tokens must be >= 1 and --evals >= 0")
     try:
