@@ -828,13 +828,14 @@ RECIPE_SEARCH_AXES = (("recipe_muon_lr", "--search_muon_lr"), ("recipe_adam_lr",
 def search_edges(rows: list[dict], win: dict, axes=SEARCH_AXES) -> list[str]:
     """One line per axis on which the winner sits at the smallest or largest value searched (or the only
     one): its optimum may lie beyond, so the search is not done there."""
+    def fmt(v):
+        return f"{v:,}" if isinstance(v, int) else f"{v:g}"
+
     out = []
     for key, flag in axes:
         values = sorted({r[key] for r in rows})
         if win[key] in (values[0], values[-1]):
             side = "only" if len(values) == 1 else "smallest" if win[key] == values[0] else "largest"
-            def fmt(v):
-                return f"{v:,}" if isinstance(v, int) else f"{v:g}"
             out.append(f"the winner's {key.split('_', 1)[1]} {fmt(win[key])} is the {side} value searched "
                        f"({', '.join(fmt(v) for v in values)}): extend {flag} past it")
     if not out:
@@ -1033,8 +1034,9 @@ def report(folder: str, tokens: int | None, plot: bool = True) -> list[float]:
     floors = folder_floors(folder, runs)
     print(floor_line(floors))
     print(search_table(runs) + "\n")
-    if recipe_search_table(runs):
-        print(recipe_search_table(runs) + "\n")
+    rates = recipe_search_table(runs)
+    if rates:
+        print(rates + "\n")
     table, ratios = seeds_table(runs, floors)
     print(table)
     abl = ablation_table(runs, floors)
