@@ -6,6 +6,7 @@ import math
 import os
 import subprocess
 import sys
+import types
 
 import numpy as np
 import pytest
@@ -131,6 +132,21 @@ def test_tuning_validation_is_disjoint_from_the_scored_one(tmp_path):
     assert not {int(t) for t in tune.tokens[1::50]} & {int(t) for t in even.tokens[1::50]}
     with pytest.raises(SystemExit, match="--val_set tune: the val documents that --val_set even does not score hold"):
         te.choose_validation(pattern, "tune", 900, 64)  # even takes 19 documents, the other 11 hold 550 tokens
+    with pytest.raises(SystemExit, match="--val_set tune: the val shards .* hold 1500 tokens, so --val_set even scores all"):
+        te.choose_validation(pattern, "tune", 5_000, 64)  # even would score the whole split: nothing left to tune on
+    assert "chosen evenly over those --val_set even does not score" in te.val_text({"val": pattern, **tune.meta()})
+
+
+def test_tuning_validation_is_as_large_as_the_scored_one_by_default(tmp_path):
+    """Without --val_tokens, --val_set tune takes as many tokens as even (EVEN_VAL_TOKENS), not the
+    preset's smaller figure: rates chosen on fewer tokens carry more sampling error than the figures they set."""
+    pattern = _write_shards(str(tmp_path), "v", [_tagged_documents(0, 200, 1_000)])  # 200,000 tokens
+    sizes = {}
+    for how in ("even", "tune", "first"):
+        flags = types.SimpleNamespace(preset="demo", train="", val=pattern, train_order="file", tokens=1_000,
+                                      val_set=how, val_tokens=None)
+        sizes[how] = te.BenchData(flags, str(tmp_path / how)).val.val_tokens
+    assert sizes == {"even": 65_536, "tune": 65_536, "first": tg.Hyperparameters(**tg.PRESETS["demo"]).val_tokens}
 
 
 def test_both_sides_score_the_same_validation_tokens(tmp_path):

@@ -451,6 +451,9 @@ def choose_validation(pattern: str, how: str, val_tokens: int, seq_len: int) -> 
         return ValidationSet(stream, val_tokens, "first", (touched, len(docs)),
                              (len({s for s, _ in docs[:touched]}), len(per_shard)))
     if total < val_tokens + 1:
+        if how == "tune":
+            raise SystemExit(f"error: --val_set tune: the val shards {pattern!r} hold {total} tokens, so --val_set even "
+                             f"scores all of them at --val_tokens {val_tokens}; lower --val_tokens below half of that")
         n = (total - 1) // seq_len * seq_len or total - 1
         if n < 1:
             raise SystemExit(f"error: --val {pattern}: the val shards hold {total} token(s); nothing to score")
@@ -557,7 +560,7 @@ class BenchData:
         base = dataclasses.replace(T.Hyperparameters(), **T.PRESETS[a.preset])
         self.train_glob, self.val_glob = a.train or base.train_files, a.val or base.val_files
         self.order, self.tokens, self.folder = a.train_order, a.tokens, folder
-        wanted = a.val_tokens or (EVEN_VAL_TOKENS if a.val_set == "even" else base.val_tokens)
+        wanted = a.val_tokens or (base.val_tokens if a.val_set == "first" else EVEN_VAL_TOKENS)
         self.val = choose_validation(self.val_glob, a.val_set, wanted, base.val_seq_len)
         seq = min(base.val_seq_len, self.val.val_tokens)
         if self.val.val_tokens % seq:
@@ -1001,7 +1004,8 @@ def val_text(r: dict) -> str:
         return f"the first {n:,} tokens of {val}: {docs[0]} of its {docs[1]} documents, from {shards[0]} of {shards[1]} shards"
     if how == "whole":
         return f"all of {val}, {n:,} tokens: its {docs[1]} documents, cut to whole validation sequences"
-    return (f"{n:,} tokens of {val}: {docs[0]} of its {docs[1]} documents, chosen evenly over all of them "
+    among = "those --val_set even does not score" if how == "tune" else "all of them"
+    return (f"{n:,} tokens of {val}: {docs[0]} of its {docs[1]} documents, chosen evenly over {among} "
             f"(from {shards[0]} of {shards[1]} shards)")
 
 
@@ -1227,10 +1231,11 @@ def main(argv=None):
     ap.add_argument("--preset", default="demo", choices=sorted(T.PRESETS), help="model size of both recipes")
     ap.add_argument("--evals", type=int, default=8, help="validation points per curve")
     ap.add_argument("--val_tokens", type=int, default=None,
-                    help=f"validation tokens (default: {EVEN_VAL_TOKENS:,} for --val_set even, the preset's for first)")
+                    help=f"validation tokens (default: {EVEN_VAL_TOKENS:,} for --val_set even and tune, the preset's for first)")
     ap.add_argument("--val_set", default="even", choices=VAL_SETS,
                     help="even: documents chosen evenly over every val shard (the whole split when it holds fewer "
-                         "than --val_tokens); first: the first --val_tokens tokens (as runs saved before this flag)")
+                         "than --val_tokens); tune: chosen the same way among the documents even leaves out, for choosing "
+                         "rates; first: the first --val_tokens tokens (as runs saved before this flag)")
     ap.add_argument("--train_order", default="shuffled", choices=TRAIN_ORDERS,
                     help="shuffled: each seed permutes the training documents (seed 0 too) for both sides; "
                          "file: the shards' order for every seed (as runs saved before this flag)")
