@@ -2737,8 +2737,11 @@ class GPT(nn.Module):
             targets = target_ids.view(-1).long()
             total = x.new_zeros((), dtype=torch.float32)
             for c in range(0, x.shape[0], EVAL_CHUNK_TOKENS):
-                z = triton_kernels.softcap(x[c: c + EVAL_CHUNK_TOKENS] @ self.lm_head)
-                total = total + F.cross_entropy(z, targets[c: c + EVAL_CHUNK_TOKENS], reduction="sum")
+                logits, t = x[c: c + EVAL_CHUNK_TOKENS] @ self.lm_head, targets[c: c + EVAL_CHUNK_TOKENS]
+                if logits.is_cpu and not torch.compiler.is_compiling():  # the same bits, in cache-sized blocks
+                    total = total + F.nll_loss(triton_kernels.softcap_log_probs(logits), t, reduction="sum")
+                else:
+                    total = total + F.cross_entropy(triton_kernels.softcap(logits), t, reduction="sum")
             return total / x.shape[0]
         targets = target_ids.view(-1)
         prefix_ids = None

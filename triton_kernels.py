@@ -755,6 +755,27 @@ def softcap(logits: torch.Tensor) -> torch.Tensor:
     return (23.0 * torch.sigmoid((logits.float() + 5.0) / 7.5)).to(logits.dtype).float()
 
 
+def softcap_log_probs(logits: torch.Tensor) -> torch.Tensor:
+    """Evaluation's fp32 log-probabilities log_softmax(softcap(logits)) of (R, V) logits, bit for bit.
+
+    On a CPU the reference's out-of-place ops each write a fresh (R, V) fp32 tensor (7 of them, ~200 MB
+    each for 1,024 rows of a 50,304 vocabulary), and page faults and memory traffic make evaluation
+    several times slower than a training step per token. Here the same ops run in place on one block of
+    CE_CPU_ROWS rows at a time, which stays in cache, and each block's log-softmax goes into one output:
+    every op is elementwise or row-wise, so the values are the reference's, bit for bit (a test checks
+    it on both CPU kinds and thread counts). Elsewhere: the reference."""
+    if not logits.is_cpu:
+        return torch.log_softmax(softcap(logits), dim=-1)
+    out = torch.empty(logits.shape, dtype=torch.float32)
+    for a in range(0, logits.shape[0], CE_CPU_ROWS):
+        z = logits[a: a + CE_CPU_ROWS].to(torch.float32, copy=True)  # the ops below work in place
+        z.add_(5.0).div_(7.5).sigmoid_().mul_(23.0)
+        if logits.dtype != torch.float32:
+            z.copy_(z.to(logits.dtype))  # softcap's single rounding to the logits' dtype
+        torch.log_softmax(z, dim=-1, out=out[a: a + CE_CPU_ROWS])
+    return out
+
+
 def softcap_sigma_bf16(logits: torch.Tensor) -> torch.Tensor:
     """The training loss's sigma((logits + 5) / 7.5) (= 0.5 + 0.5 tanh((logits + 5) / 15)), rounded to
     bf16 and returned in fp32; z = 23 * this (see the section comment)."""

@@ -506,6 +506,30 @@ def test_eval_softcap_is_rounded_once_to_bf16_like_the_records():
     assert torch.equal(z, z.bfloat16().float())  # bf16 values only
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_cpu_eval_loss_is_the_plain_formula_bit_for_bit(threads, monkeypatch):
+    """The CPU evaluation computes the softcap and log-softmax in cache-sized blocks of rows
+    (tk.softcap_log_probs): the loss must be the plain formula's, F.cross_entropy(softcap(logits)) per
+    chunk, to the last bit, with one thread or several (several chunks and a remainder: 48 tokens each)."""
+    monkeypatch.setattr(tg, "EVAL_CHUNK_TOKENS", 48)
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        model = make_model()
+        randomize(model, seed=3)
+        inputs, targets, cu = make_batch(seed=4)
+        with torch.no_grad():
+            loss = model(inputs, targets, cu, bigrams(inputs))
+            raw = model.hidden(inputs, cu, bigrams(inputs)) @ model.lm_head
+            total = torch.zeros((), dtype=torch.float32)
+            for c in range(0, raw.shape[0], 48):
+                total = total + F.cross_entropy(tk.softcap(raw[c:c + 48]), targets[c:c + 48].long(), reduction="sum")
+    finally:
+        torch.set_num_threads(old)
+    assert raw.shape[0] % 48 and raw.shape[0] > 48
+    assert loss.item() == (total / raw.shape[0]).item()
+
+
 def record_training_loss_float64(model, inputs, targets, cu, weights, prefix_ids=None, prefix_weight=0.0):
     """Sum over tokens of the record's training loss (record #89) in float64 from the
     model's own head logits: MTP terms that stay inside the sequence, the prefix term where the target

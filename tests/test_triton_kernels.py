@@ -851,3 +851,25 @@ def test_gpu_name_is_read_at_trace_time():
     compiled = torch.compile(lambda x: x + len(tk._gpu_name(0)), backend="eager", fullgraph=True)
     assert compiled(torch.zeros(2)).shape == (2,)
     assert torch.compile(lambda x: x + len(tk.gpu_name_of(x)), backend="eager", fullgraph=True)(torch.zeros(2)).tolist() == [0, 0]
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_softcap_log_probs_is_the_reference_bit_for_bit(dtype, threads):
+    """The evaluation's blocked CPU path equals log_softmax(softcap(logits)) exactly: row counts below,
+    at and past a block (CE_CPU_ROWS), both compute dtypes, one thread or several; fp32 logits are not
+    written to (the blocks work in place on copies)."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        g = torch.Generator().manual_seed(7)
+        for rows in (1, tk.CE_CPU_ROWS - 1, tk.CE_CPU_ROWS, 3 * tk.CE_CPU_ROWS + 5):
+            logits = (8 * torch.randn(rows, 50304, generator=g)).to(dtype)
+            before = logits.clone()
+            got = tk.softcap_log_probs(logits)
+            want = torch.log_softmax(tk.softcap(logits), dim=-1)
+            assert got.dtype == torch.float32 and torch.equal(got, want), (dtype, rows)
+            assert torch.equal(logits, before)
+            assert got.exp().sum(1).sub(1).abs().max() < 1e-4  # probabilities, not some other row-wise map
+    finally:
+        torch.set_num_threads(old)
