@@ -683,11 +683,12 @@ def describe_data(d: dict) -> str:
 
 
 def load_runs(folder: str, tokens: int | None) -> dict[str, dict]:
-    """read_runs, for a report: both sides present, one token budget and one kind of data per folder."""
+    """read_runs, for a report: runs of either side (a tuning folder may hold one), one token budget and
+    one kind of data per folder."""
     runs = read_runs(folder)
-    if not any(n.startswith("recipe_") for n in runs) or not any(n.startswith("classic_") for n in runs):
-        raise SystemExit(f"error: --load {folder}: needs recipe_s*.json and classic_*.json; "
-                         f"run --run recipe and --run classic (or search) with --save {folder} first")
+    if not any(n.startswith(("recipe_", "classic_", RECIPE_SEARCH_PREFIX)) for n in runs):
+        raise SystemExit(f"error: --load {folder}: needs recipe_s*.json or classic_*.json; "
+                         f"run --run recipe, classic or search with --save {folder} first")
     budgets = {r.get("tokens") for r in runs.values()}
     if len(budgets) > 1:
         raise SystemExit(f"error: --load {folder}: runs of different --tokens budgets {sorted(map(str, budgets))}; "
@@ -1029,18 +1030,27 @@ def report(folder: str, tokens: int | None, plot: bool = True) -> list[float]:
     lrs = {(r["recipe_muon_lr"], r["recipe_adam_lr"]) for n, r in runs.items() if "recipe_muon_lr" in r}
     base = dataclasses.replace(T.Hyperparameters(), **T.PRESETS[any_run["preset"]])
     classic = next((r for n, r in runs.items() if n.startswith("classic_")), None)
-    if classic is None:
-        raise SystemExit(f"error: --load {folder}: no classic run there; the tables compare both sides")
-    for name, p in (("recipe", recipe_params(base)), ("classic", classic["classic_params"])):
+    recipe = any(n.startswith(("recipe_", RECIPE_SEARCH_PREFIX)) for n in runs)
+    sides = ((("recipe", recipe_params(base)),) if recipe else ()) + \
+        ((("classic", classic["classic_params"]),) if classic else ())
+    for name, p in sides:
         print(f"{name} parameters: {p['non-embedding']:,} outside the embedding tables, {p['total']:,} in all")
     if lrs:
         print("recipe learning rates: " + ", ".join(f"NorMuon {m:g}, Adam {a:g}" for m, a in sorted(lrs)))
     floors = folder_floors(folder, runs)
     print(floor_line(floors))
-    print(search_table(runs) + "\n")
+    if classic:
+        print(search_table(runs) + "\n")
     rates = recipe_search_table(runs)
     if rates:
         print(rates + "\n")
+    if not (classic and any(n.startswith("recipe_") for n in runs)):
+        print(f"one side only ({'classic' if classic else 'recipe'} runs: a tuning folder): no comparison, no ratio")
+        if plot:
+            out = os.path.join(folder, "curves.png")
+            plot_curves(runs, out, f"{os.path.basename(os.path.normpath(folder))}")
+            print(f"plot: {out}")
+        return []
     table, ratios = seeds_table(runs, floors)
     print(table)
     abl = ablation_table(runs, floors)
@@ -1165,10 +1175,7 @@ def run_sides(a, device: torch.device) -> None:
                             "classic_batch_tokens": c.batch_tokens, "classic_seq_len": c.seq_len,
                             "classic_params": classic_params(c)})
                 print(f"  best val {best_point(curve)[1]:.4f} in {time.perf_counter() - t:.0f}s", flush=True)
-    try:
-        report(folder, a.tokens)
-    except SystemExit as e:  # half of a comparison: the other process saves the other half
-        print(f"saved in {folder}; the report needs both sides: --load {folder} ({str(e).split(': ', 2)[-1]})")
+    report(folder, a.tokens)
 
 
 def classic_params(c: ClassicConfig) -> dict:
