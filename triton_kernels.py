@@ -763,16 +763,14 @@ def softcap_log_probs(logits: torch.Tensor) -> torch.Tensor:
     several times slower than a training step per token. Here the same ops run in place on one block of
     CE_CPU_ROWS rows at a time, which stays in cache, and each block's log-softmax goes into one output:
     every op is elementwise or row-wise, so the values are the reference's, bit for bit (a test checks
-    it on both CPU kinds and thread counts). Elsewhere: the reference."""
-    if not logits.is_cpu:
-        return torch.log_softmax(softcap(logits), dim=-1)
-    out = torch.empty(logits.shape, dtype=torch.float32)
-    for a in range(0, logits.shape[0], CE_CPU_ROWS):
-        z = logits[a: a + CE_CPU_ROWS].to(torch.float32, copy=True)  # the ops below work in place
+    it on both CPU kinds and thread counts). Meant for CPUs: on a GPU the compiled reference fuses."""
+    out = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)
+    for _, _, (block, dst) in _row_blocks(logits.shape[0], logits, out):
+        z = block.to(torch.float32, copy=True)  # the ops below work in place
         z.add_(5.0).div_(7.5).sigmoid_().mul_(23.0)
         if logits.dtype != torch.float32:
             z.copy_(z.to(logits.dtype))  # softcap's single rounding to the logits' dtype
-        torch.log_softmax(z, dim=-1, out=out[a: a + CE_CPU_ROWS])
+        torch.log_softmax(z, dim=-1, out=dst)
     return out
 
 

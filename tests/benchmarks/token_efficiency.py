@@ -1044,18 +1044,15 @@ def report(folder: str, tokens: int | None, plot: bool = True) -> list[float]:
     rates = recipe_search_table(runs)
     if rates:
         print(rates + "\n")
-    if not (classic and any(n.startswith("recipe_") for n in runs)):
+    ratios = []
+    if classic and any(n.startswith("recipe_") for n in runs):
+        table, ratios = seeds_table(runs, floors)
+        print(table)
+        abl = ablation_table(runs, floors)
+        if abl:
+            print("\n" + abl)
+    else:
         print(f"one side only ({'classic' if classic else 'recipe'} runs: a tuning folder): no comparison, no ratio")
-        if plot:
-            out = os.path.join(folder, "curves.png")
-            plot_curves(runs, out, f"{os.path.basename(os.path.normpath(folder))}")
-            print(f"plot: {out}")
-        return []
-    table, ratios = seeds_table(runs, floors)
-    print(table)
-    abl = ablation_table(runs, floors)
-    if abl:
-        print("\n" + abl)
     if plot:
         out = os.path.join(folder, "curves.png")
         plot_curves(runs, out, f"{os.path.basename(os.path.normpath(folder))}")
