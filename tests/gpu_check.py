@@ -384,9 +384,10 @@ def machine_info() -> dict:
         driver = "unknown (no nvidia-smi)"
     try:
         commit = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=REPO, capture_output=True,
-                                text=True, timeout=30).stdout.strip() or "unknown"
+                                text=True, timeout=30).stdout.strip()
     except (OSError, subprocess.SubprocessError):
-        commit = "unknown"
+        commit = ""
+    commit = commit or os.environ.get("GPU_CHECK_COMMIT", "unknown")  # a copy of the tree without .git
     return dict(date=datetime.date.today().isoformat(), gpu=props.name, capability=f"{props.major}.{props.minor}",
                 sms=props.multi_processor_count, memory_gib=props.total_memory / 2**30,
                 gpu_count=torch.cuda.device_count(), driver=driver, cuda=torch.version.cuda, torch=torch.__version__,
@@ -1258,6 +1259,9 @@ def main(argv=None) -> int:
     ap.add_argument("--only", default="", help="comma-separated check names")
     ap.add_argument("--group", default="", help=f"comma-separated groups ({', '.join(GROUPS)}); default: all")
     ap.add_argument("--out", default=RECORDS, help="folder of the report (default records/gpu_check)")
+    ap.add_argument("--budget", type=float, default=None,
+                    help="seconds for the whole run: no check starts later, caps are cut to fit, and the report "
+                         "is written after each group (for a GPU lease shorter than the groups together)")
     ap.add_argument("--run-one", default="", help=argparse.SUPPRESS)
     ap.add_argument("--result", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
@@ -1295,10 +1299,14 @@ def main(argv=None) -> int:
         mine = [c for c in checks if c.group == group]
         if not mine:
             continue
-        for r in run_checks(mine, log=lambda line: print(line, flush=True), log_dir=logs):
+        limit = GROUP_LIMIT_S
+        if a.budget is not None:
+            limit = min(limit, a.budget - (time.monotonic() - start))
+        for r in run_checks(mine, total_limit_s=limit, log=lambda line: print(line, flush=True), log_dir=logs):
             results.append(dict(r, group=group, commit=info["commit"]))
-    report = dict(info=info, checks=results, total_s=time.monotonic() - start)
-    md, js = write_report(report, a.out, merge=True)
+        # Written after every group, so that a lease ending mid-run keeps the groups already done.
+        report = dict(info=info, checks=results, total_s=time.monotonic() - start)
+        md, js = write_report(report, a.out, merge=True)
     print(f"report: {os.path.relpath(md, REPO)} and {os.path.relpath(js, REPO)}; check logs in {os.path.relpath(logs, REPO)}/")
     return 0 if all(r["status"] == "pass" for r in results) else 1
 
