@@ -382,12 +382,15 @@ def machine_info() -> dict:
                                 capture_output=True, text=True, timeout=30).stdout.split("\n")[0].strip() or "unknown"
     except (OSError, subprocess.SubprocessError):
         driver = "unknown (no nvidia-smi)"
+    # GPU_CHECK_COMMIT names the commit of a tree copied to the GPU machine, whose .git (if any) may
+    # be stale; otherwise git says it.
+    commit = os.environ.get("GPU_CHECK_COMMIT", "")
     try:
-        commit = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=REPO, capture_output=True,
-                                text=True, timeout=30).stdout.strip()
+        commit = commit or subprocess.run(["git", "describe", "--always", "--dirty"], cwd=REPO,
+                                          capture_output=True, text=True, timeout=30).stdout.strip()
     except (OSError, subprocess.SubprocessError):
-        commit = ""
-    commit = commit or os.environ.get("GPU_CHECK_COMMIT", "unknown")  # a copy of the tree without .git
+        pass
+    commit = commit or "unknown"
     return dict(date=datetime.date.today().isoformat(), gpu=props.name, capability=f"{props.major}.{props.minor}",
                 sms=props.multi_processor_count, memory_gib=props.total_memory / 2**30,
                 gpu_count=torch.cuda.device_count(), driver=driver, cuda=torch.version.cuda, torch=torch.__version__,
