@@ -589,6 +589,13 @@ def cuda_synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def copy_from_host_(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """dst.copy_(src) from a host tensor without making the host wait for the GPU: a CUDA copy goes
+    through pinned memory with non_blocking (the caching host allocator keeps the pinned buffer until the
+    copy has run); a blocking copy from pageable memory would drain the queue of launched kernels."""
+    dst.copy_(src.pin_memory() if dst.is_cuda else src, non_blocking=True)
+
+
 # ----------------------------------------------------------------------------------------------
 # FP8 custom ops: y = x @ w with float8 inputs and static scales
 # ----------------------------------------------------------------------------------------------
@@ -1052,20 +1059,21 @@ def gram_newton_schulz(G: torch.Tensor, coeffs=POLAR_EXPRESS_COEFFS, restart_aft
     return X.to(dtype).reshape(G.shape)
 
 
-# Measured choice of "auto" on an H100 (tests/bench_optimizer.py, one H100 80GB HBM3, torch 2.11,
-# 2026-11-24): (rows, cols) of a bank's matrices -> (Polar Express ms, Gram Newton-Schulz ms) for one
-# rank's shard. Only shapes whose measurement was repeatable are listed (the 768 x 768 banks gave
-# 1.25 and 2.45 ms for the same Polar Express call in one run); the rest follow the FLOP count. The GPU
-# check's kernel-choice check times every bank shape again.
-H100_ORTHOGONALIZER_MS = {(3072, 768): (1.971, 1.218)}
+# Measured choice of "auto", per GPU: (rows, cols) of a bank's matrices -> (Polar Express ms, Gram
+# Newton-Schulz ms) for one rank's shard. Only repeatable measurements are listed: on one H100 80GB HBM3
+# (tests/bench_optimizer.py, torch 2.11, 2026-11-24) the 768 x 768 banks gave 1.25 and 2.45 ms for the
+# same Polar Express call in one run; on one H200 (the GPU check, 2026-11-26) every bank took 1.05 to
+# 1.28 ms either way (launch-bound), and 3 and 24 matrices of 3072 x 768 favoured opposite ones, so none
+# is listed. The rest follow the FLOP count. The GPU check's kernel-choice check times every bank again.
+ORTHOGONALIZER_MS = {"H100": {(3072, 768): (1.971, 1.218)}, "H200": {}}
 
 
 def auto_orthogonalizer(rows: int, cols: int, gpu_name: str = "") -> str:
-    """The name "auto" runs for (rows, cols) matrices: the faster measured one on an H100 where the table
-    has the shape, else the one with fewer FLOPs (orthogonalization_flops: Gram Newton-Schulz once the
-    long side is at least twice the short one)."""
-    times = H100_ORTHOGONALIZER_MS.get((rows, cols))
-    if times is not None and "H100" in gpu_name:
+    """The name "auto" runs for (rows, cols) matrices: the faster measured one on a GPU whose table has
+    the shape, else the one with fewer FLOPs (orthogonalization_flops: Gram Newton-Schulz once the long
+    side is at least twice the short one)."""
+    times = triton_kernels.measured_table(ORTHOGONALIZER_MS, gpu_name).get((rows, cols))
+    if times is not None:
         return "polar_express" if times[0] <= times[1] else "gram_newton_schulz"
     return "gram_newton_schulz" if max(rows, cols) >= 2 * min(rows, cols) else "polar_express"
 
@@ -2526,10 +2534,10 @@ class GPT(nn.Module):
         short_blocks, long_blocks = int(short_blocks), int(long_blocks)
         yarn_blocks = long_blocks if yarn_blocks is None else int(yarn_blocks)
         bs = self.args.window_block_size
-        self.windows.copy_(torch.tensor([short_blocks * bs, long_blocks * bs], dtype=torch.int32))
+        copy_from_host_(self.windows, torch.tensor([short_blocks * bs, long_blocks * bs], dtype=torch.int32))
         self.window_tokens = (short_blocks * bs, long_blocks * bs)  # the CPU attention's band, as Python ints
         freq, scale = yarn_state(self.args, yarn_blocks)
-        self.rotary_freq.copy_(freq)
+        copy_from_host_(self.rotary_freq, freq)
         self.attn_scale.fill_(scale)
         self.attn_scale_value = float(np.float32(scale))  # the buffer's fp32 value as a number (SDPA's scale)
 

@@ -299,27 +299,53 @@ def ba_plus_cAA_triton(A: Tensor, alpha: float, beta: float, out: Tensor) -> Ten
     return out
 
 
-# Per shape, the Triton kernel or torch (cuBLAS). The triangle trick halves the FLOPs, but at the
-# NorMuon banks' small shapes cuBLAS's batched GEMM can still be faster. Measured on one H100 80GB HBM3
-# (tests/bench_kernels.py, torch 2.11, triton 3.6, 2026-11-24): (function, batch, rows, cols of A) ->
-# (Triton ms, torch ms). An H100 takes the faster of the two at a listed shape, the kernel everywhere
-# else; tests/gpu_check.py's kernel-choice check measures the table's shapes again on the GPU at hand.
-H100_KERNEL_TIMES = {
-    ("XXT", 8, 768, 768): (0.034, 0.017),
-    ("XTX", 8, 768, 768): (0.044, 0.017),
-    ("ba_plus_cAA", 8, 768, 768): (0.023, 0.028),
-    ("XXT", 3, 768, 3072): (0.047, 0.022),
-    ("XTX", 3, 3072, 768): (0.053, 0.022),
-    ("ba_plus_cAA", 3, 768, 768): (0.068, 0.017),
+# Per GPU and shape, the Triton kernel or torch (cuBLAS). The triangle trick halves the FLOPs, but at the
+# NorMuon banks' small shapes cuBLAS's batched GEMM can still be faster: a Triton launch costs about
+# 0.025 ms of host time, more than these products take. (function, batch, rows, cols of A) ->
+# (Triton ms, torch ms), per GPU named in torch.cuda.get_device_name(). A GPU takes the faster of the two
+# at a shape its table lists, the kernel everywhere else; tests/gpu_check.py's kernel-choice check
+# measures every bank shape again on the GPU at hand and fails where its table picks the slower.
+KERNEL_TIMES = {
+    # one H100 80GB HBM3, torch 2.11, triton 3.6, 2026-11-24 (tests/bench_kernels.py)
+    "H100": {
+        ("XXT", 8, 768, 768): (0.034, 0.017),
+        ("XTX", 8, 768, 768): (0.044, 0.017),
+        ("ba_plus_cAA", 8, 768, 768): (0.023, 0.028),
+        ("XXT", 3, 768, 3072): (0.047, 0.022),
+        ("XTX", 3, 3072, 768): (0.053, 0.022),
+        ("ba_plus_cAA", 3, 768, 768): (0.068, 0.017),
+    },
+    # one H200, torch 2.11.0+cu130, triton 3.6.0, 2026-11-26 (the GPU check's kernel-choice, records/gpu_check)
+    "H200": {
+        ("XXT", 8, 256, 768): (0.027, 0.008),
+        ("ba_plus_cAA", 8, 256, 256): (0.030, 0.010),
+        ("XXT", 3, 768, 768): (0.027, 0.011),
+        ("ba_plus_cAA", 3, 768, 768): (0.031, 0.016),
+        ("XTX", 3, 3072, 768): (0.033, 0.022),
+        ("XXT", 64, 256, 768): (0.027, 0.017),
+        ("ba_plus_cAA", 64, 256, 256): (0.029, 0.018),
+        ("XXT", 24, 768, 768): (0.042, 0.038),
+        ("ba_plus_cAA", 24, 768, 768): (0.042, 0.064),
+        ("XTX", 24, 3072, 768): (0.098, 0.123),
+        ("XXT", 8, 768, 768): (0.028, 0.017),
+        ("XTX", 8, 768, 768): (0.025, 0.016),
+        ("ba_plus_cAA", 8, 768, 768): (0.031, 0.026),
+        ("XXT", 3, 768, 3072): (0.034, 0.020),
+    },
 }
 USE_KERNEL_TABLE = True  # False: the Triton kernel at every shape (the kernel-choice check times both)
 
 
+def measured_table(tables: dict, gpu_name: str) -> dict:
+    """The table of the first GPU of `tables` whose name is in gpu_name ({} for one never measured)."""
+    return next((table for gpu, table in tables.items() if gpu in gpu_name), {})
+
+
 def kernel_choice(name: str, shape: tuple, gpu_name: str) -> str:
-    """"torch" where H100_KERNEL_TIMES says torch is faster at this shape on this (H100) GPU, else "triton"."""
+    """"torch" where this GPU's KERNEL_TIMES table says torch is faster at this shape, else "triton"."""
     key = (name, *((1, *shape) if len(shape) == 2 else shape))
-    times = H100_KERNEL_TIMES.get(key)
-    if not USE_KERNEL_TABLE or times is None or "H100" not in gpu_name:
+    times = measured_table(KERNEL_TIMES, gpu_name).get(key)
+    if not USE_KERNEL_TABLE or times is None:
         return "triton"
     return "torch" if times[1] < times[0] else "triton"
 

@@ -4,7 +4,7 @@
     python tests/bench_kernels.py --only ce    # one group: sym, mlp, fp8, ce, transpose
 
 The symmetric products are timed at the NorMuon banks' shapes on one rank of 8 and on 1 GPU, for
-triton_kernels.H100_KERNEL_TIMES (which of the two an H100 runs at each shape). The FP8 up-projection
+triton_kernels.KERNEL_TIMES (which of the two each measured GPU runs at each shape). The FP8 up-projection
 is timed with the record's fast accumulation and with fp32 promotion; the loss kernel with a bf16 and
 with the FP8 head's e5m2 gradient.
 
@@ -32,7 +32,7 @@ def _row(name: str, ms_triton: float, ms_torch: float, work: float, unit: str) -
 
 # (function, batch, rows, cols of its A) of Polar Express at the speedrun's banks: qk (256 x 768), vo
 # (768 x 768) and the tall MLP matrices (3072 x 768, through XTX), per rank of 8 GPUs and on 1 GPU, and
-# the shapes of the first H100 measurement (H100_KERNEL_TIMES).
+# the shapes of the first H100 measurement (KERNEL_TIMES["H100"]).
 SYM_SHAPES = (("XXT", 8, 256, 768), ("ba_plus_cAA", 8, 256, 256), ("XXT", 3, 768, 768), ("ba_plus_cAA", 3, 768, 768),
               ("XTX", 3, 3072, 768), ("XXT", 64, 256, 768), ("ba_plus_cAA", 64, 256, 256), ("XXT", 24, 768, 768),
               ("ba_plus_cAA", 24, 768, 768), ("XTX", 24, 3072, 768), ("XXT", 8, 768, 768), ("XTX", 8, 768, 768),

@@ -90,8 +90,8 @@ CHECKS: tuple[Check, ...] = (
           (K + "_transpose_kernel", OP + "transpose_copy", OP + "transpose_add", TK + "_launch_transpose",
            TK + "transpose_copy", TK + "transpose_add")),
     Check("fp8-up", 40, "relu2_fp8_up kernel (49152 x 768 -> 3072, e4m3): with fast accumulation (the record's) "
-          "within the bound of a 13-bit running sum of the float64 result; with fp32 promotion against the exact "
-          "reference; the e4m3 copy and the amax",
+          "within the bound of a 13-bit running sum of the float64 result; with fp32 promotion within it too and "
+          "at most half the fast error against the fp32 reference; the e4m3 copy and the amax",
           (K + "_fp8_relu2_kernel", TK + "_fp8_up_config", TK + "relu2_fp8_up")),
     Check("fp8-head", 60, "the FP8 LM head with the loss (16384 x 768 x 50304): loss, e5m2 gradient, dx and dw "
           "through torch._scaled_mm against the emulation; the plain fp8_mm op too",
@@ -113,7 +113,7 @@ CHECKS: tuple[Check, ...] = (
           "test_training_step_never_waits_for_the_gpu (eager), then compiled model and optimizer with FP8 "
           "re-quantisation, with any recompilation an error",
           (TG + "train_step", TG + "hyperparam_tensors", TG + "_adam_update_sliced",
-           TG + "build_optimizer"), "model"),
+           TG + "build_optimizer", TG + "copy_from_host_"), "model"),
     # -- run: NCCL, the script end to end, the kernel choice table ------------------------------------
     Check("normuon-nccl", 60, "NorMuonAdam on a single-rank NCCL group (and 2 ranks where 2 GPUs exist) "
           "against the single-process result",
@@ -121,8 +121,8 @@ CHECKS: tuple[Check, ...] = (
     Check("train-script", 240, "train_gpt.py --preset test --compile true through torchrun on this GPU (FP8, NCCL, "
           "compile warm-up, run log): learns, and compiles nothing after the warm-up",
           (TG + "train", TG + "RunLog.__init__", TG + "cuda_synchronize", TG + "compute_dtype"), "run"),
-    Check("kernel-choice", 120, "Triton against torch at every bank shape (triton_kernels.H100_KERNEL_TIMES) and "
-          "Polar Express against Gram Newton-Schulz per bank (H100_ORTHOGONALIZER_MS): the tables' picks within "
+    Check("kernel-choice", 120, "Triton against torch at every bank shape (triton_kernels.KERNEL_TIMES) and "
+          "Polar Express against Gram Newton-Schulz per bank (ORTHOGONALIZER_MS): this GPU's tables' picks within "
           "10% of the faster", (), "run"),
     # -- speedrun: the preset's step times and a profile ------------------------------------------------
     Check("speedrun-timing", 500, "the speedrun preset on one GPU (accumulation 8), generated shards: 2 warm-up + "
@@ -692,8 +692,10 @@ def check_triton_transpose(res: Result) -> None:
 def check_fp8_up(res: Result) -> None:
     """Fast accumulation (Triton's default on sm_90, the record's) keeps the tensor cores' running sum
     with a reduced mantissa: modelled as a relative error of at most 2^-11 of sum_k |x_k w_k| on the
-    accumulated value (13 bits, with margin), before the bf16 rounding of pre. fp32 promotion must match
-    the exact fp32 reference like any fp32 sum (a rare bf16 neighbour)."""
+    accumulated value (13 bits, with margin), before the bf16 rounding of pre. fp32 promotion (after every
+    32-deep wgmma, whose own sum is still reduced-precision) must stay within the same bound and be
+    measurably closer to the fp32 reference: at most half the fast mode's error. On an H200 (2026-11-26)
+    1.2% of its outputs were a bf16 neighbour of the reference's (fast: 5.4%), errors 8.4e-4 and 2.7e-3."""
     import torch
     import triton_kernels as tk
     T_, D, H = 49152, 768, 3072
@@ -721,8 +723,9 @@ def check_fp8_up(res: Result) -> None:
         f = figures[mode]
         require(f["outside_bound"] == 0, f"{mode}: {100 * f['outside_bound']:.4f}% of pre values outside the modelled bound")
         require(f["post"] < 1e-2 and f["post_f8"] < 2e-2 and f["amax"] < 1e-2, f"{mode}: {f}")
-    require(figures["precise"]["differ"] < 1e-2, f"precise: {100 * figures['precise']['differ']:.2f}% of post differ "
-            "from the exact fp32 sum rounded to bf16")
+    require(figures["precise"]["post"] <= figures["fast"]["post"] / 2,
+            f"precise: relative error {figures['precise']['post']:.1e} against the fp32 reference, not below half "
+            f"the fast accumulation's {figures['fast']['post']:.1e}: the fp32 promotion is not taking effect")
     res.set(summary="; ".join(f"{m}: post {f['post']:.1e}, {100 * f['differ']:.2f}% differ from exact fp32, all within "
                               f"the 13-bit bound, e4m3 copy {f['post_f8']:.1e}" for m, f in figures.items()))
 
@@ -864,7 +867,8 @@ def check_flex_attention(res: Result) -> None:
         scale = 0.12
         ins = [t.clone().requires_grad_() for t in (q, k, v)]
         mask = T.attention_mask(doc, w, window, r, "flex")
-        y = T.flex_attend(ins[0] * scale, ins[1], ins[2], mask)  # the model's eager CUDA call: one compiled kernel
+        # the model's eager CUDA call (one compiled kernel), the fp32 scale applied to the fp32 scores
+        y = T.flex_attend(ins[0], ins[1], ins[2], mask, torch.tensor(scale, device="cuda"))
         y.backward(dy)
         dense = T.dense_attention_mask(doc, w, r)
         ref = [t.float().requires_grad_() for t in (q, k, v)]
@@ -883,11 +887,12 @@ def check_flex_attention(res: Result) -> None:
     # the eager call never waits for the host once compiled: masks built and attention run with syncs as errors
     doc, window, r = cases["paired slots, documents, window 640"]
     q = torch.randn(1, H // r, T_ * r, hd, device="cuda").bfloat16()
+    scale = torch.full((), 0.12, device="cuda")
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
         w = torch.full((), window, dtype=torch.int32, device="cuda")
-        T.flex_attend(q, q, q, T.attention_mask(doc, w, window, r, "flex"))
+        T.flex_attend(q, q, q, T.attention_mask(doc, w, window, r, "flex"), scale)
     finally:
         torch.cuda.set_sync_debug_mode(0)
     worst = max(errs.items(), key=lambda kv: kv[1][0])
@@ -1148,7 +1153,7 @@ def check_kernel_choice(res: Result) -> None:
         pick = tk.kernel_choice(name, (b, m, n), gpu)
         picked, other = (r, t) if pick == "torch" else (t, r)
         rows.append(dict(function=name, shape=[b, m, n], triton_ms=t, torch_ms=r, pick=pick,
-                         listed=(name, b, m, n) in tk.H100_KERNEL_TIMES))
+                         listed=(name, b, m, n) in tk.measured_table(tk.KERNEL_TIMES, gpu)))
         if rows[-1]["listed"] and picked > 1.1 * other:
             wrong.append(f"{name} {b}x{m}x{n}: {pick} {picked:.3f} ms, the other {other:.3f} ms")
         res.set(kernels=rows)
@@ -1162,7 +1167,7 @@ def check_kernel_choice(res: Result) -> None:
         pick = T.auto_orthogonalizer(rows_, cols_, gpu)
         best = min(("polar_express", "gram_newton_schulz"), key=ms.get)
         ortho.append(dict(shape=[count, rows_, cols_], **{k + "_ms": v for k, v in ms.items()}, auto_pick=pick, faster=best))
-        if (rows_, cols_) in T.H100_ORTHOGONALIZER_MS and ms[pick] > 1.1 * ms[best]:
+        if (rows_, cols_) in tk.measured_table(T.ORTHOGONALIZER_MS, gpu) and ms[pick] > 1.1 * ms[best]:
             wrong.append(f"auto at {count}x{rows_}x{cols_}: {pick} {ms[pick]:.3f} ms, {best} {ms[best]:.3f} ms")
         res.set(orthogonalizers=ortho)
     torch_faster = [f"{r['function']} {'x'.join(map(str, r['shape']))}" for r in rows if r["torch_ms"] < r["triton_ms"]]

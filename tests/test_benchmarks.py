@@ -663,3 +663,15 @@ def test_run_sh_bench_dry_run():
         printed = subprocess.run(c.split()[1:], cwd=REPO, capture_output=True, text=True, timeout=120)  # "bench: ..."
         assert printed.returncode == 0 and ("ratio: " in printed.stdout or "walks" in printed.stdout), printed.stderr
         assert "need a CUDA GPU" in out.stdout
+
+
+def test_mfu_peak_is_known_for_the_h100_sxm_and_the_h200_only(monkeypatch):
+    """989.4 TFLOP/s dense bf16 on the H100 SXM and the H200 (NVIDIA's data sheets); a PCIe H100 (756) or
+    any other GPU is unknown unless --peak_tflops says it, and the override wins."""
+    cuda = torch.device("cuda")
+    for name, want in (("NVIDIA H100 80GB HBM3", 989.4), ("NVIDIA H200", 989.4), ("NVIDIA H100 PCIe", None),
+                       ("NVIDIA A100-SXM4-80GB", None)):
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None, n=name: n)
+        assert step_timing.peak_tflops(cuda, None) == want, name
+    assert step_timing.peak_tflops(cuda, 500.0) == 500.0
+    assert step_timing.peak_tflops(torch.device("cpu"), None) is None

@@ -346,3 +346,37 @@ def test_an_interpreter_without_torch_is_refused_in_one_line(tmp_path):
     r = run_sh(env={"PYTHON": str(bare / "bin" / "python")})
     assert r.returncode == 1 and r.stderr.count("\n") == 1
     assert r.stderr.startswith("run.sh: gpu-check: ") and "lacks torch>=2.11, triton>=3.6, numpy" in r.stderr
+
+
+def test_calls_into_the_two_modules_bind_to_their_signatures():
+    """The first H200 run lost its flex-attention check to a call that no longer matched flex_attend's
+    signature (the softmax scale had become an argument). Every call in gpu_check.py of a train_gpt (T.)
+    or triton_kernels (tk.) function must name a function that exists and bind to its parameters."""
+    import ast
+    import inspect
+    import triton_kernels as tk
+    modules = {"T": T, "tk": tk}
+    tree = ast.parse(open(G.__file__).read())
+    bad, bound = [], 0
+    for node in ast.walk(tree):
+        f = node.func if isinstance(node, ast.Call) else None
+        if not (isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) and f.value.id in modules):
+            continue
+        where = f"gpu_check.py line {node.lineno}: {f.value.id}.{f.attr}"
+        fn = getattr(modules[f.value.id], f.attr, None)
+        if fn is None:
+            bad.append(f"{where} does not exist")
+            continue
+        if any(isinstance(a, ast.Starred) for a in node.args) or any(k.arg is None for k in node.keywords):
+            continue
+        try:
+            sig = inspect.signature(fn)
+        except (TypeError, ValueError):  # a builtin or custom op without a Python signature
+            continue
+        try:
+            sig.bind(*node.args, **{k.arg: None for k in node.keywords})
+            bound += 1
+        except TypeError as e:
+            bad.append(f"{where}: {e}")
+    assert bound > 20  # the scan sees the checks' calls
+    assert not bad, "\n".join(bad)

@@ -813,3 +813,33 @@ def test_rms_norm_eps_is_fp32_machine_epsilon():
     expected = 1e-4 / math.sqrt(1e-8 + 2.0 ** -23)
     assert tg.norm(x)[0, 0].item() == pytest.approx(expected, rel=1e-5)
     assert abs(expected - 1e-4 / math.sqrt(1e-8 + 1e-6)) > 0.1  # eps 1e-6 gives 0.0995, not 0.278
+
+
+def test_set_windows_never_makes_the_host_wait():
+    """GPT.set_windows runs when a stage starts, between steps whose kernels are still queued: the GPU
+    check on an H200 (records/gpu_check, sync-free-step) caught its blocking host-to-device copies. Every
+    copy it makes must be non_blocking (train_gpt.copy_from_host_ pins the source on CUDA), and nothing
+    may read a value back to the host."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    aten = torch.ops.aten
+
+    class Record(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.calls = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            self.calls.append((func, args, kwargs))
+            return func(*args, **kwargs)
+
+    model = make_model()
+    with Record() as rec:
+        model.set_windows(2, 5)
+    copies = [(a, k) for f, a, k in rec.calls if f is aten.copy_.default]
+    assert len(copies) >= 2  # the windows and the rotary frequencies
+    blocking = [a[0].shape for a, k in copies if not k.get("non_blocking", a[2] if len(a) > 2 else False)]
+    assert not blocking, f"blocking copies into buffers of shape {blocking}"
+    reads = {f for f, _, _ in rec.calls} & {aten._local_scalar_dense.default, aten.item.default, aten.nonzero.default}
+    assert not reads
+    assert model.windows.tolist() == [2 * TEST.window_block_size, 5 * TEST.window_block_size]

@@ -117,6 +117,18 @@ def test_auto_orthogonalizer_picks_the_cheaper_form():
     assert torch.equal(T.orthogonalize_auto(square), T.polar_express(square))
 
 
+def test_auto_orthogonalizer_follows_each_gpus_measurements():
+    """A measured GPU takes the faster of its measured pair; a shape or GPU not measured, the FLOP rule."""
+    h100, h200 = "NVIDIA H100 80GB HBM3", "NVIDIA H200"
+    assert T.auto_orthogonalizer(3072, 768, h100) == "gram_newton_schulz"  # 1.218 ms against 1.971
+    assert T.auto_orthogonalizer(768, 768, h100) == "polar_express"        # square: fewer FLOPs
+    assert T.auto_orthogonalizer(3072, 768, h200) == "gram_newton_schulz"  # none listed: FLOPs
+    assert T.auto_orthogonalizer(256, 768, "") == "gram_newton_schulz"
+    tables = {"H100": {(768, 768): (2.0, 1.0)}}  # a measurement overrides the FLOP rule, on its GPU only
+    import triton_kernels as tk
+    assert tk.measured_table(tables, h100) == {(768, 768): (2.0, 1.0)} and tk.measured_table(tables, h200) == {}
+
+
 def test_orthogonalizer_rejects_vectors():
     with pytest.raises(ValueError, match="matrices"):
         T.polar_express(torch.randn(5))

@@ -831,15 +831,21 @@ def test_kernels_compile_for_hopper():
 # ----------------------------------------------------------------------------------------------
 
 
-def test_kernel_choice_takes_the_faster_measured_one_on_an_h100_only(monkeypatch):
-    h100 = "NVIDIA H100 80GB HBM3"
-    for (name, *shape), (triton_ms, torch_ms) in tk.H100_KERNEL_TIMES.items():
-        want = "torch" if torch_ms < triton_ms else "triton"
-        assert tk.kernel_choice(name, tuple(shape), h100) == want
-        assert tk.kernel_choice(name, tuple(shape), "NVIDIA A100-SXM4-80GB") == "triton"  # measured on H100 only
+def test_kernel_choice_takes_the_faster_measured_one_on_each_measured_gpu(monkeypatch):
+    names = {"H100": "NVIDIA H100 80GB HBM3", "H200": "NVIDIA H200"}
+    assert set(tk.KERNEL_TIMES) == set(names)
+    for gpu, table in tk.KERNEL_TIMES.items():
+        for (name, *shape), (triton_ms, torch_ms) in table.items():
+            want = "torch" if torch_ms < triton_ms else "triton"
+            assert tk.kernel_choice(name, tuple(shape), names[gpu]) == want
+            assert tk.kernel_choice(name, tuple(shape), "NVIDIA A100-SXM4-80GB") == "triton"  # never measured
+    h100, h200 = names["H100"], names["H200"]
     assert tk.kernel_choice("XXT", (8, 768, 768), h100) == "torch"        # 0.017 ms against 0.034
     assert tk.kernel_choice("ba_plus_cAA", (8, 768, 768), h100) == "triton"  # 0.023 against 0.028
-    assert tk.kernel_choice("XXT", (5, 768, 768), h100) == "triton"       # not measured: the kernel
+    assert tk.kernel_choice("ba_plus_cAA", (8, 768, 768), h200) == "torch"   # the H200: 0.026 against 0.031
+    assert tk.kernel_choice("XTX", (24, 3072, 768), h200) == "triton"     # 0.098 against 0.123
+    assert tk.kernel_choice("XXT", (8, 256, 768), h100) == "triton"       # not measured on the H100: the kernel
+    assert tk.kernel_choice("XXT", (5, 768, 768), h200) == "triton"       # not measured: the kernel
     assert tk.kernel_choice("XXT", (768, 3072), h100) == "triton"         # a 2-D A is batch 1
     monkeypatch.setattr(tk, "USE_KERNEL_TABLE", False)
     assert tk.kernel_choice("XXT", (8, 768, 768), h100) == "triton"

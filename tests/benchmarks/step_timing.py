@@ -16,7 +16,7 @@ P_matrices counts the real Q, K, V, O, MLP-up and MLP-down matrices (not the zer
 banks), P_head = model_dim * padded_vocab; keys(layer) is the mean number of keys a query attends to
 in that layer (sliding window cut at document starts, measured on the stage's batches; x2 on
 paired-head layers). Embedding look-ups, norms and the softcap are not counted. MFU divides by the
-dense bf16 peak of the GPUs (H100 SXM: 989 TFLOP/s each; --peak_tflops for others).
+dense bf16 peak of the GPUs (H100 SXM and H200 SXM: 989 TFLOP/s each; --peak_tflops for others).
 """
 from __future__ import annotations
 
@@ -34,7 +34,9 @@ sys.path.insert(0, REPO)
 
 import train_gpt as T  # noqa: E402
 
-H100_BF16_PEAK_TFLOPS = 989.4  # dense, SXM
+# Dense bf16 peak per device, by torch.cuda.get_device_name() exactly (NVIDIA's data sheets: the H100
+# SXM and the H200 SXM share the same tensor cores and clocks); other GPUs need --peak_tflops.
+BF16_PEAK_TFLOPS = {"NVIDIA H100 80GB HBM3": 989.4, "NVIDIA H200": 989.4}
 
 
 def matrix_params(model: T.GPT) -> int:
@@ -98,9 +100,7 @@ def stage_table(args: T.Hyperparameters) -> list[tuple[str, int, int]]:
 def peak_tflops(device: torch.device, override: float | None) -> float | None:
     if override:
         return override
-    if device.type == "cuda" and "H100" in torch.cuda.get_device_name(device):
-        return H100_BF16_PEAK_TFLOPS
-    return None
+    return BF16_PEAK_TFLOPS.get(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
 
 
 def main(argv=None):
@@ -109,7 +109,7 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=30, help="timed steps per stage (rounded up to even: Adam steps on odd ones)")
     ap.add_argument("--warmup", type=int, default=6, help="untimed steps per stage before timing (compilation)")
     ap.add_argument("--compile", default="auto", choices=("auto", "true", "false"), help="auto: on CUDA only")
-    ap.add_argument("--peak_tflops", type=float, default=None, help="per-device dense bf16 peak for MFU (auto on H100)")
+    ap.add_argument("--peak_tflops", type=float, default=None, help="per-device dense bf16 peak for MFU (known: H100 SXM, H200 SXM)")
     ap.add_argument("--smoke", action="store_true", help="test preset, one timed step per stage and no warm-up, on the CPU")
     a, rest = ap.parse_known_args(argv)
     if a.steps < 1 or a.warmup < 0:
