@@ -974,6 +974,14 @@ def _ce_mtp_fwd_op(logits: Tensor, targets: Tensor, mtp_weights: Tensor, prefix_
                    prefix_weight: Tensor | None, grad_scale: float, grad_mul: float = 0.0) -> tuple[Tensor, Tensor]:
     """Returns (per-token loss (T,) fp32, the record's dlogits (T, V) in the logits' dtype, or in
     e5m2 times grad_mul, saturated, when grad_mul > 0)."""
+    return _launch_ce(logits, targets, mtp_weights, prefix_ids, prefix_weight, grad_scale, grad_mul)
+
+
+def _launch_ce(logits: Tensor, targets: Tensor, mtp_weights: Tensor, prefix_ids: Tensor | None,
+               prefix_weight: Tensor | None, grad_scale: float, grad_mul: float = 0.0,
+               config: dict | None = None) -> tuple[Tensor, Tensor]:
+    """The loss kernel's launch, with _ce_config's tiles unless `config` gives others (the GPU
+    check's kernel-tuning sweep)."""
     extra = () if prefix_ids is None else (prefix_ids, prefix_weight)
     _check_runnable(_ce_mtp_kernel, logits, targets, mtp_weights, *extra)
     T, V = logits.shape
@@ -986,7 +994,7 @@ def _ce_mtp_fwd_op(logits: Tensor, targets: Tensor, mtp_weights: Tensor, prefix_
             logits, targets, mtp_weights, prefix_ids if has_prefix else targets,
             prefix_weight if has_prefix else mtp_weights, loss, grad, T, V, logits.stride(0), grad.stride(0), grad_scale,
             float(grad_mul), K=K, HAS_PREFIX=has_prefix, J_POW2=max(2, triton.next_power_of_2(K + has_prefix)),
-            GRAD_E5M2=grad_mul > 0, **_ce_config(V, logits.device),
+            GRAD_E5M2=grad_mul > 0, **(config or _ce_config(V, logits.device)),
         )
     return loss, grad
 

@@ -9,7 +9,8 @@ speedrun preset's step times and a short profile, written to records/gpu_check/<
 
 Groups: kernels (the Triton kernels, FP8 ops, flex attention), model (the compiled model against an
 independent reference, the sync-free step), run (NCCL optimizer, the train script, the kernel choice
-table), speedrun (step times of every stage, the profile). Each check runs in a process of its own (a
+table), speedrun (step times of every stage, the profile), tune (tile configurations of the kernels that
+dominate a step). Each check runs in a process of its own (a
 CUDA error or a hang in one cannot take the others down), killed at its time cap (about twice its
 measured cold time); a group stops starting checks at GROUP_LIMIT_S so that it ends within 9 minutes.
 All checks share the inductor and Triton caches in .cache/, so a kernel compiled by one check, or by an
@@ -47,7 +48,7 @@ RECORDS = os.path.join(REPO, "records", "gpu_check")
 SHARD_DIR = os.path.join(REPO, ".cache", "gpu_check_shards")  # ignored (.gitignore: .cache/)
 CACHE_DIRS = {"TORCHINDUCTOR_CACHE_DIR": os.path.join(REPO, ".cache", "inductor"),
               "TRITON_CACHE_DIR": os.path.join(REPO, ".cache", "triton")}
-GROUPS = ("kernels", "model", "run", "speedrun")
+GROUPS = ("kernels", "model", "run", "speedrun", "tune")
 GROUP_LIMIT_S = 500.0   # no check of a group starts later than this; caps are cut to fit (9 minutes a group)
 GPUS_PROJECTED = 8      # the record's machine
 
@@ -128,6 +129,11 @@ CHECKS: tuple[Check, ...] = (
     Check("speedrun-timing", 500, "the speedrun preset on one GPU (accumulation 8), generated shards: 2 warm-up + "
           "4 timed steps per stage; compile time, recompiles, ms/step, tokens/s, MFU, peak memory, projections; "
           "a torch.profiler trace of 2 stage-1 steps (GPU busy fraction, top kernels, host ops)", (), "speedrun"),
+    # -- tune: tile configurations of the kernels that dominate a step -----------------------------------
+    Check("kernel-tuning", 400, "the loss kernel, the dpre epilogue, the bf16 relu2 forward and the FP8 up-projection "
+          "at 16,384 and 49,152 tokens under every tile configuration of MM_SWEEP / CE_SWEEP: committed against the "
+          "best (within 10%), every timing for updating the config functions",
+          (TK + "_mm_config", TK + "_ce_config"), "tune"),
 )
 
 
@@ -1174,6 +1180,98 @@ def check_kernel_choice(res: Result) -> None:
     res.set(summary=f"torch faster at {len(torch_faster)} of {len(rows)} shapes ({', '.join(torch_faster) or 'none'}); "
             "auto: " + ", ".join(f"{'x'.join(map(str, o['shape']))} {o['auto_pick']} (faster: {o['faster']})" for o in ortho))
     require(not wrong, "the committed tables pick the slower one: " + "; ".join(wrong))
+
+
+# Tile configurations the kernel-tuning sweep times (the usual Hopper GEMM tiles around the committed
+# ones); the FP8 up-projection takes each with K tiles twice as deep, as _fp8_up_config does.
+MM_SWEEP = tuple(dict(BLOCK_M=m, BLOCK_N=n, BLOCK_K=k, GROUP_M=g, num_warps=w, num_stages=st) for m, n, k, g, w, st in (
+    (128, 256, 64, 8, 8, 3), (128, 256, 64, 8, 8, 4), (256, 128, 64, 8, 8, 3), (128, 128, 64, 8, 4, 4),
+    (128, 128, 64, 8, 8, 4), (128, 128, 128, 8, 8, 3), (64, 256, 64, 8, 4, 4), (128, 256, 64, 4, 8, 3)))
+CE_SWEEP = tuple(dict(BLOCK_V=v, num_warps=w) for v in (1024, 2048, 4096, 8192) for w in (4, 8, 16))
+TUNE_TOKENS = (16384, 49152)  # one GPU's micro-batch in stage 1 and in stage 3 on 8 GPUs
+
+
+def _config_name(cfg: dict) -> str:
+    if "BLOCK_V" in cfg:
+        return f"V{cfg['BLOCK_V']} w{cfg['num_warps']}"
+    return f"{cfg['BLOCK_M']}x{cfg['BLOCK_N']}x{cfg['BLOCK_K']} g{cfg['GROUP_M']} w{cfg['num_warps']} s{cfg['num_stages']}"
+
+
+def sweep_configs(run, configs, current: dict, bench) -> dict:
+    """Time run(config) for the committed config and every one of `configs`; each output is checked
+    against the committed config's (relative error < 1e-2), and a config that fails to compile or
+    launch (shared memory, registers) is listed with its error. Returns the figures of one kernel."""
+    want = run(current)
+    rows = []
+    for cfg in [current] + [c for c in configs if c != current]:
+        try:
+            err = max(rel_err(a, b) for a, b in zip(run(cfg), want))
+            ms = bench(lambda: run(cfg))
+            rows.append(dict(config=_config_name(cfg), ms=ms, error=err, ok=err < 1e-2))
+        except Exception as e:  # noqa: BLE001 -- an out-of-resources config is a figure, not a failure
+            rows.append(dict(config=_config_name(cfg), ms=None, error=None, ok=False,
+                             failed=f"{type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"))
+    good = [r for r in rows if r["ok"]]
+    best = min(good, key=lambda r: r["ms"])
+    return dict(current=rows[0]["config"], current_ms=rows[0]["ms"], best=best["config"], best_ms=best["ms"],
+                speedup=rows[0]["ms"] / best["ms"], configs=rows)
+
+
+def check_kernel_tuning(res: Result) -> None:
+    """The Triton kernels that dominate a speedrun step (the first H200 profile: the loss kernel, the
+    MLP backward's dpre epilogue, the FP8 up-projection) at the speedrun's shapes under every tile
+    configuration of MM_SWEEP / CE_SWEEP: the committed config's time, the best, and every figure for
+    updating _mm_config, _fp8_up_config and _ce_config. Fails where the committed config is more than
+    10% slower than the best."""
+    import torch
+    import triton.testing
+    import triton_kernels as tk
+
+    def bench(fn):
+        return triton.testing.do_bench(fn, warmup=10, rep=50)
+
+    D, H, V = 768, 3072, 50304
+    g = _gen(12)
+    found, slow = {}, []
+    for M in TUNE_TOKENS:
+        x = torch.randn(M, D, device="cuda", generator=g).bfloat16()
+        w = (torch.randn(H, D, device="cuda", generator=g) / D ** 0.5).bfloat16()
+        post = torch.rand(M, H, device="cuda", generator=g).bfloat16()
+        dev = x.device
+        kernels = {
+            "relu2 forward (bf16)": (lambda cfg: (tk._launch_mm(x, w.mT, torch.empty(M, H, device=dev, dtype=x.dtype),
+                                                                 tk._EPI_RELU2, config=cfg),),
+                                     MM_SWEEP, tk._mm_config(M, H, D, dev)),
+            "dpre (MLP backward)": (lambda cfg: (tk._launch_mm(x, w.mT, torch.empty_like(post), tk._EPI_RELU2_GRAD,
+                                                                aux=post, config=cfg),),
+                                    MM_SWEEP, tk._mm_config(M, H, D, dev)),
+        }
+        x_f8 = (x.float() * 100).clamp(-448, 448).to(torch.float8_e4m3fn)
+        w_f8 = (w.float() * 1000).clamp(-448, 448).to(torch.float8_e4m3fn)
+        dq, act = torch.full((1,), 1e-5, device=dev), torch.full((1,), 0.05, device=dev)
+        fp8_sweep = tuple(dict(c, BLOCK_K=2 * c["BLOCK_K"]) for c in MM_SWEEP)
+        kernels["FP8 up-projection"] = (lambda cfg: tk.relu2_fp8_up_triton(x_f8, w_f8, dq, act, config=cfg)[:2],
+                                        fp8_sweep, tk._fp8_up_config(M, H, dev))
+        logits = torch.empty(M, V, device=dev, dtype=torch.bfloat16).normal_(0, 3, generator=g)
+        targets = torch.randint(0, V, (M,), device=dev, generator=g)
+        mtp = torch.tensor([1.0, 0.5, 0.25], device=dev)
+        def loss_kernel(cfg):  # the loss and the gradient's first 2,048 rows are compared (float64 copies)
+            loss, grad = tk._launch_ce(logits, targets, mtp, None, None, 1.0, 256.0, config=cfg)
+            return loss, grad[:2048]
+
+        kernels["loss (e5m2 gradient)"] = (loss_kernel, CE_SWEEP, tk._ce_config(V, dev))
+        for name, (run, configs, current) in kernels.items():
+            key = f"{name}, {M} tokens"
+            found[key] = sweep_configs(run, configs, current, bench)
+            res.set(kernels=found)
+            f = found[key]
+            if f["speedup"] > 1.1:
+                slow.append(f"{key}: {f['current']} {f['current_ms']:.3f} ms, {f['best']} {f['best_ms']:.3f} ms")
+        del x, w, post, x_f8, w_f8, logits, kernels
+        torch.cuda.empty_cache()
+    res.set(kernels=found, summary="; ".join(f"{k}: {f['current_ms']:.3f} ms, best {f['best_ms']:.3f} ({f['best']})"
+                                             for k, f in found.items()))
+    require(not slow, "committed tiles more than 10% slower than the best: " + "; ".join(slow))
 
 
 def check_speedrun_timing(res: Result) -> None:

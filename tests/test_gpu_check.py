@@ -70,7 +70,7 @@ def test_comments_docstrings_and_cpu_only_code_are_no_cuda_paths():
 
 def test_every_check_has_its_function_and_each_group_fits_in_nine_minutes():
     names = [c.name for c in G.CHECKS]
-    assert len(names) == len(set(names)) == 14
+    assert len(names) == len(set(names)) == 15
     for c in G.CHECKS:
         assert callable(G.check_function(c)) and c.cap_s > 0 and c.what and c.group in G.GROUPS
     for group in G.GROUPS:
@@ -380,3 +380,26 @@ def test_calls_into_the_two_modules_bind_to_their_signatures():
             bad.append(f"{where}: {e}")
     assert bound > 20  # the scan sees the checks' calls
     assert not bad, "\n".join(bad)
+
+
+def test_tile_sweep_takes_the_fastest_correct_config():
+    """sweep_configs on a CPU with a fake kernel and a fake clock: a config whose output is off is not a
+    candidate however fast, one that raises is listed with its error, the committed config comes first,
+    and the speedup is its time over the best's."""
+    import torch
+    a, b, c, d = ({"BLOCK_V": v, "num_warps": 4} for v in (1, 2, 3, 4))
+    times = {1: 2.0, 2: 1.0, 4: 0.1}   # 4 is the fastest but wrong; 3 fails to launch
+    last = []
+
+    def run(cfg):
+        last.append(cfg["BLOCK_V"])
+        if cfg["BLOCK_V"] == 3:
+            raise RuntimeError("out of resource: shared memory\ndetails")
+        return (torch.ones(4) * (2.0 if cfg["BLOCK_V"] == 4 else 1.0),)
+
+    f = G.sweep_configs(run, (b, c, d, a), a, lambda fn: (fn(), times[last[-1]])[1])
+    by = {r["config"]: r for r in f["configs"]}
+    assert [r["config"] for r in f["configs"]] == ["V1 w4", "V2 w4", "V3 w4", "V4 w4"]
+    assert f["current"] == "V1 w4" and f["best"] == "V2 w4" and f["best_ms"] == 1.0 and f["speedup"] == 2.0
+    assert by["V3 w4"]["failed"].startswith("RuntimeError: out of resource") and not by["V3 w4"]["ok"]
+    assert not by["V4 w4"]["ok"] and by["V4 w4"]["error"] == pytest.approx(1.0)
