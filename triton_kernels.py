@@ -770,7 +770,10 @@ def relu2_fp8_up(x_f8: Tensor, w_up_f8: Tensor, dequant: Tensor, act_scale: Tens
 # on a CPU and rounds ~5e-4 of sigmas to the other bf16 neighbour of the float64 value). Both match
 # float64 math rounded to bf16 at all but a few logits in a million; the record's fast-math tanh is an
 # approximation whose values are not reproduced, so its bf16 sigma can be one bf16 ulp (2^-8 for
-# sigma >= 0.5) away from ours wherever its fp32 value falls across a rounding midpoint.
+# sigma >= 0.5) away from ours wherever its fp32 value falls across a rounding midpoint. The kernel's
+# FAST_TANH=True takes the GPU's one-instruction tanh.approx.f32 instead (fast math, and cheaper than
+# the exp and division of the accurate form); it is not the default: the GPU check's kernel-tuning
+# sweep times it first.
 
 
 def softcap(logits: torch.Tensor) -> torch.Tensor:
@@ -894,9 +897,23 @@ def _round_to_bf16(v):
 
 
 @triton.jit
-def _softcap_sigma(x):
-    """The record's stored sigma of logits x (fp32): bf16(0.5 + 0.5 tanh(u / 2)), u = (x + 5) / 7.5."""
-    return _round_to_bf16(0.5 + 0.5 * _tanh((x + 5.0) * (1.0 / 15.0)))
+def _tanh_approx(y):
+    """The GPU's one-instruction tanh (PTX tanh.approx.f32, sm_75+; about 2^-11 relative error): fast
+    math, as record #89 computes its sigma. CUDA only (the interpreter runs no PTX)."""
+    return tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=r,r", [y], dtype=tl.float32,
+                                     is_pure=True, pack=1)
+
+
+@triton.jit
+def _softcap_sigma(x, FAST_TANH: tl.constexpr = False):
+    """The record's stored sigma of logits x (fp32): bf16(0.5 + 0.5 tanh(u / 2)), u = (x + 5) / 7.5.
+    FAST_TANH: the hardware's approximate tanh instead of the accurate one (a tuning candidate)."""
+    u = (x + 5.0) * (1.0 / 15.0)
+    if FAST_TANH:
+        t = _tanh_approx(u)
+    else:
+        t = _tanh(u)
+    return _round_to_bf16(0.5 + 0.5 * t)
 
 
 E5M2_MAX = 57344.0  # largest finite float8_e5m2
@@ -907,7 +924,7 @@ def _ce_mtp_kernel(
     logits_ptr, targets_ptr, weights_ptr, prefix_ids_ptr, prefix_weight_ptr, loss_ptr, grad_ptr,
     T, V, s_lt, s_gt, grad_scale, grad_mul,
     K: tl.constexpr, HAS_PREFIX: tl.constexpr, J_POW2: tl.constexpr, BLOCK_V: tl.constexpr,
-    GRAD_E5M2: tl.constexpr,
+    GRAD_E5M2: tl.constexpr, FAST_TANH: tl.constexpr = False,
 ):
     """One program per token row: loss[t] and the record's dlogits[t, :] in two passes over the row.
     GRAD_E5M2: dlogits * grad_mul saturated to +-57344 and stored as e5m2 (grad_ptr is e5m2).
@@ -926,7 +943,7 @@ def _ce_mtp_kernel(
     for v0 in range(0, V, BLOCK_V):
         ok = v0 + cols < V
         x = tl.load(x_row + v0 + cols, mask=ok, other=0.0).to(tl.float32)
-        acc += tl.where(ok, tl.exp(23.0 * _softcap_sigma(x)), 0.0)
+        acc += tl.where(ok, tl.exp(23.0 * _softcap_sigma(x, FAST_TANH)), 0.0)
     lse = tl.log(tl.sum(acc, axis=0))
 
     slots = tl.arange(0, J_POW2)
@@ -941,14 +958,14 @@ def _ce_mtp_kernel(
     normaliser = tl.sum(w, axis=0)     # every MTP weight, even past the end (the record's S_t)
     w_hit = tl.where(tgt >= 0, w, 0.0)  # loss and one-hot terms: only targets that exist
     x_t = tl.load(x_row + tgt, mask=tgt >= 0, other=0.0).to(tl.float32)
-    z_t = 23.0 * _softcap_sigma(x_t)
+    z_t = 23.0 * _softcap_sigma(x_t, FAST_TANH)
     tl.store(loss_ptr + row, tl.sum(w_hit * (lse - z_t), axis=0))
 
     # Pass 2: the gradient, scaled by grad_scale and written once in the logits' dtype.
     for v0 in range(0, V, BLOCK_V):
         ok = v0 + cols < V
         x = tl.load(x_row + v0 + cols, mask=ok, other=0.0).to(tl.float32)
-        s = _softcap_sigma(x)
+        s = _softcap_sigma(x, FAST_TANH)
         p = tl.exp(23.0 * s - lse)
         hit = tl.sum(tl.where((v0 + cols)[:, None] == tgt[None, :], w_hit[None, :], 0.0), axis=1)
         g = (normaliser * p - hit) * ((23.0 / 7.5) * grad_scale * s * (1.0 - s))
