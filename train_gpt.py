@@ -2199,8 +2199,15 @@ def block_attention_mask(doc_ids: torch.Tensor, window, pos_div: int = 1,
 
     kv_num, kv_idx = to_indices(partial)
     full_num, full_idx = to_indices(all_pass)
-    return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=block_size,
-                                    mask_mod=attention_mask_mod(doc_ids, window, pos_div), seq_lengths=(n, n))
+    # The query side (the backward's dk/dv loop) from the transposed block matrices: BlockMask.from_kv_blocks
+    # would rebuild them from the kv side's indices through a vmapped scatter, dozens of small eager ops
+    # per mask and micro-batch (the first H200 profile: 640 aten::arange per step).
+    q_num, q_idx = to_indices(partial.mT)
+    full_q_num, full_q_idx = to_indices(all_pass.mT)
+    return BlockMask(seq_lengths=(n, n), kv_num_blocks=kv_num, kv_indices=kv_idx, full_kv_num_blocks=full_num,
+                     full_kv_indices=full_idx, q_num_blocks=q_num, q_indices=q_idx, full_q_num_blocks=full_q_num,
+                     full_q_indices=full_q_idx, BLOCK_SIZE=(block_size, block_size),
+                     mask_mod=attention_mask_mod(doc_ids, window, pos_div))
 
 
 class SDPAMask(NamedTuple):

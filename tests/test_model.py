@@ -140,6 +140,14 @@ def test_block_mask_applies_exactly_the_dense_mask(seed):
             nb = T * pos_div // bs
             all_pass = expected.view(nb, bs, nb, bs).all(3).all(1)
             assert torch.equal(full, all_pass)
+            # the query side (the backward's loop over query blocks per key block): the same block
+            # pairs, each key block's query blocks listed first in ascending order
+            partial = expected.view(nb, bs, nb, bs).any(3).any(1) & ~all_pass
+            for num, idx, want in ((bm.q_num_blocks, bm.q_indices, partial), (bm.full_q_num_blocks,
+                                                                              bm.full_q_indices, all_pass)):
+                for j in range(nb):
+                    listed = idx[0, 0, j, : num[0, 0, j]].tolist()
+                    assert listed == torch.nonzero(want[:, j]).flatten().tolist(), (window, pos_div, j)
 
 
 def test_block_mask_rejects_ragged_length():
