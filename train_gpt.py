@@ -345,7 +345,7 @@ class Hyperparameters:
     checkpoint_dir: str = "checkpoints"
     resume: str = ""                                # checkpoint directory to continue from
     compile: bool = True
-    cpu_dtype: str = "auto"                         # CPU only: bf16 | fp32 | auto (the faster, timed at start-up)
+    cpu_dtype: str = "auto"                         # CPU only: bf16 | fp32 | auto (the faster, timed at start-up; a resumed run: its checkpoint's)
     sample_tokens: int = knob(0, _AT_LEAST_0)       # after training, print a sampled continuation this long
     # component switches outside the rows (ABLATIONS edits rows for the others). A switched-off
     # component's parameters stay in the model (checkpoints keep one layout), unread and frozen.
@@ -3343,8 +3343,7 @@ def train_step(model_fn, opt: NorMuonAdam, batches: list[Batch], plan: StepPlan,
     (0-D) are device tensors that receive this step's loss weights. Returns this rank's summed training
     loss times grad_scale (a 0-D tensor; nothing here waits for the GPU)."""
     for value, dst in ((plan.mtp_weights, mtp), (plan.prefix_weight, prefix)):
-        src = torch.tensor(value, dtype=torch.float32)
-        dst.copy_(src.pin_memory() if device.type == "cuda" else src, non_blocking=True)
+        copy_from_host_(dst, torch.tensor(value, dtype=torch.float32))
     for i, b in enumerate(batches):  # the bigram rows to exchange are known before backward: start now
         opt.prepare_sparse("bigram_embed", b.bigram_ids, launch=plan.do_adam and i == len(batches) - 1)
     loss = torch.zeros((), device=device)
@@ -3662,6 +3661,20 @@ def choose_cpu_dtype(args: Hyperparameters) -> tuple[torch.dtype, str]:
                               f"{figures}; capability {torch.backends.cpu.get_cpu_capability()}) on {cpu_model()}")
 
 
+def checkpoint_cpu_dtype(args: Hyperparameters) -> tuple[torch.dtype, str] | None:
+    """With --resume and --cpu_dtype auto, the dtype the checkpoint's model was trained in (its weight
+    banks: bf16 or fp32), so that a resumed run continues in it whatever a start-up timing would say;
+    None otherwise, or when the checkpoint cannot be read (load_checkpoint then says why)."""
+    if not args.resume or args.cpu_dtype != "auto":
+        return None
+    try:
+        state = torch.load(os.path.join(args.resume, "model.pt"), map_location="cpu", weights_only=False)["model"]
+        name = "bf16" if state["qk_bank"].dtype == torch.bfloat16 else "fp32"
+    except Exception:  # noqa: BLE001 -- load_checkpoint reports a missing or damaged checkpoint in one line
+        return None
+    return CPU_DTYPES[name], f"cpu dtype {name} (the checkpoint's: --resume {args.resume}) on {cpu_model()}"
+
+
 def compute_dtype(args: Hyperparameters, d: DistInfo) -> tuple[torch.dtype, str | None]:
     """The model's compute dtype: bf16 on GPUs; on CPUs rank 0's choose_cpu_dtype, taken by every rank
     (timings differ between processes), with its log line."""
@@ -3669,7 +3682,7 @@ def compute_dtype(args: Hyperparameters, d: DistInfo) -> tuple[torch.dtype, str 
         return torch.bfloat16, None
     choice = [None]
     if d.is_master:
-        dtype, note = choose_cpu_dtype(args)
+        dtype, note = checkpoint_cpu_dtype(args) or choose_cpu_dtype(args)
         choice = [(str(dtype).removeprefix("torch."), note)]
     if dist.is_initialized():
         dist.broadcast_object_list(choice, src=0)

@@ -66,8 +66,11 @@ def test_world_sizes_agree(two_rank_run, tmp_path):
     """Same global batch, same data, same schedule: 1, 2 and 4 ranks follow the same loss trajectory
     (gradient averaging, sharded optimizer and loader split are exact up to bf16 rounding)."""
     _, log2 = two_rank_run
-    log1 = train(tmp_path, "one", 1)
-    log4 = train(tmp_path, "four", 4)
+    # the same compute dtype: --cpu_dtype auto times bf16 against fp32 at start-up, and on a CPU where
+    # they are close (AVX512-BF16 without AMX) a busy machine can tip each run its own way
+    dtype = re.search(r"^cpu dtype (bf16|fp32)", log2, re.M).group(1)
+    log1 = train(tmp_path, "one", 1, "--cpu_dtype", dtype)
+    log4 = train(tmp_path, "four", 4, "--cpu_dtype", dtype)
     v1, v2, v4 = val_losses(log1), val_losses(log2), val_losses(log4)
     assert v1[0] == v2[0] == v4[0]  # same initial model, same validation tokens
     for step in (3, 6, 7):
@@ -80,6 +83,9 @@ def test_resume_continues_exactly(two_rank_run, tmp_path):
     ckpt = tmp / "ckpt" / "two" / "step_000003"
     assert (ckpt / "model.pt").exists() and (ckpt / "rank001.pt").exists()
     resumed = train(tmp_path, "resumed", 2, "--resume", str(ckpt))
+    # the compute dtype is the checkpoint's, not a fresh start-up timing's (which a busy CPU can tip)
+    dtype = re.search(r"^cpu dtype (bf16|fp32)", log, re.M).group(1)
+    assert re.search(rf"^cpu dtype {dtype} \(the checkpoint's: --resume {re.escape(str(ckpt))}\)", resumed, re.M)
     full, cont = val_losses(log), val_losses(resumed)
     assert sorted(cont) == [3, 6, 7]
     assert [cont[s] for s in (3, 6, 7)] == [full[s] for s in (3, 6, 7)]
