@@ -113,7 +113,7 @@ CHECKS: tuple[Check, ...] = (
     Check("sync-free-step", 150, "training steps under torch.cuda.set_sync_debug_mode('error'): "
           "test_training_step_never_waits_for_the_gpu (eager), then compiled model and optimizer with FP8 "
           "re-quantisation, with any recompilation an error",
-          (TG + "train_step", TG + "hyperparam_tensors", TG + "_adam_update_sliced",
+          (TG + "hyperparam_tensors", TG + "_adam_update_sliced",
            TG + "build_optimizer", TG + "copy_from_host_"), "model"),
     # -- run: NCCL, the script end to end, the kernel choice table ------------------------------------
     Check("normuon-nccl", 60, "NorMuonAdam on a single-rank NCCL group (and 2 ranks where 2 GPUs exist) "
@@ -133,7 +133,7 @@ CHECKS: tuple[Check, ...] = (
     Check("kernel-tuning", 400, "the loss kernel, the dpre epilogue, the bf16 relu2 forward and the FP8 up-projection "
           "at 16,384 and 49,152 tokens under every tile configuration of MM_SWEEP / CE_SWEEP: committed against the "
           "best (within 10%), every timing for updating the config functions",
-          (TK + "_mm_config", TK + "_ce_config"), "tune"),
+          (K + "_tanh_approx", TK + "_mm_config", TK + "_ce_config"), "tune"),
 )
 
 
@@ -248,9 +248,16 @@ def make_shards(directory: str, num_shards: int = 2, tokens_per_shard: int = 4_0
 def project(stages: list[dict], gpus: int = GPUS_PROJECTED) -> dict:
     """Training time of the whole schedule from measured stages (steps x ms/step, validation excluded):
     on this GPU, and on `gpus` GPUs with the same per-GPU speed, where each GPU does 1/gpus of a step's
-    micro-batches (accumulation 8 -> 8/gpus) and communication costs nothing, so a lower bound."""
+    micro-batches (accumulation 8 -> 8/gpus) and communication costs nothing, so a lower bound. Where
+    every stage has its optimizer split (step_timing.optimizer_split), also the time with the
+    micro-batches split `gpus` ways and the optimizer step not split at all (its launches, and the
+    per-bank work of a launch-bound step, do not shrink with the shard): `gpus_optimizer_whole_s`."""
     this = sum(s["steps"] * s["ms"] for s in stages) / 1000
-    return {"this_gpu_s": this, f"{gpus}_gpus_s": this / gpus, "steps": sum(s["steps"] for s in stages)}
+    out = {"this_gpu_s": this, f"{gpus}_gpus_s": this / gpus, "steps": sum(s["steps"] for s in stages)}
+    if stages and all("optimizer_ms" in s for s in stages):
+        out[f"{gpus}_gpus_optimizer_whole_s"] = sum(
+            s["steps"] * (s["ms"] - s["optimizer_ms"]) / gpus + s["steps"] * s["optimizer_ms"] for s in stages) / 1000
+    return out
 
 
 def mfu(flops_per_token: float, tokens_per_s: float, peak_tflops: float | None) -> float | None:
@@ -316,11 +323,12 @@ def render_markdown(report: dict) -> str:
         lines += ["", "## Speedrun preset on this GPU", "",
                   f"{t['world_size']} GPU, accumulation {t['accumulation']}, {t['warmup']} warm-up + {t['steps']} "
                   f"timed steps per stage; MFU against {_fmt(t['peak_tflops'], '.1f', 'unknown')} TFLOP/s dense bf16.",
-                  "", "| stage | steps | batch tokens | warm-up s (compile) | ms/step | tokens/s | GFLOP/token | MFU |",
-                  "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+                  "", "| stage | steps | batch tokens | warm-up s (compile) | ms/step | optimizer ms | tokens/s | "
+                  "GFLOP/token | MFU |",
+                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
         for s in t["stages"]:
             lines.append(f"| {s['stage']} | {s['steps']} | {s['batch']:,} | {s['warmup_s']:.1f} | {s['ms']:.1f} | "
-                         f"{s['tokens_per_s']:,.0f} | {s['flops_per_token'] / 1e9:.3f} | "
+                         f"{_fmt(s.get('optimizer_ms'), '.1f')} | {s['tokens_per_s']:,.0f} | {s['flops_per_token'] / 1e9:.3f} | "
                          f"{_fmt(s.get('mfu') and 100 * s['mfu'], '.1f')}{'%' if s.get('mfu') else ''} |")
         p = t.get("projection")
         if p:
@@ -328,7 +336,10 @@ def render_markdown(report: dict) -> str:
                       + ("" if len(t["stages"]) == t["stages_total"] else " (projection covers those only)"),
                       f"- compile and warm-up: {sum(s['warmup_s'] for s in t['stages']):.0f} s",
                       f"- projected training time, {p['steps']} steps: {p['this_gpu_s']:.0f} s on this GPU, "
-                      f"{p[f'{GPUS_PROJECTED}_gpus_s']:.1f} s on {GPUS_PROJECTED} such GPUs (no communication counted)"]
+                      f"{p[f'{GPUS_PROJECTED}_gpus_s']:.1f} s on {GPUS_PROJECTED} such GPUs (no communication counted)"
+                      + (f"; {p[f'{GPUS_PROJECTED}_gpus_optimizer_whole_s']:.1f} s if the optimizer step does not "
+                         "shrink at all (its time measured with the device synchronised around it)"
+                         if f"{GPUS_PROJECTED}_gpus_optimizer_whole_s" in p else "")]
         if t.get("peak_allocated_gib") is not None:
             lines.append(f"- peak memory: {t['peak_allocated_gib']:.2f} GiB allocated, "
                          f"{t['peak_reserved_gib']:.2f} GiB reserved")

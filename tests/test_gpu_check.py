@@ -24,7 +24,7 @@ def test_every_cuda_path_has_a_check():
     # counted independently: the decorators as text
     tk = open(os.path.join(ROOT, "triton_kernels.py")).read()
     tg = open(os.path.join(ROOT, "train_gpt.py")).read()
-    assert len(kernels) == tk.count("\n@triton.jit\n") == 9
+    assert len(kernels) == tk.count("\n@triton.jit\n") == 10
     assert len(ops) == tk.count("@torch.library.custom_op(") + tg.count("@torch.library.custom_op(") == 14
     assert {"cuda:train_gpt.py:_runs_compiled_flex", "cuda:train_gpt.py:_native_fp8", "cuda:train_gpt.py:setup_distributed",
             "cuda:triton_kernels.py:_num_programs", "cuda:train_gpt.py:Batch.to", "op:speedrun::fp8_head_loss",
@@ -187,9 +187,9 @@ INFO = dict(date="2026-11-24", gpu="NVIDIA H100 80GB HBM3", capability="9.0", sm
             driver="580.159.04", cuda="13.0", torch="2.11.0+cu130", triton="3.6.0", python="3.12.3", commit="abc1234")
 
 STAGES = [dict(stage="stage 1", steps=423, batch=131072, warmup_s=80.0, ms=400.0, tokens_per_s=327680.0,
-               flops_per_token=1.0e9, mfu=0.33),
+               flops_per_token=1.0e9, mfu=0.33, optimizer_ms=40.0, rest_ms=360.0),
           dict(stage="stage 2", steps=424, batch=262144, warmup_s=40.0, ms=800.0, tokens_per_s=327680.0,
-               flops_per_token=1.1e9, mfu=None)]
+               flops_per_token=1.1e9, mfu=None, optimizer_ms=48.0, rest_ms=752.0)]
 
 
 def test_projection_arithmetic():
@@ -198,6 +198,10 @@ def test_projection_arithmetic():
     assert p["this_gpu_s"] == pytest.approx((423 * 400 + 424 * 800) / 1000)  # 508.4 s
     assert p["8_gpus_s"] == pytest.approx(508.4 / 8)
     assert G.project(STAGES, gpus=4)["4_gpus_s"] == pytest.approx(127.1)
+    # the optimizer step kept whole on each GPU, the micro-batches split 8 ways
+    assert p["8_gpus_optimizer_whole_s"] == pytest.approx((423 * (360 / 8 + 40) + 424 * (752 / 8 + 48)) / 1000)
+    older = [{k: v for k, v in st.items() if k not in ("optimizer_ms", "rest_ms")} for st in STAGES]
+    assert "8_gpus_optimizer_whole_s" not in G.project(older)  # a report from before the split
     # MFU: FLOPs per token x tokens/s over the peak
     assert G.mfu(1.0e9, 327680.0, 989.4) == pytest.approx(327680e9 / 989.4e12)
     assert G.mfu(1.0e9, 327680.0, None) is None
@@ -233,11 +237,13 @@ def test_report_files_name_the_machine_and_hold_the_figures(tmp_path):
                  "- result: 1 of 3 checks passed in 315 s",
                  "| triton-mlp | kernels | pass | 12.3 | worst relative error bf16 3.0e-03 |",
                  "| fp8-up | kernels | fail | 3.0 | AssertionError: post / 2% differ |",
-                 "| stage 1 | 423 | 131,072 | 80.0 | 400.0 | 327,680 | 1.000 | 33.0% |",
-                 "| stage 2 | 424 | 262,144 | 40.0 | 800.0 | 327,680 | 1.100 | - |",
+                 "| stage 1 | 423 | 131,072 | 80.0 | 400.0 | 40.0 | 327,680 | 1.000 | 33.0% |",
+                 "| stage 2 | 424 | 262,144 | 40.0 | 800.0 | 48.0 | 327,680 | 1.100 | - |",
                  "- stages measured: 2 of 4 (projection covers those only)",
                  "- compile and warm-up: 120 s",
-                 "- projected training time, 847 steps: 508 s on this GPU, 63.5 s on 8 such GPUs (no communication counted)",
+                 "- projected training time, 847 steps: 508 s on this GPU, 63.5 s on 8 such GPUs (no communication counted); "
+                 "96.2 s if the optimizer step does not shrink at all (its time measured with the device synchronised "
+                 "around it)",
                  "- peak memory: 41.50 GiB allocated, 52.25 GiB reserved",
                  "- torch.compile: 9 graphs compiled in the warm-up steps, 0 in the timed steps (recompiles), 0 graph breaks",
                  "## Profile: stage 1, rank 0",
@@ -403,3 +409,27 @@ def test_tile_sweep_takes_the_fastest_correct_config():
     assert f["current"] == "V1 w4" and f["best"] == "V2 w4" and f["best_ms"] == 1.0 and f["speedup"] == 2.0
     assert by["V3 w4"]["failed"].startswith("RuntimeError: out of resource") and not by["V3 w4"]["ok"]
     assert not by["V4 w4"]["ok"] and by["V4 w4"]["error"] == pytest.approx(1.0)
+
+
+def test_optimizer_split_times_the_step_and_restores_it(monkeypatch):
+    """step_timing.optimizer_split on a CPU with a fake optimizer and a fake clock: the optimizer's time
+    is what passes inside opt.step, the rest is the remainder, and opt.step is the class's own again."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "benchmarks"))
+    import step_timing
+    import torch
+    clock = [0.0]
+    monkeypatch.setattr(step_timing.time, "perf_counter", lambda: clock[0])
+
+    class Opt:
+        def step(self):
+            clock[0] += 0.010  # 10 ms inside the optimizer
+
+    opt = Opt()
+
+    def step():
+        clock[0] += 0.030  # 30 ms of micro-batches
+        opt.step()
+
+    split = step_timing.optimizer_split(opt, step, torch.device("cpu"), 3)
+    assert split["optimizer_ms"] == pytest.approx(10.0) and split["rest_ms"] == pytest.approx(30.0)
+    assert split["wall"] == pytest.approx([40.0] * 3) and "step" not in vars(opt)

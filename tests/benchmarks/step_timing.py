@@ -156,14 +156,45 @@ def profile_summary(prof, steps: int, wall_ms: float, what: str, top: int = 25) 
                 top_ops=[(name, n / steps, ms / steps) for name, (n, ms) in top_ops])
 
 
+def optimizer_split(opt, step, device: torch.device, n: int) -> dict:
+    """Run step() n times with the device synchronised before and after opt.step; returns the mean wall
+    ms of the whole step ("wall" per step too), of the optimizer step, and of the rest."""
+    wall, inside = [], []
+    plain = opt.step
+
+    def synchronised(*a, **k):
+        T.cuda_synchronize(device)
+        t = time.perf_counter()
+        out = plain(*a, **k)
+        T.cuda_synchronize(device)
+        inside.append(1000 * (time.perf_counter() - t))
+        return out
+
+    opt.step = synchronised
+    try:
+        for _ in range(n):
+            T.cuda_synchronize(device)
+            t = time.perf_counter()
+            step()
+            T.cuda_synchronize(device)
+            wall.append(1000 * (time.perf_counter() - t))
+    finally:
+        del opt.step  # the class's own step again
+    total, optimizer = sum(wall) / n, sum(inside) / n
+    return dict(wall=wall, step_ms=total, optimizer_ms=optimizer, rest_ms=total - optimizer)
+
+
 def run(args: T.Hyperparameters, d: T.DistInfo, steps: int, warmup: int, peak: float | None,
-        on_stage=None, profile_stage: str | None = None, profile_steps: int = 2) -> list[dict]:
+        on_stage=None, profile_stage: str | None = None, profile_steps: int = 2, split_steps: int = 2) -> list[dict]:
     """Times every stage; on_stage(result) is called as each stage finishes (so a caller keeps the
     stages measured before an interruption). warmup_s is the wall time of a stage's warm-up steps,
     its compilation included; graphs_warmup / graphs_timed count the graphs torch.compile made in the
     warm-up and in the timed steps (recompiles: 0 when every shape was compiled in the warm-up).
     profile_stage: after that stage's timed steps, profile_steps more under torch.profiler (CUDA only),
-    summarised as result["profile"] (profile_summary)."""
+    summarised as result["profile"] (profile_summary). split_steps: after the timed steps, that many
+    more with the device synchronised around the optimizer step, for optimizer_ms (its wall time per
+    step) and rest_ms (the micro-batches' forward and backward and the rest): on N GPUs the micro-batches
+    split N ways but the optimizer's launches and collectives do not (the projections' upper bound)."""
     accum = T.check_batch_split(args, d.world_size)
     slots = d.world_size * accum
     torch.manual_seed(args.seed)
@@ -216,12 +247,17 @@ def run(args: T.Hyperparameters, d: T.DistInfo, steps: int, warmup: int, peak: f
         T.cuda_synchronize(d.device)
         ms = 1000 * (time.perf_counter() - t0) / steps
         counts.append(T.compile_counts())
+        split, done = {}, warmup + steps
+        if split_steps > 0:
+            indices = iter(range(done, done + split_steps))
+            split = optimizer_split(opt, lambda: one_step(next(indices)), d.device, split_steps)
+            done += split_steps
         profile = None
         if name == profile_stage and d.device.type == "cuda" and profile_steps > 0:
             from torch.profiler import ProfilerActivity, profile as torch_profile
             with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
                 t_prof = time.perf_counter()
-                for i in range(warmup + steps, warmup + steps + profile_steps):
+                for i in range(done, done + profile_steps):
                     one_step(i)
                 T.cuda_synchronize(d.device)
                 wall = 1000 * (time.perf_counter() - t_prof)
@@ -236,6 +272,8 @@ def run(args: T.Hyperparameters, d: T.DistInfo, steps: int, warmup: int, peak: f
                             graphs_warmup=counts[1]["graphs"] - counts[0]["graphs"],
                             graphs_timed=counts[2]["graphs"] - counts[1]["graphs"],
                             graph_breaks=counts[2]["graph_breaks"] - counts[0]["graph_breaks"]))
+        if split:
+            results[-1].update(optimizer_ms=split["optimizer_ms"], rest_ms=split["rest_ms"])
         if profile is not None:
             results[-1]["profile"] = profile
         if on_stage is not None:
@@ -250,6 +288,10 @@ def run(args: T.Hyperparameters, d: T.DistInfo, steps: int, warmup: int, peak: f
             r["mfu"] = r["flops_per_token"] * r["tokens_per_s"] / (d.world_size * peak * 1e12)
         say(f"{r['stage']:10s} {r['steps']:6d} {r['batch']:9,d} {r['ms']:9.2f} {r['tokens_per_s']:12,.0f} "
             f"{r['flops_per_token'] / 1e9:12.3f} {mfu:>7s} {r['graphs_warmup']:>11d}/{r['graphs_timed']:<11d}")
+    for r in results:
+        if "optimizer_ms" in r:
+            say(f"{r['stage']}: optimizer step {r['optimizer_ms']:.2f} ms, the rest {r['rest_ms']:.2f} ms per step "
+                f"(device synchronised around the optimizer step)")
     total_s = sum(r["steps"] * r["ms"] for r in results) / 1000
     say(f"projected training time of the whole schedule ({T.total_steps(args)} steps, validation excluded): {total_s:.1f} s")
     say("FLOPs/token = 6*(P_matrices + P_head) + sum_attention_layers 12*num_heads*head_dim*keys(layer)"
