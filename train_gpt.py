@@ -2200,8 +2200,8 @@ def block_attention_mask(doc_ids: torch.Tensor, window, pos_div: int = 1,
     kv_num, kv_idx = to_indices(partial)
     full_num, full_idx = to_indices(all_pass)
     # The query side (the backward's dk/dv loop) from the transposed block matrices: BlockMask.from_kv_blocks
-    # would rebuild them from the kv side's indices through a vmapped scatter, dozens of small eager ops
-    # per mask and micro-batch (the first H200 profile: 640 aten::arange per step).
+    # would rebuild it from the kv side's indices through a vmapped scatter, dozens more small eager ops
+    # per mask and micro-batch, launched by the host between the compiled graphs.
     q_num, q_idx = to_indices(partial.mT)
     full_q_num, full_q_idx = to_indices(all_pass.mT)
     return BlockMask(seq_lengths=(n, n), kv_num_blocks=kv_num, kv_indices=kv_idx, full_kv_num_blocks=full_num,
