@@ -899,7 +899,8 @@ def _round_to_bf16(v):
 @triton.jit
 def _tanh_approx(y):
     """The GPU's one-instruction tanh (PTX tanh.approx.f32, sm_75+; about 2^-11 relative error): fast
-    math, as record #89 computes its sigma. CUDA only (the interpreter runs no PTX)."""
+    math, which record #89 names for its sigma (whether its compiler picks this same instruction is not
+    established). CUDA only (the interpreter runs no PTX)."""
     return tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=r,r", [y], dtype=tl.float32,
                                      is_pure=True, pack=1)
 
