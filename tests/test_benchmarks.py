@@ -433,7 +433,6 @@ def run_script(*argv, timeout=300):
 
 
 @pytest.mark.slow
-@pytest.mark.slow
 def test_recipe_learning_rate_search_smoke(tmp_path):
     """--run recipe_search on a tuning split trains the grid on seed 0; --recipe_from then trains the
     compared recipe at the winner's rates (the lowest best val loss of the grid)."""
@@ -622,6 +621,11 @@ def test_ablation_smoke(tmp_path):
     assert float(row[-6]) == pytest.approx(sum(finals) / 2 - sum(full) / 2, abs=2e-4)  # the mean paired delta
     saved = json.load(open(tmp_path / "ablate_batch_schedule_s1.json"))
     assert os.path.isfile(tmp_path / saved["log"]) and saved["floor"] == json.load(open(tmp_path / "recipe_s1.json"))["floor"]
+    # --load of a folder of ablations alone (no classic) prints the same table, and no ratio
+    loaded = run_script("tests/benchmarks/token_efficiency.py", "--load", str(tmp_path), "--no_plot")
+    assert [line for line in loaded.split("switched off / replaced")[1].splitlines()
+            if line.startswith("batch schedule")][0].split() == row
+    assert "one side only (recipe runs and ablations): no comparison, no ratio" in loaded
 
 
 @pytest.mark.slow

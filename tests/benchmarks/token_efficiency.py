@@ -1045,14 +1045,17 @@ def report(folder: str, tokens: int | None, plot: bool = True) -> list[float]:
     if rates:
         print(rates + "\n")
     ratios = []
-    if classic and any(n.startswith("recipe_") for n in runs):
+    two_sided = classic is not None and any(n.startswith("recipe_") for n in runs)
+    if two_sided:
         table, ratios = seeds_table(runs, floors)
         print(table)
-        abl = ablation_table(runs, floors)
-        if abl:
-            print("\n" + abl)
-    else:
-        print(f"one side only ({'classic' if classic else 'recipe'} runs: a tuning folder): no comparison, no ratio")
+    abl = ablation_table(runs, floors)  # also in a folder of the recipe's ablations alone
+    if abl:
+        print(("\n" if two_sided else "") + abl)
+    if not two_sided:
+        kind = ("classic runs: a tuning folder" if classic else
+                "recipe runs and ablations" if abl else "recipe runs: a tuning folder")
+        print(("\n" if abl else "") + f"one side only ({kind}): no comparison, no ratio")
     if plot:
         out = os.path.join(folder, "curves.png")
         plot_curves(runs, out, f"{os.path.basename(os.path.normpath(folder))}")
