@@ -161,6 +161,20 @@ def test_row_ablations_switch_the_feature_off_in_every_row():
     assert [r.attention for r in rows] == ["plain"] * 6 + ["none"] + ["plain"] * 4
 
 
+def test_only_picks_ablation_rows_by_substring_or_by_a_whole_name_with_a_comma():
+    names = [name for name, _ in te.ABLATIONS]
+    picked = lambda only: [names[i] for i in te.selected_ablations(only)]
+    assert picked("") == names
+    assert picked("dc,xsa") == ["full recipe", "XSA", "DC"]  # in the table's order
+    assert picked("full recipe") == ["full recipe"]
+    # a whole name holding a comma is one row, not its two halves (the first half names all four arms)
+    assert picked("NorMuon -> AdamW on the matrices, bank lr x0.25") == \
+        ["full recipe", "NorMuon -> AdamW on the matrices, bank lr x0.25"]
+    assert len(picked("NorMuon -> AdamW on the matrices")) == 5
+    with pytest.raises(SystemExit, match=r"--only 'mpt' names no ablation row; the rows: NorMuon -> Muon"):
+        te.selected_ablations("dc,mpt")
+
+
 def test_mtp_ablation_scores_the_next_token_only():
     off_args = tg.ablated(TEST, ["mtp"])
     assert {tg.plan_step(off_args, s).mtp_weights for s in range(tg.total_steps(off_args))} == {(1.0,)}

@@ -1196,18 +1196,33 @@ def recipe_params(args: T.Hyperparameters) -> dict:
     return {"total": total, "embedding tables": tables, "non-embedding": total - tables}
 
 
+def selected_ablations(only: str) -> list[int]:
+    """Indices into ABLATIONS that --only picks, the full recipe (0) always first: every row whose name
+    contains one of the comma-separated substrings, or the one row whose name contains the whole value
+    (a name may hold a comma itself)."""
+    if not only:
+        return list(range(len(ABLATIONS)))
+    names = [name.lower() for name, _ in ABLATIONS]
+    whole = only.strip().lower()
+    parts = [whole] if sum(whole in n for n in names) == 1 else [o.strip() for o in whole.split(",") if o.strip()]
+    unmatched = [o for o in parts if not any(o in n for n in names)]
+    if unmatched:
+        raise SystemExit(f"error: --only {', '.join(map(repr, unmatched))} names no ablation row; the rows: "
+                         + "; ".join(name for name, _ in ABLATIONS[1:]))
+    return [0] + [i for i, n in enumerate(names) if i and any(o in n for o in parts)]
+
+
 def run_ablations(a, device: torch.device) -> None:
     """One recipe run per switched-off component and seed, each saved; then the table."""
-    only = [s.strip().lower() for s in a.only.split(",")] if a.only else None
+    rows = selected_ablations(a.only)
     seeds = [int(x) for x in a.seeds.split(",")]
     data = prepare(a)
     base = recipe_args(a.preset, data.train_glob, data.val_path, a.tokens, 0, data.val.val_tokens, device,
                        a.recipe_lrs, a.log_dir)
     print(f"ablations: --preset {a.preset}, {base.num_iterations}+{base.extension_iterations} steps, "
           f"{sum(schedule_tokens(base)):,} train tokens each, seeds {seeds}, final val loss on {base.val_tokens:,} val tokens")
-    for i, (name, spec) in enumerate(ABLATIONS):
-        if only and i and not any(o in name.lower() for o in only):
-            continue
+    for i in rows:
+        name, spec = ABLATIONS[i]
         overrides, edit = ({}, spec) if callable(spec) else (spec, None)
         for seed in seeds:
             file = "recipe" if i == 0 else "ablate_" + re.sub(r"[^a-z0-9]+", "_", name.lower()).strip("_")
@@ -1269,7 +1284,7 @@ def main(argv=None):
     ap.add_argument("--floor", action="store_true",
                     help="print the validation set and each --seeds floor of these data flags, then stop (no training)")
     ap.add_argument("--ablate", action="store_true", help="run the ablation table instead of the comparison")
-    ap.add_argument("--only", default="", help="--ablate: comma-separated substrings of component names")
+    ap.add_argument("--only", default="", help="--ablate: comma-separated substrings of component names, or one whole name (commas and all)")
     ap.add_argument("--log_dir", default="", help="keep the recipe's run logs here (default: the results folder's logs/)")
     ap.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     ap.add_argument("--smoke", action="store_true", help="a few steps of the test preset (checks the tooling only)")
