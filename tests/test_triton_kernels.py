@@ -794,14 +794,12 @@ res["mlp_fp8_up_precise"] = compile_sm90(tk._fp8_relu2_kernel, up, dict(FAST_ACC
 ce = dict(logits_ptr=ptr(), targets_ptr=ptr("*i64"), weights_ptr=ptr("*fp32"), prefix_ids_ptr=ptr("*i64"),
           prefix_weight_ptr=ptr("*fp32"), loss_ptr=ptr("*fp32"), grad_ptr=ptr(),
           T=i32(49152), V=i32(50304), s_lt=i32(50304), s_gt=i32(50304), grad_scale=("fp32", 0), grad_mul=("fp32", 0))
-res["ce"] = compile_sm90(tk._ce_mtp_kernel, ce, dict(K=3, HAS_PREFIX=True, J_POW2=4, BLOCK_V=4096, GRAD_E5M2=False,
-                                                        FAST_TANH=False), 8, 3)
+ce_consts = dict(K=3, HAS_PREFIX=True, J_POW2=4, BLOCK_V=4096, GRAD_E5M2=False, FAST_TANH=False)
+res["ce"] = compile_sm90(tk._ce_mtp_kernel, ce, ce_consts, 8, 3)
 # The softcap's tanh as one PTX tanh.approx.f32 (the kernel-tuning check times it against tanh)
-res["ce_fast_tanh"] = compile_sm90(tk._ce_mtp_kernel, ce, dict(K=3, HAS_PREFIX=True, J_POW2=4, BLOCK_V=4096,
-                                                               GRAD_E5M2=False, FAST_TANH=True), 8, 3)
+res["ce_fast_tanh"] = compile_sm90(tk._ce_mtp_kernel, ce, {**ce_consts, "FAST_TANH": True}, 8, 3)
 ce.update(grad_ptr=ptr("*fp8e5"))
-res["ce_e5m2"] = compile_sm90(tk._ce_mtp_kernel, ce, dict(K=3, HAS_PREFIX=True, J_POW2=4, BLOCK_V=4096, GRAD_E5M2=True,
-                                                          FAST_TANH=False), 8, 3)
+res["ce_e5m2"] = compile_sm90(tk._ce_mtp_kernel, ce, {**ce_consts, "GRAD_E5M2": True}, 8, 3)
 tr = dict(src_ptr=ptr(), dst_ptr=ptr("*fp32"), M=i32(50304), N=i32(768), ssm=i32(768), ssn=i32(1), sdn=i32(50304), sdm=i32(1))
 res["transpose_add"] = compile_sm90(tk._transpose_kernel, tr, dict(ADD=True, BLOCK_M=64, BLOCK_N=64), 4, 1)
 print(json.dumps(res))
