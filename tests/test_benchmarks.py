@@ -387,6 +387,58 @@ def test_classic_model_is_gpt2():
     assert te.classic_lr(c, 52, 100) == pytest.approx(c.lr * (c.min_lr_frac + (1 - c.min_lr_frac) * 0.5))
 
 
+def classic_shards(tmp_path):
+    motif = np.random.default_rng(0).integers(0, 500, 50)  # a repeated motif: something to learn in a few steps
+    tg.write_shard(str(tmp_path / "train.bin"), np.tile(motif, 60))
+    tg.write_shard(str(tmp_path / "val.bin"), np.tile(motif, 6))
+    return str(tmp_path / "train.bin"), str(tmp_path / "val.bin")
+
+
+def test_an_interrupted_classic_run_resumes_bit_for_bit(tmp_path, monkeypatch):
+    """Killed mid-step, a classic run with a state file continues from its last save and gives the same
+    curve, to the bit, as the run that was never stopped (weights, AdamW moments and stream position all
+    restored); a state of another configuration is refused with one line."""
+    train, val = classic_shards(tmp_path)
+    c = te.ClassicConfig(vocab_size=512, seq_len=32, num_layers=2, model_dim=32, num_heads=2, mlp_hidden=64,
+                         lr=1e-2, batch_tokens=64)
+    run = lambda state="", cfg=c: te.run_classic(cfg, train, val, 64 * 12, 4, 128, torch.device("cpu"), 3,  # noqa: E731
+                                                 state, {"commit": "abc"})
+    reference = run()["curve"]
+    assert len(reference) == 5 and reference[-1][1] < reference[0][1] - 0.1  # it learns: 12 steps, 4 evals
+
+    clip = torch.nn.utils.clip_grad_norm_
+    def dies_at(n):
+        calls = []
+        def clip_or_die(*args, **kwargs):
+            calls.append(1)
+            if len(calls) == n:
+                raise KeyboardInterrupt
+            return clip(*args, **kwargs)
+        return clip_or_die
+
+    state = str(tmp_path / "partial" / "run.pt")
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", dies_at(8))  # in step 8: saved at steps 3 and 6
+    with pytest.raises(KeyboardInterrupt):
+        run(state)
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", clip)
+    resumed = run(state)
+    assert resumed["curve"] == reference
+    assert [s["step"] for s in resumed["sittings"]] == [0, 6] and resumed["sittings"][1]["commit"] == "abc"
+
+    # saved every step by time (RESUME_SECONDS 0): resumed from the step it died in
+    monkeypatch.setattr(te, "RESUME_SECONDS", 0.0)
+    os.remove(state)
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", dies_at(8))
+    with pytest.raises(KeyboardInterrupt):
+        run(state)
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", clip)
+    other = dataclasses.replace(c, lr=1e-3)
+    with pytest.raises(SystemExit, match=r"run\.pt was saved by another run \(config differ\); delete it"):
+        run(state, other)
+    resumed = run(state)
+    assert resumed["curve"] == reference and [s["step"] for s in resumed["sittings"]] == [0, 7]
+
+
 def test_flops_formula_counts_spec_shapes():
     with torch.device("meta"):
         model = tg.GPT(tg.Hyperparameters(), world_size=8)

@@ -2,8 +2,10 @@
 with seed spread; and what each component of the recipe contributes (records/README.md, "Token efficiency").
 
 Every run is saved as one JSON (curve + configuration) in a results folder (--save), so runs can be
-split over processes (one per core, OMP_NUM_THREADS=1), resumed (a saved run is not trained again) and
-joined (--load prints every table the folder supports and plots the curves):
+split over processes (one per core, OMP_NUM_THREADS=1), resumed (a saved run is not trained again; a
+classic run stopped midway continues, bit for bit, from the state it keeps in DIR/partial/ at every
+evaluation and every 10 minutes) and joined (--load prints every table the folder supports and plots
+the curves):
 
     D='--train data/sympy/sympy_train_*.bin --val data/sympy/sympy_val_*.bin --tokens 500000 --save DIR'
     python tests/benchmarks/token_efficiency.py $D --run search        # classic: lr x batch x context grid, seed 0
@@ -349,9 +351,30 @@ def autocast(device: torch.device):
     return torch.autocast(device.type, dtype=torch.bfloat16)
 
 
+RESUME_SECONDS = 600.0  # a classic run with a state file saves it at least this often, and at every evaluation
+
+
+def stream_digest(tokens: np.ndarray) -> str:
+    return hashlib.sha256(np.ascontiguousarray(tokens).tobytes()).hexdigest()[:16]
+
+
+def save_state(path: str, state: dict) -> None:
+    """Temporary file + rename: an interruption leaves the previous state whole."""
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    torch.save(state, path + ".tmp")
+    os.replace(path + ".tmp", path)
+
+
 def run_classic(c: ClassicConfig, train: str, val: str, tokens: int, evals: int, val_tokens: int,
-                device: torch.device, seed: int = 0) -> list[tuple[int, float]]:
-    """Train the classic recipe on `tokens` tokens of the train stream; return (tokens, val loss)."""
+                device: torch.device, seed: int = 0, state_file: str = "", sitting: dict | None = None) -> dict:
+    """Train the classic recipe on `tokens` tokens of the train stream. Returns {"curve": [(tokens, val
+    loss)], "seconds": training time over every sitting, "sittings": [{"step": the step it started at,
+    **sitting}]}.
+
+    With state_file, everything a step depends on (weights, AdamW moments, stream position, curve so far)
+    is saved there at every evaluation and at least every RESUME_SECONDS; a run that finds it continues
+    from it, bit for bit the run it would have been, and removes it when done. A state saved by another
+    configuration, budget or data is refused."""
     if c.batch_tokens % c.seq_len:
         raise SystemExit(f"error: --classic_batch_tokens {c.batch_tokens} must be a multiple of --classic_seq_len {c.seq_len}")
     torch.manual_seed(seed)
@@ -366,8 +389,35 @@ def run_classic(c: ClassicConfig, train: str, val: str, tokens: int, evals: int,
     B = c.batch_tokens // c.seq_len
     steps = max(1, tokens // c.batch_tokens)
     every = max(1, steps // evals) if evals else steps
-    curve, pos = [(0, classic_eval(model, val_stream, val_tokens, device))], 0
-    for step in range(steps):
+    identity = {"config": dataclasses.asdict(c), "tokens": tokens, "evals": evals, "val_tokens": val_tokens,
+                "seed": seed, "train_digest": stream_digest(stream), "val_digest": stream_digest(val_stream[:val_tokens + 1])}
+    start, pos, seconds, sittings, curve = 0, 0, 0.0, [], None
+    if state_file and os.path.exists(state_file):
+        try:
+            state = torch.load(state_file, map_location=device, weights_only=False)
+        except Exception as e:  # torch.load raises many types for a damaged file
+            raise SystemExit(f"error: cannot resume from {state_file}: unreadable ({type(e).__name__}); delete it to start the run again") from None
+        differ = [k for k in identity if state["identity"].get(k) != identity[k]]
+        if differ:
+            raise SystemExit(f"error: {state_file} was saved by another run ({', '.join(differ)} differ); "
+                             "delete it to start this one from the beginning")
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["opt"])
+        start, pos, seconds, sittings, curve = (state[k] for k in ("step", "pos", "seconds", "sittings", "curve"))
+        print(f"  resuming at step {start} of {steps} from {state_file}", flush=True)
+    sittings = [*sittings, {"step": start, **(sitting or {})}]
+    t0 = last_save = time.monotonic()
+
+    def save(step):
+        nonlocal last_save
+        save_state(state_file, {"identity": identity, "model": model.state_dict(), "opt": opt.state_dict(),
+                                "step": step, "pos": pos, "curve": curve, "sittings": sittings,
+                                "seconds": seconds + time.monotonic() - t0})
+        last_save = time.monotonic()
+
+    if curve is None:
+        curve = [(0, classic_eval(model, val_stream, val_tokens, device))]
+    for step in range(start, steps):
         rows = []
         for _ in range(B):  # consecutive windows of the stream, wrapping around at its end
             if pos + c.seq_len + 1 > len(stream):
@@ -383,9 +433,12 @@ def run_classic(c: ClassicConfig, train: str, val: str, tokens: int, evals: int,
         torch.nn.utils.clip_grad_norm_(model.parameters(), c.grad_clip)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        if (step + 1) % every == 0 or step + 1 == steps:
+        evaluated = (step + 1) % every == 0 or step + 1 == steps
+        if evaluated:
             curve.append(((step + 1) * c.batch_tokens, classic_eval(model, val_stream, val_tokens, device)))
-    return curve
+        if state_file and step + 1 < steps and (evaluated or time.monotonic() - last_save >= RESUME_SECONDS):
+            save(step + 1)
+    return {"curve": curve, "seconds": seconds + time.monotonic() - t0, "sittings": sittings}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -621,6 +674,7 @@ def git_commit(repo: str = REPO) -> str:
 # ------------------------------------------------------------------------------------------------
 
 FLOOR_FILE = "floor.json"  # the floor of runs that record none (older runs), beside them
+PARTIAL_DIR = "partial"    # the state of classic runs not finished yet (DIR/partial/NAME.pt; not committed)
 
 
 def classic_name(c: ClassicConfig, seed: int) -> str:
@@ -1169,13 +1223,21 @@ def run_sides(a, device: torch.device) -> None:
                     continue
                 print(f"classic seed {seed}: {c.num_layers} layers x {c.model_dim}, context {c.seq_len}, batch "
                       f"{c.batch_tokens:,} tokens, AdamW lr {c.lr:g}, {max(1, a.tokens // c.batch_tokens)} steps", flush=True)
-                t = time.perf_counter()
-                curve = run_classic(c, data.train(seed), data.val_path, a.tokens, a.evals, data.val.val_tokens, device, seed)
-                save_curve(folder, classic_name(c, seed), curve,
-                           {**run_meta(a, data, seed, device), "seconds": time.perf_counter() - t, "classic_lr": c.lr,
+                state_file = os.path.join(folder, PARTIAL_DIR, classic_name(c, seed) + ".pt")
+                run = run_classic(c, data.train(seed), data.val_path, a.tokens, a.evals, data.val.val_tokens, device,
+                                  seed, state_file, {"commit": a.commit, "command": a.command})
+                meta = run_meta(a, data, seed, device)  # commit and command: the first sitting's
+                meta.update(commit=run["sittings"][0]["commit"], command=run["sittings"][0]["command"])
+                save_curve(folder, classic_name(c, seed), run["curve"],
+                           {**meta, "seconds": run["seconds"], "classic_lr": c.lr,
                             "classic_batch_tokens": c.batch_tokens, "classic_seq_len": c.seq_len,
-                            "classic_params": classic_params(c)})
-                print(f"  best val {best_point(curve)[1]:.4f} in {time.perf_counter() - t:.0f}s", flush=True)
+                            "classic_params": classic_params(c),
+                            **({"sittings": run["sittings"]} if len(run["sittings"]) > 1 else {})})
+                if os.path.exists(state_file):
+                    os.remove(state_file)
+                    with contextlib.suppress(OSError):  # the folder too, once no other run's state is in it
+                        os.rmdir(os.path.dirname(state_file))
+                print(f"  best val {best_point(run['curve'])[1]:.4f} in {run['seconds']:.0f}s", flush=True)
     report(folder, a.tokens)
 
 
