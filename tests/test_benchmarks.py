@@ -439,6 +439,38 @@ def test_an_interrupted_classic_run_resumes_bit_for_bit(tmp_path, monkeypatch):
     assert resumed["curve"] == reference and [s["step"] for s in resumed["sittings"]] == [0, 7]
 
 
+def test_an_interrupted_recipe_run_resumes_from_its_newest_checkpoint(tmp_path, monkeypatch, capsys):
+    """A recipe run killed mid-step continues in the next invocation from the newest checkpoint in
+    DIR/partial/ (its shards copied there: the next invocation's scratch folder has another name), with
+    a log of its own, and saves the curve of the run that was never stopped; the state is then gone."""
+    flags = ["--preset", "test", "--run", "recipe", "--tokens", "12000", "--evals", "4", "--val_tokens", "1024",
+             "--cpu_dtype", "fp32"]  # not timed at start-up: the two runs must compute alike
+    te.main([*flags, "--save", str(tmp_path / "whole")])
+    train_step, calls = tg.train_step, []
+
+    def dies_in_step_9(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 9:
+            raise KeyboardInterrupt
+        return train_step(*args, **kwargs)
+
+    folder = tmp_path / "resumed"
+    monkeypatch.setattr(tg, "train_step", dies_in_step_9)
+    with pytest.raises(KeyboardInterrupt):
+        te.main([*flags, "--save", str(folder)])
+    assert te.newest_checkpoint(str(folder / "partial" / "recipe_s0"))[0] == 8  # 9+2 steps: one checkpoint a step
+    monkeypatch.setattr(tg, "train_step", train_step)
+    capsys.readouterr()
+    te.main([*flags, "--save", str(folder)])
+    assert "resuming at step 8 of 11" in capsys.readouterr().out
+    whole, resumed = (json.load(open(tmp_path / f / "recipe_s0.json")) for f in ("whole", "resumed"))
+    assert len(whole["curve"]) == 7 and resumed["curve"] == whole["curve"]  # steps 0, 2, ..., 10 and 11
+    assert [s["step"] for s in resumed["sittings"]] == [0, 8] and "sittings" not in whole
+    assert resumed["sittings"][1]["log"].endswith("_part2.txt") and resumed["log"] == resumed["sittings"][0]["log"]
+    assert all(os.path.isfile(folder / s["log"]) for s in resumed["sittings"])
+    assert sorted(os.listdir(folder)) == ["curves.png", "logs", "recipe_s0.json"]  # partial/ gone with the state
+
+
 def test_flops_formula_counts_spec_shapes():
     with torch.device("meta"):
         model = tg.GPT(tg.Hyperparameters(), world_size=8)

@@ -3,9 +3,9 @@ with seed spread; and what each component of the recipe contributes (records/REA
 
 Every run is saved as one JSON (curve + configuration) in a results folder (--save), so runs can be
 split over processes (one per core, OMP_NUM_THREADS=1), resumed (a saved run is not trained again; a
-classic run stopped midway continues, bit for bit, from the state it keeps in DIR/partial/ at every
-evaluation and every 10 minutes) and joined (--load prints every table the folder supports and plots
-the curves):
+run stopped midway continues from the state it keeps in DIR/partial/: a classic's at every evaluation
+and every 10 minutes, the recipe's train_gpt checkpoints, 8 over the run) and joined (--load prints
+every table the folder supports and plots the curves):
 
     D='--train data/sympy/sympy_train_*.bin --val data/sympy/sympy_val_*.bin --tokens 500000 --save DIR'
     python tests/benchmarks/token_efficiency.py $D --run search        # classic: lr x batch x context grid, seed 0
@@ -62,6 +62,7 @@ import json
 import math
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -237,18 +238,65 @@ def recipe_args(preset: str, train: str, val: str, tokens: int, evals: int, val_
 VAL_LINE = re.compile(r"^step:(\d+)/(\d+) val_loss:(\S+)", re.M)
 
 
-def run_recipe(args: T.Hyperparameters, device: torch.device, run_id: str) -> list[tuple[int, float]]:
-    """Train with train_gpt.train() (world size 1) and return its validation curve (tokens, loss)."""
+RECIPE_CHECKPOINTS = 8  # a recipe run with a state folder checkpoints this many times (train_gpt's --save_every)
+STEP_LINE = re.compile(r"^step:(\d+)/\d+ (?:val_loss:\S+ )?train_time:(\d+)ms", re.M)
+
+
+def newest_checkpoint(state_dir: str) -> tuple[int, str]:
+    """(step, path) of the newest whole checkpoint train_gpt wrote under state_dir/<run_id>/step_N
+    ((0, "") when none: a directory still being written ends in .tmp)."""
+    found = [(int(m.group(1)), os.path.join(state_dir, run, step))
+             for run in sorted(os.listdir(state_dir)) if os.path.isdir(os.path.join(state_dir, run))
+             for step in os.listdir(os.path.join(state_dir, run)) if (m := re.fullmatch(r"step_(\d+)", step))]
+    return max(found, default=(0, ""))
+
+
+def run_recipe(args: T.Hyperparameters, device: torch.device, run_id: str, state_dir: str = "",
+               sitting: dict | None = None) -> dict:
+    """Train with train_gpt.train() (world size 1). Returns {"curve": [(tokens, val loss)], "seconds": the
+    last sitting's wall time plus each earlier sitting's training time up to the checkpoint the next one
+    continued from, "sittings": [{"step": the step it started at, "log": its run log, **sitting}]}; the
+    validation losses are read back from the run logs.
+
+    With state_dir, train() checkpoints there RECIPE_CHECKPOINTS times over the run (--save_every), and a
+    run that finds a checkpoint continues from the newest (--resume: bit for bit the run it would have
+    been; train_gpt refuses a checkpoint of another configuration); the curve joins every sitting's log."""
+    sittings, start = [], 0
+    if state_dir:
+        os.makedirs(state_dir, exist_ok=True)
+        book = os.path.join(state_dir, "sittings.json")
+        if os.path.exists(book):
+            with open(book, encoding="utf-8") as f:
+                sittings = json.load(f)
+            run_id = f"{run_id}_part{len(sittings) + 1}"  # a log of its own (logs are never overwritten)
+        start, resume = newest_checkpoint(state_dir)
+        if resume:
+            print(f"  resuming at step {start} of {T.total_steps(args)} from {resume}", flush=True)
+        args = dataclasses.replace(args, resume=resume, checkpoint_dir=state_dir,
+                                   save_every=max(1, T.total_steps(args) // RECIPE_CHECKPOINTS))
     args = dataclasses.replace(args, run_id=run_id)
+    log = os.path.join(args.log_dir, f"{run_id}.txt")
+    sittings = [*sittings, {"step": start, "log": os.path.abspath(log), **(sitting or {})}]
+    if state_dir:
+        save_json(book, sittings)
+    t = time.perf_counter()
     d = T.DistInfo(rank=0, world_size=1, local_rank=0, device=device)
     with contextlib.redirect_stdout(io.StringIO()):  # the loop's progress line; the log has the record
         T.train(args, d)
-    text = open(os.path.join(args.log_dir, f"{run_id}.txt"), encoding="utf-8").read()
+    seconds = time.perf_counter() - t
     done = np.cumsum([0] + schedule_tokens(args))
-    curve = [(int(done[int(step)]), float(loss)) for step, _, loss in VAL_LINE.findall(text)]
-    if not curve:
-        raise RuntimeError(f"no 'step:N/M val_loss:X' lines in {args.log_dir}/{run_id}.txt")
-    return curve
+    losses = {}
+    for i, s in enumerate(sittings):  # a later sitting's evaluations replace an earlier one's (the same)
+        text = open(s["log"], encoding="utf-8").read()
+        until = sittings[i + 1]["step"] if i + 1 < len(sittings) else None
+        losses.update({int(step): float(loss) for step, _, loss in VAL_LINE.findall(text)
+                       if until is None or int(step) <= until})
+        if until is not None:  # the training time up to the checkpoint the next sitting continued from
+            seconds += next((int(ms) / 1000 for step, ms in STEP_LINE.findall(text) if int(step) == until), 0.0)
+    if not losses:
+        raise RuntimeError(f"no 'step:N/M val_loss:X' lines in {log}")
+    return {"curve": [(int(done[step]), loss) for step, loss in sorted(losses.items())], "seconds": seconds,
+            "sittings": sittings}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -1157,11 +1205,64 @@ def run_meta(a, data: BenchData, seed: int, device: torch.device) -> dict:
             "cpu_capability": torch.backends.cpu.get_cpu_capability()}
 
 
-def log_of(args: T.Hyperparameters, run_id: str, folder: str) -> str:
-    """The recipe's run log, as a path relative to the results folder when it lies inside it."""
-    path = os.path.abspath(os.path.join(args.log_dir, f"{run_id}.txt"))
+def relative_to(path: str, folder: str) -> str:
+    """path relative to the results folder when it lies inside it (a run log), else absolute."""
+    path = os.path.abspath(path)
     inside = path.startswith(os.path.abspath(folder) + os.sep)
     return os.path.relpath(path, folder) if inside else path
+
+
+def run_copy(pattern: str, what: str, scratch: str, state_dir: str) -> str:
+    """The shards of pattern, copied into state_dir/data/<what>/ when they lie in this invocation's scratch
+    folder (the per-seed orders, the validation shard), which the next invocation names differently: the
+    checkpoints of a resumable run name their shards, and train_gpt resumes only on the same paths."""
+    files = T.find_shards(pattern, what)
+    if not all(os.path.abspath(f).startswith(os.path.abspath(scratch) + os.sep) for f in files):
+        return pattern
+    folder = os.path.join(state_dir, "data", what)
+    os.makedirs(folder, exist_ok=True)
+    for f in files:
+        shutil.copyfile(f, os.path.join(folder, os.path.basename(f) + ".tmp"))
+        os.replace(os.path.join(folder, os.path.basename(f) + ".tmp"), os.path.join(folder, os.path.basename(f)))
+    return os.path.join(folder, os.path.basename(pattern))
+
+
+def remove_state(path: str) -> None:
+    """A finished run's state (a classic's file, a recipe's checkpoint folder), then partial/ once empty."""
+    if os.path.isdir(path):
+        shutil.rmtree(path)
+    elif os.path.exists(path):
+        os.remove(path)
+    with contextlib.suppress(OSError):  # another run's state may still be in it
+        os.rmdir(os.path.dirname(path))
+
+
+def save_recipe_run(a, data: BenchData, seed: int, device: torch.device, name: str, args: T.Hyperparameters,
+                    extra: dict, diverging_is_a_result: bool = False) -> list[tuple[int, float]]:
+    """Train the recipe (resumable: its state in DIR/partial/<name>/) and save it as DIR/<name>.json with
+    the run's provenance; returns the curve. With diverging_is_a_result, a run train_gpt stops (a
+    non-finite loss) is saved with a NaN final loss instead of stopping the benchmark."""
+    state_dir = os.path.join(a.save, PARTIAL_DIR, name)
+    run_id = f"{name}_{os.getpid()}"
+    t = time.perf_counter()
+    args = dataclasses.replace(args, train_files=run_copy(args.train_files, "train", a.data_dir, state_dir),
+                               val_files=run_copy(args.val_files, "val", a.data_dir, state_dir))
+    try:
+        run = run_recipe(args, device, run_id, state_dir, {"commit": a.commit, "command": a.command})
+    except SystemExit as e:
+        if not diverging_is_a_result:
+            raise
+        print(f"  {name}: stopped ({e})")
+        log = os.path.join(args.log_dir, f"{run_id}.txt")
+        run = {"curve": [(a.tokens, float("nan"))], "seconds": time.perf_counter() - t,
+               "sittings": [{"step": 0, "log": log, "commit": a.commit, "command": a.command}]}
+    sittings = [{**s, "log": relative_to(s["log"], a.save)} for s in run["sittings"]]
+    meta = {**run_meta(a, data, seed, device), "commit": sittings[0]["commit"], "command": sittings[0]["command"],
+            **extra, "seconds": run["seconds"], "recipe_muon_lr": args.muon_lr, "recipe_adam_lr": args.adam_lr,
+            "log": sittings[0]["log"], **({"sittings": sittings} if len(sittings) > 1 else {})}
+    save_curve(a.save, name, run["curve"], meta)
+    remove_state(state_dir)
+    return run["curve"]
 
 
 def prepare(a, check: bool = True) -> BenchData:
@@ -1193,11 +1294,7 @@ def run_sides(a, device: torch.device) -> None:
             run_args = dataclasses.replace(args, muon_lr=m, adam_lr=ad, train_files=data.train(0))
             print(f"recipe search: NorMuon lr {m:g}, Adam lr {ad:g}, seed 0", flush=True)
             t = time.perf_counter()
-            run_id = f"{name}_{os.getpid()}"
-            curve = run_recipe(run_args, device, run_id)
-            save_curve(folder, name, curve, {**run_meta(a, data, 0, device), "seconds": time.perf_counter() - t,
-                                             "recipe_muon_lr": m, "recipe_adam_lr": ad,
-                                             "log": log_of(run_args, run_id, folder)})
+            curve = save_recipe_run(a, data, 0, device, name, run_args, {})
             print(f"  best val {best_point(curve)[1]:.4f} in {time.perf_counter() - t:.0f}s", flush=True)
     if a.run in ("both", "recipe"):
         for seed in seeds:
@@ -1207,12 +1304,8 @@ def run_sides(a, device: torch.device) -> None:
                   f"{args.num_iterations}+{args.extension_iterations} steps, {sum(schedule_tokens(args)):,} tokens, "
                   f"NorMuon lr {args.muon_lr:g}, Adam lr {args.adam_lr:g}", flush=True)
             t = time.perf_counter()
-            run_id = f"recipe_s{seed}_{os.getpid()}"
             seeded = dataclasses.replace(args, seed=seed, train_files=data.train(seed))
-            curve = run_recipe(seeded, device, run_id)
-            save_curve(folder, f"recipe_s{seed}", curve, {
-                **run_meta(a, data, seed, device), "seconds": time.perf_counter() - t,
-                "recipe_muon_lr": args.muon_lr, "recipe_adam_lr": args.adam_lr, "log": log_of(seeded, run_id, folder)})
+            curve = save_recipe_run(a, data, seed, device, f"recipe_s{seed}", seeded, {})
             print(f"  best val {best_point(curve)[1]:.4f} in {time.perf_counter() - t:.0f}s", flush=True)
     if a.run in ("both", "classic", "search"):
         for c in classic_configs(a, folder):
@@ -1233,10 +1326,7 @@ def run_sides(a, device: torch.device) -> None:
                             "classic_batch_tokens": c.batch_tokens, "classic_seq_len": c.seq_len,
                             "classic_params": classic_params(c),
                             **({"sittings": run["sittings"]} if len(run["sittings"]) > 1 else {})})
-                if os.path.exists(state_file):
-                    os.remove(state_file)
-                    with contextlib.suppress(OSError):  # the folder too, once no other run's state is in it
-                        os.rmdir(os.path.dirname(state_file))
+                remove_state(state_file)
                 print(f"  best val {best_point(run['curve'])[1]:.4f} in {run['seconds']:.0f}s", flush=True)
     report(folder, a.tokens)
 
@@ -1293,16 +1383,9 @@ def run_ablations(a, device: torch.device) -> None:
                 continue
             args = recipe_args(a.preset, data.train(seed), data.val_path, a.tokens, 0, data.val.val_tokens, device,
                                {**a.recipe_lrs, **overrides, "seed": seed}, a.log_dir, edit)
-            run_id = f"{file}_s{seed}_{os.getpid()}"
-            t = time.perf_counter()
-            try:
-                curve = run_recipe(args, device, run_id)
-            except SystemExit as e:  # a diverging variant is a result, not a crash of the benchmark
-                print(f"  {name}: stopped ({e})")
-                curve = [(a.tokens, float("nan"))]
-            save_curve(a.save, f"{file}_s{seed}", curve, {
-                **run_meta(a, data, seed, device), "component": name, "seconds": time.perf_counter() - t,
-                "recipe_muon_lr": args.muon_lr, "recipe_adam_lr": args.adam_lr, "log": log_of(args, run_id, a.save)})
+            t = time.perf_counter()  # a diverging variant is a result, not a crash of the benchmark
+            curve = save_recipe_run(a, data, seed, device, f"{file}_s{seed}", args, {"component": name},
+                                    diverging_is_a_result=True)
             print(f"  {name:42s} seed {seed} {curve[-1][1]:8.4f}  ({time.perf_counter() - t:.0f}s)", flush=True)
     runs = read_runs(a.save, flag="--save")
     print(ablation_table(runs, folder_floors(a.save, runs)))
@@ -1350,6 +1433,8 @@ def main(argv=None):
     ap.add_argument("--only", default="", help="--ablate: comma-separated substrings of component names, or one whole name (commas and all)")
     ap.add_argument("--log_dir", default="", help="keep the recipe's run logs here (default: the results folder's logs/)")
     ap.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    ap.add_argument("--cpu_dtype", default="auto", choices=("auto", *T.CPU_DTYPES),
+                    help="the recipe's train_gpt --cpu_dtype (auto: timed at each run's start, as the saved runs)")
     ap.add_argument("--smoke", action="store_true", help="a few steps of the test preset (checks the tooling only)")
     a = ap.parse_args(argv)
     a.command = sys.argv if argv is None else [sys.argv[0], *argv]
@@ -1366,14 +1451,14 @@ def main(argv=None):
         a.tokens, a.val_tokens = a.tokens or SMOKE_TOKENS, a.val_tokens or 1024
     a.default_batch, a.default_seq = (1024, 128) if a.smoke else (16_384, 1024)
     a.tokens = a.tokens or DEFAULT_TOKENS
-    a.recipe_lrs = {"muon_lr": a.muon_lr, "adam_lr": a.adam_lr}
+    a.recipe_lrs = {"muon_lr": a.muon_lr, "adam_lr": a.adam_lr, "cpu_dtype": a.cpu_dtype}
     if a.recipe_from:
         win = recipe_search_winner(read_runs(a.recipe_from, RECIPE_SEARCH_PREFIX, "--recipe_from")) \
             if os.path.isdir(a.recipe_from) else None
         if win is None:
             raise SystemExit(f"error: --recipe_from {a.recipe_from}: no recipe search runs there; run "
                              f"--run recipe_search --save {a.recipe_from} first")
-        a.recipe_lrs = {"muon_lr": win["recipe_muon_lr"], "adam_lr": win["recipe_adam_lr"]}
+        a.recipe_lrs = {**a.recipe_lrs, "muon_lr": win["recipe_muon_lr"], "adam_lr": win["recipe_adam_lr"]}
         print(f"recipe: the search winner saved in {a.recipe_from}: NorMuon lr {win['recipe_muon_lr']:g}, "
               f"Adam lr {win['recipe_adam_lr']:g}")
     if a.tokens < 1 or a.evals < 0:
