@@ -220,7 +220,8 @@ def recipe_args(preset: str, train: str, val: str, tokens: int, evals: int, val_
                 device: torch.device, overrides: dict | None = None, log_dir: str = "",
                 edit=None) -> T.Hyperparameters:
     """The preset sized to `tokens`, with `edit` (args -> args: rows changed, e.g. an ablation)
-    applied before sizing (a changed batch changes the step count) and `overrides` after."""
+    applied before sizing (a changed batch changes the step count) and `overrides` after. Without
+    log_dir the run logs go where the preset's do (callers that train set their own)."""
     base = dataclasses.replace(T.Hyperparameters(), **T.PRESETS[preset])
     base = dataclasses.replace(base, train_files=train or base.train_files, val_files=val or base.val_files)
     if val_tokens:
@@ -232,7 +233,7 @@ def recipe_args(preset: str, train: str, val: str, tokens: int, evals: int, val_
     return dataclasses.replace(
         args, **dict(overrides or {}),
         val_loss_every=max(1, steps // evals) if evals else 0,
-        compile=device.type == "cuda", checkpoint_dir="", log_dir=log_dir or tempfile.mkdtemp(prefix="bench_logs_"))
+        compile=device.type == "cuda", checkpoint_dir="", log_dir=log_dir or args.log_dir)
 
 
 VAL_LINE = re.compile(r"^step:(\d+)/(\d+) val_loss:(\S+)", re.M)
