@@ -432,6 +432,7 @@ def test_an_interrupted_classic_run_resumes_bit_for_bit(tmp_path, monkeypatch):
     with pytest.raises(KeyboardInterrupt):
         run(state)
     monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", clip)
+    assert te.unfinished_runs(str(tmp_path)) == ["run at step 7 of 12"]
     other = dataclasses.replace(c, lr=1e-3)
     with pytest.raises(SystemExit, match=r"run\.pt was saved by another run \(config differ\); delete it"):
         run(state, other)
@@ -461,6 +462,8 @@ def test_an_interrupted_recipe_run_resumes_from_its_newest_checkpoint(tmp_path, 
     assert te.newest_checkpoint(str(folder / "partial" / "recipe_s0"))[0] == 8  # 9+2 steps: one checkpoint a step
     monkeypatch.setattr(tg, "train_step", train_step)
     capsys.readouterr()
+    te.main(["--load", str(folder)])
+    assert "stopped midway, continued by the same command: recipe_s0 at step 8" in capsys.readouterr().out
     te.main([*flags, "--save", str(folder)])
     assert "resuming at step 8 of 11" in capsys.readouterr().out
     whole, resumed = (json.load(open(tmp_path / f / "recipe_s0.json")) for f in ("whole", "resumed"))

@@ -1120,9 +1120,30 @@ def order_text(r: dict) -> str:
     return "shuffled by each seed" if r["train_order"] == "shuffled" else "in the shards' order for every seed"
 
 
+def unfinished_runs(folder: str) -> list[str]:
+    """The runs stopped midway whose state is in DIR/partial/, each with the step it continues from."""
+    part = os.path.join(folder, PARTIAL_DIR)
+    found = []
+    for entry in sorted(os.listdir(part)) if os.path.isdir(part) else []:
+        path = os.path.join(part, entry)
+        if entry.endswith(".pt"):  # a classic run's state
+            with contextlib.suppress(Exception):  # a damaged state is reported when the run resumes
+                state = torch.load(path, map_location="cpu", weights_only=False)
+                steps = max(1, state["identity"]["tokens"] // state["identity"]["config"]["batch_tokens"])
+                found.append(f"{entry[:-3]} at step {state['step']} of {steps}")
+        elif os.path.isdir(path) and newest_checkpoint(path)[1]:  # a recipe run's checkpoints
+            found.append(f"{entry} at step {newest_checkpoint(path)[0]}")
+    return found
+
+
 def report(folder: str, tokens: int | None, plot: bool = True) -> list[float]:
     """Print every table a results folder supports (search, seeds and ratio, ablations) with the floor
-    beside them; plot the curves."""
+    beside them, and the runs stopped midway; plot the curves."""
+    pending = unfinished_runs(folder) if os.path.isdir(folder) else []
+    if pending:
+        print(f"{folder}: stopped midway, continued by the same command: " + "; ".join(pending))
+        if not any(n.startswith(("recipe_", "classic_", RECIPE_SEARCH_PREFIX)) for n in read_runs(folder)):
+            return []
     runs = load_runs(folder, tokens)
     any_run = next(iter(runs.values()))
     print(f"{folder}: {any_run['tokens']:,} training tokens per run from {any_run['train']}, documents "
