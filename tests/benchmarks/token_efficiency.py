@@ -445,7 +445,8 @@ def run_classic(c: ClassicConfig, train: str, val: str, tokens: int, evals: int,
         try:
             state = torch.load(state_file, map_location=device, weights_only=False)
         except Exception as e:  # torch.load raises many types for a damaged file
-            raise SystemExit(f"error: cannot resume from {state_file}: unreadable ({type(e).__name__}); delete it to start the run again") from None
+            raise SystemExit(f"error: cannot resume from {state_file}: unreadable ({type(e).__name__}); "
+                             "delete it to start the run again") from None
         differ = [k for k in identity if state["identity"].get(k) != identity[k]]
         if differ:
             raise SystemExit(f"error: {state_file} was saved by another run ({', '.join(differ)} differ); "
@@ -723,7 +724,8 @@ def git_commit(repo: str = REPO) -> str:
 # ------------------------------------------------------------------------------------------------
 
 FLOOR_FILE = "floor.json"  # the floor of runs that record none (older runs), beside them
-PARTIAL_DIR = "partial"    # the state of classic runs not finished yet (DIR/partial/NAME.pt; not committed)
+# the state of runs not finished yet: DIR/partial/NAME.pt (classic), DIR/partial/NAME/ (recipe); not committed
+PARTIAL_DIR = "partial"
 
 
 def classic_name(c: ClassicConfig, seed: int) -> str:
