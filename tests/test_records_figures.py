@@ -27,7 +27,9 @@ import token_efficiency as te  # noqa: E402
 # a decimal with 3+ digits after the point (losses, deltas, p-values, rates), or a comma-grouped count
 FIGURE = re.compile(r"(?<![\w.,])[+-]?\d+\.\d{3,}(?!\d)|(?<![\w.,])\d{1,3}(?:,\d{3})+(?![\d,])")
 REGION = re.compile(r"<!-- figures: (.*?) -->(.*?)<!-- /figures -->", re.S)
-FOLDERS = sorted(os.path.relpath(p, REPO) for p in glob.glob(os.path.join(REPO, "records", "token_efficiency_*")))
+# results folders: those with a saved run (one whose runs are all still in progress holds only partial/ and logs/)
+FOLDERS = sorted(os.path.relpath(p, REPO) for p in glob.glob(os.path.join(REPO, "records", "token_efficiency_*"))
+                 if glob.glob(os.path.join(p, "*.json")))
 
 
 def figures(text: str) -> list[str]:
