@@ -387,6 +387,18 @@ def test_classic_model_is_gpt2():
     assert te.classic_lr(c, 52, 100) == pytest.approx(c.lr * (c.min_lr_frac + (1 - c.min_lr_frac) * 0.5))
 
 
+def dies_on_call(fn, n: int):
+    """fn, except that its n-th call raises KeyboardInterrupt (a run killed there)."""
+    calls = []
+
+    def wrapped(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == n:
+            raise KeyboardInterrupt
+        return fn(*args, **kwargs)
+    return wrapped
+
+
 def classic_shards(tmp_path):
     motif = np.random.default_rng(0).integers(0, 500, 50)  # a repeated motif: something to learn in a few steps
     tg.write_shard(str(tmp_path / "train.bin"), np.tile(motif, 60))
@@ -407,17 +419,8 @@ def test_an_interrupted_classic_run_resumes_bit_for_bit(tmp_path, monkeypatch):
     assert len(reference) == 5 and reference[-1][1] < reference[0][1] - 0.1  # it learns: 12 steps, 4 evals
 
     clip = torch.nn.utils.clip_grad_norm_
-    def dies_at(n):
-        calls = []
-        def clip_or_die(*args, **kwargs):
-            calls.append(1)
-            if len(calls) == n:
-                raise KeyboardInterrupt
-            return clip(*args, **kwargs)
-        return clip_or_die
-
     state = str(tmp_path / "partial" / "run.pt")
-    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", dies_at(8))  # in step 8: saved at steps 3 and 6
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", dies_on_call(clip, 8))  # in step 8: saved at steps 3 and 6
     with pytest.raises(KeyboardInterrupt):
         run(state)
     monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", clip)
@@ -428,7 +431,7 @@ def test_an_interrupted_classic_run_resumes_bit_for_bit(tmp_path, monkeypatch):
     # saved every step by time (RESUME_SECONDS 0): resumed from the step it died in
     monkeypatch.setattr(te, "RESUME_SECONDS", 0.0)
     os.remove(state)
-    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", dies_at(8))
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", dies_on_call(clip, 8))
     with pytest.raises(KeyboardInterrupt):
         run(state)
     monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", clip)
@@ -447,16 +450,9 @@ def test_an_interrupted_recipe_run_resumes_from_its_newest_checkpoint(tmp_path, 
     flags = ["--preset", "test", "--run", "recipe", "--tokens", "12000", "--evals", "4", "--val_tokens", "1024",
              "--cpu_dtype", "fp32"]  # not timed at start-up: the two runs must compute alike
     te.main([*flags, "--save", str(tmp_path / "whole")])
-    train_step, calls = tg.train_step, []
-
-    def dies_in_step_9(*args, **kwargs):
-        calls.append(1)
-        if len(calls) == 9:
-            raise KeyboardInterrupt
-        return train_step(*args, **kwargs)
-
+    train_step = tg.train_step
     folder = tmp_path / "resumed"
-    monkeypatch.setattr(tg, "train_step", dies_in_step_9)
+    monkeypatch.setattr(tg, "train_step", dies_on_call(train_step, 9))  # in step 9
     with pytest.raises(KeyboardInterrupt):
         te.main([*flags, "--save", str(folder)])
     assert te.newest_checkpoint(str(folder / "partial" / "recipe_s0"))[0] == 8  # 9+2 steps: one checkpoint a step

@@ -407,10 +407,11 @@ def stream_digest(tokens: np.ndarray) -> str:
     return hashlib.sha256(np.ascontiguousarray(tokens).tobytes()).hexdigest()[:16]
 
 
-def save_state(path: str, state: dict) -> None:
-    """Temporary file + rename: an interruption leaves the previous state whole."""
+def write_whole(path: str, write) -> None:
+    """write(a temporary path), then rename it to path: an interruption leaves the previous file whole,
+    never a half-written one."""
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    torch.save(state, path + ".tmp")
+    write(path + ".tmp")
     os.replace(path + ".tmp", path)
 
 
@@ -460,9 +461,9 @@ def run_classic(c: ClassicConfig, train: str, val: str, tokens: int, evals: int,
 
     def save(step):
         nonlocal last_save
-        save_state(state_file, {"identity": identity, "model": model.state_dict(), "opt": opt.state_dict(),
-                                "step": step, "pos": pos, "curve": curve, "sittings": sittings,
-                                "seconds": seconds + time.monotonic() - t0})
+        state = {"identity": identity, "model": model.state_dict(), "opt": opt.state_dict(), "step": step,
+                 "pos": pos, "curve": curve, "sittings": sittings, "seconds": seconds + time.monotonic() - t0}
+        write_whole(state_file, lambda tmp: torch.save(state, tmp))
         last_save = time.monotonic()
 
     if curve is None:
@@ -733,11 +734,10 @@ def classic_name(c: ClassicConfig, seed: int) -> str:
 
 
 def save_json(path: str, data: dict) -> None:
-    """Temporary file + rename: never a half-written file."""
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    with open(path + ".tmp", "w", encoding="utf-8") as f:
-        json.dump(data, f, indent=1)
-    os.replace(path + ".tmp", path)
+    def write(tmp):
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(data, f, indent=1)
+    write_whole(path, write)
 
 
 def save_curve(folder: str, name: str, curve: list[tuple[int, float]], meta: dict) -> None:
@@ -1133,8 +1133,8 @@ def unfinished_runs(folder: str) -> list[str]:
                 state = torch.load(path, map_location="cpu", weights_only=False)
                 steps = max(1, state["identity"]["tokens"] // state["identity"]["config"]["batch_tokens"])
                 found.append(f"{entry[:-3]} at step {state['step']} of {steps}")
-        elif os.path.isdir(path) and newest_checkpoint(path)[1]:  # a recipe run's checkpoints
-            found.append(f"{entry} at step {newest_checkpoint(path)[0]}")
+        elif os.path.isdir(path) and (newest := newest_checkpoint(path))[1]:  # a recipe run's checkpoints
+            found.append(f"{entry} at step {newest[0]}")
     return found
 
 
@@ -1244,10 +1244,8 @@ def run_copy(pattern: str, what: str, scratch: str, state_dir: str) -> str:
     if not all(os.path.abspath(f).startswith(os.path.abspath(scratch) + os.sep) for f in files):
         return pattern
     folder = os.path.join(state_dir, "data", what)
-    os.makedirs(folder, exist_ok=True)
     for f in files:
-        shutil.copyfile(f, os.path.join(folder, os.path.basename(f) + ".tmp"))
-        os.replace(os.path.join(folder, os.path.basename(f) + ".tmp"), os.path.join(folder, os.path.basename(f)))
+        write_whole(os.path.join(folder, os.path.basename(f)), lambda tmp, f=f: shutil.copyfile(f, tmp))
     return os.path.join(folder, os.path.basename(pattern))
 
 
@@ -1259,6 +1257,12 @@ def remove_state(path: str) -> None:
         os.remove(path)
     with contextlib.suppress(OSError):  # another run's state may still be in it
         os.rmdir(os.path.dirname(path))
+
+
+def sittings_meta(sittings: list[dict]) -> dict:
+    """A saved run's commit and command: its first sitting's; and every sitting when there were several."""
+    return {"commit": sittings[0]["commit"], "command": sittings[0]["command"],
+            **({"sittings": sittings} if len(sittings) > 1 else {})}
 
 
 def save_recipe_run(a, data: BenchData, seed: int, device: torch.device, name: str, args: T.Hyperparameters,
@@ -1281,10 +1285,9 @@ def save_recipe_run(a, data: BenchData, seed: int, device: torch.device, name: s
         run = {"curve": [(a.tokens, float("nan"))], "seconds": time.perf_counter() - t,
                "sittings": [{"step": 0, "log": log, "commit": a.commit, "command": a.command}]}
     sittings = [{**s, "log": relative_to(s["log"], a.save)} for s in run["sittings"]]
-    meta = {**run_meta(a, data, seed, device), "commit": sittings[0]["commit"], "command": sittings[0]["command"],
-            **extra, "seconds": run["seconds"], "recipe_muon_lr": args.muon_lr, "recipe_adam_lr": args.adam_lr,
-            "log": sittings[0]["log"], **({"sittings": sittings} if len(sittings) > 1 else {})}
-    save_curve(a.save, name, run["curve"], meta)
+    save_curve(a.save, name, run["curve"], {
+        **run_meta(a, data, seed, device), **sittings_meta(sittings), **extra, "seconds": run["seconds"],
+        "recipe_muon_lr": args.muon_lr, "recipe_adam_lr": args.adam_lr, "log": sittings[0]["log"]})
     remove_state(state_dir)
     return run["curve"]
 
@@ -1307,7 +1310,7 @@ def run_sides(a, device: torch.device) -> None:
     seeds = [int(x) for x in a.seeds.split(",")]
     data = prepare(a)
     args = recipe_args(a.preset, data.train_glob, data.val_path, a.tokens, a.evals, data.val.val_tokens, device,
-                       a.recipe_lrs, a.log_dir)
+                       a.recipe_overrides, a.log_dir)
     folder = a.save
     if a.run == "recipe_search":
         grid = [(float(m), float(ad)) for m in a.search_muon_lr.split(",") for ad in a.search_adam_lr.split(",")]
@@ -1343,13 +1346,10 @@ def run_sides(a, device: torch.device) -> None:
                 state_file = os.path.join(folder, PARTIAL_DIR, classic_name(c, seed) + ".pt")
                 run = run_classic(c, data.train(seed), data.val_path, a.tokens, a.evals, data.val.val_tokens, device,
                                   seed, state_file, {"commit": a.commit, "command": a.command})
-                meta = run_meta(a, data, seed, device)  # commit and command: the first sitting's
-                meta.update(commit=run["sittings"][0]["commit"], command=run["sittings"][0]["command"])
                 save_curve(folder, classic_name(c, seed), run["curve"],
-                           {**meta, "seconds": run["seconds"], "classic_lr": c.lr,
-                            "classic_batch_tokens": c.batch_tokens, "classic_seq_len": c.seq_len,
-                            "classic_params": classic_params(c),
-                            **({"sittings": run["sittings"]} if len(run["sittings"]) > 1 else {})})
+                           {**run_meta(a, data, seed, device), **sittings_meta(run["sittings"]),
+                            "seconds": run["seconds"], "classic_lr": c.lr, "classic_batch_tokens": c.batch_tokens,
+                            "classic_seq_len": c.seq_len, "classic_params": classic_params(c)})
                 remove_state(state_file)
                 print(f"  best val {best_point(run['curve'])[1]:.4f} in {run['seconds']:.0f}s", flush=True)
     report(folder, a.tokens)
@@ -1395,7 +1395,7 @@ def run_ablations(a, device: torch.device) -> None:
     seeds = [int(x) for x in a.seeds.split(",")]
     data = prepare(a)
     base = recipe_args(a.preset, data.train_glob, data.val_path, a.tokens, 0, data.val.val_tokens, device,
-                       a.recipe_lrs, a.log_dir)
+                       a.recipe_overrides, a.log_dir)
     print(f"ablations: --preset {a.preset}, {base.num_iterations}+{base.extension_iterations} steps, "
           f"{sum(schedule_tokens(base)):,} train tokens each, seeds {seeds}, final val loss on {base.val_tokens:,} val tokens")
     for i in rows:
@@ -1406,10 +1406,10 @@ def run_ablations(a, device: torch.device) -> None:
             if saved(a.save, f"{file}_s{seed}"):
                 continue
             args = recipe_args(a.preset, data.train(seed), data.val_path, a.tokens, 0, data.val.val_tokens, device,
-                               {**a.recipe_lrs, **overrides, "seed": seed}, a.log_dir, edit)
-            t = time.perf_counter()  # a diverging variant is a result, not a crash of the benchmark
+                               {**a.recipe_overrides, **overrides, "seed": seed}, a.log_dir, edit)
+            t = time.perf_counter()
             curve = save_recipe_run(a, data, seed, device, f"{file}_s{seed}", args, {"component": name},
-                                    diverging_is_a_result=True)
+                                    diverging_is_a_result=True)  # a diverging variant is a result, not a crash
             print(f"  {name:42s} seed {seed} {curve[-1][1]:8.4f}  ({time.perf_counter() - t:.0f}s)", flush=True)
     runs = read_runs(a.save, flag="--save")
     print(ablation_table(runs, folder_floors(a.save, runs)))
@@ -1475,14 +1475,14 @@ def main(argv=None):
         a.tokens, a.val_tokens = a.tokens or SMOKE_TOKENS, a.val_tokens or 1024
     a.default_batch, a.default_seq = (1024, 128) if a.smoke else (16_384, 1024)
     a.tokens = a.tokens or DEFAULT_TOKENS
-    a.recipe_lrs = {"muon_lr": a.muon_lr, "adam_lr": a.adam_lr, "cpu_dtype": a.cpu_dtype}
+    a.recipe_overrides = {"muon_lr": a.muon_lr, "adam_lr": a.adam_lr, "cpu_dtype": a.cpu_dtype}
     if a.recipe_from:
         win = recipe_search_winner(read_runs(a.recipe_from, RECIPE_SEARCH_PREFIX, "--recipe_from")) \
             if os.path.isdir(a.recipe_from) else None
         if win is None:
             raise SystemExit(f"error: --recipe_from {a.recipe_from}: no recipe search runs there; run "
                              f"--run recipe_search --save {a.recipe_from} first")
-        a.recipe_lrs = {**a.recipe_lrs, "muon_lr": win["recipe_muon_lr"], "adam_lr": win["recipe_adam_lr"]}
+        a.recipe_overrides.update(muon_lr=win["recipe_muon_lr"], adam_lr=win["recipe_adam_lr"])
         print(f"recipe: the search winner saved in {a.recipe_from}: NorMuon lr {win['recipe_muon_lr']:g}, "
               f"Adam lr {win['recipe_adam_lr']:g}")
     if a.tokens < 1 or a.evals < 0:
