@@ -703,6 +703,28 @@ def test_token_efficiency_load_errors_are_one_line(tmp_path):
     assert "runs on different data" in err_here("--load", str(old))
 
 
+def test_model_dim_widens_both_sides_and_widths_do_not_mix(tmp_path, capsys):
+    """--model_dim 128 on the test preset (64 wide, heads of 32): 4 heads and a 512-wide MLP for the
+    recipe, the classic built at that width (its parameters counted here by hand), recorded in every
+    run; a folder of another width refuses new runs in one line."""
+    args = te.recipe_args("test", "", "", 3072, 0, 1024, torch.device("cpu"), model_dim=128)
+    assert (args.model_dim, args.num_heads, args.head_dim, args.mlp_hidden) == (128, 4, 32, 512)
+    assert te.recipe_args("test", "", "", 3072, 0, 1024, torch.device("cpu")).model_dim == 64
+    folder = str(tmp_path / "wide")
+    te.main(["--smoke", "--run", "search", "--search_lr", "0.01", "--model_dim", "128", "--save", folder])
+    run = json.load(open(tmp_path / "wide" / "classic_lr0.01_b1024_ctx128_s0.json"))
+    d, layers = 128, args.num_layers
+    per_layer = 2 * 2 * d + (d * 3 * d + 3 * d) + (d * d + d) + (d * 4 * d + 4 * d) + (4 * d * d + d)
+    assert run["classic_params"]["non-embedding"] == layers * per_layer + 2 * d  # + the final LayerNorm
+    assert run["model_dim"] == 128 and "classic seed 0: 4 layers x 128" in capsys.readouterr().out
+    for argv, message in ((["--model_dim", "96"], "--model_dim 96 must be an even multiple of the --preset test "
+                                                  "head size (32)"),
+                          (["--save", folder], f"--save {folder} holds runs of width 128, not --model_dim 64")):
+        with pytest.raises(SystemExit) as e:
+            te.main(["--smoke", "--run", "search", "--search_lr", "0.01", *argv])
+        assert str(e.value).startswith("error: " + message) and "\n" not in str(e.value), str(e.value)
+
+
 @pytest.mark.slow
 def test_ablation_smoke(tmp_path):
     out = run_script("tests/benchmarks/token_efficiency.py", "--smoke", "--ablate", "--only", "batch schedule",

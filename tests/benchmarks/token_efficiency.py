@@ -17,8 +17,9 @@ every table the folder supports and plots the curves):
     python tests/benchmarks/token_efficiency.py --smoke                # a few steps of each (the test suite runs this)
 
 Recipe: train_gpt.train() itself (model, NorMuon + Adam, loader, schedule, every component) at the
---preset model size (demo by default), with num_iterations chosen so that the whole schedule, extension
-included, consumes --tokens training tokens. Its validation losses are read back from its run log.
+--preset model size (demo by default; --model_dim widens both sides), with num_iterations chosen so
+that the whole schedule, extension included, consumes --tokens training tokens. Its validation losses
+are read back from its run log.
 
 Classic: GPT-2 as published, written small and plain below at the same depth and width: learned
 absolute positions, pre-LayerNorm blocks, GELU MLP, full causal attention over fixed-length windows of
@@ -216,13 +217,27 @@ def sized_for_tokens(base: T.Hyperparameters, tokens: int) -> T.Hyperparameters:
     return sized(best[1])
 
 
+def model_args(preset: str, model_dim: int = 0) -> T.Hyperparameters:
+    """The preset's hyperparameters at width model_dim (0: the preset's own): heads of the preset's
+    head size and an MLP four times as wide. Both sides take their depth and width from these."""
+    base = dataclasses.replace(T.Hyperparameters(), **T.PRESETS[preset])
+    if not model_dim or model_dim == base.model_dim:
+        return base
+    heads, rest = divmod(model_dim, base.head_dim)
+    if model_dim < 1 or rest or heads % 2:
+        raise SystemExit(f"error: --model_dim {model_dim} must be an even multiple of the --preset {preset} head "
+                         f"size ({base.head_dim}): {2 * base.head_dim}, {4 * base.head_dim}, ...")
+    return dataclasses.replace(base, model_dim=model_dim, num_heads=heads, mlp_hidden=4 * model_dim)
+
+
 def recipe_args(preset: str, train: str, val: str, tokens: int, evals: int, val_tokens: int | None,
                 device: torch.device, overrides: dict | None = None, log_dir: str = "",
-                edit=None) -> T.Hyperparameters:
-    """The preset sized to `tokens`, with `edit` (args -> args: rows changed, e.g. an ablation)
-    applied before sizing (a changed batch changes the step count) and `overrides` after. Without
-    log_dir the run logs go where the preset's do (callers that train set their own)."""
-    base = dataclasses.replace(T.Hyperparameters(), **T.PRESETS[preset])
+                edit=None, model_dim: int = 0) -> T.Hyperparameters:
+    """The preset (at width model_dim when given) sized to `tokens`, with `edit` (args -> args: rows
+    changed, e.g. an ablation) applied before sizing (a changed batch changes the step count) and
+    `overrides` after. Without log_dir the run logs go where the preset's do (callers that train set
+    their own)."""
+    base = model_args(preset, model_dim)
     base = dataclasses.replace(base, train_files=train or base.train_files, val_files=val or base.val_files)
     if val_tokens:
         base = dataclasses.replace(base, val_tokens=val_tokens, val_seq_len=min(base.val_seq_len, val_tokens))
@@ -806,11 +821,16 @@ def load_runs(folder: str, tokens: int | None) -> dict[str, dict]:
     return runs
 
 
-def check_folder(folder: str, data: BenchData, seed: int) -> None:
-    """New runs join a results folder only if its runs were trained and scored on the same data."""
+def check_folder(folder: str, data: BenchData, seed: int, model_dim: int) -> None:
+    """New runs join a results folder only if its runs were trained and scored on the same data, at the
+    same width (runs saved before --model_dim have the preset's)."""
     if not os.path.isdir(folder):
         return
     runs = list(read_runs(folder, flag="--save").values())
+    widths = sorted({r.get("model_dim") or model_args(r["preset"]).model_dim for r in runs} - {model_dim})
+    if widths:
+        raise SystemExit(f"error: --save {folder} holds runs of width {widths[0]}, not --model_dim {model_dim}; "
+                         f"save into a new folder, or pass --model_dim {widths[0]}")
     conflict = data_conflict(runs + [data.meta(seed)]) if runs else None
     if conflict:
         raise SystemExit(f"error: --save {folder} holds runs on other data ({conflict}); save into a new folder, or "
@@ -1155,7 +1175,7 @@ def report(folder: str, tokens: int | None, plot: bool = True) -> list[float]:
         commits[r.get("commit", "not recorded")] = commits.get(r.get("commit", "not recorded"), 0) + 1
     print("commit: " + ", ".join(f"{c} ({n} runs)" for c, n in sorted(commits.items())))
     lrs = {(r["recipe_muon_lr"], r["recipe_adam_lr"]) for n, r in runs.items() if "recipe_muon_lr" in r}
-    base = dataclasses.replace(T.Hyperparameters(), **T.PRESETS[any_run["preset"]])
+    base = model_args(any_run["preset"], any_run.get("model_dim", 0))
     classic = next((r for n, r in runs.items() if n.startswith("classic_")), None)
     recipe = any(n.startswith(("recipe_", RECIPE_SEARCH_PREFIX)) for n in runs)
     sides = ((("recipe", recipe_params(base)),) if recipe else ()) + \
@@ -1224,7 +1244,8 @@ def saved(folder: str, name: str) -> bool:
 def run_meta(a, data: BenchData, seed: int, device: torch.device) -> dict:
     """What every saved run records besides its curve: budget, data and floor, provenance, and the
     machine it ran on."""
-    return {"tokens": a.tokens, "preset": a.preset, **data.meta(seed), "seed": seed, "commit": a.commit,
+    return {"tokens": a.tokens, "preset": a.preset, "model_dim": a.model_dim, **data.meta(seed), "seed": seed,
+            "commit": a.commit,
             "command": a.command, "device": device.type, "threads": torch.get_num_threads(),
             "cpu_capability": torch.backends.cpu.get_cpu_capability()}
 
@@ -1297,7 +1318,7 @@ def prepare(a, check: bool = True) -> BenchData:
     seeds = [int(x) for x in a.seeds.split(",")]
     data = BenchData(a, a.data_dir)
     if check:
-        check_folder(a.save, data, seeds[0])
+        check_folder(a.save, data, seeds[0], a.model_dim)
     v = data.val.meta()
     print(f"val: {val_text({**v, 'val': data.val_glob})}; train: {data.train_glob}, documents "
           f"{order_text({'train_order': data.order})}")
@@ -1310,7 +1331,7 @@ def run_sides(a, device: torch.device) -> None:
     seeds = [int(x) for x in a.seeds.split(",")]
     data = prepare(a)
     args = recipe_args(a.preset, data.train_glob, data.val_path, a.tokens, a.evals, data.val.val_tokens, device,
-                       a.recipe_overrides, a.log_dir)
+                       a.recipe_overrides, a.log_dir, model_dim=a.model_dim)
     folder = a.save
     if a.run == "recipe_search":
         grid = [(float(m), float(ad)) for m in a.search_muon_lr.split(",") for ad in a.search_adam_lr.split(",")]
@@ -1395,7 +1416,7 @@ def run_ablations(a, device: torch.device) -> None:
     seeds = [int(x) for x in a.seeds.split(",")]
     data = prepare(a)
     base = recipe_args(a.preset, data.train_glob, data.val_path, a.tokens, 0, data.val.val_tokens, device,
-                       a.recipe_overrides, a.log_dir)
+                       a.recipe_overrides, a.log_dir, model_dim=a.model_dim)
     print(f"ablations: --preset {a.preset}, {base.num_iterations}+{base.extension_iterations} steps, "
           f"{sum(schedule_tokens(base)):,} train tokens each, seeds {seeds}, final val loss on {base.val_tokens:,} val tokens")
     for i in rows:
@@ -1406,7 +1427,7 @@ def run_ablations(a, device: torch.device) -> None:
             if saved(a.save, f"{file}_s{seed}"):
                 continue
             args = recipe_args(a.preset, data.train(seed), data.val_path, a.tokens, 0, data.val.val_tokens, device,
-                               {**a.recipe_overrides, **overrides, "seed": seed}, a.log_dir, edit)
+                               {**a.recipe_overrides, **overrides, "seed": seed}, a.log_dir, edit, a.model_dim)
             t = time.perf_counter()
             curve = save_recipe_run(a, data, seed, device, f"{file}_s{seed}", args, {"component": name},
                                     diverging_is_a_result=True)  # a diverging variant is a result, not a crash
@@ -1421,6 +1442,8 @@ def main(argv=None):
     ap.add_argument("--val", default="", help="val shard glob (default: the preset's)")
     ap.add_argument("--tokens", type=int, default=None, help=f"training tokens per run (default {DEFAULT_TOKENS:,})")
     ap.add_argument("--preset", default="demo", choices=sorted(T.PRESETS), help="model size of both recipes")
+    ap.add_argument("--model_dim", type=int, default=0,
+                    help="width of both sides (default: the preset's); heads of the preset's head size, MLP 4x as wide")
     ap.add_argument("--evals", type=int, default=8, help="validation points per curve")
     ap.add_argument("--val_tokens", type=int, default=None,
                     help=f"validation tokens (default: {EVEN_VAL_TOKENS:,} for --val_set even and tune, the preset's for first)")
@@ -1475,6 +1498,7 @@ def main(argv=None):
         a.tokens, a.val_tokens = a.tokens or SMOKE_TOKENS, a.val_tokens or 1024
     a.default_batch, a.default_seq = (1024, 128) if a.smoke else (16_384, 1024)
     a.tokens = a.tokens or DEFAULT_TOKENS
+    a.model_dim = model_args(a.preset, a.model_dim).model_dim  # checked, and recorded even when the preset's
     a.recipe_overrides = {"muon_lr": a.muon_lr, "adam_lr": a.adam_lr, "cpu_dtype": a.cpu_dtype}
     if a.recipe_from:
         win = recipe_search_winner(read_runs(a.recipe_from, RECIPE_SEARCH_PREFIX, "--recipe_from")) \
