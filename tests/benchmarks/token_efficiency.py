@@ -1245,8 +1245,7 @@ def run_meta(a, data: BenchData, seed: int, device: torch.device) -> dict:
     """What every saved run records besides its curve: budget, data and floor, provenance, and the
     machine it ran on."""
     return {"tokens": a.tokens, "preset": a.preset, "model_dim": a.model_dim, **data.meta(seed), "seed": seed,
-            "commit": a.commit,
-            "command": a.command, "device": device.type, "threads": torch.get_num_threads(),
+            "commit": a.commit, "command": a.command, "device": device.type, "threads": torch.get_num_threads(),
             "cpu_capability": torch.backends.cpu.get_cpu_capability()}
 
 
@@ -1427,7 +1426,8 @@ def run_ablations(a, device: torch.device) -> None:
             if saved(a.save, f"{file}_s{seed}"):
                 continue
             args = recipe_args(a.preset, data.train(seed), data.val_path, a.tokens, 0, data.val.val_tokens, device,
-                               {**a.recipe_overrides, **overrides, "seed": seed}, a.log_dir, edit, a.model_dim)
+                               {**a.recipe_overrides, **overrides, "seed": seed}, a.log_dir, edit,
+                               model_dim=a.model_dim)
             t = time.perf_counter()
             curve = save_recipe_run(a, data, seed, device, f"{file}_s{seed}", args, {"component": name},
                                     diverging_is_a_result=True)  # a diverging variant is a result, not a crash
