@@ -5,6 +5,7 @@ import dataclasses
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
 
@@ -441,6 +442,54 @@ def test_an_interrupted_classic_run_resumes_bit_for_bit(tmp_path, monkeypatch):
         run(state, other)
     resumed = run(state)
     assert resumed["curve"] == reference and [s["step"] for s in resumed["sittings"]] == [0, 7]
+
+
+def signals_on_call(fn, n: int, signals):
+    """fn, except that its n-th call first sends this process each of signals (a user's Ctrl-C or kill
+    arriving in that step), noting the SIGTERM handler in force at that moment."""
+    calls, seen = [], {}
+
+    def wrapped(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == n:
+            seen["sigterm"] = signal.getsignal(signal.SIGTERM)
+            for s in signals:
+                signal.raise_signal(s)
+        return fn(*args, **kwargs)
+    wrapped.seen = seen
+    return wrapped
+
+
+def test_ctrl_c_saves_a_classic_run_after_its_step_and_a_second_stops_at_once(tmp_path, monkeypatch, capsys):
+    """Ctrl-C (SIGINT) in step 8 of a resumable classic run: the step finishes, the state is saved at step 8
+    (not the last save, at step 6), the process exits with the shell's status for SIGINT (130), and the
+    resumed run's curve is the uninterrupted run's to the bit. SIGTERM is caught the same way while the run
+    trains, and both handlers are the caller's again afterwards. Two signals in one step stop at once."""
+    train, val = classic_shards(tmp_path)
+    c = te.ClassicConfig(vocab_size=512, seq_len=32, num_layers=2, model_dim=32, num_heads=2, mlp_hidden=64,
+                         lr=1e-2, batch_tokens=64)
+    run = lambda state="": te.run_classic(c, train, val, 64 * 12, 4, 128, torch.device("cpu"), 3, state)  # noqa: E731
+    reference = run()["curve"]
+    state = str(tmp_path / "partial" / "run.pt")
+    clip, handlers = torch.nn.utils.clip_grad_norm_, (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM))
+    stopped = signals_on_call(clip, 8, [signal.SIGINT])
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", stopped)
+    with pytest.raises(SystemExit) as exit_:
+        run(state)
+    assert exit_.value.code == 130 and "stopped at step 8 of 12; the same command continues" in capsys.readouterr().out
+    assert stopped.seen["sigterm"] not in (signal.SIG_DFL, handlers[1])  # kill would have been caught too
+    assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == handlers
+    assert te.unfinished_runs(str(tmp_path)) == ["run at step 8 of 12"]
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", clip)
+    resumed = run(state)
+    assert resumed["curve"] == reference and [s["step"] for s in resumed["sittings"]] == [0, 8]
+
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", signals_on_call(clip, 3, [signal.SIGINT] * 2))
+    other_state = str(tmp_path / "partial" / "other.pt")
+    with pytest.raises(KeyboardInterrupt):
+        run(other_state)
+    assert not os.path.exists(other_state)  # nothing saved: the second signal did not wait for the step
+    assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == handlers
 
 
 def test_an_interrupted_recipe_run_resumes_from_its_newest_checkpoint(tmp_path, monkeypatch, capsys):

@@ -3,9 +3,9 @@ with seed spread; and what each component of the recipe contributes (records/REA
 
 Every run is saved as one JSON (curve + configuration) in a results folder (--save), so runs can be
 split over processes (one per core, OMP_NUM_THREADS=1), resumed (a saved run is not trained again; a
-run stopped midway continues from the state it keeps in DIR/partial/: a classic's at every evaluation
-and every 10 minutes, the recipe's train_gpt checkpoints, 8 over the run) and joined (--load prints
-every table the folder supports and plots the curves):
+run stopped midway continues from the state it keeps in DIR/partial/: a classic's at every evaluation,
+every 10 minutes and on Ctrl-C or kill, the recipe's train_gpt checkpoints, 8 over the run) and
+joined (--load prints every table the folder supports and plots the curves):
 
     D='--train data/sympy/sympy_train_*.bin --val data/sympy/sympy_val_*.bin --tokens 500000 --save DIR'
     python tests/benchmarks/token_efficiency.py $D --run search        # classic: lr x batch x context grid, seed 0
@@ -64,9 +64,11 @@ import math
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 import numpy as np
@@ -430,6 +432,30 @@ def write_whole(path: str, write) -> None:
     os.replace(path + ".tmp", path)
 
 
+@contextlib.contextmanager
+def stop_after_step(enabled: bool):
+    """With enabled (a resumable run, in the main thread), SIGINT (Ctrl-C) and SIGTERM (kill) set
+    stop["requested"] (to the signal's number) instead of stopping the process, so that the run finishes its
+    step and saves its state first; a second signal stops at once. The previous handlers are restored on exit."""
+    stop = {"requested": 0}
+    if not enabled or threading.current_thread() is not threading.main_thread():
+        yield stop
+        return
+
+    def request(signum, frame):
+        if stop["requested"]:
+            raise KeyboardInterrupt
+        stop["requested"] = signum
+        print(f"  {signal.Signals(signum).name}: stopping once this step's state is saved (again: at once)", flush=True)
+
+    previous = {s: signal.signal(s, request) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield stop
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
 def run_classic(c: ClassicConfig, train: str, val: str, tokens: int, evals: int, val_tokens: int,
                 device: torch.device, seed: int = 0, state_file: str = "", sitting: dict | None = None) -> dict:
     """Train the classic recipe on `tokens` tokens of the train stream. Returns {"curve": [(tokens, val
@@ -437,9 +463,10 @@ def run_classic(c: ClassicConfig, train: str, val: str, tokens: int, evals: int,
     **sitting}]}.
 
     With state_file, everything a step depends on (weights, AdamW moments, stream position, curve so far)
-    is saved there at every evaluation and at least every RESUME_SECONDS; a run that finds it continues
-    from it, bit for bit the run it would have been, and removes it when done. A state saved by another
-    configuration, budget or data is refused."""
+    is saved there at every evaluation, at least every RESUME_SECONDS and when SIGINT or SIGTERM asks the
+    run to stop (it then exits after the step); a run that finds it continues from it, bit for bit the
+    run it would have been, and removes it when done. A state saved by another configuration, budget or
+    data is refused."""
     if c.batch_tokens % c.seq_len:
         raise SystemExit(f"error: --classic_batch_tokens {c.batch_tokens} must be a multiple of --classic_seq_len {c.seq_len}")
     torch.manual_seed(seed)
@@ -483,27 +510,32 @@ def run_classic(c: ClassicConfig, train: str, val: str, tokens: int, evals: int,
 
     if curve is None:
         curve = [(0, classic_eval(model, val_stream, val_tokens, device))]
-    for step in range(start, steps):
-        rows = []
-        for _ in range(B):  # consecutive windows of the stream, wrapping around at its end
-            if pos + c.seq_len + 1 > len(stream):
-                pos = 0
-            rows.append(stream[pos:pos + c.seq_len + 1])
-            pos += c.seq_len
-        batch = torch.from_numpy(np.stack(rows)).to(device)
-        for g in opt.param_groups:
-            g["lr"] = classic_lr(c, step, steps)
-        with autocast(device):
-            loss = model(batch[:, :-1], batch[:, 1:])
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), c.grad_clip)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        evaluated = (step + 1) % every == 0 or step + 1 == steps
-        if evaluated:
-            curve.append(((step + 1) * c.batch_tokens, classic_eval(model, val_stream, val_tokens, device)))
-        if state_file and step + 1 < steps and (evaluated or time.monotonic() - last_save >= RESUME_SECONDS):
-            save(step + 1)
+    with stop_after_step(bool(state_file)) as stop:
+        for step in range(start, steps):
+            rows = []
+            for _ in range(B):  # consecutive windows of the stream, wrapping around at its end
+                if pos + c.seq_len + 1 > len(stream):
+                    pos = 0
+                rows.append(stream[pos:pos + c.seq_len + 1])
+                pos += c.seq_len
+            batch = torch.from_numpy(np.stack(rows)).to(device)
+            for g in opt.param_groups:
+                g["lr"] = classic_lr(c, step, steps)
+            with autocast(device):
+                loss = model(batch[:, :-1], batch[:, 1:])
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), c.grad_clip)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            evaluated = (step + 1) % every == 0 or step + 1 == steps
+            if evaluated:
+                curve.append(((step + 1) * c.batch_tokens, classic_eval(model, val_stream, val_tokens, device)))
+            if state_file and step + 1 < steps and (evaluated or stop["requested"]
+                                                    or time.monotonic() - last_save >= RESUME_SECONDS):
+                save(step + 1)
+            if stop["requested"] and step + 1 < steps:
+                print(f"  stopped at step {step + 1} of {steps}; the same command continues from {state_file}", flush=True)
+                raise SystemExit(128 + stop["requested"])  # the shell's status for a process the signal stopped
     return {"curve": curve, "seconds": seconds + time.monotonic() - t0, "sittings": sittings}
 
 
