@@ -342,6 +342,7 @@ class Hyperparameters:
     val_loss_every: int = knob(250, _AT_LEAST_0)    # 0: only at the end
     log_dir: str = "logs"
     save_every: int = knob(0, _AT_LEAST_0)          # checkpoint every N steps and at the end (0: none)
+    keep_checkpoints: int = knob(0, _AT_LEAST_0)    # keep only this run's newest N checkpoints (0: all)
     checkpoint_dir: str = "checkpoints"
     resume: str = ""                                # checkpoint directory to continue from
     compile: bool = True
@@ -3274,8 +3275,17 @@ def save_checkpoint(path: str, step: int, model: nn.Module, opt: NorMuonAdam, lo
         dist.barrier()
 
 
+def prune_checkpoints(run_dir: str, keep: int) -> None:
+    """Delete all but the newest `keep` whole checkpoints (step_N directories) of a run, so that frequent
+    checkpoints of a long run take bounded disk; an unfinished .tmp directory or any other file is left."""
+    whole = sorted((e for e in os.listdir(run_dir) if e.startswith("step_") and e[5:].isdigit()), key=lambda e: int(e[5:]))
+    for old in whole[:-keep]:
+        shutil.rmtree(os.path.join(run_dir, old))
+
+
 # Fields that may differ between a checkpoint and the run resuming from it.
-RESUMABLE_CHANGES = {"resume", "save_every", "val_loss_every", "log_dir", "checkpoint_dir", "run_id", "compile"}
+RESUMABLE_CHANGES = {"resume", "save_every", "keep_checkpoints", "val_loss_every", "log_dir", "checkpoint_dir",
+                     "run_id", "compile"}
 
 
 def load_checkpoint(path: str, model: nn.Module, opt: NorMuonAdam, loader: DocumentLoader,
@@ -3503,6 +3513,8 @@ def train(args: Hyperparameters, d: DistInfo) -> float:
             t0 = time.perf_counter()
         if args.save_every and step > start_step and (step % args.save_every == 0 or last):
             save_checkpoint(os.path.join(args.checkpoint_dir, run_id, f"step_{step:06d}"), step, model, opt, loader, args, d)
+            if args.keep_checkpoints and d.is_master:
+                prune_checkpoints(os.path.join(args.checkpoint_dir, run_id), args.keep_checkpoints)
             t0 = time.perf_counter()  # checkpoint time is not training time
         if last:
             break

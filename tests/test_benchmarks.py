@@ -2,6 +2,7 @@
 component, the optimizer variants against hand-written updates, the benchmark arithmetic against
 hand-computed values and the model figures of records/README.md, and a --smoke run of every benchmark script."""
 import dataclasses
+import glob
 import json
 import math
 import os
@@ -505,6 +506,8 @@ def test_an_interrupted_recipe_run_resumes_from_its_newest_checkpoint(tmp_path, 
     with pytest.raises(KeyboardInterrupt):
         te.main([*flags, "--save", str(folder)])
     assert te.newest_checkpoint(str(folder / "partial" / "recipe_s0"))[0] == 8  # 9+2 steps: one checkpoint a step
+    kept = glob.glob(str(folder / "partial" / "recipe_s0" / "*" / "step_*"))
+    assert sorted(map(os.path.basename, kept)) == ["step_000007", "step_000008"]  # the newest 2 of 8
     monkeypatch.setattr(tg, "train_step", train_step)
     capsys.readouterr()
     te.main(["--load", str(folder)])

@@ -196,3 +196,16 @@ def test_prefix_table_is_built_after_the_clock_starts(tmp_path, monkeypatch):
     assert timed == [("step", True, pytest.approx(tg.plan_step(args, s).prefix_weight))
                      for s in range(tg.total_steps(args)) for _ in range(micro)]
     assert [e[2] for e in timed[::micro]] == [0.25, 0.25, 0.0]  # stages 1, 2 (its first step) and 3
+
+
+def test_prune_checkpoints_keeps_the_newest_by_step_number(tmp_path):
+    """--keep_checkpoints: the newest N step_N directories by step number (step_1000000 is newer than
+    step_999999, though it sorts first as text); an unfinished .tmp directory and other files stay."""
+    sys.path.insert(0, ROOT)
+    import train_gpt as tg
+    for name in ("step_000002", "step_000010", "step_999999", "step_1000000", "step_1000001", "step_1000002.tmp"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "model.pt").write_bytes(b"x")
+    (tmp_path / "notes.txt").write_text("kept")
+    tg.prune_checkpoints(str(tmp_path), 2)
+    assert sorted(os.listdir(tmp_path)) == ["notes.txt", "step_1000000", "step_1000001", "step_1000002.tmp"]

@@ -4,7 +4,7 @@ with seed spread; and what each component of the recipe contributes (records/REA
 Every run is saved as one JSON (curve + configuration) in a results folder (--save), so runs can be
 split over processes (one per core, OMP_NUM_THREADS=1), resumed (a saved run is not trained again; a
 run stopped midway continues from the state it keeps in DIR/partial/: a classic's at every evaluation,
-every 10 minutes and on Ctrl-C or kill, the recipe's train_gpt checkpoints, 8 over the run) and
+every 10 minutes and on Ctrl-C or kill, the recipe's train_gpt checkpoints, 32 over the run) and
 joined (--load prints every table the folder supports and plots the curves):
 
     D='--train data/sympy/sympy_train_*.bin --val data/sympy/sympy_val_*.bin --tokens 500000 --save DIR'
@@ -256,7 +256,10 @@ def recipe_args(preset: str, train: str, val: str, tokens: int, evals: int, val_
 VAL_LINE = re.compile(r"^step:(\d+)/(\d+) val_loss:(\S+)", re.M)
 
 
-RECIPE_CHECKPOINTS = 8  # a recipe run with a state folder checkpoints this many times (train_gpt's --save_every)
+# A recipe run with a state folder checkpoints this many times (train_gpt's --save_every), keeping the newest
+# RECIPE_CHECKPOINTS_KEPT: about every 10 minutes of a 5-hour run on a 2-core CPU, so a stop loses little.
+RECIPE_CHECKPOINTS = 32
+RECIPE_CHECKPOINTS_KEPT = 2
 STEP_LINE = re.compile(r"^step:(\d+)/\d+ (?:val_loss:\S+ )?train_time:(\d+)ms", re.M)
 
 
@@ -276,9 +279,10 @@ def run_recipe(args: T.Hyperparameters, device: torch.device, run_id: str, state
     continued from, "sittings": [{"step": the step it started at, "log": its run log, **sitting}]}; the
     validation losses are read back from the run logs.
 
-    With state_dir, train() checkpoints there RECIPE_CHECKPOINTS times over the run (--save_every), and a
-    run that finds a checkpoint continues from the newest (--resume: bit for bit the run it would have
-    been; train_gpt refuses a checkpoint of another configuration); the curve joins every sitting's log."""
+    With state_dir, train() checkpoints there RECIPE_CHECKPOINTS times over the run (--save_every, the
+    newest RECIPE_CHECKPOINTS_KEPT kept), and a run that finds a checkpoint continues from the newest
+    (--resume: bit for bit the run it would have been; train_gpt refuses a checkpoint of another
+    configuration); the curve joins every sitting's log."""
     sittings, start = [], 0
     if state_dir:
         os.makedirs(state_dir, exist_ok=True)
@@ -291,7 +295,8 @@ def run_recipe(args: T.Hyperparameters, device: torch.device, run_id: str, state
         if resume:
             print(f"  resuming at step {start} of {T.total_steps(args)} from {resume}", flush=True)
         args = dataclasses.replace(args, resume=resume, checkpoint_dir=state_dir,
-                                   save_every=max(1, T.total_steps(args) // RECIPE_CHECKPOINTS))
+                                   save_every=max(1, T.total_steps(args) // RECIPE_CHECKPOINTS),
+                                   keep_checkpoints=RECIPE_CHECKPOINTS_KEPT)
     args = dataclasses.replace(args, run_id=run_id)
     log = os.path.join(args.log_dir, f"{run_id}.txt")
     sittings = [*sittings, {"step": start, "log": os.path.abspath(log), **(sitting or {})}]
