@@ -3275,12 +3275,18 @@ def save_checkpoint(path: str, step: int, model: nn.Module, opt: NorMuonAdam, lo
         dist.barrier()
 
 
+def whole_checkpoints(run_dir: str) -> list[tuple[int, str]]:
+    """(step, path) of every whole checkpoint of a run (its step_N directories), oldest first; one still
+    being written (step_N.tmp) and any other file are not checkpoints."""
+    return sorted((int(e[5:]), os.path.join(run_dir, e)) for e in os.listdir(run_dir)
+                  if e.startswith("step_") and e[5:].isdecimal())
+
+
 def prune_checkpoints(run_dir: str, keep: int) -> None:
-    """Delete all but the newest `keep` whole checkpoints (step_N directories) of a run, so that frequent
-    checkpoints of a long run take bounded disk; an unfinished .tmp directory or any other file is left."""
-    whole = sorted((e for e in os.listdir(run_dir) if e.startswith("step_") and e[5:].isdigit()), key=lambda e: int(e[5:]))
-    for old in whole[:-keep]:
-        shutil.rmtree(os.path.join(run_dir, old))
+    """Delete all but the newest `keep` whole checkpoints of a run, so that frequent checkpoints of a long
+    run take bounded disk."""
+    for _, path in whole_checkpoints(run_dir)[:-keep]:
+        shutil.rmtree(path)
 
 
 # Fields that may differ between a checkpoint and the run resuming from it.

@@ -389,16 +389,25 @@ def test_classic_model_is_gpt2():
     assert te.classic_lr(c, 52, 100) == pytest.approx(c.lr * (c.min_lr_frac + (1 - c.min_lr_frac) * 0.5))
 
 
-def dies_on_call(fn, n: int):
-    """fn, except that its n-th call raises KeyboardInterrupt (a run killed there)."""
+def on_call(fn, n: int, action):
+    """fn, except that its n-th call runs action() first (something that happens to the run in that step)."""
     calls = []
 
     def wrapped(*args, **kwargs):
         calls.append(1)
         if len(calls) == n:
-            raise KeyboardInterrupt
+            action()
         return fn(*args, **kwargs)
     return wrapped
+
+
+def killed():
+    raise KeyboardInterrupt
+
+
+def dies_on_call(fn, n: int):
+    """fn, except that its n-th call raises KeyboardInterrupt (a run killed there)."""
+    return on_call(fn, n, killed)
 
 
 def classic_shards(tmp_path):
@@ -445,22 +454,6 @@ def test_an_interrupted_classic_run_resumes_bit_for_bit(tmp_path, monkeypatch):
     assert resumed["curve"] == reference and [s["step"] for s in resumed["sittings"]] == [0, 7]
 
 
-def signals_on_call(fn, n: int, signals):
-    """fn, except that its n-th call first sends this process each of signals (a user's Ctrl-C or kill
-    arriving in that step), noting the SIGTERM handler in force at that moment."""
-    calls, seen = [], {}
-
-    def wrapped(*args, **kwargs):
-        calls.append(1)
-        if len(calls) == n:
-            seen["sigterm"] = signal.getsignal(signal.SIGTERM)
-            for s in signals:
-                signal.raise_signal(s)
-        return fn(*args, **kwargs)
-    wrapped.seen = seen
-    return wrapped
-
-
 def test_ctrl_c_saves_a_classic_run_after_its_step_and_a_second_stops_at_once(tmp_path, monkeypatch, capsys):
     """Ctrl-C (SIGINT) in step 8 of a resumable classic run: the step finishes, the state is saved at step 8
     (not the last save, at step 6), the process exits with the shell's status for SIGINT (130), and the
@@ -473,19 +466,23 @@ def test_ctrl_c_saves_a_classic_run_after_its_step_and_a_second_stops_at_once(tm
     reference = run()["curve"]
     state = str(tmp_path / "partial" / "run.pt")
     clip, handlers = torch.nn.utils.clip_grad_norm_, (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM))
-    stopped = signals_on_call(clip, 8, [signal.SIGINT])
-    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", stopped)
+    sigterm_in_step = []
+
+    def ctrl_c():  # noting the SIGTERM handler in force in that step too
+        sigterm_in_step.append(signal.getsignal(signal.SIGTERM))
+        signal.raise_signal(signal.SIGINT)
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", on_call(clip, 8, ctrl_c))
     with pytest.raises(SystemExit) as exit_:
         run(state)
     assert exit_.value.code == 130 and "stopped at step 8 of 12; the same command continues" in capsys.readouterr().out
-    assert stopped.seen["sigterm"] not in (signal.SIG_DFL, handlers[1])  # kill would have been caught too
+    assert sigterm_in_step[0] not in (signal.SIG_DFL, handlers[1])  # kill would have been caught too
     assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == handlers
     assert te.unfinished_runs(str(tmp_path)) == ["run at step 8 of 12"]
     monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", clip)
     resumed = run(state)
     assert resumed["curve"] == reference and [s["step"] for s in resumed["sittings"]] == [0, 8]
 
-    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", signals_on_call(clip, 3, [signal.SIGINT] * 2))
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", on_call(clip, 3, lambda: [ctrl_c(), ctrl_c()]))
     other_state = str(tmp_path / "partial" / "other.pt")
     with pytest.raises(KeyboardInterrupt):
         run(other_state)

@@ -264,12 +264,10 @@ STEP_LINE = re.compile(r"^step:(\d+)/\d+ (?:val_loss:\S+ )?train_time:(\d+)ms", 
 
 
 def newest_checkpoint(state_dir: str) -> tuple[int, str]:
-    """(step, path) of the newest whole checkpoint train_gpt wrote under state_dir/<run_id>/step_N
-    ((0, "") when none: a directory still being written ends in .tmp)."""
-    found = [(int(m.group(1)), os.path.join(state_dir, run, step))
-             for run in sorted(os.listdir(state_dir)) if os.path.isdir(os.path.join(state_dir, run))
-             for step in os.listdir(os.path.join(state_dir, run)) if (m := re.fullmatch(r"step_(\d+)", step))]
-    return max(found, default=(0, ""))
+    """(step, path) of the newest whole checkpoint train_gpt wrote under state_dir/<run_id>/ ((0, "")
+    when none)."""
+    runs = [os.path.join(state_dir, run) for run in sorted(os.listdir(state_dir))]
+    return max((c for run in runs if os.path.isdir(run) for c in T.whole_checkpoints(run)), default=(0, ""))
 
 
 def run_recipe(args: T.Hyperparameters, device: torch.device, run_id: str, state_dir: str = "",
