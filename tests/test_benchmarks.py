@@ -464,6 +464,9 @@ def test_ctrl_c_saves_a_classic_run_after_its_step_and_a_second_stops_at_once(tm
                          lr=1e-2, batch_tokens=64)
     run = lambda state="": te.run_classic(c, train, val, 64 * 12, 4, 128, torch.device("cpu"), 3, state)  # noqa: E731
     reference = run()["curve"]
+    progress = [line.split(", val ")[1].split(",")[0] for line in capsys.readouterr().out.splitlines()
+                if line.startswith("  step ")]  # a line at each evaluation: hours-long runs show progress
+    assert progress == [f"{v:.4f}" for _, v in reference[1:]] and len(progress) == 4
     state = str(tmp_path / "partial" / "run.pt")
     clip, handlers = torch.nn.utils.clip_grad_norm_, (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM))
     sigterm_in_step = []

@@ -533,6 +533,8 @@ def run_classic(c: ClassicConfig, train: str, val: str, tokens: int, evals: int,
             evaluated = (step + 1) % every == 0 or step + 1 == steps
             if evaluated:
                 curve.append(((step + 1) * c.batch_tokens, classic_eval(model, val_stream, val_tokens, device)))
+                print(f"  step {step + 1:,} of {steps:,}: {curve[-1][0]:,} tokens, val {curve[-1][1]:.4f}, "
+                      f"{seconds + time.monotonic() - t0:,.0f} s", flush=True)  # hours-long runs show progress
             if state_file and step + 1 < steps and (evaluated or stop["requested"]
                                                     or time.monotonic() - last_save >= RESUME_SECONDS):
                 save(step + 1)
