@@ -1,6 +1,7 @@
 """Benchmarks and ablation switches: every switch against an independent way of removing the same
 component, the optimizer variants against hand-written updates, the benchmark arithmetic against
 hand-computed values and the model figures of records/README.md, and a --smoke run of every benchmark script."""
+import copy
 import dataclasses
 import glob
 import json
@@ -13,6 +14,7 @@ import sys
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 
 import train_gpt as tg
 
@@ -454,6 +456,72 @@ def test_an_interrupted_classic_run_resumes_bit_for_bit(tmp_path, monkeypatch):
     assert resumed["curve"] == reference and [s["step"] for s in resumed["sittings"]] == [0, 7]
 
 
+def test_the_classic_computes_in_its_dtype_and_resumes_only_in_it(tmp_path, monkeypatch):
+    """fp32 is the model's loss in float64 to rounding; bf16 autocast is measurably not (so the switch
+    reaches every matmul). A state saved in one dtype is refused by a run in the other, and a state saved
+    before the dtype was recorded counts as bf16 (every classic run before then computed in it)."""
+    c = te.ClassicConfig(vocab_size=512, seq_len=32, num_layers=2, model_dim=32, num_heads=2, mlp_hidden=64)
+    torch.manual_seed(0)
+    model = te.ClassicGPT(c)
+    with torch.no_grad():
+        model.wte.weight.mul_(10)  # logits of order 1, where bf16's 8 mantissa bits show in the loss
+    val = np.random.default_rng(0).integers(0, 512, 97)
+    reference = copy.deepcopy(model).double()
+    with torch.no_grad():  # float64 matmuls and cross-entropy
+        ref = sum(F.cross_entropy(reference(torch.from_numpy(val[s:s + 32])[None])[0], torch.from_numpy(val[s + 1:s + 33])).item()
+                  for s in (0, 32, 64)) / 3
+    fp32 = te.classic_eval(model, val, 96, torch.device("cpu"), "fp32")
+    bf16 = te.classic_eval(model, val, 96, torch.device("cpu"), "bf16")
+    assert abs(fp32 - ref) < 1e-5 and abs(bf16 - ref) > 1e-4, (fp32, bf16, ref)
+
+    train, val_path = classic_shards(tmp_path)
+    c = dataclasses.replace(c, lr=1e-2, batch_tokens=64)
+    run = lambda state, dtype: te.run_classic(c, train, val_path, 64 * 12, 4, 128, torch.device("cpu"), 3,  # noqa: E731
+                                              state, None, dtype)
+    state = str(tmp_path / "partial" / "run.pt")
+    clip = torch.nn.utils.clip_grad_norm_
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", dies_on_call(clip, 5))  # saved at step 3
+    with pytest.raises(KeyboardInterrupt):
+        run(state, "fp32")
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", clip)
+    with pytest.raises(SystemExit, match=r"run\.pt was saved by another run \(dtype differ\); delete it"):
+        run(state, "bf16")
+    saved = torch.load(state, weights_only=False)
+    assert saved["identity"].pop("dtype") == "fp32"
+    torch.save(saved, state)  # as a state saved before the dtype was recorded: bf16
+    with pytest.raises(SystemExit, match=r"\(dtype differ\)"):
+        run(state, "fp32")
+    assert [s["step"] for s in run(state, "bf16")["sittings"]] == [0, 3]
+
+
+def test_the_classic_dtype_follows_the_flag_then_the_folder_then_the_state(tmp_path):
+    """--cpu_dtype auto takes the dtype of the classic runs already in the results folder (runs saved
+    before it was recorded: bf16), else the resumed state's, else the timed choice; a forced dtype that
+    differs from the folder's, or a folder of two dtypes under auto, stops with one line; GPUs: bf16."""
+    c, cpu, folder = te.ClassicConfig(model_dim=32, mlp_hidden=64), torch.device("cpu"), str(tmp_path / "r")
+    assert te.classic_dtype("auto", c, torch.device("cuda"), folder)[0] == "bf16"
+    assert te.classic_dtype("fp32", c, cpu, folder) == ("fp32", "classic dtype fp32 (--cpu_dtype)")
+    timed, note = te.classic_dtype("auto", c, cpu, folder)
+    assert timed in te.CLASSIC_DTYPES and note.startswith(f"classic dtype {timed} (auto: 256x32x64 matmul GFLOP/s")
+    state = str(tmp_path / "partial" / "run.pt")
+    os.makedirs(os.path.dirname(state))
+    torch.save({"identity": {"dtype": "fp32"}}, state)
+    assert te.classic_dtype("auto", c, cpu, folder, state)[0] == "fp32"
+    torch.save({"identity": {}}, state)  # saved before the dtype was recorded
+    assert te.classic_dtype("auto", c, cpu, folder, state)[0] == "bf16"
+
+    os.makedirs(folder)
+    with open(os.path.join(folder, "classic_lr0.001_b1024_ctx128_s0.json"), "w") as f:
+        json.dump({"curve": [[0, 10.0]], "tokens": 1}, f)  # no classic_dtype: bf16
+    assert te.classic_dtype("auto", c, cpu, folder, state) == ("bf16", f"classic dtype bf16 (auto: that of the classic runs saved in {folder})")
+    with pytest.raises(SystemExit, match=r"holds classic runs computed in bf16, not --cpu_dtype fp32; pass --cpu_dtype bf16"):
+        te.classic_dtype("fp32", c, cpu, folder)
+    with open(os.path.join(folder, "classic_lr0.002_b1024_ctx128_s0.json"), "w") as f:
+        json.dump({"curve": [[0, 10.0]], "tokens": 1, "classic_dtype": "fp32"}, f)
+    with pytest.raises(SystemExit, match=r"holds classic runs computed in bf16 and fp32; pass --cpu_dtype"):
+        te.classic_dtype("auto", c, cpu, folder)
+
+
 def test_ctrl_c_saves_a_classic_run_after_its_step_and_a_second_stops_at_once(tmp_path, monkeypatch, capsys):
     """Ctrl-C (SIGINT) in step 8 of a resumable classic run: the step finishes, the state is saved at step 8
     (not the last save, at step 6), the process exits with the shell's status for SIGINT (130), and the
@@ -636,6 +704,8 @@ def test_token_efficiency_smoke(tmp_path):
     assert best["0.01"] < best["0.001"] < 10.9        # a few steps from ln(50304) = 10.83; the higher lr wins
     assert "0.01   1,024     128      3" in out and "<- best" in out.split("0.01   1,024")[1].splitlines()[0]
     assert "tuned classic (the search winner): lr 0.01, batch 1,024, context 128" in out
+    dtypes = {r["classic_dtype"] for n, r in runs.items() if n.startswith("classic_")}  # the first run's, then the folder's
+    assert len(dtypes) == 1 and f"classic compute dtype: {dtypes.pop()}\n" in out
     assert "recipe best val: mean" in out and "(2 seeds)" in out
     floor = [line for line in out.splitlines() if line.startswith("floor, ")][0]
     mean_bigram = (runs["recipe_s0.json"]["floor"]["bigram"] + recipe["floor"]["bigram"]) / 2

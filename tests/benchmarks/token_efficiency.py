@@ -24,7 +24,9 @@ are read back from its run log.
 Classic: GPT-2 as published, written small and plain below at the same depth and width: learned
 absolute positions, pre-LayerNorm blocks, GELU MLP, full causal attention over fixed-length windows of
 the token stream, tied embeddings, AdamW (betas 0.9/0.95, weight decay 0.1 on matrices), linear
-warm-up then cosine decay to 10%, gradient clipping at 1.0, constant batch size. --run search trains
+warm-up then cosine decay to 10%, gradient clipping at 1.0, constant batch size. On a CPU its matmuls
+run in the recipe's --cpu_dtype (auto: the classic runs' dtype already in the folder, else the faster of
+bf16 and fp32 on this CPU; bf16 autocast costs ~10x on an AVX2-only CPU); on GPUs in bf16. --run search trains
 the grid of --search_lr x --search_batch x --search_seq; --run classic then uses the winner (lowest
 best val loss) found in the same folder, or in --classic_from, unless --classic_* flags say otherwise.
 
@@ -70,6 +72,7 @@ import sys
 import tempfile
 import threading
 import time
+import types
 
 import numpy as np
 import torch
@@ -402,22 +405,61 @@ def token_stream(pattern: str, what: str) -> np.ndarray:
 
 
 @torch.no_grad()
-def classic_eval(model: ClassicGPT, val: np.ndarray, val_tokens: int, device: torch.device) -> float:
-    """Mean cross-entropy over the first val_tokens next-token predictions, in seq_len windows."""
+def classic_eval(model: ClassicGPT, val: np.ndarray, val_tokens: int, device: torch.device, dtype: str = "bf16") -> float:
+    """Mean cross-entropy over the first val_tokens next-token predictions, in seq_len windows, computed
+    in dtype (autocast)."""
     S = model.c.seq_len
     total = 0.0
     for s in range(0, val_tokens, S):
         n = min(S, val_tokens - s)
         chunk = torch.from_numpy(val[s:s + n + 1]).to(device)
-        with autocast(device):
+        with autocast(device, dtype):
             total += model(chunk[None, :-1], chunk[None, 1:]).item() * n
     return total / val_tokens
 
 
-def autocast(device: torch.device):
-    """bf16 matmuls with fp32 master weights, as GPT-2 is trained today, on GPU and CPU alike (the recipe
-    computes in bf16 too; fp32 matmuls would make the CPU comparison ~2x slower for nothing)."""
-    return torch.autocast(device.type, dtype=torch.bfloat16)
+def autocast(device: torch.device, dtype: str = "bf16"):
+    """bf16: bf16 matmuls with fp32 master weights, as GPT-2 is trained today (and as the recipe computes
+    on GPUs and on CPUs with fast bf16); fp32: no autocast, everything in the fp32 weights' dtype (the
+    recipe's --cpu_dtype fp32, for CPUs where bf16 is emulated)."""
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=dtype == "bf16")
+
+
+CLASSIC_DTYPES = ("bf16", "fp32")
+SAVED_BEFORE_DTYPE = "bf16"  # every classic run saved before its dtype was recorded computed in bf16 autocast
+
+
+def classic_dtype_of(run_or_identity: dict) -> str:
+    """The compute dtype a saved classic run (or resume state) used."""
+    return run_or_identity.get("classic_dtype", run_or_identity.get("dtype", SAVED_BEFORE_DTYPE))
+
+
+def classic_dtype(cpu_dtype: str, c: ClassicConfig, device: torch.device, folder: str, state_file: str = "") -> tuple[str, str]:
+    """The classic's compute dtype and a line saying why. GPUs: bf16. CPUs: --cpu_dtype bf16 or fp32; auto:
+    the dtype of the classic runs already saved in the results folder (a search compares like with like;
+    another dtype there is refused), else that of the run's saved state, else the faster of the two at the
+    model's MLP matmul, timed as train_gpt times it for the recipe (choose_cpu_dtype)."""
+    if device.type != "cpu":
+        return "bf16", "classic dtype bf16 (GPU)"
+    runs = read_runs(folder, "classic_", "--save") if os.path.isdir(folder) else {}
+    used = sorted({classic_dtype_of(r) for r in runs.values()})
+    if cpu_dtype != "auto":
+        if used and used != [cpu_dtype]:
+            raise SystemExit(f"error: --save {folder} holds classic runs computed in {', '.join(used)}, not --cpu_dtype "
+                             f"{cpu_dtype}; pass --cpu_dtype {used[0]} (or auto), or save into a new folder")
+        return cpu_dtype, f"classic dtype {cpu_dtype} (--cpu_dtype)"
+    if len(used) == 1:
+        return used[0], f"classic dtype {used[0]} (auto: that of the classic runs saved in {folder})"
+    if used:
+        raise SystemExit(f"error: --save {folder} holds classic runs computed in {' and '.join(used)}; "
+                         "pass --cpu_dtype to say which the new runs use")
+    if state_file and os.path.exists(state_file):
+        with contextlib.suppress(Exception):  # run_classic reports an unreadable state in one line
+            name = classic_dtype_of(torch.load(state_file, map_location="cpu", weights_only=False)["identity"])
+            return name, f"classic dtype {name} (auto: that of the state it resumes, {state_file})"
+    dtype, note = T.choose_cpu_dtype(types.SimpleNamespace(cpu_dtype="auto", model_dim=c.model_dim, mlp_hidden=c.mlp_hidden))
+    return str(dtype).removeprefix("torch.").replace("float32", "fp32").replace("bfloat16", "bf16"), \
+        "classic " + note.removeprefix("cpu ")
 
 
 RESUME_SECONDS = 600.0  # a classic run with a state file saves it at least this often, and at every evaluation
@@ -460,16 +502,18 @@ def stop_after_step(enabled: bool):
 
 
 def run_classic(c: ClassicConfig, train: str, val: str, tokens: int, evals: int, val_tokens: int,
-                device: torch.device, seed: int = 0, state_file: str = "", sitting: dict | None = None) -> dict:
-    """Train the classic recipe on `tokens` tokens of the train stream. Returns {"curve": [(tokens, val
+                device: torch.device, seed: int = 0, state_file: str = "", sitting: dict | None = None,
+                dtype: str = "bf16") -> dict:
+    """Train the classic recipe on `tokens` tokens of the train stream, its matmuls in dtype (bf16
+    autocast or fp32). Returns {"curve": [(tokens, val
     loss)], "seconds": training time over every sitting, "sittings": [{"step": the step it started at,
     **sitting}]}.
 
     With state_file, everything a step depends on (weights, AdamW moments, stream position, curve so far)
     is saved there at every evaluation, at least every RESUME_SECONDS and when SIGINT or SIGTERM asks the
     run to stop (it then exits after the step); a run that finds it continues from it, bit for bit the
-    run it would have been, and removes it when done. A state saved by another configuration, budget or
-    data is refused."""
+    run it would have been, and removes it when done. A state saved by another configuration, budget,
+    data or dtype is refused."""
     if c.batch_tokens % c.seq_len:
         raise SystemExit(f"error: --classic_batch_tokens {c.batch_tokens} must be a multiple of --classic_seq_len {c.seq_len}")
     torch.manual_seed(seed)
@@ -485,7 +529,8 @@ def run_classic(c: ClassicConfig, train: str, val: str, tokens: int, evals: int,
     steps = max(1, tokens // c.batch_tokens)
     every = max(1, steps // evals) if evals else steps
     identity = {"config": dataclasses.asdict(c), "tokens": tokens, "evals": evals, "val_tokens": val_tokens,
-                "seed": seed, "train_digest": stream_digest(stream), "val_digest": stream_digest(val_stream[:val_tokens + 1])}
+                "seed": seed, "train_digest": stream_digest(stream), "val_digest": stream_digest(val_stream[:val_tokens + 1]),
+                "dtype": dtype}
     start, pos, seconds, sittings, curve = 0, 0, 0.0, [], None
     if state_file and os.path.exists(state_file):
         try:
@@ -493,7 +538,8 @@ def run_classic(c: ClassicConfig, train: str, val: str, tokens: int, evals: int,
         except Exception as e:  # torch.load raises many types for a damaged file
             raise SystemExit(f"error: cannot resume from {state_file}: unreadable ({type(e).__name__}); "
                              "delete it to start the run again") from None
-        differ = [k for k in identity if state["identity"].get(k) != identity[k]]
+        saved_identity = {**state["identity"], "dtype": classic_dtype_of(state["identity"])}
+        differ = [k for k in identity if saved_identity.get(k) != identity[k]]
         if differ:
             raise SystemExit(f"error: {state_file} was saved by another run ({', '.join(differ)} differ); "
                              "delete it to start this one from the beginning")
@@ -512,7 +558,7 @@ def run_classic(c: ClassicConfig, train: str, val: str, tokens: int, evals: int,
         last_save = time.monotonic()
 
     if curve is None:
-        curve = [(0, classic_eval(model, val_stream, val_tokens, device))]
+        curve = [(0, classic_eval(model, val_stream, val_tokens, device, dtype))]
     with stop_after_step(bool(state_file)) as stop:
         for step in range(start, steps):
             rows = []
@@ -524,7 +570,7 @@ def run_classic(c: ClassicConfig, train: str, val: str, tokens: int, evals: int,
             batch = torch.from_numpy(np.stack(rows)).to(device)
             for g in opt.param_groups:
                 g["lr"] = classic_lr(c, step, steps)
-            with autocast(device):
+            with autocast(device, dtype):
                 loss = model(batch[:, :-1], batch[:, 1:])
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), c.grad_clip)
@@ -532,7 +578,7 @@ def run_classic(c: ClassicConfig, train: str, val: str, tokens: int, evals: int,
             opt.zero_grad(set_to_none=True)
             evaluated = (step + 1) % every == 0 or step + 1 == steps
             if evaluated:
-                curve.append(((step + 1) * c.batch_tokens, classic_eval(model, val_stream, val_tokens, device)))
+                curve.append(((step + 1) * c.batch_tokens, classic_eval(model, val_stream, val_tokens, device, dtype)))
                 print(f"  step {step + 1:,} of {steps:,}: {curve[-1][0]:,} tokens, val {curve[-1][1]:.4f}, "
                       f"{seconds + time.monotonic() - t0:,.0f} s", flush=True)  # hours-long runs show progress
             if state_file and step + 1 < steps and (evaluated or stop["requested"]
@@ -1219,6 +1265,10 @@ def report(folder: str, tokens: int | None, plot: bool = True) -> list[float]:
         ((("classic", classic["classic_params"]),) if classic else ())
     for name, p in sides:
         print(f"{name} parameters: {p['non-embedding']:,} outside the embedding tables, {p['total']:,} in all")
+    if classic:
+        dtypes = sorted({classic_dtype_of(r) for n, r in runs.items() if n.startswith("classic_")})
+        print(f"classic compute dtype: {' and '.join(dtypes)}"
+              + (" (the runs differ by rounding as well as by their settings)" if len(dtypes) > 1 else ""))
     if lrs:
         print("recipe learning rates: " + ", ".join(f"NorMuon {m:g}, Adam {a:g}" for m, a in sorted(lrs)))
     floors = folder_floors(folder, runs)
@@ -1401,12 +1451,14 @@ def run_sides(a, device: torch.device) -> None:
                 print(f"classic seed {seed}: {c.num_layers} layers x {c.model_dim}, context {c.seq_len}, batch "
                       f"{c.batch_tokens:,} tokens, AdamW lr {c.lr:g}, {max(1, a.tokens // c.batch_tokens)} steps", flush=True)
                 state_file = os.path.join(folder, PARTIAL_DIR, classic_name(c, seed) + ".pt")
+                dtype, note = classic_dtype(a.cpu_dtype, c, device, folder, state_file)
+                print(f"  {note}", flush=True)
                 run = run_classic(c, data.train(seed), data.val_path, a.tokens, a.evals, data.val.val_tokens, device,
-                                  seed, state_file, {"commit": a.commit, "command": a.command})
+                                  seed, state_file, {"commit": a.commit, "command": a.command}, dtype)
                 save_curve(folder, classic_name(c, seed), run["curve"],
                            {**run_meta(a, data, seed, device), **sittings_meta(run["sittings"]),
                             "seconds": run["seconds"], "classic_lr": c.lr, "classic_batch_tokens": c.batch_tokens,
-                            "classic_seq_len": c.seq_len, "classic_params": classic_params(c)})
+                            "classic_seq_len": c.seq_len, "classic_dtype": dtype, "classic_params": classic_params(c)})
                 remove_state(state_file)
                 print(f"  best val {best_point(run['curve'])[1]:.4f} in {run['seconds']:.0f}s", flush=True)
     report(folder, a.tokens)
@@ -1518,7 +1570,9 @@ def main(argv=None):
     ap.add_argument("--log_dir", default="", help="keep the recipe's run logs here (default: the results folder's logs/)")
     ap.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     ap.add_argument("--cpu_dtype", default="auto", choices=("auto", *T.CPU_DTYPES),
-                    help="the recipe's train_gpt --cpu_dtype (auto: timed at each run's start, as the saved runs)")
+                    help="CPU compute dtype of both sides: the recipe's train_gpt --cpu_dtype (auto: timed at each "
+                         "run's start, as the saved runs) and the classic's (auto: that of the classic runs in --save, "
+                         "else timed the same way)")
     ap.add_argument("--smoke", action="store_true", help="a few steps of the test preset (checks the tooling only)")
     a = ap.parse_args(argv)
     a.command = sys.argv if argv is None else [sys.argv[0], *argv]
