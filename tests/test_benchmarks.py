@@ -693,6 +693,8 @@ def test_token_efficiency_smoke(tmp_path):
     assert os.path.isfile(os.path.join(folder, recipe["log"])) and recipe["log"].startswith("logs" + os.sep)
     assert recipe["command"][1:] == ["--smoke", "--run", "recipe", "--seeds", "0,1", "--save", folder]
     assert recipe["commit"] == te.git_commit()
+    log = open(os.path.join(folder, recipe["log"]), encoding="utf-8").read()  # the dtype train_gpt chose and logged
+    assert recipe["recipe_dtype"] in te.CLASSIC_DTYPES and f"\ncpu dtype {recipe['recipe_dtype']} (" in log
     # both sides of a seed on the same validation tokens and the same training order, with the same floor
     classic = runs["classic_lr0.01_b1024_ctx128_s1.json"]
     for key in ("val_set", "val_tokens", "val_digest", "train_order", "floor"):
@@ -706,6 +708,7 @@ def test_token_efficiency_smoke(tmp_path):
     assert "tuned classic (the search winner): lr 0.01, batch 1,024, context 128" in out
     dtypes = {r["classic_dtype"] for n, r in runs.items() if n.startswith("classic_")}  # the first run's, then the folder's
     assert len(dtypes) == 1 and f"classic compute dtype: {dtypes.pop()}\n" in out
+    assert f"recipe compute dtype: {recipe['recipe_dtype']}\n" in out
     assert "recipe best val: mean" in out and "(2 seeds)" in out
     floor = [line for line in out.splitlines() if line.startswith("floor, ")][0]
     mean_bigram = (runs["recipe_s0.json"]["floor"]["bigram"] + recipe["floor"]["bigram"]) / 2

@@ -257,6 +257,7 @@ def recipe_args(preset: str, train: str, val: str, tokens: int, evals: int, val_
 
 
 VAL_LINE = re.compile(r"^step:(\d+)/(\d+) val_loss:(\S+)", re.M)
+CPU_DTYPE_LINE = re.compile(r"^cpu dtype (bf16|fp32) \(", re.M)  # train_gpt.compute_dtype's log line
 
 
 # A recipe run with a state folder checkpoints this many times (train_gpt's --save_every), keeping the newest
@@ -277,8 +278,9 @@ def run_recipe(args: T.Hyperparameters, device: torch.device, run_id: str, state
                sitting: dict | None = None) -> dict:
     """Train with train_gpt.train() (world size 1). Returns {"curve": [(tokens, val loss)], "seconds": the
     last sitting's wall time plus each earlier sitting's training time up to the checkpoint the next one
-    continued from, "sittings": [{"step": the step it started at, "log": its run log, **sitting}]}; the
-    validation losses are read back from the run logs.
+    continued from, "sittings": [{"step": the step it started at, "log": its run log, **sitting}], "dtype":
+    the compute dtype (bf16 on GPUs, on CPUs the first log's 'cpu dtype' line; a resumed sitting keeps the
+    checkpoint's)}; the validation losses are read back from the run logs.
 
     With state_dir, train() checkpoints there RECIPE_CHECKPOINTS times over the run (--save_every, the
     newest RECIPE_CHECKPOINTS_KEPT kept), and a run that finds a checkpoint continues from the newest
@@ -319,8 +321,9 @@ def run_recipe(args: T.Hyperparameters, device: torch.device, run_id: str, state
             seconds += next((int(ms) / 1000 for step, ms in STEP_LINE.findall(text) if int(step) == until), 0.0)
     if not losses:
         raise RuntimeError(f"no 'step:N/M val_loss:X' lines in {log}")
+    dtype = CPU_DTYPE_LINE.search(open(sittings[0]["log"], encoding="utf-8").read()) if device.type == "cpu" else None
     return {"curve": [(int(done[step]), loss) for step, loss in sorted(losses.items())], "seconds": seconds,
-            "sittings": sittings}
+            "sittings": sittings, "dtype": dtype.group(1) if dtype else "bf16" if device.type != "cpu" else None}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -1265,10 +1268,11 @@ def report(folder: str, tokens: int | None, plot: bool = True) -> list[float]:
         ((("classic", classic["classic_params"]),) if classic else ())
     for name, p in sides:
         print(f"{name} parameters: {p['non-embedding']:,} outside the embedding tables, {p['total']:,} in all")
-    if classic:
-        dtypes = sorted({classic_dtype_of(r) for n, r in runs.items() if n.startswith("classic_")})
-        print(f"classic compute dtype: {' and '.join(dtypes)}"
-              + (" (the runs differ by rounding as well as by their settings)" if len(dtypes) > 1 else ""))
+    for name, dtypes in (("recipe", {r.get("recipe_dtype", "not recorded") for n, r in runs.items() if "recipe_muon_lr" in r}),
+                         ("classic", {classic_dtype_of(r) for n, r in runs.items() if n.startswith("classic_")})):
+        if dtypes:
+            print(f"{name} compute dtype: {' and '.join(sorted(dtypes))}"
+                  + (" (the runs differ by rounding as well as by their settings)" if len(dtypes - {"not recorded"}) > 1 else ""))
     if lrs:
         print("recipe learning rates: " + ", ".join(f"NorMuon {m:g}, Adam {a:g}" for m, a in sorted(lrs)))
     floors = folder_floors(folder, runs)
@@ -1394,7 +1398,8 @@ def save_recipe_run(a, data: BenchData, seed: int, device: torch.device, name: s
     sittings = [{**s, "log": relative_to(s["log"], a.save)} for s in run["sittings"]]
     save_curve(a.save, name, run["curve"], {
         **run_meta(a, data, seed, device), **sittings_meta(sittings), **extra, "seconds": run["seconds"],
-        "recipe_muon_lr": args.muon_lr, "recipe_adam_lr": args.adam_lr, "log": sittings[0]["log"]})
+        "recipe_muon_lr": args.muon_lr, "recipe_adam_lr": args.adam_lr, "log": sittings[0]["log"],
+        **({"recipe_dtype": run["dtype"]} if run.get("dtype") else {})})
     remove_state(state_dir)
     return run["curve"]
 
