@@ -26,7 +26,7 @@ absolute positions, pre-LayerNorm blocks, GELU MLP, full causal attention over f
 the token stream, tied embeddings, AdamW (betas 0.9/0.95, weight decay 0.1 on matrices), linear
 warm-up then cosine decay to 10%, gradient clipping at 1.0, constant batch size. On a CPU its matmuls
 run in the recipe's --cpu_dtype (auto: the classic runs' dtype already in the folder, else the faster of
-bf16 and fp32 on this CPU; bf16 autocast costs ~10x on an AVX2-only CPU); on GPUs in bf16. --run search trains
+bf16 and fp32 on this CPU; bf16 autocast costs ~13x on an AVX2-only CPU); on GPUs in bf16. --run search trains
 the grid of --search_lr x --search_batch x --search_seq; --run classic then uses the winner (lowest
 best val loss) found in the same folder, or in --classic_from, unless --classic_* flags say otherwise.
 
@@ -428,7 +428,7 @@ def autocast(device: torch.device, dtype: str = "bf16"):
     return torch.autocast(device.type, dtype=torch.bfloat16, enabled=dtype == "bf16")
 
 
-CLASSIC_DTYPES = ("bf16", "fp32")
+CLASSIC_DTYPES = tuple(T.CPU_DTYPES)  # bf16, fp32
 SAVED_BEFORE_DTYPE = "bf16"  # every classic run saved before its dtype was recorded computed in bf16 autocast
 
 
@@ -461,8 +461,7 @@ def classic_dtype(cpu_dtype: str, c: ClassicConfig, device: torch.device, folder
             name = classic_dtype_of(torch.load(state_file, map_location="cpu", weights_only=False)["identity"])
             return name, f"classic dtype {name} (auto: that of the state it resumes, {state_file})"
     dtype, note = T.choose_cpu_dtype(types.SimpleNamespace(cpu_dtype="auto", model_dim=c.model_dim, mlp_hidden=c.mlp_hidden))
-    return str(dtype).removeprefix("torch.").replace("float32", "fp32").replace("bfloat16", "bf16"), \
-        "classic " + note.removeprefix("cpu ")
+    return next(k for k, v in T.CPU_DTYPES.items() if v == dtype), "classic " + note.removeprefix("cpu ")
 
 
 RESUME_SECONDS = 600.0  # a classic run with a state file saves it at least this often, and at every evaluation
@@ -508,9 +507,8 @@ def run_classic(c: ClassicConfig, train: str, val: str, tokens: int, evals: int,
                 device: torch.device, seed: int = 0, state_file: str = "", sitting: dict | None = None,
                 dtype: str = "bf16") -> dict:
     """Train the classic recipe on `tokens` tokens of the train stream, its matmuls in dtype (bf16
-    autocast or fp32). Returns {"curve": [(tokens, val
-    loss)], "seconds": training time over every sitting, "sittings": [{"step": the step it started at,
-    **sitting}]}.
+    autocast or fp32). Returns {"curve": [(tokens, val loss)], "seconds": training time over every
+    sitting, "sittings": [{"step": the step it started at, **sitting}]}.
 
     With state_file, everything a step depends on (weights, AdamW moments, stream position, curve so far)
     is saved there at every evaluation, at least every RESUME_SECONDS and when SIGINT or SIGTERM asks the
@@ -1421,6 +1419,8 @@ def run_sides(a, device: torch.device) -> None:
     """Train what --run asks for, one JSON per run in the results folder, then report it."""
     seeds = [int(x) for x in a.seeds.split(",")]
     data = prepare(a)
+    if a.run in ("both", "classic", "search") and a.cpu_dtype != "auto":  # refused now, not after the recipe's hours
+        classic_dtype(a.cpu_dtype, ClassicConfig(), device, a.save)
     args = recipe_args(a.preset, data.train_glob, data.val_path, a.tokens, a.evals, data.val.val_tokens, device,
                        a.recipe_overrides, a.log_dir, model_dim=a.model_dim)
     folder = a.save
