@@ -3518,6 +3518,8 @@ def train(args: Hyperparameters, d: DistInfo) -> float:
             cuda_synchronize(d.device)
             t0 = time.perf_counter()
         if args.save_every and step > start_step and (step % args.save_every == 0 or last):
+            cuda_synchronize(d.device)
+            train_ms += 1000 * (time.perf_counter() - t0)  # the steps since the last evaluation count
             save_checkpoint(os.path.join(args.checkpoint_dir, run_id, f"step_{step:06d}"), step, model, opt, loader, args, d)
             if args.keep_checkpoints and d.is_master:
                 prune_checkpoints(os.path.join(args.checkpoint_dir, run_id), args.keep_checkpoints)

@@ -62,6 +62,18 @@ def test_two_rank_run_log_and_learning(two_rank_run):
     assert re.match(r"peak memory .*: \d+ MiB", training[-1])
 
 
+def test_checkpoints_between_evaluations_keep_the_training_time(tmp_path):
+    """A checkpoint is not training time, but the steps before it are: with checkpoints at steps 2 and 4
+    and evaluations at 0, 3 and 6, the logged training time never goes back (it lost the steps since
+    the last evaluation at each checkpoint)."""
+    log = train(tmp_path, "ckpt_time", 1, "--save_every", "2")
+    training = log.split("==== training ====\n", 1)[1].splitlines()
+    times = [int(m.group(3)) for m in map(STEP_LINE.match, training) if m]
+    assert len(times) == 7 and times == sorted(times), times
+    assert sorted(val_losses(log)) == [0, 3, 6, 7]
+    assert sorted(os.listdir(tmp_path / "ckpt" / "ckpt_time")) == [f"step_{s:06d}" for s in (2, 4, 6, 7)]
+
+
 def test_world_sizes_agree(two_rank_run, tmp_path):
     """Same global batch, same data, same schedule: 1, 2 and 4 ranks follow the same loss trajectory
     (gradient averaging, sharded optimizer and loader split are exact up to bf16 rounding)."""
