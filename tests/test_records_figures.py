@@ -67,7 +67,8 @@ def test_every_results_folder_is_quoted():
 
 
 # README.md's front page quotes the primary (SymPy) folders in its "Token efficiency" paragraph.
-FRONT_PAGE_FOLDERS = ("records/token_efficiency_sympy_500K", "records/token_efficiency_sympy_500K_demo_lr")
+FRONT_PAGE_FOLDERS = ("records/token_efficiency_sympy_500K", "records/token_efficiency_sympy_500K_demo_lr",
+                      "records/token_efficiency_sympy_12M_tune")
 
 
 def front_page_figures() -> list:
