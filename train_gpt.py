@@ -17,7 +17,9 @@ import heapq
 import math
 import os
 import shutil
+import signal
 import sys
+import threading
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -3289,6 +3291,51 @@ def prune_checkpoints(run_dir: str, keep: int) -> None:
         shutil.rmtree(path)
 
 
+class StopOnSignal:
+    """While enabled (a run that checkpoints, in the main thread), SIGINT (Ctrl-C) and SIGTERM (kill, a
+    scheduler's preemption notice, torchrun passing either on) do not stop the process: they set `signum`,
+    and the run saves where it is and exits; a second signal stops at once. Every rank must stop after the
+    same step to write one checkpoint, so with several ranks each step's requests are combined (a
+    one-element all-reduce, MAX) and read a step later, when the device has long finished it: the host
+    never waits on it. The caller's handlers are back on exit."""
+
+    def __init__(self, enabled: bool, world_size: int = 1, device: torch.device = torch.device("cpu")):
+        self.enabled = enabled and threading.current_thread() is threading.main_thread()
+        self.signum = 0
+        self.shared = [torch.zeros(1, device=device) for _ in range(2)] if world_size > 1 and self.enabled else None
+
+    def __enter__(self) -> StopOnSignal:
+        if self.enabled:
+            self.previous = {s: signal.signal(s, self.request) for s in (signal.SIGINT, signal.SIGTERM)}
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.enabled:
+            for s, handler in self.previous.items():
+                signal.signal(s, handler)
+
+    def request(self, signum, frame) -> None:
+        if self.signum:
+            raise KeyboardInterrupt
+        self.signum = signum
+        print(f"  {signal.Signals(signum).name}: stopping once this step's state is saved (again: at once)",
+              file=sys.stderr, flush=True)
+
+    def share(self, step: int) -> None:
+        """After step `step`: this rank's request joins every rank's (queued, not waited for)."""
+        if self.shared is not None:
+            flag = self.shared[step % 2]
+            flag.fill_(self.signum)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+
+    def agreed(self, step: int) -> int:
+        """The signal every rank stops for before step `step` (0: none): this rank's own with one rank, with
+        several the combined requests of step - 2 (shared before the one in flight)."""
+        if self.shared is None:
+            return self.signum
+        return int(self.shared[step % 2].item())
+
+
 # Fields that may differ between a checkpoint and the run resuming from it.
 RESUMABLE_CHANGES = {"resume", "save_every", "keep_checkpoints", "val_loss_every", "log_dir", "checkpoint_dir",
                      "run_id", "compile"}
@@ -3497,45 +3544,57 @@ def train(args: Hyperparameters, d: DistInfo) -> float:
             raise SystemExit(f"error: training loss is {value} at step {step}; stopping (log: {log.path})")
         return value
 
-    for step in range(start_step, total + 1):
-        last = step == total
-        if last or (args.val_loss_every and step % args.val_loss_every == 0):
-            cuda_synchronize(d.device)
-            train_ms += 1000 * (time.perf_counter() - t0)
-            if pending is not None:
-                check_loss(*pending)
-                pending = None
-            if last:  # wider windows, YaRN kept at the extension's (the record's final validation)
-                set_windows(args.final_val_windows, plan_step(args, total - 1).windows[1])
-            else:
-                set_windows(plan_step(args, step).windows)
-            val_loss = evaluate(model_fn, val_batches, d.device)
-            log.write(f"step:{step}/{total} val_loss:{val_loss:.4f} train_time:{train_ms:.0f}ms "
-                      f"step_avg:{train_ms / max(1, step - start_step):.2f}ms")
-            progress.show(f"step {step}/{total}  val_loss {val_loss:.4f}  train_time {train_ms / 1000:.1f}s", final=True)
-            if not math.isfinite(val_loss):
-                raise SystemExit(f"error: validation loss is {val_loss} at step {step}; stopping (log: {log.path})")
-            cuda_synchronize(d.device)
-            t0 = time.perf_counter()
-        if args.save_every and step > start_step and (step % args.save_every == 0 or last):
-            cuda_synchronize(d.device)
-            train_ms += 1000 * (time.perf_counter() - t0)  # the steps since the last evaluation count
-            save_checkpoint(os.path.join(args.checkpoint_dir, run_id, f"step_{step:06d}"), step, model, opt, loader, args, d)
-            if args.keep_checkpoints and d.is_master:
-                prune_checkpoints(os.path.join(args.checkpoint_dir, run_id), args.keep_checkpoints)
-            t0 = time.perf_counter()  # checkpoint time is not training time
-        if last:
-            break
-        plan, loss = run_step(step)
-        now_ms = train_ms + 1000 * (time.perf_counter() - t0)
-        done = step + 1 - start_step
-        log.write(f"step:{step + 1}/{total} train_time:{now_ms:.0f}ms step_avg:{now_ms / done:.2f}ms")
-        if pending is not None:  # the previous step's loss: its kernels are done by now or nearly
-            shown = check_loss(*pending)
-            eta = now_ms / done * (total - step - 1) / 1000
-            progress.show(f"step {pending[0] + 1}/{total}  loss {shown:.4f}  "
-                          f"{plan.batch_tokens / max(1e-9, now_ms / done / 1000):,.0f} tok/s  eta {eta:.0f}s")
-        pending = (step, loss)
+    # With checkpoints, a signal saves the run where it is before it exits (a preempted job resumes).
+    with StopOnSignal(bool(args.save_every), d.world_size, d.device) as stop:
+        for step in range(start_step, total + 1):
+            last = step == total
+            if last or (args.val_loss_every and step % args.val_loss_every == 0):
+                cuda_synchronize(d.device)
+                train_ms += 1000 * (time.perf_counter() - t0)
+                if pending is not None:
+                    check_loss(*pending)
+                    pending = None
+                if last:  # wider windows, YaRN kept at the extension's (the record's final validation)
+                    set_windows(args.final_val_windows, plan_step(args, total - 1).windows[1])
+                else:
+                    set_windows(plan_step(args, step).windows)
+                val_loss = evaluate(model_fn, val_batches, d.device)
+                log.write(f"step:{step}/{total} val_loss:{val_loss:.4f} train_time:{train_ms:.0f}ms "
+                          f"step_avg:{train_ms / max(1, step - start_step):.2f}ms")
+                progress.show(f"step {step}/{total}  val_loss {val_loss:.4f}  train_time {train_ms / 1000:.1f}s", final=True)
+                if not math.isfinite(val_loss):
+                    raise SystemExit(f"error: validation loss is {val_loss} at step {step}; stopping (log: {log.path})")
+                cuda_synchronize(d.device)
+                t0 = time.perf_counter()
+            stopping = 0 if last else stop.agreed(step)
+            checkpoint = os.path.join(args.checkpoint_dir, run_id, f"step_{step:06d}")
+            if args.save_every and step > start_step and (step % args.save_every == 0 or last or stopping):
+                cuda_synchronize(d.device)
+                train_ms += 1000 * (time.perf_counter() - t0)  # the steps since the last evaluation count
+                save_checkpoint(checkpoint, step, model, opt, loader, args, d)
+                if args.keep_checkpoints and d.is_master:
+                    prune_checkpoints(os.path.join(args.checkpoint_dir, run_id), args.keep_checkpoints)
+                t0 = time.perf_counter()  # checkpoint time is not training time
+            if stopping:
+                resume = checkpoint if step > start_step else args.resume  # nothing trained since the resume
+                note = (f"stopped by {signal.Signals(stopping).name} at step {step}: "
+                        + (f"--resume {resume} continues the run" if resume else "nothing trained to save"))
+                log.write(note)
+                progress.show(note, final=True)
+                raise SystemExit(128 + stopping)  # the shell's status for a process the signal stopped
+            if last:
+                break
+            plan, loss = run_step(step)
+            stop.share(step)
+            now_ms = train_ms + 1000 * (time.perf_counter() - t0)
+            done = step + 1 - start_step
+            log.write(f"step:{step + 1}/{total} train_time:{now_ms:.0f}ms step_avg:{now_ms / done:.2f}ms")
+            if pending is not None:  # the previous step's loss: its kernels are done by now or nearly
+                shown = check_loss(*pending)
+                eta = now_ms / done * (total - step - 1) / 1000
+                progress.show(f"step {pending[0] + 1}/{total}  loss {shown:.4f}  "
+                              f"{plan.batch_tokens / max(1e-9, now_ms / done / 1000):,.0f} tok/s  eta {eta:.0f}s")
+            pending = (step, loss)
     if args.compile:
         after = compile_counts()
         log.write(f"torch.compile: {after['graphs'] - compiled_before['graphs']} graphs compiled during the timed run "

@@ -16,6 +16,9 @@ Two ways in:
 
 Both pick a free port, limit each worker to one intra-op thread (many ranks share few cores) and
 enforce a timeout so a hung collective fails the test instead of hanging it.
+
+`on_call(fn, n, action)` makes something happen to a run (a signal, a kill) in a chosen step, on one
+rank or in one process.
 """
 from __future__ import annotations
 
@@ -173,3 +176,15 @@ def by_group_size(per_rank: list[dict], phases) -> dict:
             results[size] = [per_rank[r][size] for r in range(start, start + size)]
             start += size
     return results
+
+
+def on_call(fn, n: int, action):
+    """fn, except that its n-th call runs action() first (something that happens to the run in that step)."""
+    calls = []
+
+    def wrapped(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == n:
+            action()
+        return fn(*args, **kwargs)
+    return wrapped

@@ -25,6 +25,7 @@ import step_budget  # noqa: E402
 import step_timing  # noqa: E402
 import stage_rise  # noqa: E402
 import token_efficiency as te  # noqa: E402
+from dist_utils import on_call  # noqa: E402
 
 # The test preset with a small vocabulary: the switches do not involve the vocabulary, and the CPU
 # cross-entropy over 50k logits would dominate the run time.
@@ -391,18 +392,6 @@ def test_classic_model_is_gpt2():
     assert te.classic_lr(c, 52, 100) == pytest.approx(c.lr * (c.min_lr_frac + (1 - c.min_lr_frac) * 0.5))
 
 
-def on_call(fn, n: int, action):
-    """fn, except that its n-th call runs action() first (something that happens to the run in that step)."""
-    calls = []
-
-    def wrapped(*args, **kwargs):
-        calls.append(1)
-        if len(calls) == n:
-            action()
-        return fn(*args, **kwargs)
-    return wrapped
-
-
 def killed():
     raise KeyboardInterrupt
 
@@ -562,20 +551,28 @@ def test_ctrl_c_saves_a_classic_run_after_its_step_and_a_second_stops_at_once(tm
 
 
 def test_an_interrupted_recipe_run_resumes_from_its_newest_checkpoint(tmp_path, monkeypatch, capsys):
-    """A recipe run killed mid-step continues in the next invocation from the newest checkpoint in
+    """A recipe run stopped by SIGTERM saves after the step in flight and exits (143); killed mid-step,
+    it keeps its last checkpoint. Either way the next invocation continues from the newest checkpoint in
     DIR/partial/ (its shards copied there: the next invocation's scratch folder has another name), with
     a log of its own, and saves the curve of the run that was never stopped; the state is then gone."""
     flags = ["--preset", "test", "--run", "recipe", "--tokens", "12000", "--evals", "4", "--val_tokens", "1024",
              "--cpu_dtype", "fp32"]  # not timed at start-up: the two runs must compute alike
     te.main([*flags, "--save", str(tmp_path / "whole")])
-    train_step = tg.train_step
+    train_step, handler = tg.train_step, signal.getsignal(signal.SIGTERM)
     folder = tmp_path / "resumed"
-    monkeypatch.setattr(tg, "train_step", dies_on_call(train_step, 9))  # in step 9
+    monkeypatch.setattr(tg, "train_step", on_call(train_step, 5, lambda: signal.raise_signal(signal.SIGTERM)))
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as stopped:  # in step 5 of 11
+        te.main([*flags, "--save", str(folder)])
+    assert stopped.value.code == 143 and signal.getsignal(signal.SIGTERM) == handler
+    assert "  stopped at step 5 of 11; the same command continues from " in capsys.readouterr().out
+    monkeypatch.setattr(tg, "train_step", dies_on_call(train_step, 4))  # in step 9: its 4th of this sitting
     with pytest.raises(KeyboardInterrupt):
         te.main([*flags, "--save", str(folder)])
     assert te.newest_checkpoint(str(folder / "partial" / "recipe_s0"))[0] == 8  # 9+2 steps: one checkpoint a step
     kept = glob.glob(str(folder / "partial" / "recipe_s0" / "*" / "step_*"))
-    assert sorted(map(os.path.basename, kept)) == ["step_000007", "step_000008"]  # the newest 2 of 8
+    # the one the second sitting resumed from, and that sitting's newest 2 (the first sitting's step 4 is gone)
+    assert sorted(map(os.path.basename, kept)) == ["step_000005", "step_000007", "step_000008"]
     monkeypatch.setattr(tg, "train_step", train_step)
     capsys.readouterr()
     te.main(["--load", str(folder)])
@@ -584,8 +581,9 @@ def test_an_interrupted_recipe_run_resumes_from_its_newest_checkpoint(tmp_path, 
     assert "resuming at step 8 of 11" in capsys.readouterr().out
     whole, resumed = (json.load(open(tmp_path / f / "recipe_s0.json")) for f in ("whole", "resumed"))
     assert len(whole["curve"]) == 7 and resumed["curve"] == whole["curve"]  # steps 0, 2, ..., 10 and 11
-    assert [s["step"] for s in resumed["sittings"]] == [0, 8] and "sittings" not in whole
-    assert resumed["sittings"][1]["log"].endswith("_part2.txt") and resumed["log"] == resumed["sittings"][0]["log"]
+    assert [s["step"] for s in resumed["sittings"]] == [0, 5, 8] and "sittings" not in whole
+    assert [s["log"][-10:] for s in resumed["sittings"][1:]] == ["_part2.txt", "_part3.txt"]
+    assert resumed["log"] == resumed["sittings"][0]["log"]
     assert all(os.path.isfile(folder / s["log"]) for s in resumed["sittings"])
     assert sorted(os.listdir(folder)) == ["curves.png", "logs", "recipe_s0.json"]  # partial/ gone with the state
 

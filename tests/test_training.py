@@ -10,7 +10,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from dist_utils import run_torchrun  # noqa: E402
+from dist_utils import on_call, run_on_ranks, run_torchrun  # noqa: E402
 
 SCRIPT = os.path.join(ROOT, "train_gpt.py")
 STEP_LINE = re.compile(r"^step:(\d+)/(\d+) train_time:(\d+)ms step_avg:([0-9.]+)ms$")
@@ -101,6 +101,44 @@ def test_resume_continues_exactly(two_rank_run, tmp_path):
     full, cont = val_losses(log), val_losses(resumed)
     assert sorted(cont) == [3, 6, 7]
     assert [cont[s] for s in (3, 6, 7)] == [full[s] for s in (3, 6, 7)]
+
+
+def train_signalled(rank, world_size, argv, signalled_rank, call):
+    """train_gpt.train() on this gloo rank; rank `signalled_rank` gets SIGTERM in its `call`-th training
+    step. Returns the exit status and whether SIGTERM's handler is the one before the run."""
+    import signal
+    import train_gpt as tg
+    handler = signal.getsignal(signal.SIGTERM)
+    if rank == signalled_rank:
+        tg.train_step = on_call(tg.train_step, call, lambda: signal.raise_signal(signal.SIGTERM))
+    try:
+        tg.train(tg.parse_args(argv), tg.DistInfo(rank, world_size, rank, torch.device("cpu")))
+        status = 0
+    except SystemExit as e:
+        status = e.code
+    return status, signal.getsignal(signal.SIGTERM) == handler
+
+
+def test_a_signal_to_one_rank_checkpoints_every_rank_at_one_step(two_rank_run, tmp_path):
+    """SIGTERM reaches rank 1 alone, in step 2: its request is combined over ranks after that step and
+    read a step later, so both ranks save step 4 (no --save_every 5 checkpoint is due) and exit with
+    the shell's status for SIGTERM (143). Resumed from there, the run logs the uninterrupted run's losses
+    to the bit."""
+    tmp, log = two_rank_run
+    dtype = re.search(r"^cpu dtype (bf16|fp32)", log, re.M).group(1)
+    argv = ["--preset", "test", "--compile", "false", "--run_id", "signalled", "--log_dir", str(tmp_path / "logs"),
+            "--checkpoint_dir", str(tmp_path / "ckpt"), "--save_every", "5", "--cpu_dtype", dtype]
+    assert run_on_ranks(train_signalled, 2, argv, 1, 3, timeout=300) == [(143, True), (143, True)]
+    ckpt = tmp_path / "ckpt" / "signalled" / "step_000004"
+    assert os.listdir(tmp_path / "ckpt" / "signalled") == ["step_000004"]
+    assert sorted(os.listdir(ckpt)) == ["model.pt", "rank000.pt", "rank001.pt"]
+    stopped = open(tmp_path / "logs" / "signalled.txt").read()
+    assert f"\nstopped by SIGTERM at step 4: --resume {ckpt} continues the run\n" in stopped
+    assert "step:4/7 train_time" in stopped and "step:5/7" not in stopped
+    resumed = train(tmp_path, "after_signal", 2, "--resume", str(ckpt), "--cpu_dtype", dtype)
+    full, cont = val_losses(log), val_losses(resumed)
+    assert val_losses(stopped) == {s: full[s] for s in (0, 3)}
+    assert sorted(cont) == [6, 7] and [cont[s] for s in (6, 7)] == [full[s] for s in (6, 7)]
 
 
 def test_bad_checkpoints_are_refused(two_rank_run, tmp_path):

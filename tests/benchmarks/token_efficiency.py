@@ -66,11 +66,9 @@ import math
 import os
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import types
 
@@ -267,11 +265,16 @@ RECIPE_CHECKPOINTS_KEPT = 2
 STEP_LINE = re.compile(r"^step:(\d+)/\d+ (?:val_loss:\S+ )?train_time:(\d+)ms", re.M)
 
 
-def newest_checkpoint(state_dir: str) -> tuple[int, str]:
-    """(step, path) of the newest whole checkpoint train_gpt wrote under state_dir/<run_id>/ ((0, "")
-    when none)."""
+def recipe_checkpoints(state_dir: str) -> list[tuple[int, str]]:
+    """(step, path) of every whole checkpoint train_gpt wrote under state_dir/<run_id>/ (a run_id per
+    sitting), oldest first."""
     runs = [os.path.join(state_dir, run) for run in sorted(os.listdir(state_dir))]
-    return max((c for run in runs if os.path.isdir(run) for c in T.whole_checkpoints(run)), default=(0, ""))
+    return sorted(c for run in runs if os.path.isdir(run) for c in T.whole_checkpoints(run))
+
+
+def newest_checkpoint(state_dir: str) -> tuple[int, str]:
+    """(step, path) of the newest whole checkpoint under state_dir ((0, "") when none)."""
+    return max(recipe_checkpoints(state_dir), default=(0, ""))
 
 
 def run_recipe(args: T.Hyperparameters, device: torch.device, run_id: str, state_dir: str = "",
@@ -285,7 +288,8 @@ def run_recipe(args: T.Hyperparameters, device: torch.device, run_id: str, state
     With state_dir, train() checkpoints there RECIPE_CHECKPOINTS times over the run (--save_every, the
     newest RECIPE_CHECKPOINTS_KEPT kept), and a run that finds a checkpoint continues from the newest
     (--resume: bit for bit the run it would have been; train_gpt refuses a checkpoint of another
-    configuration); the curve joins every sitting's log."""
+    configuration), the older ones deleted; SIGINT or SIGTERM makes train() checkpoint after the step in flight and exit; the
+    curve joins every sitting's log."""
     sittings, start = [], 0
     if state_dir:
         os.makedirs(state_dir, exist_ok=True)
@@ -297,6 +301,8 @@ def run_recipe(args: T.Hyperparameters, device: torch.device, run_id: str, state
         start, resume = newest_checkpoint(state_dir)
         if resume:
             print(f"  resuming at step {start} of {T.total_steps(args)} from {resume}", flush=True)
+            for _, older in recipe_checkpoints(state_dir)[:-1]:  # earlier sittings' (this one keeps its own)
+                shutil.rmtree(older)
         args = dataclasses.replace(args, resume=resume, checkpoint_dir=state_dir,
                                    save_every=max(1, T.total_steps(args) // RECIPE_CHECKPOINTS),
                                    keep_checkpoints=RECIPE_CHECKPOINTS_KEPT)
@@ -307,8 +313,14 @@ def run_recipe(args: T.Hyperparameters, device: torch.device, run_id: str, state
         save_json(book, sittings)
     t = time.perf_counter()
     d = T.DistInfo(rank=0, world_size=1, local_rank=0, device=device)
-    with contextlib.redirect_stdout(io.StringIO()):  # the loop's progress line; the log has the record
-        T.train(args, d)
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):  # the loop's progress line; the log has the record
+            T.train(args, d)
+    except SystemExit as e:  # a signal's stop (after train() saved a checkpoint) or a refusal
+        if state_dir and isinstance(e.code, int) and e.code > 128:
+            print(f"  stopped at step {newest_checkpoint(state_dir)[0]} of {T.total_steps(args)}; "
+                  f"the same command continues from {state_dir}", flush=True)
+        raise
     seconds = time.perf_counter() - t
     done = np.cumsum([0] + schedule_tokens(args))
     losses = {}
@@ -479,30 +491,6 @@ def write_whole(path: str, write) -> None:
     os.replace(path + ".tmp", path)
 
 
-@contextlib.contextmanager
-def stop_after_step(enabled: bool):
-    """With enabled (a resumable run, in the main thread), SIGINT (Ctrl-C) and SIGTERM (kill) set
-    stop["requested"] (to the signal's number) instead of stopping the process, so that the run finishes its
-    step and saves its state first; a second signal stops at once. The previous handlers are restored on exit."""
-    stop = {"requested": 0}
-    if not enabled or threading.current_thread() is not threading.main_thread():
-        yield stop
-        return
-
-    def request(signum, frame):
-        if stop["requested"]:
-            raise KeyboardInterrupt
-        stop["requested"] = signum
-        print(f"  {signal.Signals(signum).name}: stopping once this step's state is saved (again: at once)", flush=True)
-
-    previous = {s: signal.signal(s, request) for s in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        yield stop
-    finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
-
-
 def run_classic(c: ClassicConfig, train: str, val: str, tokens: int, evals: int, val_tokens: int,
                 device: torch.device, seed: int = 0, state_file: str = "", sitting: dict | None = None,
                 dtype: str = "bf16") -> dict:
@@ -560,7 +548,7 @@ def run_classic(c: ClassicConfig, train: str, val: str, tokens: int, evals: int,
 
     if curve is None:
         curve = [(0, classic_eval(model, val_stream, val_tokens, device, dtype))]
-    with stop_after_step(bool(state_file)) as stop:
+    with T.StopOnSignal(bool(state_file)) as stop:  # Ctrl-C or kill: save, then exit
         for step in range(start, steps):
             rows = []
             for _ in range(B):  # consecutive windows of the stream, wrapping around at its end
@@ -582,12 +570,12 @@ def run_classic(c: ClassicConfig, train: str, val: str, tokens: int, evals: int,
                 curve.append(((step + 1) * c.batch_tokens, classic_eval(model, val_stream, val_tokens, device, dtype)))
                 print(f"  step {step + 1:,} of {steps:,}: {curve[-1][0]:,} tokens, val {curve[-1][1]:.4f}, "
                       f"{seconds + time.monotonic() - t0:,.0f} s", flush=True)  # hours-long runs show progress
-            if state_file and step + 1 < steps and (evaluated or stop["requested"]
+            if state_file and step + 1 < steps and (evaluated or stop.signum
                                                     or time.monotonic() - last_save >= RESUME_SECONDS):
                 save(step + 1)
-            if stop["requested"] and step + 1 < steps:
+            if stop.signum and step + 1 < steps:
                 print(f"  stopped at step {step + 1} of {steps}; the same command continues from {state_file}", flush=True)
-                raise SystemExit(128 + stop["requested"])  # the shell's status for a process the signal stopped
+                raise SystemExit(128 + stop.signum)  # the shell's status for a process the signal stopped
     return {"curve": curve, "seconds": seconds + time.monotonic() - t0, "sittings": sittings}
 
 
