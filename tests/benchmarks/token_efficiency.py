@@ -288,8 +288,8 @@ def run_recipe(args: T.Hyperparameters, device: torch.device, run_id: str, state
     With state_dir, train() checkpoints there RECIPE_CHECKPOINTS times over the run (--save_every, the
     newest RECIPE_CHECKPOINTS_KEPT kept), and a run that finds a checkpoint continues from the newest
     (--resume: bit for bit the run it would have been; train_gpt refuses a checkpoint of another
-    configuration), the older ones deleted; SIGINT or SIGTERM makes train() checkpoint after the step in flight and exit; the
-    curve joins every sitting's log."""
+    configuration), the older ones deleted; SIGINT or SIGTERM makes train() checkpoint after the step
+    in flight and exit; the curve joins every sitting's log."""
     sittings, start = [], 0
     if state_dir:
         os.makedirs(state_dir, exist_ok=True)
@@ -298,10 +298,11 @@ def run_recipe(args: T.Hyperparameters, device: torch.device, run_id: str, state
             with open(book, encoding="utf-8") as f:
                 sittings = json.load(f)
             run_id = f"{run_id}_part{len(sittings) + 1}"  # a log of its own (logs are never overwritten)
-        start, resume = newest_checkpoint(state_dir)
+        checkpoints = recipe_checkpoints(state_dir)
+        start, resume = checkpoints[-1] if checkpoints else (0, "")
         if resume:
             print(f"  resuming at step {start} of {T.total_steps(args)} from {resume}", flush=True)
-            for _, older in recipe_checkpoints(state_dir)[:-1]:  # earlier sittings' (this one keeps its own)
+            for _, older in checkpoints[:-1]:  # earlier sittings' (this one keeps its own)
                 shutil.rmtree(older)
         args = dataclasses.replace(args, resume=resume, checkpoint_dir=state_dir,
                                    save_every=max(1, T.total_steps(args) // RECIPE_CHECKPOINTS),
