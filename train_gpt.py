@@ -3296,13 +3296,19 @@ class StopOnSignal:
     scheduler's preemption notice, torchrun passing either on) do not stop the process: they set `signum`,
     and the run saves where it is and exits; a second signal stops at once. Every rank must stop after the
     same step to write one checkpoint, so with several ranks each step's requests are combined (a
-    one-element all-reduce, MAX) and read a step later, when the device has long finished it: the host
-    never waits on it. The caller's handlers are back on exit."""
+    one-element all-reduce, MAX) and read a step later through a page-locked host copy and an event: the
+    host waits at most for the end of step - 2, with step - 1 still queued behind it, so the device never
+    runs dry (a plain .item() would wait for everything queued). The caller's handlers are back on exit."""
 
     def __init__(self, enabled: bool, world_size: int = 1, device: torch.device = torch.device("cpu")):
         self.enabled = enabled and threading.current_thread() is threading.main_thread()
         self.signum = 0
-        self.shared = [torch.zeros(1, device=device) for _ in range(2)] if world_size > 1 and self.enabled else None
+        self.shared = self.host = self.done = None
+        if world_size > 1 and self.enabled:  # one slot per step parity
+            cuda = device.type == "cuda"
+            self.shared = [torch.zeros(1, device=device) for _ in range(2)]
+            self.host = [torch.zeros(1, pin_memory=cuda) for _ in range(2)]
+            self.done = [torch.cuda.Event() for _ in range(2)] if cuda else None
 
     def __enter__(self) -> StopOnSignal:
         if self.enabled:
@@ -3324,16 +3330,22 @@ class StopOnSignal:
     def share(self, step: int) -> None:
         """After step `step`: this rank's request joins every rank's (queued, not waited for)."""
         if self.shared is not None:
-            flag = self.shared[step % 2]
-            flag.fill_(self.signum)
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            i = step % 2
+            self.shared[i].fill_(self.signum)
+            dist.all_reduce(self.shared[i], op=dist.ReduceOp.MAX)
+            self.host[i].copy_(self.shared[i], non_blocking=True)  # lands after the all-reduce, in stream order
+            if self.done is not None:
+                self.done[i].record()
 
     def agreed(self, step: int) -> int:
         """The signal every rank stops for before step `step` (0: none): this rank's own with one rank, with
         several the combined requests of step - 2 (shared before the one in flight)."""
         if self.shared is None:
             return self.signum
-        return int(self.shared[step % 2].item())
+        i = step % 2
+        if self.done is not None:
+            self.done[i].synchronize()  # the end of step - 2: step - 1 is queued behind it
+        return int(self.host[i])
 
 
 # Fields that may differ between a checkpoint and the run resuming from it.

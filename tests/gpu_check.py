@@ -117,8 +117,9 @@ CHECKS: tuple[Check, ...] = (
            TG + "build_optimizer", TG + "copy_from_host_"), "model"),
     # -- run: NCCL, the script end to end, the kernel choice table ------------------------------------
     Check("normuon-nccl", 60, "NorMuonAdam on a single-rank NCCL group (and 2 ranks where 2 GPUs exist) "
-          "against the single-process result",
-          (TG + "setup_distributed", TG + "ShardExchange._plan_sparse"), "run"),
+          "against the single-process result; on that group, StopOnSignal's step-late read of the combined "
+          "stop requests returns while the previous step's work is still queued, and sees a request a step later",
+          (TG + "setup_distributed", TG + "ShardExchange._plan_sparse", TG + "StopOnSignal.__init__"), "run"),
     Check("train-script", 240, "train_gpt.py --preset test --compile true through torchrun on this GPU (FP8, NCCL, "
           "compile warm-up, run log): learns, and compiles nothing after the warm-up",
           (TG + "train", TG + "RunLog.__init__", TG + "cuda_synchronize", TG + "compute_dtype"), "run"),
@@ -1067,8 +1068,42 @@ def _nccl_worker(rank: int, world_size: int, port: int, out_dir: str) -> None:
     try:
         out = _optimizer_steps(d.device, world_size, rank)
         torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
+        if world_size == 1:
+            with open(os.path.join(out_dir, "stop_on_signal.json"), "w") as f:
+                json.dump(_stop_read_while_busy(d.device), f)
     finally:
         dist.destroy_process_group()
+
+
+def _stop_read_while_busy(device, busy_s: float = 0.3) -> dict:
+    """StopOnSignal on CUDA as train() drives it with several ranks (forced here on a one-rank group):
+    step 0 shares no request; step 1 is `busy_s` of GPU sleep, then a SIGTERM request is shared.
+    agreed(2) must return 0 while step 1 is still running (it reads step 0's slot); agreed(3), after
+    the device finished, SIGTERM. Also the wait of a plain .item() of the same slot, for scale."""
+    import signal
+    import time
+    import torch
+    import train_gpt as T
+    stop = T.StopOnSignal(True, world_size=2, device=device)
+    stop.share(0)
+    torch.cuda.synchronize(device)
+    t = time.perf_counter()
+    torch.cuda._sleep(10 ** 8)  # calibrates the sleep kernel: seconds per cycle
+    torch.cuda.synchronize(device)
+    per_cycle = (time.perf_counter() - t) / 10 ** 8
+    torch.cuda._sleep(int(busy_s / per_cycle))  # step 1's work
+    stop.request(signal.SIGTERM, None)
+    stop.share(1)
+    t = time.perf_counter()
+    before = stop.agreed(2)
+    wait_s = time.perf_counter() - t
+    still_busy = not torch.cuda.current_stream(device).query()
+    t = time.perf_counter()
+    item = int(stop.shared[1].item())  # what the read would cost without the host copy and event
+    item_s = time.perf_counter() - t
+    after = stop.agreed(3)
+    return dict(agreed_2=before, agreed_3=after, wait_s=wait_s, still_busy=still_busy, item=item, item_s=item_s,
+                busy_s=busy_s)
 
 
 NCCL_ARGS = ["--preset", "test", "--bank_ownership", "balanced", "--compile", "false"]
@@ -1097,6 +1132,7 @@ def _optimizer_steps(device, world_size: int, rank: int) -> dict:
 
 
 def check_normuon_nccl(res: Result) -> None:
+    import signal
     import socket
     import torch
     import torch.multiprocessing as mp
@@ -1110,6 +1146,9 @@ def check_normuon_nccl(res: Result) -> None:
         with tempfile.TemporaryDirectory() as tmp:
             mp.start_processes(_nccl_worker, args=(world, port, tmp), nprocs=world, start_method="spawn")
             got = [torch.load(os.path.join(tmp, f"rank{r}.pt")) for r in range(world)]
+            if world == 1:
+                with open(os.path.join(tmp, "stop_on_signal.json")) as f:
+                    stop = json.load(f)
         for r, params in enumerate(got):
             bitwise = all(torch.equal(params[k], ref[k]) for k in ref)
             worst = max((rel_err(params[k].float(), ref[k].float()), k) for k in ref)
@@ -1122,7 +1161,16 @@ def check_normuon_nccl(res: Result) -> None:
             torch.equal(p[k], ref[k]) for p in got for k in ref) else f"within {worst[0]:.1e}"))
     if len(sizes) == 1:
         summary.append("2 ranks: not run (1 GPU)")
+    res.set(stop_on_signal=stop)
+    summary.append(f"StopOnSignal: the step-late read took {1000 * stop['wait_s']:.2f} ms with {stop['busy_s']:.1f} s "
+                   f"of the previous step queued (a plain .item(): {1000 * stop['item_s']:.0f} ms)")
     res.set(summary="; ".join(summary))
+    require(stop["agreed_2"] == 0 and stop["agreed_3"] == signal.SIGTERM and stop["item"] == signal.SIGTERM,
+            f"StopOnSignal read the wrong slot: agreed(2) {stop['agreed_2']}, agreed(3) {stop['agreed_3']} "
+            f"(expected 0, then {int(signal.SIGTERM)})")
+    require(stop["still_busy"] and stop["wait_s"] < stop["busy_s"] / 3,
+            f"StopOnSignal.agreed waited {stop['wait_s']:.3f} s for the step in flight ({stop['busy_s']} s of "
+            f"GPU sleep; still running after it: {stop['still_busy']})")
 
 
 def check_train_script(res: Result) -> None:
