@@ -1064,6 +1064,27 @@ def recipe_search_table(runs: dict[str, dict]) -> str:
     return "\n".join(lines + search_edges(rows, win, RECIPE_SEARCH_AXES))
 
 
+def searches_preview(runs: dict[str, dict], floors: Floors) -> str:
+    """A tuning folder holding both sides' searches states no ratio (one seed, and the split its rates
+    were chosen on), but where the recipe search's winner reaches the classic search's winner's best says
+    early whether the goal is in reach: a preview, refused on the same floor rule as the ratio."""
+    classic, recipe = search_winner(runs), recipe_search_winner(runs)
+    if classic is None or recipe is None:
+        return ""
+    tokens, best = best_point(classic["curve"])
+    refusal = ratio_refusal({classic.get("seed", 0): best}, floors)
+    if refusal:
+        return "preview of the ratio from the two searches' winners: " + refusal.removeprefix("ratio: ")
+    reach = tokens_to_reach(recipe["curve"], best)
+    head = (f"preview of the ratio (the two searches' winners, seed 0, this tuning split; the ratio is scored on "
+            f"another split, 3+ seeds a side): the recipe (NorMuon {recipe['recipe_muon_lr']:g}, Adam "
+            f"{recipe['recipe_adam_lr']:g}) ")
+    if reach is None:
+        return head + f"does not reach the classic's best {best:.4f} ({tokens:,} tokens)"
+    return head + (f"reaches the classic's best {best:.4f} at {reach:,.0f} tokens, {reach / tokens:.4f} of the "
+                   f"classic's {tokens:,}")
+
+
 def seeds_table(runs: dict[str, dict], floors: Floors | None = None) -> tuple[str, list[float]]:
     """Per seed: the recipe's and the tuned classic's best val loss, the bigram floor and the ratio (when
     ratio_refusal allows one); then mean and spread."""
@@ -1277,7 +1298,10 @@ def report(folder: str, tokens: int | None, plot: bool = True) -> list[float]:
     abl = ablation_table(runs, floors)  # also in a folder of the recipe's ablations alone
     if abl:
         print(("\n" if two_sided else "") + abl)
-    if not two_sided:
+    preview = "" if two_sided else searches_preview(runs, floors)
+    if preview:
+        print("both sides' searches (a tuning folder): no comparison of seeds, no ratio\n" + preview)
+    elif not two_sided:
         kind = ("classic runs: a tuning folder" if classic else
                 "recipe runs and ablations" if abl else "recipe runs: a tuning folder")
         print(("\n" if abl else "") + f"one side only ({kind}): no comparison, no ratio")
