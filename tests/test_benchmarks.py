@@ -32,6 +32,11 @@ from dist_utils import on_call  # noqa: E402
 TEST = tg.parse_args(["--preset", "test", "--compile", "false", "--vocab_size", "1000", "--padded_vocab_size", "1024"])
 
 
+def read_json(path):
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
 def batch(T=256, starts=(0, 40, 130, 200), seed=0):
     g = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, TEST.vocab_size, (T + 1,), generator=g)
@@ -610,7 +615,7 @@ def test_an_interrupted_recipe_run_resumes_from_its_newest_checkpoint(tmp_path, 
     assert "stopped midway, continued by the same command: recipe_s0 at step 8" in capsys.readouterr().out
     te.main([*flags, "--save", str(folder)])
     assert "resuming at step 8 of 11" in capsys.readouterr().out
-    whole, resumed = (json.load(open(tmp_path / f / "recipe_s0.json")) for f in ("whole", "resumed"))
+    whole, resumed = (read_json(tmp_path / f / "recipe_s0.json") for f in ("whole", "resumed"))
     assert len(whole["curve"]) == 7 and resumed["curve"] == whole["curve"]  # steps 0, 2, ..., 10 and 11
     assert [s["step"] for s in resumed["sittings"]] == [0, 5, 8] and "sittings" not in whole
     assert [s["log"][-10:] for s in resumed["sittings"][1:]] == ["_part2.txt", "_part3.txt"]
@@ -693,7 +698,7 @@ def test_recipe_learning_rate_search_smoke(tmp_path):
     best = min(runs.values(), key=lambda r: min(v for _, v in r["curve"]))
     out = run_script(script, "--smoke", "--run", "recipe", "--recipe_from", tune, "--save", folder)
     assert f"NorMuon lr {best['recipe_muon_lr']:g}, Adam lr {best['recipe_adam_lr']:g}" in out
-    recipe = json.load(open(os.path.join(folder, "recipe_s0.json")))
+    recipe = read_json(os.path.join(folder, "recipe_s0.json"))
     assert (recipe["recipe_muon_lr"], recipe["recipe_adam_lr"]) == (best["recipe_muon_lr"], best["recipe_adam_lr"])
     assert recipe["val_set"] == "even" and recipe["val_digest"] != runs["rsearch_m0.03_a0.01_s0"]["val_digest"]
     table = te.recipe_search_table(runs).splitlines()
@@ -717,7 +722,7 @@ def test_token_efficiency_smoke(tmp_path):
     saved = sorted(f.name for f in (tmp_path / "r").iterdir())
     assert saved == ["classic_lr0.001_b1024_ctx128_s0.json", "classic_lr0.01_b1024_ctx128_s0.json",
                      "classic_lr0.01_b1024_ctx128_s1.json", "curves.png", "logs", "recipe_s0.json", "recipe_s1.json"]
-    runs = {f.name: json.load(open(f)) for f in (tmp_path / "r").glob("*.json")}
+    runs = {f.name: read_json(f) for f in (tmp_path / "r").glob("*.json")}
     recipe = runs["recipe_s1.json"]
     assert os.path.isfile(os.path.join(folder, recipe["log"])) and recipe["log"].startswith("logs" + os.sep)
     assert recipe["command"][1:] == ["--smoke", "--run", "recipe", "--seeds", "0,1", "--save", folder]
@@ -788,9 +793,10 @@ def test_token_efficiency_tables_by_hand(tmp_path):
             (te.ABLATIONS[5][0], te.ABLATIONS[7][0])}
     # columns: n, mean, +-, sd, delta, Welch p, pairs, paired delta, paired p, Holm p, Holm < 0.05, per-seed deltas
     x, y = rows[te.ABLATIONS[5][0]], rows[te.ABLATIONS[7][0]]
-    from scipy import stats
-    ref = stats.ttest_ind([4.5, 4.7, 4.6], [4.0, 4.0], equal_var=False)
-    assert float(x[4]) == pytest.approx(0.6, abs=1e-4) and float(x[5]) == pytest.approx(ref.pvalue, abs=1e-4)
+    # Welch: the full recipe's two 4.0s add no variance, so t = 0.6 / sqrt(0.01 / 3) with n - 1 = 2 dof,
+    # where Student's two-sided p = 1 - |t| / sqrt(2 + t^2)
+    t = 0.6 / math.sqrt(0.01 / 3)
+    assert float(x[4]) == pytest.approx(0.6, abs=1e-4) and float(x[5]) == pytest.approx(1 - t / math.sqrt(2 + t * t), abs=1e-4)
     assert x[11:] == ["0:+0.5000", "1:+0.7000"]  # seed 2 has no full-recipe run to pair with
     # paired: x's deltas 0.5, 0.7 (mean 0.6, sd 0.1414, t = 6, 1 dof); y's 0.1, 0.4 (mean 0.25, t = 1.6667);
     # with 1 degree of freedom p = 1 - 2 atan(|t|) / pi; Holm: the smaller p times 2, the larger times 1
@@ -866,7 +872,7 @@ def test_model_dim_widens_both_sides_and_widths_do_not_mix(tmp_path, capsys):
     assert te.recipe_args("test", "", "", 3072, 0, 1024, torch.device("cpu")).model_dim == 64
     folder = str(tmp_path / "wide")
     te.main(["--smoke", "--run", "search", "--search_lr", "0.01", "--model_dim", "128", "--save", folder])
-    run = json.load(open(tmp_path / "wide" / "classic_lr0.01_b1024_ctx128_s0.json"))
+    run = read_json(tmp_path / "wide" / "classic_lr0.01_b1024_ctx128_s0.json")
     d, layers = 128, args.num_layers
     per_layer = 2 * 2 * d + (d * 3 * d + 3 * d) + (d * d + d) + (d * 4 * d + 4 * d) + (4 * d * d + d)
     assert run["classic_params"]["non-embedding"] == layers * per_layer + 2 * d  # + the final LayerNorm
@@ -885,15 +891,15 @@ def test_ablation_smoke(tmp_path):
                      "--seeds", "0,1", "--save", str(tmp_path))
     table = out.split("switched off / replaced")[1].splitlines()
     row = [line for line in table if line.startswith("batch schedule")][0].split()
-    final = lambda name: json.load(open(tmp_path / f"{name}.json"))["curve"][-1][1]  # noqa: E731
+    final = lambda name: read_json(tmp_path / f"{name}.json")["curve"][-1][1]  # noqa: E731
     full = [final(f"recipe_s{s}") for s in (0, 1)]
     finals = [final(f"ablate_batch_schedule_s{s}") for s in (0, 1)]
     assert all(9.0 < x < 11.0 for x in full + finals)
     assert float(row[-9]) == pytest.approx(sum(finals) / 2 - sum(full) / 2, abs=2e-4)
     assert [float(d.split(":")[1]) for d in row[-2:]] == pytest.approx([x - f for x, f in zip(finals, full)], abs=2e-4)
     assert float(row[-6]) == pytest.approx(sum(finals) / 2 - sum(full) / 2, abs=2e-4)  # the mean paired delta
-    saved = json.load(open(tmp_path / "ablate_batch_schedule_s1.json"))
-    assert os.path.isfile(tmp_path / saved["log"]) and saved["floor"] == json.load(open(tmp_path / "recipe_s1.json"))["floor"]
+    saved = read_json(tmp_path / "ablate_batch_schedule_s1.json")
+    assert os.path.isfile(tmp_path / saved["log"]) and saved["floor"] == read_json(tmp_path / "recipe_s1.json")["floor"]
     # --load of a folder of ablations alone (no classic) prints the same table, and no ratio
     loaded = run_script("tests/benchmarks/token_efficiency.py", "--load", str(tmp_path), "--no_plot")
     assert [line for line in loaded.split("switched off / replaced")[1].splitlines()
@@ -908,7 +914,7 @@ def test_stage_rise_smoke(tmp_path):
         out = run_script("tests/benchmarks/stage_rise.py", "--smoke", "--variant", variant, "--save", str(tmp_path),
                          "--stop", "2", "--every", "1", "--val_tokens", "1024")
         assert f"{variant}: 3 validations up to step 2" in out
-        saved = json.load(open(tmp_path / f"{variant}.json"))
+        saved = read_json(tmp_path / f"{variant}.json")
         assert [s for s, _ in saved["curve"]] == [0, 1, 2] and all(9.0 < v < 11.5 for _, v in saved["curve"])
     assert saved["untie_step"] == 10 ** 9
 

@@ -35,7 +35,8 @@ def fingerprint():
 
 
 def test_training_matches_the_stored_fingerprint(fingerprint):
-    stored = json.load(open(STORED))
+    with open(STORED, encoding="utf-8") as f:
+        stored = json.load(f)
     version = fingerprint.pop("torch")
     if version not in stored["runs"]:
         pytest.skip(f"no fingerprint stored for torch {version} (stored: {', '.join(stored['runs'])})")

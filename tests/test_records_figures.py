@@ -93,7 +93,8 @@ def test_saved_floor_is_what_the_shards_give(folder):
         runs = te.read_runs(os.path.join(REPO, folder))
         assert all("floor" in r for r in runs.values()), f"{folder}: runs without a floor and no {te.FLOOR_FILE}"
         return
-    saved = json.load(open(path))
+    with open(path, encoding="utf-8") as f:
+        saved = json.load(f)
     assert saved["val_set"] == "first" and saved["train_order"] == "file"
     run = next(iter(te.read_runs(os.path.join(REPO, folder)).values()))
     assert {k: saved[k] for k in ("train", "val", "val_tokens", "tokens")} == \

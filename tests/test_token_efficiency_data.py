@@ -222,7 +222,8 @@ def test_floor_of_older_runs_is_computed_once_and_saved(tmp_path):
     stream = np.concatenate(te.training_documents(train, "file", 0))
     want = te.count_floor(stream[:400], np.concatenate(te.training_documents(val, "file", 0))[:65])
     assert floors.by_seed == {0: want, 1: want} and floors.source.startswith("computed")
-    saved = json.load(open(os.path.join(folder, te.FLOOR_FILE)))
+    with open(os.path.join(folder, te.FLOOR_FILE), encoding="utf-8") as f:
+        saved = json.load(f)
     assert saved["floor"] == want and saved["val_tokens"] == 64 and "commit" in saved
     for f in os.listdir(tmp_path / "d"):
         os.remove(tmp_path / "d" / f)

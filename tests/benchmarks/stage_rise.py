@@ -117,7 +117,8 @@ def plot(out_dir: str, write: bool = True) -> None:
     for name in VARIANTS:
         path = os.path.join(out_dir, f"{name}.json")
         if os.path.exists(path):
-            runs[name] = json.load(open(path, encoding="utf-8"))
+            with open(path, encoding="utf-8") as f:
+                runs[name] = json.load(f)
     if not runs:
         raise SystemExit(f"error: --plot {out_dir}: no variant curves there; run --variant NAME --save {out_dir} first")
     any_run = next(iter(runs.values()))
