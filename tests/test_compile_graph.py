@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.nn.attention.flex_attention as flex_module
 from torch._dynamo.backends.common import aot_autograd
+from torch._functorch.aot_autograd import make_boxed_func
 
 import train_gpt as tg
 from test_model import make_batch, randomize
@@ -43,11 +44,12 @@ def _trace(model, masks, backend, vocab=50257):
 
 
 def _collector(graphs: list):
-    """keep(kind): a compile backend that appends (kind, graph) to graphs and runs the graph as it is."""
-    def keep(kind):
+    """keep(kind): a compile backend that appends (kind, graph) to graphs and runs the graph as it is;
+    boxed: as AOTAutograd's compilers are called (one list of arguments)."""
+    def keep(kind, boxed=False):
         def backend(gm, example_inputs):
             graphs.append((kind, gm))
-            return gm.forward
+            return make_boxed_func(gm.forward) if boxed else gm.forward
         return backend
     return keep
 
@@ -72,7 +74,7 @@ def test_training_graph_reads_every_mask_tensor_as_an_input(flex_on_cpu):
         return model.attention_masks(cu, T, kernel="flex")
 
     _trace(model, masks, keep("dynamo"))
-    _trace(model, masks, aot_autograd(fw_compiler=keep("forward"), bw_compiler=keep("backward")))
+    _trace(model, masks, aot_autograd(fw_compiler=keep("forward", True), bw_compiler=keep("backward", True)))
     assert [kind for kind, _ in graphs] == ["dynamo", "forward", "backward"]  # one graph each: no break
     attention_layers = sum(row.attention != "none" for row in model.layers)
     for kind, gm in graphs:
@@ -122,6 +124,7 @@ def test_flex_masks_are_refused_inside_a_compiled_graph():
         torch.compile(build, backend="eager", fullgraph=True)(cu)
 
 
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")  # the recorder's eager stand-in
 def test_eager_cuda_calls_share_one_compiled_flex_attention(monkeypatch, flex_on_cpu):
     """Outside a compiled graph every CUDA flex call goes through the one compiled flex_attention (the
     uncompiled one materialises the scores and synchronises). Pretend CPU tensors are CUDA ones."""
@@ -207,7 +210,7 @@ def test_fp8_training_step_traces_into_one_graph(flex_on_cpu, monkeypatch):
     keep = _collector(graphs)
 
     _trace(model, lambda cu, T: model.attention_masks(cu, T, kernel="flex"),
-           aot_autograd(fw_compiler=keep("forward"), bw_compiler=keep("backward")), vocab=1000)
+           aot_autograd(fw_compiler=keep("forward", True), bw_compiler=keep("backward", True)), vocab=1000)
     assert [kind for kind, _ in graphs] == ["forward", "backward"]
     forward = graphs[0][1]
     targets = {str(n.target) for n in forward.graph.nodes if n.op == "call_function"}
