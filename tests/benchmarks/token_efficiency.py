@@ -1072,13 +1072,13 @@ def searches_preview(runs: dict[str, dict], floors: Floors) -> str:
     if classic is None or recipe is None:
         return ""
     tokens, best = best_point(classic["curve"])
+    head = ("preview of the ratio (the two searches' winners, seed 0, this tuning split; the ratio is scored on "
+            "another split, 3+ seeds a side): ")
     refusal = ratio_refusal({classic.get("seed", 0): best}, floors)
     if refusal:
-        return "preview of the ratio from the two searches' winners: " + refusal.removeprefix("ratio: ")
+        return head + refusal.removeprefix("ratio: ")
     reach = tokens_to_reach(recipe["curve"], best)
-    head = (f"preview of the ratio (the two searches' winners, seed 0, this tuning split; the ratio is scored on "
-            f"another split, 3+ seeds a side): the recipe (NorMuon {recipe['recipe_muon_lr']:g}, Adam "
-            f"{recipe['recipe_adam_lr']:g}) ")
+    head += f"the recipe (NorMuon {recipe['recipe_muon_lr']:g}, Adam {recipe['recipe_adam_lr']:g}) "
     if reach is None:
         return head + f"does not reach the classic's best {best:.4f} ({tokens:,} tokens)"
     return head + (f"reaches the classic's best {best:.4f} at {reach:,.0f} tokens, {reach / tokens:.4f} of the "
