@@ -363,19 +363,24 @@ def test_search_edges_name_the_axes_to_extend():
     assert "is the only value searched" in te.search_edges([run(0.002, 4096, 512)], run(0.002, 4096, 512))[0]
 
 
+def saved_classic(lr, curve):
+    """A classic search point as --load reads it from its JSON (the fields the tables use)."""
+    return {"classic_lr": lr, "classic_batch_tokens": 64, "classic_seq_len": 32, "seed": 0, "curve": curve}
+
+
+def saved_rsearch(muon_lr, curve):
+    """A recipe search point (--run recipe_search) as --load reads it."""
+    return {"recipe_muon_lr": muon_lr, "recipe_adam_lr": 0.008, "seed": 0, "curve": curve}
+
+
 def test_searches_preview_by_hand():
     """A tuning folder with both searches: the recipe search's winner (lowest best) against the classic
     search's winner. Classic winner: best 2.0 at 400 tokens (the other configuration's best is 2.5). Recipe
     winner (best 1.0): 3.0 at 100, 1.5 at 200, so it reaches 2.0 a third of the way: 100 + 100 * 1.0 / 1.5."""
-    def classic(lr, curve):
-        return {"classic_lr": lr, "classic_batch_tokens": 64, "classic_seq_len": 32, "seed": 0, "curve": curve}
-
-    def rsearch(m, curve):
-        return {"recipe_muon_lr": m, "recipe_adam_lr": 0.008, "seed": 0, "curve": curve}
-    runs = {"classic_a_s0": classic(0.001, [(0, 9.0), (200, 3.0), (400, 2.5)]),
-            "classic_b_s0": classic(0.002, [(0, 9.0), (200, 2.8), (400, 2.0), (600, 2.1)]),
-            "rsearch_m0.01_a0.008_s0": rsearch(0.01, [(0, 9.0), (100, 3.0), (200, 1.5), (300, 1.0)]),
-            "rsearch_m0.02_a0.008_s0": rsearch(0.02, [(0, 9.0), (100, 2.0), (300, 1.2)])}
+    runs = {"classic_a_s0": saved_classic(0.001, [(0, 9.0), (200, 3.0), (400, 2.5)]),
+            "classic_b_s0": saved_classic(0.002, [(0, 9.0), (200, 2.8), (400, 2.0), (600, 2.1)]),
+            "rsearch_m0.01_a0.008_s0": saved_rsearch(0.01, [(0, 9.0), (100, 3.0), (200, 1.5), (300, 1.0)]),
+            "rsearch_m0.02_a0.008_s0": saved_rsearch(0.02, [(0, 9.0), (100, 2.0), (300, 1.2)])}
     floor = {"unigram": 5.0, "bigram": 2.4, "bigram_weight": 0.9, "train_tokens": 600}
     line = te.searches_preview(runs, te.Floors({0: floor}, "here"))
     reach = 100 + 100 * 1.0 / 1.5
@@ -384,15 +389,33 @@ def test_searches_preview_by_hand():
     # the same floor rule as the ratio: a classic best not 0.3 below the bigram gives no preview figure
     refused = te.searches_preview(runs, te.Floors({0: {**floor, "bigram": 2.2}}, "here"))
     assert "not stated" in refused and "2.0000" in refused and "reaches" not in refused
-    slow = {**runs, "rsearch_m0.01_a0.008_s0": rsearch(0.01, [(0, 9.0), (300, 1.9)]),
-            "rsearch_m0.02_a0.008_s0": rsearch(0.02, [(0, 9.0), (300, 2.1)])}
+    slow = {**runs, "rsearch_m0.01_a0.008_s0": saved_rsearch(0.01, [(0, 9.0), (300, 1.9)]),
+            "rsearch_m0.02_a0.008_s0": saved_rsearch(0.02, [(0, 9.0), (300, 2.1)])}
     assert te.searches_preview(slow, te.Floors({0: floor}, "here")).endswith(
         "(NorMuon 0.01, Adam 0.008) reaches the classic's best 2.0000 at 296 tokens, 0.7394 of the classic's 400")  # 300 * 7 / 7.1
     assert "does not reach the classic's best 2.0000 (400 tokens)" in te.searches_preview(
-        {**runs, "rsearch_m0.01_a0.008_s0": rsearch(0.01, [(0, 9.0), (300, 2.05)]),
-         "rsearch_m0.02_a0.008_s0": rsearch(0.02, [(0, 9.0), (300, 2.2)])}, te.Floors({0: floor}, "here"))
+        {**runs, "rsearch_m0.01_a0.008_s0": saved_rsearch(0.01, [(0, 9.0), (300, 2.05)]),
+         "rsearch_m0.02_a0.008_s0": saved_rsearch(0.02, [(0, 9.0), (300, 2.2)])}, te.Floors({0: floor}, "here"))
     assert te.searches_preview({k: v for k, v in runs.items() if k.startswith("classic_")}, te.Floors({}, "x")) == ""
 
+
+def test_curves_plot_draws_every_saved_run_with_each_search_winner_marked(tmp_path):
+    """curves.png has a line for every run of the folder: the compared recipe runs, both searches'
+    winners (classic_b: best 2.0; rsearch_m0.02: best 1.1, by hand) in colour, the other points faint."""
+    runs = {"classic_a_s0": saved_classic(0.001, [(0, 9.0), (400, 2.5)]),
+            "classic_b_s0": saved_classic(0.002, [(0, 9.0), (400, 2.0), (600, 2.1)]),
+            "rsearch_m0.01_a0.008_s0": saved_rsearch(0.01, [(0, 9.0), (300, 1.2)]),
+            "rsearch_m0.02_a0.008_s0": saved_rsearch(0.02, [(0, 9.0), (200, 1.1), (300, 1.3)]),
+            "rsearch_m0.04_a0.008_s0": saved_rsearch(0.04, [(0, 9.0), (300, 1.5)]),
+            "recipe_s0": {"seed": 0, "curve": [(0, 9.0), (300, 1.0)]}}
+    labels = {n: name for n, (name, _) in te.curve_styles(runs).items()}
+    assert labels == {"classic_a_s0": "classic, other search points", "classic_b_s0": "classic (search winner)",
+                      "rsearch_m0.01_a0.008_s0": "recipe, other search points",
+                      "rsearch_m0.02_a0.008_s0": "recipe (search winner)",
+                      "rsearch_m0.04_a0.008_s0": "recipe, other search points", "recipe_s0": "recipe"}
+    out = tmp_path / "curves.png"
+    te.plot_curves(runs, str(out), "t")
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and not (tmp_path / "curves.png.tmp.png").exists()
 
 def test_schedule_is_sized_to_the_token_budget():
     demo = dataclasses.replace(tg.Hyperparameters(), **tg.PRESETS["demo"])

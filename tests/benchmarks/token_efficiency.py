@@ -1185,26 +1185,34 @@ def ablation_table(runs: dict[str, dict], floors: Floors | None = None) -> str:
     return "\n".join(lines)
 
 
+def curve_styles(runs: dict[str, dict]) -> dict[str, tuple[str, dict]]:
+    """Each saved run's legend entry and line style in curves.png: the compared recipe runs, each side's
+    search winner in colour, the other search points faint."""
+    win, rwin = search_winner(runs), recipe_search_winner(runs)
+    styles = {}
+    for n, r in runs.items():
+        if n.startswith("recipe_"):
+            styles[n] = ("recipe", dict(color="tab:blue", marker=".", alpha=0.8))
+        elif n.startswith(RECIPE_SEARCH_PREFIX):
+            styles[n] = (("recipe (search winner)", dict(color="tab:blue", marker=".", alpha=0.8)) if r is rwin
+                         else ("recipe, other search points", dict(color="tab:cyan", alpha=0.3)))
+        elif n.startswith("classic_"):
+            won = all(r[k] == win[k] for k in ("classic_lr", "classic_batch_tokens", "classic_seq_len"))
+            styles[n] = (("classic (search winner)", dict(color="tab:orange", marker=".", alpha=0.8)) if won
+                         else ("classic, other search points", dict(color="gray", alpha=0.3)))
+    return styles
+
+
 def plot_curves(runs: dict[str, dict], out: str, title: str) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    win = search_winner(runs)
     fig, ax = plt.subplots(figsize=(9, 5))
     labelled = set()
-
-    def label(name):  # each kind of curve once in the legend
-        return None if name in labelled or labelled.add(name) else name
-
-    for n, r in sorted(runs.items()):
-        xs, ys = zip(*r["curve"])
-        if n.startswith("recipe_"):
-            ax.plot(xs, ys, color="tab:blue", marker=".", alpha=0.8, label=label("recipe"))
-        elif n.startswith("classic_"):
-            if all(r[k] == win[k] for k in ("classic_lr", "classic_batch_tokens", "classic_seq_len")):
-                ax.plot(xs, ys, color="tab:orange", marker=".", alpha=0.8, label=label("classic (search winner)"))
-            else:
-                ax.plot(xs, ys, color="gray", alpha=0.3, label=label("classic, other search points"))
+    for n, (name, style) in sorted(curve_styles(runs).items()):
+        xs, ys = zip(*runs[n]["curve"])
+        ax.plot(xs, ys, label=None if name in labelled else name, **style)  # each kind once in the legend
+        labelled.add(name)
     ax.set_ylim(top=min(8.0, ax.get_ylim()[1]))
     ax.set_xlabel("training tokens")
     ax.set_ylabel("validation loss")
@@ -1213,6 +1221,7 @@ def plot_curves(runs: dict[str, dict], out: str, title: str) -> None:
     ax.grid(alpha=0.3)
     fig.savefig(out + ".tmp.png", dpi=110, bbox_inches="tight")
     os.replace(out + ".tmp.png", out)
+    plt.close(fig)
 
 
 def val_text(r: dict) -> str:
