@@ -417,6 +417,7 @@ def test_curves_plot_draws_every_saved_run_with_each_search_winner_marked(tmp_pa
     te.plot_curves(runs, str(out), "t")
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and not (tmp_path / "curves.png.tmp.png").exists()
 
+
 def test_schedule_is_sized_to_the_token_budget():
     demo = dataclasses.replace(tg.Hyperparameters(), **tg.PRESETS["demo"])
     for budget in (200_000, 2_000_000):
