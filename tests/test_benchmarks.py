@@ -350,17 +350,47 @@ def test_ratio_of_seed_mean_curves_by_hand():
 def test_search_edges_name_the_axes_to_extend():
     def run(lr, batch, seq):
         return {"classic_lr": lr, "classic_batch_tokens": batch, "classic_seq_len": seq}
+
+    def sides(lines):  # "lr only", ... per flagged axis, read off the lines by hand-written rule
+        return [line.split("the winner's ")[1].split(" ")[0] + " " + line.split(" is the ")[1].split(" ")[0]
+                for line in lines]
     grid = [run(lr, b, s) for lr in (0.001, 0.002, 0.004) for b in (2048, 4096, 8192) for s in (256, 1024)]
     inside = next(r for r in grid if r["classic_lr"] == 0.002 and r["classic_batch_tokens"] == 4096
                   and r["classic_seq_len"] == 1024)
     lines = te.search_edges(grid, inside)
-    assert len(lines) == 1 and "seq_len 1,024 is the largest value searched (256, 1,024): extend --search_seq" in lines[0]
+    assert lines == ["the winner's seq_len 1,024 is the largest value searched at its other settings (256, 1,024): "
+                     "extend --search_seq past it"]
     corner = grid[0]  # lr 0.001, batch 2048, context 256: the smallest of all three
-    assert [line.split(" is the ")[1].split(" value")[0] for line in te.search_edges(grid, corner)] == ["smallest"] * 3
+    assert sides(te.search_edges(grid, corner)) == ["lr smallest", "batch_tokens smallest", "seq_len smallest"]
+    # a cross through the winner (0.002, 4,096, 512): inside on every axis
+    cross = [run(0.002, b, 512) for b in (2048, 4096, 8192)] + [run(lr, 4096, 512) for lr in (0.001, 0.004)] + \
+        [run(0.002, 4096, s) for s in (256, 1024)]
+    assert te.search_edges(cross, cross[1]) == ["the winner is inside the searched grid on every axis"]
+    # the same rates and contexts tried only at other settings do not count: lr and context were never
+    # varied at the winner's (4,096, 512), so both are "only" there, though both were searched elsewhere
     middle = [run(0.002, b, 512) for b in (2048, 4096, 8192)] + [run(lr, 4096, s) for lr in (0.001, 0.004)
                                                                    for s in (256, 1024)]
-    assert te.search_edges(middle, middle[1]) == ["the winner is inside the searched grid on every axis"]
+    assert sides(te.search_edges(middle, middle[1])) == ["lr only", "seq_len only"]
     assert "is the only value searched" in te.search_edges([run(0.002, 4096, 512)], run(0.002, 4096, 512))[0]
+    # one window a step (batch == context): no smaller batch, no longer context; the diagonal stands in
+    win = run(0.0015, 1024, 1024)
+    rows = [win, run(0.0015, 2048, 1024), run(0.00075, 1024, 1024), run(0.003, 1024, 1024), run(0.0015, 1024, 512)]
+    assert te.search_edges(rows, win) == [
+        "the winner's batch_tokens 1,024 is the smallest value searched at its other settings (1,024, 2,048), and one "
+        "window a step: extend --search_batch and --search_seq below it together (batch = context)",
+        "the winner's seq_len 1,024 is the largest value searched at its other settings (512, 1,024), and one "
+        "window a step: extend --search_batch and --search_seq above it together (batch = context)"]
+    rows += [run(0.0015, 512, 512)]  # the diagonal below: the batch axis is done
+    assert sides(te.search_edges(rows, win)) == ["seq_len largest"]
+    rows += [run(0.003, 2048, 2048)]  # above, but at another lr: does not count
+    assert sides(te.search_edges(rows, win)) == ["seq_len largest"]
+    rows += [run(0.0015, 2048, 2048)]
+    assert te.search_edges(rows, win) == ["the winner is inside the searched grid on every axis"]
+    # the recipe's cross as in records/token_efficiency_sympy_12M_tune: NorMuon 0.0115 was varied only at
+    # Adam 0.008, so at the winner's Adam 0.016 it is the only NorMuon rate
+    rs = [{"recipe_muon_lr": m, "recipe_adam_lr": a} for m, a in
+          ((0.00575, 0.008), (0.0115, 0.008), (0.023, 0.008), (0.0115, 0.016))]
+    assert sides(te.search_edges(rs, rs[3], te.RECIPE_SEARCH_AXES)) == ["muon_lr only", "adam_lr largest"]
 
 
 def saved_classic(lr, curve):

@@ -1028,18 +1028,37 @@ RECIPE_SEARCH_AXES = (("recipe_muon_lr", "--search_muon_lr"), ("recipe_adam_lr",
 
 
 def search_edges(rows: list[dict], win: dict, axes=SEARCH_AXES) -> list[str]:
-    """One line per axis on which the winner sits at the smallest or largest value searched (or the only
-    one): its optimum may lie beyond, so the search is not done there."""
+    """One line per axis on which the winner sits at the smallest or largest value searched along the line
+    through it (the runs that share its other settings), or is the only value there: its optimum may lie
+    beyond, so the search is not done there. Values tried only at other settings do not count: a rate that
+    lost at another batch says little about the winner's batch.
+
+    A classic batch holds whole context windows, so at batch == context a smaller batch and a longer
+    context do not exist: the line goes on along the diagonal instead (batch and context halved or doubled
+    together), and that end counts as searched once a run there, at the winner's lr, exists."""
     def fmt(v):
         return f"{v:,}" if isinstance(v, int) else f"{v:g}"
 
     out = []
     for key, flag in axes:
-        values = sorted({r[key] for r in rows})
-        if win[key] in (values[0], values[-1]):
-            side = "only" if len(values) == 1 else "smallest" if win[key] == values[0] else "largest"
-            out.append(f"the winner's {key.split('_', 1)[1]} {fmt(win[key])} is the {side} value searched "
-                       f"({', '.join(fmt(v) for v in values)}): extend {flag} past it")
+        line = [r for r in rows if all(r[k] == win[k] for k, _ in axes if k != key)]
+        values = sorted({r[key] for r in line})
+        if win[key] not in (values[0], values[-1]):
+            continue
+        side = "only" if len(values) == 1 else "smallest" if win[key] == values[0] else "largest"
+        edge = f"the winner's {key.split('_', 1)[1]} {fmt(win[key])} is the {side} value searched at its other settings " \
+               f"({', '.join(fmt(v) for v in values)})"
+        one_window = win.get("classic_batch_tokens") == win.get("classic_seq_len") and (
+            (key == "classic_batch_tokens" and side == "smallest") or (key == "classic_seq_len" and side == "largest"))
+        if not one_window:
+            out.append(f"{edge}: extend {flag} past it")
+            continue
+        below = key == "classic_batch_tokens"  # a smaller batch needs a shorter context; a longer context a larger batch
+        seq = win["classic_seq_len"]
+        if not any(r["classic_lr"] == win["classic_lr"] and r["classic_batch_tokens"] == r["classic_seq_len"]
+                   and (r["classic_seq_len"] < seq if below else r["classic_seq_len"] > seq) for r in rows):
+            out.append(f"{edge}, and one window a step: extend --search_batch and --search_seq "
+                       f"{'below' if below else 'above'} it together (batch = context)")
     if not out:
         out.append("the winner is inside the searched grid on every axis")
     return out
