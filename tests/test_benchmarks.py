@@ -673,6 +673,7 @@ def test_an_interrupted_recipe_run_resumes_from_its_newest_checkpoint(tmp_path, 
     assert len(whole["curve"]) == 7 and resumed["curve"] == whole["curve"]  # steps 0, 2, ..., 10 and 11
     assert [s["step"] for s in resumed["sittings"]] == [0, 5, 8] and "sittings" not in whole
     assert [s["log"][-10:] for s in resumed["sittings"][1:]] == ["_part2.txt", "_part3.txt"]
+    assert [s["threads"] for s in resumed["sittings"]] == [torch.get_num_threads()] * 3
     assert resumed["log"] == resumed["sittings"][0]["log"]
     assert all(os.path.isfile(folder / s["log"]) for s in resumed["sittings"])
     assert sorted(os.listdir(folder)) == ["curves.png", "logs", "recipe_s0.json"]  # partial/ gone with the state

@@ -1409,6 +1409,12 @@ def remove_state(path: str) -> None:
         os.rmdir(os.path.dirname(path))
 
 
+def this_sitting(a) -> dict:
+    """What a run's sitting (one process's share of it) records: the code, the command and the CPU threads,
+    which set the step's speed and, with a matmul's reduction order, its last bits."""
+    return {"commit": a.commit, "command": a.command, "threads": torch.get_num_threads()}
+
+
 def sittings_meta(sittings: list[dict]) -> dict:
     """A saved run's commit and command: its first sitting's; and every sitting when there were several."""
     return {"commit": sittings[0]["commit"], "command": sittings[0]["command"],
@@ -1426,14 +1432,14 @@ def save_recipe_run(a, data: BenchData, seed: int, device: torch.device, name: s
     args = dataclasses.replace(args, train_files=run_copy(args.train_files, "train", a.data_dir, state_dir),
                                val_files=run_copy(args.val_files, "val", a.data_dir, state_dir))
     try:
-        run = run_recipe(args, device, run_id, state_dir, {"commit": a.commit, "command": a.command})
+        run = run_recipe(args, device, run_id, state_dir, this_sitting(a))
     except SystemExit as e:
         if not diverging_is_a_result:
             raise
         print(f"  {name}: stopped ({e})")
         log = os.path.join(args.log_dir, f"{run_id}.txt")
         run = {"curve": [(a.tokens, float("nan"))], "seconds": time.perf_counter() - t,
-               "sittings": [{"step": 0, "log": log, "commit": a.commit, "command": a.command}]}
+               "sittings": [{"step": 0, "log": log, **this_sitting(a)}]}
     sittings = [{**s, "log": relative_to(s["log"], a.save)} for s in run["sittings"]]
     save_curve(a.save, name, run["curve"], {
         **run_meta(a, data, seed, device), **sittings_meta(sittings), **extra, "seconds": run["seconds"],
@@ -1500,7 +1506,7 @@ def run_sides(a, device: torch.device) -> None:
                 dtype, note = classic_dtype(a.cpu_dtype, c, device, folder, state_file)
                 print(f"  {note}", flush=True)
                 run = run_classic(c, data.train(seed), data.val_path, a.tokens, a.evals, data.val.val_tokens, device,
-                                  seed, state_file, {"commit": a.commit, "command": a.command}, dtype)
+                                  seed, state_file, this_sitting(a), dtype)
                 save_curve(folder, classic_name(c, seed), run["curve"],
                            {**run_meta(a, data, seed, device), **sittings_meta(run["sittings"]),
                             "seconds": run["seconds"], "classic_lr": c.lr, "classic_batch_tokens": c.batch_tokens,
