@@ -351,7 +351,7 @@ def test_search_edges_name_the_axes_to_extend():
     def run(lr, batch, seq):
         return {"classic_lr": lr, "classic_batch_tokens": batch, "classic_seq_len": seq}
 
-    def sides(lines):  # "lr only", ... per flagged axis, read off the lines by hand-written rule
+    def sides(lines):  # ["lr only", ...]: each flagged axis and where the winner sits on it
         return [line.split("the winner's ")[1].split(" ")[0] + " " + line.split(" is the ")[1].split(" ")[0]
                 for line in lines]
     grid = [run(lr, b, s) for lr in (0.001, 0.002, 0.004) for b in (2048, 4096, 8192) for s in (256, 1024)]

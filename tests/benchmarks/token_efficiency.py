@@ -1046,8 +1046,8 @@ def search_edges(rows: list[dict], win: dict, axes=SEARCH_AXES) -> list[str]:
         if win[key] not in (values[0], values[-1]):
             continue
         side = "only" if len(values) == 1 else "smallest" if win[key] == values[0] else "largest"
-        edge = f"the winner's {key.split('_', 1)[1]} {fmt(win[key])} is the {side} value searched at its other settings " \
-               f"({', '.join(fmt(v) for v in values)})"
+        edge = (f"the winner's {key.split('_', 1)[1]} {fmt(win[key])} is the {side} value searched at its other "
+                f"settings ({', '.join(fmt(v) for v in values)})")
         one_window = win.get("classic_batch_tokens") == win.get("classic_seq_len") and (
             (key == "classic_batch_tokens" and side == "smallest") or (key == "classic_seq_len" and side == "largest"))
         if not one_window:
