@@ -1048,8 +1048,8 @@ def search_edges(rows: list[dict], win: dict, axes=SEARCH_AXES) -> list[str]:
         side = "only" if len(values) == 1 else "smallest" if win[key] == values[0] else "largest"
         edge = (f"the winner's {key.split('_', 1)[1]} {fmt(win[key])} is the {side} value searched at its other "
                 f"settings ({', '.join(fmt(v) for v in values)})")
-        one_window = win.get("classic_batch_tokens") == win.get("classic_seq_len") and (
-            (key == "classic_batch_tokens" and side == "smallest") or (key == "classic_seq_len" and side == "largest"))
+        one_window = ((key, side) in (("classic_batch_tokens", "smallest"), ("classic_seq_len", "largest"))
+                      and win["classic_batch_tokens"] == win["classic_seq_len"])
         if not one_window:
             out.append(f"{edge}: extend {flag} past it")
             continue
@@ -1216,7 +1216,7 @@ def curve_styles(runs: dict[str, dict]) -> dict[str, tuple[str, dict]]:
             styles[n] = (("recipe (search winner)", dict(color="tab:blue", marker=".", alpha=0.8)) if r is rwin
                          else ("recipe, other search points", dict(color="tab:cyan", alpha=0.3)))
         elif n.startswith("classic_"):
-            won = all(r[k] == win[k] for k in ("classic_lr", "classic_batch_tokens", "classic_seq_len"))
+            won = all(r[k] == win[k] for k, _ in SEARCH_AXES)
             styles[n] = (("classic (search winner)", dict(color="tab:orange", marker=".", alpha=0.8)) if won
                          else ("classic, other search points", dict(color="gray", alpha=0.3)))
     return styles
