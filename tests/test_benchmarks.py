@@ -932,6 +932,8 @@ def test_model_dim_widens_both_sides_and_widths_do_not_mix(tmp_path, capsys):
     per_layer = 2 * 2 * d + (d * 3 * d + 3 * d) + (d * d + d) + (d * 4 * d + 4 * d) + (4 * d * d + d)
     assert run["classic_params"]["non-embedding"] == layers * per_layer + 2 * d  # + the final LayerNorm
     assert run["model_dim"] == 128 and "classic seed 0: 4 layers x 128" in capsys.readouterr().out
+    te.report(folder, None, plot=False)
+    assert f"commit: {run['commit']} (1 run)\n" in capsys.readouterr().out
     for argv, message in ((["--model_dim", "96"], "--model_dim 96 must be an even multiple of the --preset test "
                                                   "head size (32)"),
                           (["--save", folder], f"--save {folder} holds runs of width 128, not --model_dim 64")):

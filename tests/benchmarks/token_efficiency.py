@@ -1295,7 +1295,7 @@ def report(folder: str, tokens: int | None, plot: bool = True) -> list[float]:
     commits = {}
     for r in runs.values():
         commits[r.get("commit", "not recorded")] = commits.get(r.get("commit", "not recorded"), 0) + 1
-    print("commit: " + ", ".join(f"{c} ({n} runs)" for c, n in sorted(commits.items())))
+    print("commit: " + ", ".join(f"{c} ({n} run{'s' * (n != 1)})" for c, n in sorted(commits.items())))
     lrs = {(r["recipe_muon_lr"], r["recipe_adam_lr"]) for n, r in runs.items() if "recipe_muon_lr" in r}
     base = model_args(any_run["preset"], any_run.get("model_dim", 0))
     classic = next((r for n, r in runs.items() if n.startswith("classic_")), None)
