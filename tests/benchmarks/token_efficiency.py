@@ -57,6 +57,7 @@ go to DIR/logs/ (committed with the results).
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import dataclasses
 import hashlib
@@ -1292,9 +1293,7 @@ def report(folder: str, tokens: int | None, plot: bool = True) -> list[float]:
     any_run = next(iter(runs.values()))
     print(f"{folder}: {any_run['tokens']:,} training tokens per run from {any_run['train']}, documents "
           f"{order_text(any_run)}; val loss on {val_text(any_run)}")
-    commits = {}
-    for r in runs.values():
-        commits[r.get("commit", "not recorded")] = commits.get(r.get("commit", "not recorded"), 0) + 1
+    commits = collections.Counter(r.get("commit", "not recorded") for r in runs.values())
     print("commit: " + ", ".join(f"{c} ({n} run{'s' * (n != 1)})" for c, n in sorted(commits.items())))
     lrs = {(r["recipe_muon_lr"], r["recipe_adam_lr"]) for n, r in runs.items() if "recipe_muon_lr" in r}
     base = model_args(any_run["preset"], any_run.get("model_dim", 0))
