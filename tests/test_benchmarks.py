@@ -573,11 +573,14 @@ def test_the_classic_computes_in_its_dtype_and_resumes_only_in_it(tmp_path, monk
     assert [s["step"] for s in run(state, "bf16")["sittings"]] == [0, 3]
 
 
-def test_the_classic_dtype_follows_the_flag_then_the_folder_then_the_state(tmp_path):
+def test_the_classic_dtype_follows_the_flag_then_the_folder_then_the_state(tmp_path, monkeypatch):
     """--cpu_dtype auto takes the dtype of the classic runs already in the results folder (runs saved
     before it was recorded: bf16), else the resumed state's, else the timed choice; a forced dtype that
-    differs from the folder's, or a folder of two dtypes under auto, stops with one line; GPUs: bf16."""
+    differs from the folder's, or a folder of two dtypes under auto, stops with one line; GPUs: bf16.
+    A folder's or state's dtype this CPU runs over 4x slower than the other is warned of at the start."""
     c, cpu, folder = te.ClassicConfig(model_dim=32, mlp_hidden=64), torch.device("cpu"), str(tmp_path / "r")
+    rates = {torch.bfloat16: 50.0, torch.float32: 100.0}  # an AVX512-BF16 CPU without AMX: bf16 half as fast
+    monkeypatch.setattr(te.T, "matmul_gflops", lambda dtype, m, k, n: rates[dtype])
     assert te.classic_dtype("auto", c, torch.device("cuda"), folder)[0] == "bf16"
     assert te.classic_dtype("fp32", c, cpu, folder) == ("fp32", "classic dtype fp32 (--cpu_dtype)")
     timed, note = te.classic_dtype("auto", c, cpu, folder)
@@ -587,12 +590,22 @@ def test_the_classic_dtype_follows_the_flag_then_the_folder_then_the_state(tmp_p
     torch.save({"identity": {"dtype": "fp32"}}, state)
     assert te.classic_dtype("auto", c, cpu, folder, state)[0] == "fp32"
     torch.save({"identity": {}}, state)  # saved before the dtype was recorded
-    assert te.classic_dtype("auto", c, cpu, folder, state)[0] == "bf16"
+    assert te.classic_dtype("auto", c, cpu, folder, state) == ("bf16", f"classic dtype bf16 (auto: that of the state it resumes, {state})")
+    rates[torch.bfloat16] = 1.4  # AVX2 only: bf16 ~90x slower
+    assert te.classic_dtype("auto", c, cpu, folder, state)[1] == (
+        f"classic dtype bf16 (auto: that of the state it resumes, {state}); WARNING: this CPU runs bf16 71x slower than "
+        "fp32 at the 256x32x64 matmul (GFLOP/s: bf16 1.4, fp32 100.0): the run takes about that many times longer; "
+        "in a new --save folder auto takes fp32")
+    rates[torch.bfloat16] = 50.0
 
     os.makedirs(folder)
     with open(os.path.join(folder, "classic_lr0.001_b1024_ctx128_s0.json"), "w") as f:
         json.dump({"curve": [[0, 10.0]], "tokens": 1}, f)  # no classic_dtype: bf16
     assert te.classic_dtype("auto", c, cpu, folder, state) == ("bf16", f"classic dtype bf16 (auto: that of the classic runs saved in {folder})")
+    rates[torch.bfloat16] = 1.4
+    assert te.classic_dtype("auto", c, cpu, folder, state)[1].startswith(
+        f"classic dtype bf16 (auto: that of the classic runs saved in {folder}); WARNING: this CPU runs bf16 71x slower")
+    rates[torch.bfloat16] = 50.0
     with pytest.raises(SystemExit, match=r"holds classic runs computed in bf16, not --cpu_dtype fp32; pass --cpu_dtype bf16"):
         te.classic_dtype("fp32", c, cpu, folder)
     with open(os.path.join(folder, "classic_lr0.002_b1024_ctx128_s0.json"), "w") as f:

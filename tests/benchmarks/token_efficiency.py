@@ -451,6 +451,21 @@ def classic_dtype_of(run_or_identity: dict) -> str:
     return run_or_identity.get("classic_dtype", run_or_identity.get("dtype", SAVED_BEFORE_DTYPE))
 
 
+def slow_dtype_warning(name: str, c: ClassicConfig) -> str:
+    """'' when this CPU runs the classic's MLP matmul in `name` at least a quarter as fast as in the other
+    CPU dtype, else a clause saying how much slower: a folder's (or a resumed state's) bf16 on a CPU without
+    bf16 units (AVX2 only: ~90x slower) is told at the start, not when the first evaluation never comes."""
+    shape = (256, c.model_dim, c.mlp_hidden)
+    rates = {n: T.matmul_gflops(T.CPU_DTYPES[n], *shape) for n in CLASSIC_DTYPES}
+    fastest = max(rates, key=rates.get)
+    if rates[name] * 4 >= rates[fastest]:
+        return ""
+    figures = ", ".join(f"{n} {r:.1f}" for n, r in rates.items())
+    return (f"; WARNING: this CPU runs {name} {rates[fastest] / rates[name]:.0f}x slower than {fastest} at the "
+            f"{'x'.join(map(str, shape))} matmul (GFLOP/s: {figures}): the run takes about that many times longer; in "
+            f"a new --save folder auto takes {fastest}")
+
+
 def classic_dtype(cpu_dtype: str, c: ClassicConfig, device: torch.device, folder: str, state_file: str = "") -> tuple[str, str]:
     """The classic's compute dtype and a line saying why. GPUs: bf16. CPUs: --cpu_dtype bf16 or fp32; auto:
     the dtype of the classic runs already saved in the results folder (a search compares like with like;
@@ -466,14 +481,14 @@ def classic_dtype(cpu_dtype: str, c: ClassicConfig, device: torch.device, folder
                              f"{cpu_dtype}; pass --cpu_dtype {used[0]} (or auto), or save into a new folder")
         return cpu_dtype, f"classic dtype {cpu_dtype} (--cpu_dtype)"
     if len(used) == 1:
-        return used[0], f"classic dtype {used[0]} (auto: that of the classic runs saved in {folder})"
+        return used[0], f"classic dtype {used[0]} (auto: that of the classic runs saved in {folder})" + slow_dtype_warning(used[0], c)
     if used:
         raise SystemExit(f"error: --save {folder} holds classic runs computed in {' and '.join(used)}; "
                          "pass --cpu_dtype to say which the new runs use")
     if state_file and os.path.exists(state_file):
         with contextlib.suppress(Exception):  # run_classic reports an unreadable state in one line
             name = classic_dtype_of(torch.load(state_file, map_location="cpu", weights_only=False)["identity"])
-            return name, f"classic dtype {name} (auto: that of the state it resumes, {state_file})"
+            return name, f"classic dtype {name} (auto: that of the state it resumes, {state_file})" + slow_dtype_warning(name, c)
     dtype, note = T.choose_cpu_dtype(types.SimpleNamespace(cpu_dtype="auto", model_dim=c.model_dim, mlp_hidden=c.mlp_hidden))
     return next(k for k, v in T.CPU_DTYPES.items() if v == dtype), "classic " + note.removeprefix("cpu ")
 
