@@ -429,6 +429,22 @@ def test_searches_preview_by_hand():
     assert te.searches_preview({k: v for k, v in runs.items() if k.startswith("classic_")}, te.Floors({}, "x")) == ""
 
 
+def test_floor_margin_of_a_classic_folder_by_hand():
+    """A folder of classic runs alone says how far its best seed-0 run is from the bigram and from the 0.3
+    a ratio needs: winner best 2.0 (the other's 2.5); bigram 2.1: 0.100 below it, needs 1.8, 0.200 more;
+    bigram 1.9: 0.100 above, 0.400 more; bigram 2.4: needs 2.1, cleared by 0.100; no floor: nothing."""
+    runs = {"classic_a_s0": saved_classic(0.001, [(0, 9.0), (200, 3.0), (400, 2.5)]),
+            "classic_b_s0": saved_classic(0.002, [(0, 9.0), (200, 2.8), (400, 2.0), (600, 2.1)])}
+    floor = {"unigram": 5.0, "bigram_weight": 0.9, "train_tokens": 600}
+    margin = {b: te.floor_margin(runs, te.Floors({0: {**floor, "bigram": b}}, "here")) for b in (2.1, 1.9, 2.4)}
+    assert margin[2.1] == ("the classic's best 2.0000 (seed 0) is 0.100 below the interpolated bigram's 2.1000; "
+                           "a ratio needs 1.8000 or below (0.3 below it): 0.200 more")
+    assert margin[1.9].startswith("the classic's best 2.0000 (seed 0) is 0.100 above the interpolated bigram's 1.9000;")
+    assert margin[1.9].endswith("a ratio needs 1.6000 or below (0.3 below it): 0.400 more")
+    assert margin[2.4].endswith("a ratio needs 2.1000 or below (0.3 below it): cleared by 0.100")
+    assert te.floor_margin(runs, te.Floors({}, "not known")) == ""
+
+
 def test_curves_plot_draws_every_saved_run_with_each_search_winner_marked(tmp_path):
     """curves.png has a line for every run of the folder: the compared recipe runs, both searches'
     winners (classic_b: best 2.0; rsearch_m0.02: best 1.1, by hand) in colour, the other points faint."""

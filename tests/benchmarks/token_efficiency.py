@@ -1000,6 +1000,20 @@ def search_winner(runs: dict[str, dict]) -> dict | None:
     return min(seed0, key=lambda r: best_point(r["curve"])[1]) if seed0 else None
 
 
+def floor_margin(runs: dict[str, dict], floors: Floors) -> str:
+    """For a folder of classic runs alone: how far the best seed-0 run is from the bigram floor and from the
+    FLOOR_MARGIN a ratio needs, so that a search run to find a budget says how far it still has to go."""
+    win = search_winner(runs)
+    bigram = floors.bigram([win.get("seed", 0)]) if win else None
+    if bigram is None:
+        return ""
+    best, need = best_point(win["curve"])[1], bigram - FLOOR_MARGIN
+    side = f"{bigram - best:.3f} below" if best < bigram else f"{best - bigram:.3f} above"
+    gap = f"{best - need:.3f} more" if best > need else f"cleared by {need - best:.3f}"
+    return (f"the classic's best {best:.4f} (seed 0) is {side} the interpolated bigram's {bigram:.4f}; "
+            f"a ratio needs {need:.4f} or below ({FLOOR_MARGIN} below it): {gap}")
+
+
 def _summarize():
     """records/summarize.py, the records tool that holds the statistical tests."""
     if os.path.join(REPO, "records") not in sys.path:
@@ -1347,6 +1361,9 @@ def report(folder: str, tokens: int | None, plot: bool = True) -> list[float]:
         kind = ("classic runs: a tuning folder" if classic else
                 "recipe runs and ablations" if abl else "recipe runs: a tuning folder")
         print(("\n" if abl else "") + f"one side only ({kind}): no comparison, no ratio")
+        margin = floor_margin(runs, floors) if classic else ""
+        if margin:
+            print(margin)
     if plot:
         out = os.path.join(folder, "curves.png")
         plot_curves(runs, out, f"{os.path.basename(os.path.normpath(folder))}")
