@@ -3736,6 +3736,14 @@ def matmul_gflops(dtype: torch.dtype, m: int, k: int, n: int, seconds: float = 0
             return 2 * m * k * n * reps / elapsed / 1e9
 
 
+def cpu_dtype_rates(model_dim: int, mlp_hidden: int) -> tuple[dict[str, float], str]:
+    """GFLOP/s of the MLP matmul of 256 tokens in each CPU dtype (by name), and the shape and rates as text."""
+    shape = (256, model_dim, mlp_hidden)
+    rates = {name: matmul_gflops(dtype, *shape) for name, dtype in CPU_DTYPES.items()}
+    return rates, (f"{'x'.join(map(str, shape))} matmul GFLOP/s per process: "
+                   + ", ".join(f"{name} {rate:.1f}" for name, rate in rates.items()))
+
+
 def choose_cpu_dtype(args: Hyperparameters) -> tuple[torch.dtype, str]:
     """The dtype of the model's bf16 parameters on a CPU, and a line saying why.
 
@@ -3744,12 +3752,10 @@ def choose_cpu_dtype(args: Hyperparameters) -> tuple[torch.dtype, str]:
     on AVX512-BF16 CPUs without AMX, and faster with AMX."""
     if args.cpu_dtype != "auto":
         return CPU_DTYPES[args.cpu_dtype], f"cpu dtype {args.cpu_dtype} (--cpu_dtype) on {cpu_model()}"
-    shape = (256, args.model_dim, args.mlp_hidden)
-    rates = {name: matmul_gflops(dtype, *shape) for name, dtype in CPU_DTYPES.items()}
+    rates, figures = cpu_dtype_rates(args.model_dim, args.mlp_hidden)
     best = max(rates, key=rates.get)
-    figures = ", ".join(f"{name} {rate:.1f}" for name, rate in rates.items())
-    return CPU_DTYPES[best], (f"cpu dtype {best} (auto: {'x'.join(map(str, shape))} matmul GFLOP/s per process: "
-                              f"{figures}; capability {torch.backends.cpu.get_cpu_capability()}) on {cpu_model()}")
+    return CPU_DTYPES[best], (f"cpu dtype {best} (auto: {figures}; capability "
+                              f"{torch.backends.cpu.get_cpu_capability()}) on {cpu_model()}")
 
 
 def checkpoint_cpu_dtype(args: Hyperparameters) -> tuple[torch.dtype, str] | None:

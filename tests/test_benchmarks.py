@@ -610,8 +610,8 @@ def test_the_classic_dtype_follows_the_flag_then_the_folder_then_the_state(tmp_p
     rates[torch.bfloat16] = 1.4  # AVX2 only: bf16 ~90x slower
     assert te.classic_dtype("auto", c, cpu, folder, state)[1] == (
         f"classic dtype bf16 (auto: that of the state it resumes, {state}); WARNING: this CPU runs bf16 71x slower than "
-        "fp32 at the 256x32x64 matmul (GFLOP/s: bf16 1.4, fp32 100.0): the run takes about that many times longer; "
-        "in a new --save folder auto takes fp32")
+        "fp32 (256x32x64 matmul GFLOP/s per process: bf16 1.4, fp32 100.0): the run takes about that many times "
+        "longer; in a new --save folder auto takes fp32")
     rates[torch.bfloat16] = 50.0
 
     os.makedirs(folder)

@@ -455,15 +455,12 @@ def slow_dtype_warning(name: str, c: ClassicConfig) -> str:
     """'' when this CPU runs the classic's MLP matmul in `name` at least a quarter as fast as in the other
     CPU dtype, else a clause saying how much slower: a folder's (or a resumed state's) bf16 on a CPU without
     bf16 units (AVX2 only: ~90x slower) is told at the start, not when the first evaluation never comes."""
-    shape = (256, c.model_dim, c.mlp_hidden)
-    rates = {n: T.matmul_gflops(T.CPU_DTYPES[n], *shape) for n in CLASSIC_DTYPES}
+    rates, figures = T.cpu_dtype_rates(c.model_dim, c.mlp_hidden)
     fastest = max(rates, key=rates.get)
     if rates[name] * 4 >= rates[fastest]:
         return ""
-    figures = ", ".join(f"{n} {r:.1f}" for n, r in rates.items())
-    return (f"; WARNING: this CPU runs {name} {rates[fastest] / rates[name]:.0f}x slower than {fastest} at the "
-            f"{'x'.join(map(str, shape))} matmul (GFLOP/s: {figures}): the run takes about that many times longer; in "
-            f"a new --save folder auto takes {fastest}")
+    return (f"; WARNING: this CPU runs {name} {rates[fastest] / rates[name]:.0f}x slower than {fastest} ({figures}): "
+            f"the run takes about that many times longer; in a new --save folder auto takes {fastest}")
 
 
 def classic_dtype(cpu_dtype: str, c: ClassicConfig, device: torch.device, folder: str, state_file: str = "") -> tuple[str, str]:
