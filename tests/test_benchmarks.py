@@ -908,32 +908,34 @@ def test_loader_coverage_by_hand(tmp_path):
 
 
 def test_token_efficiency_load_errors_are_one_line(tmp_path):
+    """Bad folders and flags stop with one "error: ..." line: as a process's whole stderr (two cases,
+    each an interpreter start), the rest as the SystemExit message in this process."""
     script = os.path.join(REPO, "tests", "benchmarks", "token_efficiency.py")
 
     def err(*argv):
         out = subprocess.run([sys.executable, script, *argv], cwd=REPO, capture_output=True, text=True, timeout=300)
-        assert out.returncode != 0 and out.stderr.count("\n") == 1, out.stderr
+        assert out.returncode != 0 and out.stderr.count("\n") == 1 and out.stderr.startswith("error: "), out.stderr
         return out.stderr
 
-    assert "no such folder" in err("--load", str(tmp_path / "nowhere"))
-    assert "needs recipe_s*.json or classic_*.json" in err("--load", str(tmp_path))
-    te.save_curve(str(tmp_path), "recipe_s0", [(0, 10.8), (100, 9.0)], {"tokens": 100})
-    te.save_curve(str(tmp_path), "classic_lr0.001_b10_ctx10_s0", [(0, 10.8), (100, 9.0)], {"tokens": 200})
-    assert "different --tokens budgets" in err("--load", str(tmp_path))
-    te.save_curve(str(tmp_path), "classic_lr0.001_b10_ctx10_s0", [(0, 10.8), (100, 9.0)], {"tokens": 100})
-    assert "--tokens 100" in err("--load", str(tmp_path), "--tokens", "200")
-    (tmp_path / "recipe_s0.json").write_text("{not json")
-    assert "not a saved curve" in err("--load", str(tmp_path))
-    assert "--seeds" in err("--seeds", "a,b", "--smoke")
-    assert "no classic search runs" in err("--smoke", "--run", "classic", "--classic_from", str(tmp_path / "r2"))
-    (tmp_path / "r2").mkdir()
-    assert "no classic search runs" in err("--smoke", "--run", "classic", "--classic_from", str(tmp_path / "r2"))
-
-    def err_here(*argv):  # the same one-line errors, in this process (no interpreter start)
+    def err_here(*argv):
         with pytest.raises(SystemExit) as e:
             te.main(list(argv))
         assert str(e.value).startswith("error: ") and "\n" not in str(e.value)
         return str(e.value)
+
+    assert "no such folder" in err("--load", str(tmp_path / "nowhere"))
+    assert "needs recipe_s*.json or classic_*.json" in err_here("--load", str(tmp_path))
+    te.save_curve(str(tmp_path), "recipe_s0", [(0, 10.8), (100, 9.0)], {"tokens": 100})
+    te.save_curve(str(tmp_path), "classic_lr0.001_b10_ctx10_s0", [(0, 10.8), (100, 9.0)], {"tokens": 200})
+    assert "different --tokens budgets" in err_here("--load", str(tmp_path))
+    te.save_curve(str(tmp_path), "classic_lr0.001_b10_ctx10_s0", [(0, 10.8), (100, 9.0)], {"tokens": 100})
+    assert "--tokens 100" in err_here("--load", str(tmp_path), "--tokens", "200")
+    (tmp_path / "recipe_s0.json").write_text("{not json")
+    assert "not a saved curve" in err("--load", str(tmp_path))
+    assert "--seeds" in err_here("--seeds", "a,b", "--smoke")
+    assert "no classic search runs" in err_here("--smoke", "--run", "classic", "--classic_from", str(tmp_path / "r2"))
+    (tmp_path / "r2").mkdir()
+    assert "no classic search runs" in err_here("--smoke", "--run", "classic", "--classic_from", str(tmp_path / "r2"))
 
     assert "--val_tokens 0 must be >= 1" in err_here("--smoke", "--val_tokens", "0")
     assert "--val_tokens 700 must be a multiple" in err_here("--smoke", "--val_tokens", "700")
