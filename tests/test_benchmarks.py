@@ -600,7 +600,8 @@ def test_the_classic_dtype_follows_the_flag_then_the_folder_then_the_state(tmp_p
     assert te.classic_dtype("auto", c, torch.device("cuda"), folder)[0] == "bf16"
     assert te.classic_dtype("fp32", c, cpu, folder) == ("fp32", "classic dtype fp32 (--cpu_dtype)")
     timed, note = te.classic_dtype("auto", c, cpu, folder)
-    assert timed in te.CLASSIC_DTYPES and note.startswith(f"classic dtype {timed} (auto: 256x32x64 matmul GFLOP/s")
+    assert (timed, note.split(" on ")[0]) == ("fp32", "classic dtype fp32 (auto: 256x32x64 matmul GFLOP/s per process: "
+                                                  f"bf16 50.0, fp32 100.0; capability {torch.backends.cpu.get_cpu_capability()})")
     state = str(tmp_path / "partial" / "run.pt")
     os.makedirs(os.path.dirname(state))
     torch.save({"identity": {"dtype": "fp32"}}, state)

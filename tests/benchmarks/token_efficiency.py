@@ -71,7 +71,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import types
 
 import numpy as np
 import torch
@@ -467,7 +466,7 @@ def classic_dtype(cpu_dtype: str, c: ClassicConfig, device: torch.device, folder
     """The classic's compute dtype and a line saying why. GPUs: bf16. CPUs: --cpu_dtype bf16 or fp32; auto:
     the dtype of the classic runs already saved in the results folder (a search compares like with like;
     another dtype there is refused), else that of the run's saved state, else the faster of the two at the
-    model's MLP matmul, timed as train_gpt times it for the recipe (choose_cpu_dtype)."""
+    model's MLP matmul, timed as train_gpt times it for the recipe (fastest_cpu_dtype)."""
     if device.type != "cpu":
         return "bf16", "classic dtype bf16 (GPU)"
     runs = read_runs(folder, "classic_", "--save") if os.path.isdir(folder) else {}
@@ -486,8 +485,8 @@ def classic_dtype(cpu_dtype: str, c: ClassicConfig, device: torch.device, folder
         with contextlib.suppress(Exception):  # run_classic reports an unreadable state in one line
             name = classic_dtype_of(torch.load(state_file, map_location="cpu", weights_only=False)["identity"])
             return name, f"classic dtype {name} (auto: that of the state it resumes, {state_file})" + slow_dtype_warning(name, c)
-    dtype, note = T.choose_cpu_dtype(types.SimpleNamespace(cpu_dtype="auto", model_dim=c.model_dim, mlp_hidden=c.mlp_hidden))
-    return next(k for k, v in T.CPU_DTYPES.items() if v == dtype), "classic " + note.removeprefix("cpu ")
+    name, why = T.fastest_cpu_dtype(c.model_dim, c.mlp_hidden)
+    return name, f"classic dtype {why}"
 
 
 RESUME_SECONDS = 600.0  # a classic run with a state file saves it at least this often, and at every evaluation
