@@ -3744,6 +3744,13 @@ def cpu_dtype_rates(model_dim: int, mlp_hidden: int) -> tuple[dict[str, float], 
                    + ", ".join(f"{name} {rate:.1f}" for name, rate in rates.items()))
 
 
+def fastest_cpu_dtype(model_dim: int, mlp_hidden: int) -> tuple[str, str]:
+    """The CPU dtype (by name) that runs the MLP matmul faster here, and the timing as a log clause."""
+    rates, figures = cpu_dtype_rates(model_dim, mlp_hidden)
+    best = max(rates, key=rates.get)
+    return best, f"{best} (auto: {figures}; capability {torch.backends.cpu.get_cpu_capability()}) on {cpu_model()}"
+
+
 def choose_cpu_dtype(args: Hyperparameters) -> tuple[torch.dtype, str]:
     """The dtype of the model's bf16 parameters on a CPU, and a line saying why.
 
@@ -3754,13 +3761,6 @@ def choose_cpu_dtype(args: Hyperparameters) -> tuple[torch.dtype, str]:
         return CPU_DTYPES[args.cpu_dtype], f"cpu dtype {args.cpu_dtype} (--cpu_dtype) on {cpu_model()}"
     name, why = fastest_cpu_dtype(args.model_dim, args.mlp_hidden)
     return CPU_DTYPES[name], f"cpu dtype {why}"
-
-
-def fastest_cpu_dtype(model_dim: int, mlp_hidden: int) -> tuple[str, str]:
-    """The CPU dtype (by name) that runs the MLP matmul faster here, and the timing as a log clause."""
-    rates, figures = cpu_dtype_rates(model_dim, mlp_hidden)
-    best = max(rates, key=rates.get)
-    return best, f"{best} (auto: {figures}; capability {torch.backends.cpu.get_cpu_capability()}) on {cpu_model()}"
 
 
 def checkpoint_cpu_dtype(args: Hyperparameters) -> tuple[torch.dtype, str] | None:
