@@ -631,6 +631,41 @@ def test_the_classic_dtype_follows_the_flag_then_the_folder_then_the_state(tmp_p
         te.classic_dtype("auto", c, cpu, folder)
 
 
+def test_the_recipe_dtype_is_settled_once_per_folder(tmp_path, monkeypatch, capsys):
+    """The recipe's --cpu_dtype auto is timed for a folder's first recipe run only: later runs (seeds,
+    search points, ablations) take the saved runs' dtype however their own timing would come out, as on
+    a native-bf16 CPU where bf16 and fp32 time close. Here the first timing favours fp32 and every later
+    one bf16: both seeds compute in fp32. A run resuming a checkpoint keeps the flag it was started under
+    (train_gpt refuses another); a forced other dtype is refused in one line before any training."""
+    folder = str(tmp_path / "r")
+    timings = []
+
+    def gflops(dtype, m, k, n):  # two calls per timing (one per dtype)
+        timings.append(dtype)
+        first = len(timings) <= 2
+        return {torch.float32: 100.0 if first else 50.0, torch.bfloat16: 50.0 if first else 100.0}[dtype]
+
+    monkeypatch.setattr(te.T, "matmul_gflops", gflops)
+    te.main(["--smoke", "--run", "recipe", "--seeds", "0,1", "--save", folder, "--no_plot"])
+    out = capsys.readouterr().out
+    assert [read_json(tmp_path / "r" / f"recipe_s{s}.json")["recipe_dtype"] for s in (0, 1)] == ["fp32", "fp32"]
+    assert "recipe dtype auto (timed by train_gpt at the start" in out
+    assert f"recipe dtype fp32 (auto: that of the recipe runs saved in {folder})" in out
+    cpu, args = torch.device("cpu"), te.T.Hyperparameters()
+    assert te.recipe_cpu_dtype("auto", args, cpu, folder) == (
+        "fp32", f"recipe dtype fp32 (auto: that of the recipe runs saved in {folder})")
+    assert te.recipe_cpu_dtype("auto", args, torch.device("cuda"), folder)[1] == "recipe dtype bf16 (GPU)"
+    state = tmp_path / "r" / "partial" / "recipe_s2"
+    (state / "recipe_s2_1" / "step_7").mkdir(parents=True)
+    torch.save({"args": {"cpu_dtype": "auto"}}, state / "recipe_s2_1" / "step_7" / "model.pt")
+    assert te.recipe_cpu_dtype("auto", args, cpu, folder, str(state))[0] == "auto"  # as the checkpoint was started
+    with pytest.raises(SystemExit) as e:
+        te.main(["--smoke", "--run", "recipe", "--seeds", "2", "--cpu_dtype", "bf16", "--save", folder])
+    assert str(e.value) == (f"error: --save {folder} holds recipe runs computed in fp32, not --cpu_dtype bf16; "
+                            "pass --cpu_dtype fp32 (or auto), or save into a new folder")
+    assert "recipe seed 2" not in capsys.readouterr().out
+
+
 def test_ctrl_c_saves_a_classic_run_after_its_step_and_a_second_stops_at_once(tmp_path, monkeypatch, capsys):
     """Ctrl-C (SIGINT) in step 8 of a resumable classic run: the step finishes, the state is saved at step 8
     (not the last save, at step 6), the process exits with the shell's status for SIGINT (130), and the
@@ -827,6 +862,7 @@ def test_token_efficiency_smoke(tmp_path):
     assert "tuned classic (the search winner): lr 0.01, batch 1,024, context 128" in out
     dtypes = {r["classic_dtype"] for n, r in runs.items() if n.startswith("classic_")}  # the first run's, then the folder's
     assert len(dtypes) == 1 and f"classic compute dtype: {dtypes.pop()}\n" in out
+    assert runs["recipe_s0.json"]["recipe_dtype"] == recipe["recipe_dtype"]  # the first seed's, then the folder's
     assert f"recipe compute dtype: {recipe['recipe_dtype']}\n" in out
     assert "recipe best val: mean" in out and "(2 seeds)" in out
     floor = [line for line in out.splitlines() if line.startswith("floor, ")][0]

@@ -450,8 +450,8 @@ def classic_dtype_of(run_or_identity: dict) -> str:
     return run_or_identity.get("classic_dtype", run_or_identity.get("dtype", SAVED_BEFORE_DTYPE))
 
 
-def slow_dtype_warning(name: str, c: ClassicConfig) -> str:
-    """'' when this CPU runs the classic's MLP matmul in `name` at least a quarter as fast as in the other
+def slow_dtype_warning(name: str, c: ClassicConfig | T.Hyperparameters) -> str:
+    """'' when this CPU runs the model's MLP matmul in `name` at least a quarter as fast as in the other
     CPU dtype, else a clause saying how much slower: a folder's (or a resumed state's) bf16 on a CPU without
     bf16 units (AVX2 only: ~90x slower) is told at the start, not when the first evaluation never comes."""
     rates, figures = T.cpu_dtype_rates(c.model_dim, c.mlp_hidden)
@@ -462,6 +462,25 @@ def slow_dtype_warning(name: str, c: ClassicConfig) -> str:
             f"the run takes about that many times longer; in a new --save folder auto takes {fastest}")
 
 
+def folder_dtype(side: str, cpu_dtype: str, used: list[str], folder: str,
+                 c: ClassicConfig | T.Hyperparameters) -> tuple[str, str] | None:
+    """--cpu_dtype against the dtypes `used` by the `side` runs already saved in folder: (dtype, why) when
+    the flag or the folder settles it (auto: the folder's, so that runs compared in one folder compute
+    alike), None when auto finds no saved run to follow. A forced dtype other than the folder's, or auto
+    over a folder of two, stops with one line."""
+    if cpu_dtype != "auto":
+        if used and used != [cpu_dtype]:
+            raise SystemExit(f"error: --save {folder} holds {side} runs computed in {', '.join(used)}, not --cpu_dtype "
+                             f"{cpu_dtype}; pass --cpu_dtype {used[0]} (or auto), or save into a new folder")
+        return cpu_dtype, f"{side} dtype {cpu_dtype} (--cpu_dtype)"
+    if len(used) == 1:
+        return used[0], f"{side} dtype {used[0]} (auto: that of the {side} runs saved in {folder})" + slow_dtype_warning(used[0], c)
+    if used:
+        raise SystemExit(f"error: --save {folder} holds {side} runs computed in {' and '.join(used)}; "
+                         "pass --cpu_dtype to say which the new runs use")
+    return None
+
+
 def classic_dtype(cpu_dtype: str, c: ClassicConfig, device: torch.device, folder: str, state_file: str = "") -> tuple[str, str]:
     """The classic's compute dtype and a line saying why. GPUs: bf16. CPUs: --cpu_dtype bf16 or fp32; auto:
     the dtype of the classic runs already saved in the results folder (a search compares like with like;
@@ -470,23 +489,37 @@ def classic_dtype(cpu_dtype: str, c: ClassicConfig, device: torch.device, folder
     if device.type != "cpu":
         return "bf16", "classic dtype bf16 (GPU)"
     runs = read_runs(folder, "classic_", "--save") if os.path.isdir(folder) else {}
-    used = sorted({classic_dtype_of(r) for r in runs.values()})
-    if cpu_dtype != "auto":
-        if used and used != [cpu_dtype]:
-            raise SystemExit(f"error: --save {folder} holds classic runs computed in {', '.join(used)}, not --cpu_dtype "
-                             f"{cpu_dtype}; pass --cpu_dtype {used[0]} (or auto), or save into a new folder")
-        return cpu_dtype, f"classic dtype {cpu_dtype} (--cpu_dtype)"
-    if len(used) == 1:
-        return used[0], f"classic dtype {used[0]} (auto: that of the classic runs saved in {folder})" + slow_dtype_warning(used[0], c)
-    if used:
-        raise SystemExit(f"error: --save {folder} holds classic runs computed in {' and '.join(used)}; "
-                         "pass --cpu_dtype to say which the new runs use")
+    settled = folder_dtype("classic", cpu_dtype, sorted({classic_dtype_of(r) for r in runs.values()}), folder, c)
+    if settled:
+        return settled
     if state_file and os.path.exists(state_file):
         with contextlib.suppress(Exception):  # run_classic reports an unreadable state in one line
             name = classic_dtype_of(torch.load(state_file, map_location="cpu", weights_only=False)["identity"])
             return name, f"classic dtype {name} (auto: that of the state it resumes, {state_file})" + slow_dtype_warning(name, c)
     name, why = T.fastest_cpu_dtype(c.model_dim, c.mlp_hidden)
     return name, f"classic dtype {why}"
+
+
+def recipe_cpu_dtype(cpu_dtype: str, args: T.Hyperparameters, device: torch.device, folder: str,
+                     state_dir: str = "") -> tuple[str, str]:
+    """The --cpu_dtype the recipe's train_gpt.train() runs under, and a line saying why. GPUs: the flag
+    (train_gpt computes in bf16). CPUs, as for the classic: a run resuming a checkpoint under auto keeps
+    the flag the checkpoint was written under (train_gpt refuses another, and continues in the
+    checkpoint's dtype); otherwise --cpu_dtype bf16 or fp32, auto: the dtype of the recipe runs (seeds,
+    search points, ablations) already saved in the folder, else train_gpt's own timing at the start. A
+    timed choice per run would let a native-bf16 CPU, where the two dtypes time close, mix them in one
+    folder; runs saved before the dtype was recorded are not counted."""
+    if device.type != "cpu":
+        return cpu_dtype, "recipe dtype bf16 (GPU)"
+    resume = newest_checkpoint(state_dir)[1] if state_dir and os.path.isdir(state_dir) else ""
+    if resume and cpu_dtype == "auto":
+        with contextlib.suppress(Exception):  # train_gpt reports an unreadable checkpoint in one line
+            flag = torch.load(os.path.join(resume, "model.pt"), map_location="cpu", weights_only=False)["args"]["cpu_dtype"]
+            return flag, f"recipe --cpu_dtype {flag} (that of the checkpoint it resumes, {resume})"
+    runs = read_runs(folder, "", "--save") if os.path.isdir(folder) else {}
+    used = sorted({r["recipe_dtype"] for r in runs.values() if "recipe_muon_lr" in r and r.get("recipe_dtype")})
+    return folder_dtype("recipe", cpu_dtype, used, folder, args) or (
+        "auto", "recipe dtype auto (timed by train_gpt at the start; later recipe runs in this folder follow it)")
 
 
 RESUME_SECONDS = 600.0  # a classic run with a state file saves it at least this often, and at every evaluation
@@ -1456,7 +1489,9 @@ def save_recipe_run(a, data: BenchData, seed: int, device: torch.device, name: s
     state_dir = os.path.join(a.save, PARTIAL_DIR, name)
     run_id = f"{name}_{os.getpid()}"
     t = time.perf_counter()
-    args = dataclasses.replace(args, train_files=run_copy(args.train_files, "train", a.data_dir, state_dir),
+    cpu_dtype, note = recipe_cpu_dtype(a.cpu_dtype, args, device, a.save, state_dir)
+    print(f"  {note}", flush=True)
+    args = dataclasses.replace(args, cpu_dtype=cpu_dtype, train_files=run_copy(args.train_files, "train", a.data_dir, state_dir),
                                val_files=run_copy(args.val_files, "val", a.data_dir, state_dir))
     try:
         run = run_recipe(args, device, run_id, state_dir, this_sitting(a))
@@ -1493,8 +1528,11 @@ def run_sides(a, device: torch.device) -> None:
     """Train what --run asks for, one JSON per run in the results folder, then report it."""
     seeds = [int(x) for x in a.seeds.split(",")]
     data = prepare(a)
-    if a.run in ("both", "classic", "search") and a.cpu_dtype != "auto":  # refused now, not after the recipe's hours
-        classic_dtype(a.cpu_dtype, ClassicConfig(), device, a.save)
+    if a.cpu_dtype != "auto":  # a forced dtype the folder's runs do not share: refused now, not after hours
+        if a.run in ("both", "classic", "search"):
+            classic_dtype(a.cpu_dtype, ClassicConfig(), device, a.save)
+        if a.run in ("both", "recipe", "recipe_search"):
+            recipe_cpu_dtype(a.cpu_dtype, T.Hyperparameters(), device, a.save)
     args = recipe_args(a.preset, data.train_glob, data.val_path, a.tokens, a.evals, data.val.val_tokens, device,
                        a.recipe_overrides, a.log_dir, model_dim=a.model_dim)
     folder = a.save
@@ -1649,9 +1687,9 @@ def main(argv=None):
     ap.add_argument("--log_dir", default="", help="keep the recipe's run logs here (default: the results folder's logs/)")
     ap.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     ap.add_argument("--cpu_dtype", default="auto", choices=("auto", *T.CPU_DTYPES),
-                    help="CPU compute dtype of both sides: the recipe's train_gpt --cpu_dtype (auto: timed at each "
-                         "run's start, as the saved runs) and the classic's (auto: that of the classic runs in --save, "
-                         "else timed the same way)")
+                    help="CPU compute dtype of both sides, each settled per results folder: the recipe's train_gpt "
+                         "--cpu_dtype (auto: that of the recipe runs in --save, else timed at the run's start) and the "
+                         "classic's (auto: that of the classic runs in --save, else timed the same way)")
     ap.add_argument("--smoke", action="store_true", help="a few steps of the test preset (checks the tooling only)")
     a = ap.parse_args(argv)
     a.command = sys.argv if argv is None else [sys.argv[0], *argv]
