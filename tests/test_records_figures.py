@@ -7,7 +7,9 @@ records/README.md marks each quoting paragraph or table with the folder(s) it qu
     ... every loss, delta, p-value, rate (3+ decimals) and token count (5+ digits) in here ...
     <!-- /figures -->
 
-and each of those figures must appear, as printed, in the --load output of one of the named folders."""
+and each of those figures must appear, as printed, in the --load output of one of the named folders.
+Each results folder's own README lists its runs in a table (| run | lr | ... | best val | at tokens |);
+every row is checked against the run's JSON curve."""
 import contextlib
 import functools
 import glob
@@ -106,3 +108,45 @@ def test_saved_floor_is_what_the_shards_give(folder):
     except SystemExit:
         pytest.skip(f"{saved['train']} not built here (data/README.md)")
     assert te.count_floor(train, val) == pytest.approx(saved["floor"], rel=1e-9)
+
+
+def run_table_rows() -> list:
+    """(folder README, header cells, row cells) of every row naming a saved run (`classic_...`, `rsearch_...`) in a
+    results folder's own README: the tables beside the runs, outside records/README.md's marked regions."""
+    rows = []
+    for folder in FOLDERS:
+        path = os.path.join(REPO, folder, "README.md")
+        if not os.path.exists(path):
+            continue
+        header = None
+        for line in open(path, encoding="utf-8"):
+            cells = [c.strip() for c in line.strip().strip("|").split("|")] if line.startswith("|") else None
+            if cells and cells[0] == "run":
+                header = cells
+            elif cells and header and re.fullmatch(r"`[\w.]+`", cells[0]):
+                rows.append(pytest.param(folder, header, cells, id=f"{folder}:{cells[0].strip('`')}"))
+            elif not cells:
+                header = None
+    return rows or [pytest.param("", [], [], marks=pytest.mark.skip)]
+
+
+@pytest.mark.parametrize("folder,header,row", run_table_rows())
+def test_run_tables_are_what_the_saved_runs_hold(folder, header, row):
+    """Each row of a folder README's run table against its run's JSON: the settings (the classic's lr,
+    batch, context and step count; the recipe's two rates), the best validation loss (4 decimals, bold or
+    not), the tokens it was first reached at and the last loss."""
+    path = os.path.join(REPO, folder, row[0].strip("`") + ".json")
+    assert os.path.exists(path), f"{folder}/README.md lists {row[0]}, which is not saved there"
+    with open(path, encoding="utf-8") as f:
+        run = json.load(f)
+    tokens, best = min(run["curve"], key=lambda p: (p[1], p[0]))
+    want = {"best val": f"{best:.4f}", "at tokens": f"{tokens:,}", "last val": f"{run['curve'][-1][1]:.4f}"}
+    if "classic_lr" in run:
+        batch = run["classic_batch_tokens"]
+        want.update({"lr": f"{run['classic_lr']:g}", "batch (tokens)": f"{batch:,}", "context": f"{run['classic_seq_len']:,}",
+                     "steps": f"{max(1, run['tokens'] // batch):,}"})
+    else:
+        want.update({"NorMuon lr": f"{run['recipe_muon_lr']:g}", "Adam lr": f"{run['recipe_adam_lr']:g}"})
+    got = {h: c.replace("**", "") for h, c in zip(header, row) if h in want}
+    assert {"best val", "at tokens"} <= set(got), f"{folder}/README.md: a run table without {header}"
+    assert got == {h: want[h] for h in got}, f"{folder}/README.md, {row[0]}"
