@@ -503,11 +503,11 @@ def classic_dtype(cpu_dtype: str, c: ClassicConfig, device: torch.device, folder
 def recipe_cpu_dtype(cpu_dtype: str, args: T.Hyperparameters, device: torch.device, folder: str,
                      state_dir: str = "") -> tuple[str, str]:
     """The --cpu_dtype the recipe's train_gpt.train() runs under, and a line saying why. GPUs: the flag
-    (train_gpt computes in bf16). CPUs, as for the classic: a run resuming a checkpoint under auto keeps
-    the flag the checkpoint was written under (train_gpt refuses another, and continues in the
-    checkpoint's dtype); otherwise --cpu_dtype bf16 or fp32, auto: the dtype of the recipe runs (seeds,
-    search points, ablations) already saved in the folder, else train_gpt's own timing at the start. A
-    timed choice per run would let a native-bf16 CPU, where the two dtypes time close, mix them in one
+    (train_gpt computes in bf16). CPUs: a run resuming a checkpoint under auto keeps the flag the
+    checkpoint was written under, ahead of the folder (unlike the classic's state: train_gpt refuses any
+    other flag, and continues in the checkpoint's dtype); otherwise --cpu_dtype bf16 or fp32, auto: the
+    dtype of the recipe runs (seeds, search points, ablations) already saved in the folder, else
+    train_gpt's own timing at the start. A timed choice per run would let a native-bf16 CPU, where the two dtypes time close, mix them in one
     folder; runs saved before the dtype was recorded are not counted."""
     if device.type != "cpu":
         return cpu_dtype, "recipe dtype bf16 (GPU)"
