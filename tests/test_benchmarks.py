@@ -986,6 +986,54 @@ def test_token_efficiency_load_errors_are_one_line(tmp_path):
     assert "runs on different data" in err_here("--load", str(old))
 
 
+def test_compare_two_runs_by_hand(tmp_path, capsys):
+    """--load DIR --compare A,B against curves whose differences are set by hand: A - B at each
+    evaluation, where A leads, trails and is level, the best and last losses and the floor gaps."""
+    floor = {"unigram": 6.0, "bigram": 4.25, "bigram_weight": 0.9, "train_tokens": 400}
+    a = [(0, 10.0), (100, 5.0), (200, 4.0), (300, 3.75), (400, 3.5), (410, 3.625)]
+    b = [(0, 10.0), (101, 5.5), (200, 3.875), (300, 3.75), (400, 3.25), (410, 3.125)]
+    for lr, curve in ((0.001, a), (0.002, b)):
+        te.save_curve(str(tmp_path), f"classic_lr{lr}_b10_ctx10_s0", curve, {
+            "tokens": 410, "seed": 0, "floor": floor, "classic_lr": lr, "classic_batch_tokens": 10, "classic_seq_len": 10})
+    te.main(["--load", str(tmp_path), "--compare", "classic_lr0.001_b10_ctx10_s0,classic_lr0.002_b10_ctx10_s0.json"])
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[:2] == ["A classic_lr0.001_b10_ctx10_s0: lr 0.001, batch 10, context 10, seed 0",
+                         "B classic_lr0.002_b10_ctx10_s0: lr 0.002, batch 10, context 10, seed 0"]
+    assert [line.split() for line in lines[4:10]] == [
+        ["0", "0", "10.0000", "0", "10.0000", "+0.0000"], ["1", "100", "5.0000", "101", "5.5000", "-0.5000"],
+        ["2", "200", "4.0000", "200", "3.8750", "+0.1250"], ["3", "300", "3.7500", "300", "3.7500", "+0.0000"],
+        ["4", "400", "3.5000", "400", "3.2500", "+0.2500"], ["5", "410", "3.6250", "410", "3.1250", "+0.5000"]]
+    assert lines[10:] == [
+        "A leads at 1 of the 5 evaluations after step 0, by 0.5000 to 0.5000; trails at 3, by 0.1250 to 0.5000; level at 1",
+        "best: A 3.5000 at 400 tokens, B 3.1250 at 410 tokens: A 0.3750 behind",
+        "last: A 3.6250, B 3.1250: A 0.5000 behind",
+        "A's best is 0.7500 below the interpolated bigram of seed 0 (4.2500)",
+        "B's best is 1.1250 below the interpolated bigram of seed 0 (4.2500)"]
+
+
+def test_compare_refuses_runs_it_cannot_pair(tmp_path):
+    """Runs evaluated a different number of times or at token counts over 2% apart, a name the folder
+    lacks, one name, and --compare without --load: each one "error: ..." line."""
+    def err(*argv):
+        with pytest.raises(SystemExit) as e:
+            te.main(list(argv))
+        assert str(e.value).startswith("error: ") and "\n" not in str(e.value)
+        return str(e.value)
+
+    te.save_curve(str(tmp_path), "classic_a_s0", [(0, 10.0), (100, 5.0), (200, 4.0)], {"tokens": 200})
+    te.save_curve(str(tmp_path), "classic_b_s0", [(0, 10.0), (200, 4.0)], {"tokens": 200})
+    te.save_curve(str(tmp_path), "classic_c_s0", [(0, 10.0), (103, 5.0), (200, 4.0)], {"tokens": 200})
+    te.save_curve(str(tmp_path), "classic_d_s0", [(0, 10.0), (102, 5.0), (200, 4.0)], {"tokens": 200})
+    d = str(tmp_path)
+    assert "classic_a_s0 has 2 evaluations after step 0 and classic_b_s0 1" in err("--load", d, "--compare", "classic_a_s0,classic_b_s0")
+    assert "evaluation 1 is at 100 tokens in classic_a_s0 and 103" in err("--load", d, "--compare", "classic_a_s0,classic_c_s0")
+    te.main(["--load", d, "--compare", "classic_a_s0,classic_d_s0"])  # 2% apart: paired
+    assert "holds no run classic_e_s0" in err("--load", d, "--compare", "classic_a_s0,classic_e_s0")
+    assert "give two different runs" in err("--load", d, "--compare", "classic_a_s0")
+    assert "give two different runs" in err("--load", d, "--compare", "classic_a_s0,classic_a_s0")
+    assert "--compare A,B needs --load DIR" in err("--compare", "classic_a_s0,classic_d_s0")
+
+
 def test_model_dim_widens_both_sides_and_widths_do_not_mix(tmp_path, capsys):
     """--model_dim 128 on the test preset (64 wide, heads of 32): 4 heads and a 512-wide MLP for the
     recipe, the classic built at that width (its parameters counted here by hand), recorded in every

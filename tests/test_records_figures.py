@@ -8,7 +8,8 @@ records/README.md marks each quoting paragraph or table with the folder(s) it qu
     <!-- /figures -->
 
 and each of those figures must appear, as printed, in the --load output of one of the named folders.
-Each results folder's own README lists its runs in a table (| run | lr | ... | best val | at tokens |);
+Prose comparing two runs is marked with the pair (<!-- compare: DIR A,B --> ... <!-- /compare -->) and
+checked against `--load DIR --compare A,B` and the two JSONs (below). Each results folder's own README lists its runs in a table (| run | lr | ... | best val | at tokens |);
 every row is checked against the run's JSON curve."""
 import contextlib
 import functools
@@ -150,3 +151,64 @@ def test_run_tables_are_what_the_saved_runs_hold(folder, header, row):
     got = {h: c.replace("**", "") for h, c in zip(header, row) if h in want}
     assert {"best val", "at tokens"} <= set(got), f"{folder}/README.md: a run table without {header}"
     assert got == {h: want[h] for h in got}, f"{folder}/README.md, {row[0]}"
+
+
+# records/README.md's prose that compares two runs of a folder marks each comparison with the pair:
+#     <!-- compare: records/token_efficiency_sympy_12M_tune classic_A_s0,classic_B_s0 --> ... <!-- /compare -->
+# Each decimal in it (2+ places) must be a number `--load DIR --compare A,B` prints (a setting) or a rounding of
+# one (a loss, a difference at an evaluation, a best, last or floor gap), and each count (5+ digits) one it prints.
+COMPARE_REGION = re.compile(r"<!-- compare: (\S+) (\S+) -->(.*?)<!-- /compare -->", re.S)
+DECIMAL = re.compile(r"(?<![\w.,])\d+\.\d{2,}(?!\d)")
+
+
+# how a comparison says A ends against B: "ends 0.027 behind at 2.4805", "ending 0.01 ahead", "ends at 1.4448, 0.019 behind"
+ENDS = re.compile(r"end(?:s|ing)\s+(?:only\s+)?(?:at\s+(\d+\.\d{4}),\s+)?(\d+\.\d+)\s+(ahead|behind)(?:\s+at\s+(\d+\.\d{4}))?")
+
+
+def compare_regions() -> list:
+    with open(os.path.join(REPO, "records", "README.md"), encoding="utf-8") as f:
+        found = COMPARE_REGION.findall(f.read())
+    return [pytest.param(folder, pair, body, id=f"{os.path.basename(folder)}:{pair}") for folder, pair, body in found]
+
+
+def rounds_a_printed_value(figure: str, printed: set[str]) -> bool:
+    """A figure is printed as it is, or, of 2-3 places, rounds a printed 4-place value (itself rounded,
+    so half a unit of its last place is slack)."""
+    places = len(figure.split(".")[1])
+    return figure in printed or places < 4 and any(
+        abs(float(v) - float(figure)) <= 0.5 * 10 ** -places + 0.5e-4 for v in printed if len(v.split(".")[1]) == 4)
+
+
+def test_the_comparisons_are_marked():
+    assert len(compare_regions()) >= 10, "records/README.md: the 12M search's comparisons are not marked"
+
+
+@pytest.mark.parametrize("folder,pair,body", compare_regions())
+def test_quoted_comparisons_are_what_compare_prints(folder, pair, body):
+    assert folder in FOLDERS, f"{folder}: not a committed token-efficiency folder ({FOLDERS})"
+    printed = te.compare_runs(os.path.join(REPO, folder), pair)
+    numbers = set(re.findall(r"\d+\.\d+", printed))
+    decimals = DECIMAL.findall(body)
+    counts = [f for f in figures(body) if "." not in f]
+    assert decimals, "a marked comparison with no figure to check"
+    wrong = [f for f in decimals if not rounds_a_printed_value(f, numbers)]
+    wrong += [f for f in counts if f not in printed]
+    assert not wrong, f"records/README.md quotes {wrong} for {pair}, which --load {folder} --compare does not print"
+
+
+@pytest.mark.parametrize("folder,pair,body", compare_regions())
+def test_each_comparison_ends_as_the_saved_runs_do(folder, pair, body):
+    """Each marked comparison says how A ends against B, and that is its best val loss against B's, read
+    from the two JSONs: ahead or behind, by how much (rounded as quoted) and, where quoted, A's best."""
+    best = []
+    for name in pair.split(","):
+        with open(os.path.join(REPO, folder, name + ".json"), encoding="utf-8") as f:
+            best.append(min(loss for _, loss in json.load(f)["curve"]))
+    m = ENDS.search(body)
+    assert m, f"records/README.md: the comparison of {pair} does not say how it ends (\"ends 0.027 behind\")"
+    quoted_best, by, side, best_after = m.groups()
+    gap = best[0] - best[1]
+    assert side == ("ahead" if gap < 0 else "behind"), f"{pair}: A's best is {best[0]:.4f}, B's {best[1]:.4f}"
+    assert abs(abs(gap) - float(by)) <= 0.5 * 10 ** -len(by.split(".")[1]) + 1e-9, f"{pair}: ends {abs(gap):.4f} {side}"
+    for quoted in (quoted_best, best_after):
+        assert quoted in (None, f"{best[0]:.4f}"), f"{pair}: A's best is {best[0]:.4f}, not {quoted}"

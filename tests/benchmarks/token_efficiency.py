@@ -13,6 +13,7 @@ joined (--load prints every table the folder supports and plots the curves):
     python tests/benchmarks/token_efficiency.py $D --run classic --seeds 1,2   # the search winner, more seeds
     python tests/benchmarks/token_efficiency.py $D --ablate --seeds 0,1 --only dc,xsa
     python tests/benchmarks/token_efficiency.py --load DIR             # floor, search, seeds, ratio, ablations; DIR/curves.png
+    python tests/benchmarks/token_efficiency.py --load DIR --compare A,B   # two saved runs, evaluation by evaluation
     python tests/benchmarks/token_efficiency.py $D --seeds 0,1,2 --floor   # the validation set and floors only
     python tests/benchmarks/token_efficiency.py --smoke                # a few steps of each (the test suite runs this)
 
@@ -1163,6 +1164,70 @@ def searches_preview(runs: dict[str, dict], floors: Floors) -> str:
                    f"classic's {tokens:,}")
 
 
+# Two runs are compared at the same evaluations only where these sit at nearly the same token counts
+# (runs of one side with one --evals; batches that divide the budget differently move them by < 1%).
+COMPARE_TOKENS_APART = 0.02
+
+
+def run_settings(run: dict) -> str:
+    """What a saved run was trained with, in a few words: the classic's lr, batch and context, or the
+    recipe's two rates."""
+    if "classic_lr" in run:
+        return (f"lr {run['classic_lr']:g}, batch {run['classic_batch_tokens']:,}, context {run['classic_seq_len']:,}, "
+                f"seed {run.get('seed', 0)}")
+    if "recipe_muon_lr" in run:
+        return f"NorMuon lr {run['recipe_muon_lr']:g}, Adam lr {run['recipe_adam_lr']:g}, seed {run.get('seed', 0)}"
+    return f"seed {run.get('seed', 0)}"
+
+
+def compare_runs(folder: str, names: str) -> str:
+    """--load DIR --compare A,B: two saved runs of a folder at each evaluation (A's val loss minus B's,
+    negative where A leads), then where A leads and trails and by how much, both runs' best and last
+    losses, and how far each best is below its seed's bigram floor."""
+    runs = load_runs(folder, None)
+    pair = [n.strip().removesuffix(".json") for n in names.split(",")]
+    if len(pair) != 2 or not all(pair) or pair[0] == pair[1]:
+        raise SystemExit(f"error: --compare {names!r}: give two different runs of {folder}, comma-separated "
+                         "(JSON names without .json, e.g. classic_lr0.003_b2048_ctx128_s0,classic_lr0.0015_b2048_ctx128_s0)")
+    for n in pair:
+        if n not in runs:
+            raise SystemExit(f"error: --compare: {folder} holds no run {n} (its runs: {', '.join(sorted(runs))})")
+    a, b = (runs[n]["curve"] for n in pair)
+    if len(a) != len(b):
+        raise SystemExit(f"error: --compare: {pair[0]} has {len(a) - 1} evaluations after step 0 and {pair[1]} "
+                         f"{len(b) - 1}; compare runs of one side saved with the same --evals")
+    for i, ((ta, _), (tb, _)) in enumerate(zip(a, b)):
+        if abs(ta - tb) > COMPARE_TOKENS_APART * max(ta, tb):
+            raise SystemExit(f"error: --compare: evaluation {i} is at {ta:,} tokens in {pair[0]} and {tb:,} in "
+                             f"{pair[1]}, over {COMPARE_TOKENS_APART:.0%} apart; compare runs of one side saved "
+                             "with the same --evals")
+    lines = [f"{side} {n}: {run_settings(runs[n])}" for side, n in zip("AB", pair)]
+    lines += [f"{folder}: val loss at each evaluation; A - B is negative where A leads",
+              f"{'eval':>4} {'A tokens':>11} {'A val':>8} {'B tokens':>11} {'B val':>8} {'A - B':>8}"]
+    diffs = []
+    for i, ((ta, la), (tb, lb)) in enumerate(zip(a, b)):
+        d = round(la - lb, 4)
+        lines.append(f"{i:4} {ta:11,} {la:8.4f} {tb:11,} {lb:8.4f} {d:+8.4f}")
+        if i:
+            diffs.append(d)
+    lead, trail = [-d for d in diffs if d < 0], [d for d in diffs if d > 0]
+    span = lambda xs: f", by {min(xs):.4f} to {max(xs):.4f}" if xs else ""  # noqa: E731
+    lines.append(f"A leads at {len(lead)} of the {len(diffs)} evaluations after step 0{span(lead)}; trails at "
+                 f"{len(trail)}{span(trail)}; level at {len(diffs) - len(lead) - len(trail)}")
+    (a_at, a_best), (b_at, b_best) = best_point(a), best_point(b)
+    ahead = lambda x, y: f"A {abs(x - y):.4f} {'ahead' if x < y else 'behind' if x > y else 'level'}"  # noqa: E731
+    lines.append(f"best: A {a_best:.4f} at {a_at:,} tokens, B {b_best:.4f} at {b_at:,} tokens: {ahead(a_best, b_best)}")
+    lines.append(f"last: A {a[-1][1]:.4f}, B {b[-1][1]:.4f}: {ahead(a[-1][1], b[-1][1])}")
+    floors = folder_floors(folder, runs)
+    for side, n, best in (("A", pair[0], a_best), ("B", pair[1], b_best)):
+        seed = runs[n].get("seed", 0)
+        bigram = floors.bigram([seed])
+        if bigram is not None:
+            lines.append(f"{side}'s best is {abs(bigram - best):.4f} {'below' if best < bigram else 'above'} the "
+                         f"interpolated bigram of seed {seed} ({bigram:.4f})")
+    return "\n".join(lines)
+
+
 def seeds_table(runs: dict[str, dict], floors: Floors | None = None) -> tuple[str, list[float]]:
     """Per seed: the recipe's and the tuned classic's best val loss, the bigram floor and the ratio (when
     ratio_refusal allows one); then mean and spread."""
@@ -1680,6 +1745,9 @@ def main(argv=None):
     ap.add_argument("--save", default="", help="results folder: one JSON per run (default: a temporary one)")
     ap.add_argument("--load", default="", help="print the tables of a results folder and plot it (no training)")
     ap.add_argument("--no_plot", action="store_true", help="--load: tables only")
+    ap.add_argument("--compare", default="", metavar="A,B",
+                    help="--load: instead of the tables, two of the folder's runs at each evaluation (A - B), where A "
+                         "leads and trails, their best and last losses and the floor")
     ap.add_argument("--floor", action="store_true",
                     help="print the validation set and each --seeds floor of these data flags, then stop (no training)")
     ap.add_argument("--ablate", action="store_true", help="run the ablation table instead of the comparison")
@@ -1695,8 +1763,13 @@ def main(argv=None):
     a.command = sys.argv if argv is None else [sys.argv[0], *argv]
     if a.val_tokens is not None and a.val_tokens < 1:
         raise SystemExit(f"error: --val_tokens {a.val_tokens} must be >= 1")
+    if a.compare and not a.load:
+        raise SystemExit("error: --compare A,B needs --load DIR, the results folder holding both runs")
     if a.load:
-        report(a.load, a.tokens, plot=not a.no_plot)
+        if a.compare:
+            print(compare_runs(a.load, a.compare))
+        else:
+            report(a.load, a.tokens, plot=not a.no_plot)
         return
     if a.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("error: --device cuda but no CUDA device is available; use --device cpu")
