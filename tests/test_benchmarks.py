@@ -988,8 +988,9 @@ def test_token_efficiency_load_errors_are_one_line(tmp_path):
 
 def test_compare_two_runs_by_hand(tmp_path, capsys):
     """--load DIR --compare A,B against curves whose differences are set by hand: A - B at each
-    evaluation, where A leads, trails and is level, the best and last losses and the floor gaps."""
-    floor = {"unigram": 6.0, "bigram": 4.25, "bigram_weight": 0.9, "train_tokens": 400}
+    evaluation, where A leads, trails and is level, the best and last losses, the floor gaps and how far
+    each best is from the 0.3 below the bigram that a ratio needs (A short of it, B clear)."""
+    floor = {"unigram": 6.0, "bigram": 3.75, "bigram_weight": 0.9, "train_tokens": 400}
     a = [(0, 10.0), (100, 5.0), (200, 4.0), (300, 3.75), (400, 3.5), (410, 3.625)]
     b = [(0, 10.0), (101, 5.5), (200, 3.875), (300, 3.75), (400, 3.25), (410, 3.125)]
     for lr, curve in ((0.001, a), (0.002, b)):
@@ -1007,8 +1008,8 @@ def test_compare_two_runs_by_hand(tmp_path, capsys):
         "A leads at 1 of the 5 evaluations after step 0, by 0.5000 to 0.5000; trails at 3, by 0.1250 to 0.5000; level at 1",
         "best: A 3.5000 at 400 tokens, B 3.1250 at 410 tokens: A 0.3750 behind",
         "last: A 3.6250, B 3.1250: A 0.5000 behind",
-        "A's best is 0.7500 below the interpolated bigram of seed 0 (4.2500)",
-        "B's best is 1.1250 below the interpolated bigram of seed 0 (4.2500)"]
+        "A's best is 0.2500 below the interpolated bigram of seed 0 (3.7500); a ratio needs 3.4500: 0.0500 short",
+        "B's best is 0.6250 below the interpolated bigram of seed 0 (3.7500); a ratio needs 3.4500: cleared by 0.3250"]
 
 
 def test_compare_refuses_runs_it_cannot_pair(tmp_path):

@@ -30,6 +30,14 @@ import token_efficiency as te  # noqa: E402
 # a decimal with 3+ digits after the point (losses, deltas, p-values, rates), or a comma-grouped count
 FIGURE = re.compile(r"(?<![\w.,])[+-]?\d+\.\d{3,}(?!\d)|(?<![\w.,])\d{1,3}(?:,\d{3})+(?![\d,])")
 REGION = re.compile(r"<!-- figures: (.*?) -->(.*?)<!-- /figures -->", re.S)
+# records/README.md's prose that compares two runs of a folder marks each comparison with the pair:
+#     <!-- compare: records/token_efficiency_sympy_12M_tune classic_A_s0,classic_B_s0 --> ... <!-- /compare -->
+# Each decimal in it (2+ places) must be a number `--load DIR --compare A,B` prints (a setting) or a rounding of
+# one (a loss, a difference at an evaluation, a best, last or floor gap), and each count (5+ digits) one it prints.
+COMPARE_REGION = re.compile(r"<!-- compare: (\S+) (\S+) -->(.*?)<!-- /compare -->", re.S)
+DECIMAL = re.compile(r"(?<![\w.,])\d+\.\d{2,}(?![\dM])")  # not token positions (1.77M)
+# how a comparison says A ends against B: "ends 0.027 behind at 2.4805", "ending 0.01 ahead", "ends at 1.4448, 0.019 behind"
+ENDS = re.compile(r"end(?:s|ing)\s+(?:only\s+)?(?:at\s+(\d+\.\d{4}),\s+)?(\d+\.\d+)\s+(ahead|behind)(?:\s+at\s+(\d+\.\d{4}))?")
 # results folders: those with a saved run (one whose runs are all still in progress holds only partial/ and logs/)
 FOLDERS = sorted(os.path.relpath(p, REPO) for p in glob.glob(os.path.join(REPO, "records", "token_efficiency_*"))
                  if glob.glob(os.path.join(p, "*.json")))
@@ -57,7 +65,7 @@ def regions() -> list[tuple[list[str], str]]:
 @pytest.mark.parametrize("folders,body", regions(), ids=lambda x: "+".join(x) if isinstance(x, list) else "")
 def test_quoted_figures_are_what_load_prints(folders, body):
     assert all(f in FOLDERS for f in folders), f"{folders}: not a committed token-efficiency folder ({FOLDERS})"
-    quoted = figures(body)
+    quoted = figures(COMPARE_REGION.sub("", body))  # a marked comparison inside is checked against --compare
     assert quoted, "a marked region with no figure to check"
     printed = set(figures("\n".join(load_output(f) for f in folders)))
     missing = [f for f in quoted if f not in printed]
@@ -151,18 +159,6 @@ def test_run_tables_are_what_the_saved_runs_hold(folder, header, row):
     got = {h: c.replace("**", "") for h, c in zip(header, row) if h in want}
     assert {"best val", "at tokens"} <= set(got), f"{folder}/README.md: a run table without {header}"
     assert got == {h: want[h] for h in got}, f"{folder}/README.md, {row[0]}"
-
-
-# records/README.md's prose that compares two runs of a folder marks each comparison with the pair:
-#     <!-- compare: records/token_efficiency_sympy_12M_tune classic_A_s0,classic_B_s0 --> ... <!-- /compare -->
-# Each decimal in it (2+ places) must be a number `--load DIR --compare A,B` prints (a setting) or a rounding of
-# one (a loss, a difference at an evaluation, a best, last or floor gap), and each count (5+ digits) one it prints.
-COMPARE_REGION = re.compile(r"<!-- compare: (\S+) (\S+) -->(.*?)<!-- /compare -->", re.S)
-DECIMAL = re.compile(r"(?<![\w.,])\d+\.\d{2,}(?!\d)")
-
-
-# how a comparison says A ends against B: "ends 0.027 behind at 2.4805", "ending 0.01 ahead", "ends at 1.4448, 0.019 behind"
-ENDS = re.compile(r"end(?:s|ing)\s+(?:only\s+)?(?:at\s+(\d+\.\d{4}),\s+)?(\d+\.\d+)\s+(ahead|behind)(?:\s+at\s+(\d+\.\d{4}))?")
 
 
 def compare_regions() -> list:

@@ -1183,7 +1183,7 @@ def run_settings(run: dict) -> str:
 def compare_runs(folder: str, names: str) -> str:
     """--load DIR --compare A,B: two saved runs of a folder at each evaluation (A's val loss minus B's,
     negative where A leads), then where A leads and trails and by how much, both runs' best and last
-    losses, and how far each best is below its seed's bigram floor."""
+    losses, and how far each best is below its seed's bigram floor and from the FLOOR_MARGIN a ratio needs."""
     runs = load_runs(folder, None)
     pair = [n.strip().removesuffix(".json") for n in names.split(",")]
     if len(pair) != 2 or not all(pair) or pair[0] == pair[1]:
@@ -1223,8 +1223,10 @@ def compare_runs(folder: str, names: str) -> str:
         seed = runs[n].get("seed", 0)
         bigram = floors.bigram([seed])
         if bigram is not None:
+            need = bigram - FLOOR_MARGIN
             lines.append(f"{side}'s best is {abs(bigram - best):.4f} {'below' if best < bigram else 'above'} the "
-                         f"interpolated bigram of seed {seed} ({bigram:.4f})")
+                         f"interpolated bigram of seed {seed} ({bigram:.4f}); a ratio needs {need:.4f}: "
+                         + (f"cleared by {need - best:.4f}" if best <= need else f"{best - need:.4f} short"))
     return "\n".join(lines)
 
 
