@@ -30,14 +30,14 @@ import token_efficiency as te  # noqa: E402
 # a decimal with 3+ digits after the point (losses, deltas, p-values, rates), or a comma-grouped count
 FIGURE = re.compile(r"(?<![\w.,])[+-]?\d+\.\d{3,}(?!\d)|(?<![\w.,])\d{1,3}(?:,\d{3})+(?![\d,])")
 REGION = re.compile(r"<!-- figures: (.*?) -->(.*?)<!-- /figures -->", re.S)
-# records/README.md's prose that compares two runs of a folder marks each comparison with the pair:
+# The READMEs' prose that compares two runs of a folder marks each comparison with the pair:
 #     <!-- compare: records/token_efficiency_sympy_12M_tune classic_A_s0,classic_B_s0 --> ... <!-- /compare -->
 # Each decimal in it (2+ places) must be a number `--load DIR --compare A,B` prints (a setting) or a rounding of
 # one (a loss, a difference at an evaluation, a best, last or floor gap), and each count (5+ digits) one it prints.
 COMPARE_REGION = re.compile(r"<!-- compare: (\S+) (\S+) -->(.*?)<!-- /compare -->", re.S)
 DECIMAL = re.compile(r"(?<![\w.,])\d+\.\d{2,}(?![\dM])")  # not token positions (1.77M)
-# how a comparison says A ends against B: "ends 0.027 behind at 2.4805", "ending 0.01 ahead", "ends at 1.4448, 0.019 behind"
-ENDS = re.compile(r"end(?:s|ing)\s+(?:only\s+)?(?:at\s+(\d+\.\d{4}),\s+)?(\d+\.\d+)\s+(ahead|behind)(?:\s+at\s+(\d+\.\d{4}))?")
+# how a comparison says A ends against B: "ends 0.027 behind at 2.4805", "ending 0.01 ahead", "ends at **1.4448**, 0.019 behind"
+ENDS = re.compile(r"end(?:s|ing)\s+(?:only\s+)?(?:at\s+\**(\d+\.\d{4})\**,\s+)?(\d+\.\d+)\s+(ahead|behind)(?:\s+at\s+\**(\d+\.\d{4}))?")
 # results folders: those with a saved run (one whose runs are all still in progress holds only partial/ and logs/)
 FOLDERS = sorted(os.path.relpath(p, REPO) for p in glob.glob(os.path.join(REPO, "records", "token_efficiency_*"))
                  if glob.glob(os.path.join(p, "*.json")))
@@ -162,9 +162,15 @@ def test_run_tables_are_what_the_saved_runs_hold(folder, header, row):
 
 
 def compare_regions() -> list:
-    with open(os.path.join(REPO, "records", "README.md"), encoding="utf-8") as f:
-        found = COMPARE_REGION.findall(f.read())
-    return [pytest.param(folder, pair, body, id=f"{os.path.basename(folder)}:{pair}") for folder, pair, body in found]
+    """(folder, "A,B", text) of each marked comparison in records/README.md and the results folders' READMEs."""
+    found = []
+    for path in [os.path.join(REPO, "records", "README.md"), *(os.path.join(REPO, f, "README.md") for f in FOLDERS)]:
+        if os.path.exists(path):
+            with open(path, encoding="utf-8") as f:
+                where = os.path.relpath(path, REPO)
+                found += [pytest.param(folder, pair, body, id=f"{where}:{pair}")
+                          for folder, pair, body in COMPARE_REGION.findall(f.read())]
+    return found
 
 
 def rounds_a_printed_value(figure: str, printed: set[str]) -> bool:
@@ -189,7 +195,7 @@ def test_quoted_comparisons_are_what_compare_prints(folder, pair, body):
     assert decimals, "a marked comparison with no figure to check"
     wrong = [f for f in decimals if not rounds_a_printed_value(f, numbers)]
     wrong += [f for f in counts if f not in printed]
-    assert not wrong, f"records/README.md quotes {wrong} for {pair}, which --load {folder} --compare does not print"
+    assert not wrong, f"a README quotes {wrong} for {pair}, which --load {folder} --compare does not print"
 
 
 @pytest.mark.parametrize("folder,pair,body", compare_regions())
@@ -201,7 +207,7 @@ def test_each_comparison_ends_as_the_saved_runs_do(folder, pair, body):
         with open(os.path.join(REPO, folder, name + ".json"), encoding="utf-8") as f:
             best.append(min(loss for _, loss in json.load(f)["curve"]))
     m = ENDS.search(body)
-    assert m, f"records/README.md: the comparison of {pair} does not say how it ends (\"ends 0.027 behind\")"
+    assert m, f"the comparison of {pair} does not say how it ends (\"ends 0.027 behind\")"
     quoted_best, by, side, best_after = m.groups()
     gap = best[0] - best[1]
     assert side == ("ahead" if gap < 0 else "behind"), f"{pair}: A's best is {best[0]:.4f}, B's {best[1]:.4f}"
