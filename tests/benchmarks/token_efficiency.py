@@ -1206,7 +1206,7 @@ def compare_runs(folder: str, names: str) -> str:
               f"{'eval':>4} {'A tokens':>11} {'A val':>8} {'B tokens':>11} {'B val':>8} {'A - B':>8}"]
     diffs = []
     for i, ((ta, la), (tb, lb)) in enumerate(zip(a, b)):
-        d = round(la - lb, 4)
+        d = round(la - lb, 4) + 0.0  # + 0.0: a difference that rounds to zero prints +0.0000, not -0.0000
         lines.append(f"{i:4} {ta:11,} {la:8.4f} {tb:11,} {lb:8.4f} {d:+8.4f}")
         if i:
             diffs.append(d)
