@@ -1012,9 +1012,10 @@ def test_compare_two_runs_by_hand(tmp_path, capsys):
         "B's best is 0.6250 below the interpolated bigram of seed 0 (3.7500); a ratio needs 3.4500: cleared by 0.3250"]
 
 
-def test_compare_refuses_runs_it_cannot_pair(tmp_path):
+def test_compare_refuses_runs_it_cannot_pair(tmp_path, capsys):
     """Runs evaluated a different number of times or at token counts over 2% apart, a name the folder
-    lacks, one name, and --compare without --load: each one "error: ..." line."""
+    lacks, one name, and --compare without --load: each one "error: ..." line. Runs 2% apart are paired,
+    and so are runs whose one evaluation is the final one (not step 0)."""
     def err(*argv):
         with pytest.raises(SystemExit) as e:
             te.main(list(argv))
@@ -1029,6 +1030,12 @@ def test_compare_refuses_runs_it_cannot_pair(tmp_path):
     assert "classic_a_s0 has 2 evaluations after step 0 and classic_b_s0 1" in err("--load", d, "--compare", "classic_a_s0,classic_b_s0")
     assert "evaluation 1 is at 100 tokens in classic_a_s0 and 103" in err("--load", d, "--compare", "classic_a_s0,classic_c_s0")
     te.main(["--load", d, "--compare", "classic_a_s0,classic_d_s0"])  # 2% apart: paired
+    te.save_curve(d, "classic_f_s0", [(200, 4.5)], {"tokens": 200})  # --evals 0: the final evaluation alone
+    te.save_curve(d, "classic_g_s0", [(200, 4.0)], {"tokens": 200})
+    capsys.readouterr()
+    te.main(["--load", d, "--compare", "classic_f_s0,classic_g_s0"])
+    assert "A leads at 0 of the 1 evaluations after step 0; trails at 1, by 0.5000 to 0.5000; level at 0" in \
+        capsys.readouterr().out
     assert "holds no run classic_e_s0" in err("--load", d, "--compare", "classic_a_s0,classic_e_s0")
     assert "give two different runs" in err("--load", d, "--compare", "classic_a_s0")
     assert "give two different runs" in err("--load", d, "--compare", "classic_a_s0,classic_a_s0")

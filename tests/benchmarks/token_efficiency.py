@@ -1208,7 +1208,7 @@ def compare_runs(folder: str, names: str) -> str:
     for i, ((ta, la), (tb, lb)) in enumerate(zip(a, b)):
         d = round(la - lb, 4) + 0.0  # + 0.0: a difference that rounds to zero prints +0.0000, not -0.0000
         lines.append(f"{i:4} {ta:11,} {la:8.4f} {tb:11,} {lb:8.4f} {d:+8.4f}")
-        if i:
+        if ta and tb:  # not step 0 (a run saved with --evals 0 has its final evaluation alone)
             diffs.append(d)
     lead, trail = [-d for d in diffs if d < 0], [d for d in diffs if d > 0]
     span = lambda xs: f", by {min(xs):.4f} to {max(xs):.4f}" if xs else ""  # noqa: E731
