@@ -358,7 +358,7 @@ def test_search_edges_name_the_axes_to_extend():
     inside = next(r for r in grid if r["classic_lr"] == 0.002 and r["classic_batch_tokens"] == 4096
                   and r["classic_seq_len"] == 1024)
     lines = te.search_edges(grid, inside)
-    assert lines == ["the winner's seq_len 1,024 is the largest value searched at its other settings (256, 1,024): "
+    assert lines == ["the winner's seq_len 1,024 is the largest value searched at lr 0.002, batch_tokens 4,096 (256, 1,024): "
                      "extend --search_seq past it"]
     corner = grid[0]  # lr 0.001, batch 2048, context 256: the smallest of all three
     assert sides(te.search_edges(grid, corner)) == ["lr smallest", "batch_tokens smallest", "seq_len smallest"]
@@ -371,15 +371,16 @@ def test_search_edges_name_the_axes_to_extend():
     middle = [run(0.002, b, 512) for b in (2048, 4096, 8192)] + [run(lr, 4096, s) for lr in (0.001, 0.004)
                                                                    for s in (256, 1024)]
     assert sides(te.search_edges(middle, middle[1])) == ["lr only", "seq_len only"]
-    assert "is the only value searched" in te.search_edges([run(0.002, 4096, 512)], run(0.002, 4096, 512))[0]
+    assert te.search_edges([run(0.002, 4096, 512)], run(0.002, 4096, 512))[0] == (
+        "the winner's lr 0.002 is the only value searched at batch_tokens 4,096, seq_len 512: extend --search_lr past it")
     # one window a step (batch == context): no smaller batch, no longer context; the diagonal stands in
     win = run(0.0015, 1024, 1024)
     rows = [win, run(0.0015, 2048, 1024), run(0.00075, 1024, 1024), run(0.003, 1024, 1024), run(0.0015, 1024, 512)]
     assert te.search_edges(rows, win) == [
-        "the winner's batch_tokens 1,024 is the smallest value searched at its other settings (1,024, 2,048), and one "
-        "window a step: extend --search_batch and --search_seq below it together (batch = context)",
-        "the winner's seq_len 1,024 is the largest value searched at its other settings (512, 1,024), and one "
-        "window a step: extend --search_batch and --search_seq above it together (batch = context)"]
+        "the winner's batch_tokens 1,024 is the smallest value searched at lr 0.0015, seq_len 1,024 (1,024, 2,048), "
+        "and one window a step: extend --search_batch and --search_seq below it together (batch = context)",
+        "the winner's seq_len 1,024 is the largest value searched at lr 0.0015, batch_tokens 1,024 (512, 1,024), "
+        "and one window a step: extend --search_batch and --search_seq above it together (batch = context)"]
     rows += [run(0.0015, 512, 512)]  # the diagonal below: the batch axis is done
     assert sides(te.search_edges(rows, win)) == ["seq_len largest"]
     rows += [run(0.003, 2048, 2048)]  # above, but at another lr: does not count
@@ -390,7 +391,10 @@ def test_search_edges_name_the_axes_to_extend():
     # Adam 0.008, so at the winner's Adam 0.016 it is the only NorMuon rate
     rs = [{"recipe_muon_lr": m, "recipe_adam_lr": a} for m, a in
           ((0.00575, 0.008), (0.0115, 0.008), (0.023, 0.008), (0.0115, 0.016))]
-    assert sides(te.search_edges(rs, rs[3], te.RECIPE_SEARCH_AXES)) == ["muon_lr only", "adam_lr largest"]
+    assert te.search_edges(rs, rs[3], te.RECIPE_SEARCH_AXES) == [
+        "the winner's muon_lr 0.0115 is the only value searched at adam_lr 0.016: extend --search_muon_lr past it",
+        "the winner's adam_lr 0.016 is the largest value searched at muon_lr 0.0115 (0.008, 0.016): extend "
+        "--search_adam_lr past it"]
 
 
 def saved_classic(lr, curve):

@@ -1106,8 +1106,10 @@ def search_edges(rows: list[dict], win: dict, axes=SEARCH_AXES) -> list[str]:
         if win[key] not in (values[0], values[-1]):
             continue
         side = "only" if len(values) == 1 else "smallest" if win[key] == values[0] else "largest"
-        edge = (f"the winner's {key.split('_', 1)[1]} {fmt(win[key])} is the {side} value searched at its other "
-                f"settings ({', '.join(fmt(v) for v in values)})")
+        others = ", ".join(f"{k.split('_', 1)[1]} {fmt(win[k])}" for k, _ in axes if k != key)
+        edge = f"the winner's {key.split('_', 1)[1]} {fmt(win[key])} is the {side} value searched at {others}"
+        if side != "only":
+            edge += f" ({', '.join(fmt(v) for v in values)})"
         one_window = ((key, side) in (("classic_batch_tokens", "smallest"), ("classic_seq_len", "largest"))
                       and win["classic_batch_tokens"] == win["classic_seq_len"])
         if not one_window:
