@@ -6,6 +6,7 @@ import dataclasses
 import glob
 import json
 import math
+import re
 import os
 import signal
 import subprocess
@@ -707,6 +708,42 @@ def test_ctrl_c_saves_a_classic_run_after_its_step_and_a_second_stops_at_once(tm
         run(other_state)
     assert not os.path.exists(other_state)  # nothing saved: the second signal did not wait for the step
     assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == handlers
+
+
+def test_a_classic_run_keeps_its_printed_output_in_its_log(tmp_path, monkeypatch, capsys):
+    """--run search writes what a classic run prints to DIR/logs/<run>.txt as it goes, whatever the
+    terminal was redirected to: each sitting under a line with its commit, threads and command. Stopped by
+    Ctrl-C in step 2 of 3 and continued by the same command, the log holds both sittings, its evaluation
+    lines are the saved curve's, and the JSON names the log."""
+    folder = str(tmp_path / "r")
+    argv = ["--smoke", "--run", "search", "--search_lr", "0.01", "--save", folder]  # 3 steps, evaluated at 3
+    clip = torch.nn.utils.clip_grad_norm_
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", on_call(clip, 2, lambda: signal.raise_signal(signal.SIGINT)))
+    with pytest.raises(SystemExit) as exit_:
+        te.main(argv)
+    assert exit_.value.code == 130
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", clip)
+    te.main(argv)
+    out = capsys.readouterr().out
+    name = "classic_lr0.01_b1024_ctx128_s0"
+    run = read_json(tmp_path / "r" / f"{name}.json")
+    assert run["log"] == os.path.join("logs", f"{name}.txt")
+    lines = open(os.path.join(folder, run["log"]), encoding="utf-8").read().splitlines()
+    headers = [i for i, line in enumerate(lines) if line.startswith("# sitting ")]
+    assert len(headers) == 2 and headers[0] == 0
+    for i in headers:
+        assert lines[i].endswith(f", commit {te.git_commit()}, {torch.get_num_threads()} threads: "
+                                 + " ".join([sys.argv[0], *argv]))
+    first, second = lines[1:headers[1]], lines[headers[1] + 1:]
+    assert first[0] == second[0] == ("classic seed 0: 4 layers x 64, context 128, batch 1,024 tokens, AdamW lr "
+                                     "0.01, 3 steps")
+    assert first[-1].startswith("  stopped at step 2 of 3;") and second[2].startswith("  resuming at step 2 of 3 ")
+    evaluations = [re.match(r"  step ([\d,]+) of 3: ([\d,]+) tokens, val (\d+\.\d{4}), ", line) for line in lines]
+    assert [(int(m[2].replace(",", "")), m[3]) for m in evaluations if m] == \
+        [(t, f"{v:.4f}") for t, v in run["curve"][1:]] and len(run["curve"]) == 2
+    assert second[-1] == f"  best val {te.best_point(run['curve'])[1]:.4f} in {run['seconds']:.0f}s"
+    assert all(line in out for line in second)  # the terminal got the same lines
+    assert not any("floor, " in line for line in lines)  # the invocation's report is not the run's
 
 
 def test_an_interrupted_recipe_run_resumes_from_its_newest_checkpoint(tmp_path, monkeypatch, capsys):

@@ -119,6 +119,25 @@ def test_saved_floor_is_what_the_shards_give(folder):
     assert te.count_floor(train, val) == pytest.approx(saved["floor"], rel=1e-9)
 
 
+# the line a classic run prints at each evaluation, and so writes into its log (`log` in its JSON)
+EVALUATION_LINE = re.compile(r"^  step [\d,]+ of [\d,]+: ([\d,]+) tokens, val (\d+\.\d{4}), ", re.M)
+
+
+@pytest.mark.parametrize("folder", FOLDERS)
+def test_every_log_a_saved_run_names_is_committed(folder):
+    """Each saved run's log (`log`, and each sitting's for a run in several) is committed beside it, and a
+    classic run's log has a line for each of its evaluations after step 0, with the saved loss."""
+    for name, run in te.read_runs(os.path.join(REPO, folder)).items():
+        logs = {run["log"]} if "log" in run else set()
+        logs |= {s["log"] for s in run.get("sittings", []) if "log" in s}
+        for log in logs:
+            assert os.path.isfile(os.path.join(REPO, folder, log)), f"{folder}/{name}.json names {log}, not committed"
+        if name.startswith("classic_") and "log" in run:
+            with open(os.path.join(REPO, folder, run["log"]), encoding="utf-8") as f:
+                printed = [(int(t.replace(",", "")), v) for t, v in EVALUATION_LINE.findall(f.read())]
+            assert printed == [(t, f"{v:.4f}") for t, v in run["curve"][1:]], f"{folder}/{run['log']}"
+
+
 def run_table_rows() -> list:
     """(folder README, header cells, row cells) of every row naming a saved run (`classic_...`, `rsearch_...`) in a
     results folder's own README: the tables beside the runs, outside records/README.md's marked regions."""

@@ -52,8 +52,9 @@ the per-seed deltas against the full recipe's run of the same seed, their mean, 
 its Holm adjustment over the rows shown (records/summarize.py).
 
 Every saved run records the commit (git rev-parse HEAD, -dirty with uncommitted changes to tracked
-files), its command line, its validation set and training order, and the floor; the recipe's run logs
-go to DIR/logs/ (committed with the results).
+files), its command line, its validation set and training order, the floor, and its log in DIR/logs/
+(committed with the results): the recipe's train_gpt log, and a classic run's printed output as it
+goes, each sitting under a line with its date, commit, threads and command.
 """
 from __future__ import annotations
 
@@ -1544,6 +1545,45 @@ def this_sitting(a) -> dict:
     return {"commit": a.commit, "command": a.command, "threads": torch.get_num_threads()}
 
 
+class _Tee(io.TextIOBase):
+    """Writes go to the terminal's stream and to an open log file alike."""
+    def __init__(self, out, log):
+        self.out, self.log = out, log
+
+    def write(self, text: str) -> int:
+        self.out.write(text)
+        self.log.write(text)
+        return len(text)
+
+    def flush(self) -> None:
+        self.out.flush()
+        self.log.flush()
+
+
+@contextlib.contextmanager
+def printed_into(path: str, header: str):
+    """Everything printed inside also goes to the end of path, after a header line: a classic run's log
+    beside its JSON, each sitting appended under its own header, kept whether or not the terminal was
+    redirected anywhere (the recipe's train_gpt writes its own)."""
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "a", encoding="utf-8") as log:
+        log.write(header + "\n")
+        log.flush()
+        out = sys.stdout
+        sys.stdout = _Tee(out, log)
+        try:
+            yield
+        finally:
+            sys.stdout = out
+
+
+def sitting_header(a) -> str:
+    """The line that opens a sitting in a classic run's log: when, on what code, how many threads, and
+    the command that continues it."""
+    return (f"# sitting {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())}, commit {a.commit}, "
+            f"{torch.get_num_threads()} threads: {' '.join(a.command)}")
+
+
 def sittings_meta(sittings: list[dict]) -> dict:
     """A saved run's commit and command: its first sitting's; and every sitting when there were several."""
     return {"commit": sittings[0]["commit"], "command": sittings[0]["command"],
@@ -1632,21 +1672,26 @@ def run_sides(a, device: torch.device) -> None:
             c = dataclasses.replace(c, vocab_size=args.padded_vocab_size, num_layers=args.num_layers,
                                     model_dim=args.model_dim, num_heads=args.num_heads, mlp_hidden=args.mlp_hidden)
             for seed in ([0] if a.run == "search" else seeds):
-                if saved(folder, classic_name(c, seed)):
+                name = classic_name(c, seed)
+                if saved(folder, name):
                     continue
-                print(f"classic seed {seed}: {c.num_layers} layers x {c.model_dim}, context {c.seq_len}, batch "
-                      f"{c.batch_tokens:,} tokens, AdamW lr {c.lr:g}, {max(1, a.tokens // c.batch_tokens)} steps", flush=True)
-                state_file = os.path.join(folder, PARTIAL_DIR, classic_name(c, seed) + ".pt")
-                dtype, note = classic_dtype(a.cpu_dtype, c, device, folder, state_file)
-                print(f"  {note}", flush=True)
-                run = run_classic(c, data.train(seed), data.val_path, a.tokens, a.evals, data.val.val_tokens, device,
-                                  seed, state_file, this_sitting(a), dtype)
-                save_curve(folder, classic_name(c, seed), run["curve"],
-                           {**run_meta(a, data, seed, device), **sittings_meta(run["sittings"]),
-                            "seconds": run["seconds"], "classic_lr": c.lr, "classic_batch_tokens": c.batch_tokens,
-                            "classic_seq_len": c.seq_len, "classic_dtype": dtype, "classic_params": classic_params(c)})
-                remove_state(state_file)
-                print(f"  best val {best_point(run['curve'])[1]:.4f} in {run['seconds']:.0f}s", flush=True)
+                log = os.path.join(a.log_dir, f"{name}.txt")
+                with printed_into(log, sitting_header(a)):
+                    print(f"classic seed {seed}: {c.num_layers} layers x {c.model_dim}, context {c.seq_len}, batch "
+                          f"{c.batch_tokens:,} tokens, AdamW lr {c.lr:g}, {max(1, a.tokens // c.batch_tokens)} steps",
+                          flush=True)
+                    state_file = os.path.join(folder, PARTIAL_DIR, name + ".pt")
+                    dtype, note = classic_dtype(a.cpu_dtype, c, device, folder, state_file)
+                    print(f"  {note}", flush=True)
+                    run = run_classic(c, data.train(seed), data.val_path, a.tokens, a.evals, data.val.val_tokens,
+                                      device, seed, state_file, this_sitting(a), dtype)
+                    save_curve(folder, name, run["curve"],
+                               {**run_meta(a, data, seed, device), **sittings_meta(run["sittings"]),
+                                "seconds": run["seconds"], "classic_lr": c.lr, "classic_batch_tokens": c.batch_tokens,
+                                "classic_seq_len": c.seq_len, "classic_dtype": dtype, "classic_params": classic_params(c),
+                                "log": relative_to(log, folder)})
+                    remove_state(state_file)
+                    print(f"  best val {best_point(run['curve'])[1]:.4f} in {run['seconds']:.0f}s", flush=True)
     report(folder, a.tokens)
 
 
@@ -1756,7 +1801,8 @@ def main(argv=None):
                     help="print the validation set and each --seeds floor of these data flags, then stop (no training)")
     ap.add_argument("--ablate", action="store_true", help="run the ablation table instead of the comparison")
     ap.add_argument("--only", default="", help="--ablate: comma-separated substrings of component names, or one whole name (commas and all)")
-    ap.add_argument("--log_dir", default="", help="keep the recipe's run logs here (default: the results folder's logs/)")
+    ap.add_argument("--log_dir", default="", help="keep the run logs here: the recipe's train_gpt logs and each "
+                    "classic run's printed output, <run>.txt (default: the results folder's logs/)")
     ap.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     ap.add_argument("--cpu_dtype", default="auto", choices=("auto", *T.CPU_DTYPES),
                     help="CPU compute dtype of both sides, each settled per results folder: the recipe's train_gpt "
