@@ -1559,6 +1559,9 @@ class _Tee(io.TextIOBase):
         self.out.flush()
         self.log.flush()
 
+    def isatty(self) -> bool:  # a terminal still gets what a terminal gets
+        return self.out.isatty()
+
 
 @contextlib.contextmanager
 def printed_into(path: str, header: str):
