@@ -6,8 +6,8 @@ import dataclasses
 import glob
 import json
 import math
-import re
 import os
+import re
 import signal
 import subprocess
 import sys

@@ -1572,19 +1572,15 @@ def printed_into(path: str, header: str):
     with open(path, "a", encoding="utf-8") as log:
         log.write(header + "\n")
         log.flush()
-        out = sys.stdout
-        sys.stdout = _Tee(out, log)
-        try:
+        with contextlib.redirect_stdout(_Tee(sys.stdout, log)):
             yield
-        finally:
-            sys.stdout = out
 
 
-def sitting_header(a) -> str:
-    """The line that opens a sitting in a classic run's log: when, on what code, how many threads, and
-    the command that continues it."""
-    return (f"# sitting {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())}, commit {a.commit}, "
-            f"{torch.get_num_threads()} threads: {' '.join(a.command)}")
+def sitting_header(sitting: dict) -> str:
+    """The line that opens a sitting (this_sitting's record) in a classic run's log: when, on what code,
+    how many threads, and the command that continues it."""
+    return (f"# sitting {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())}, commit {sitting['commit']}, "
+            f"{sitting['threads']} threads: {' '.join(sitting['command'])}")
 
 
 def sittings_meta(sittings: list[dict]) -> dict:
@@ -1678,8 +1674,8 @@ def run_sides(a, device: torch.device) -> None:
                 name = classic_name(c, seed)
                 if saved(folder, name):
                     continue
-                log = os.path.join(a.log_dir, f"{name}.txt")
-                with printed_into(log, sitting_header(a)):
+                log, sitting = os.path.join(a.log_dir, f"{name}.txt"), this_sitting(a)
+                with printed_into(log, sitting_header(sitting)):
                     print(f"classic seed {seed}: {c.num_layers} layers x {c.model_dim}, context {c.seq_len}, batch "
                           f"{c.batch_tokens:,} tokens, AdamW lr {c.lr:g}, {max(1, a.tokens // c.batch_tokens)} steps",
                           flush=True)
@@ -1687,7 +1683,7 @@ def run_sides(a, device: torch.device) -> None:
                     dtype, note = classic_dtype(a.cpu_dtype, c, device, folder, state_file)
                     print(f"  {note}", flush=True)
                     run = run_classic(c, data.train(seed), data.val_path, a.tokens, a.evals, data.val.val_tokens,
-                                      device, seed, state_file, this_sitting(a), dtype)
+                                      device, seed, state_file, sitting, dtype)
                     save_curve(folder, name, run["curve"],
                                {**run_meta(a, data, seed, device), **sittings_meta(run["sittings"]),
                                 "seconds": run["seconds"], "classic_lr": c.lr, "classic_batch_tokens": c.batch_tokens,
