@@ -408,6 +408,27 @@ def saved_rsearch(muon_lr, curve):
     return {"recipe_muon_lr": muon_lr, "recipe_adam_lr": 0.008, "seed": 0, "curve": curve}
 
 
+def test_a_one_sided_folder_says_why_it_has_no_ratio():
+    """A folder of one side's runs names why --load states no ratio there: a search (more than one
+    classic configuration, or the recipe's rsearch_ runs) or the tuning split is a tuning folder; a
+    scored folder whose other side has not been run yet says so, as does a folder of ablations."""
+    def classic(lr, val_set="even", seed=0):
+        return {"classic_lr": lr, "classic_batch_tokens": 2048, "classic_seq_len": 128, "val_set": val_set, "seed": seed}
+
+    def line(runs, ablations=False):
+        return te.one_side_line(runs, ablations).split("(")[1].split(")")[0]
+
+    assert line({"classic_lr0.003_s0": classic(0.003), "classic_lr0.006_s0": classic(0.006)}) == "classic runs: a tuning folder"
+    assert line({"classic_lr0.003_s0": classic(0.003, "tune")}) == "classic runs: a tuning folder"
+    assert line({"classic_lr0.003_s0": classic(0.003), "classic_lr0.003_s1": classic(0.003, seed=1)}) == \
+        "classic runs: no recipe run saved here yet"  # the scored split's seeds of one winner
+    assert line({"rsearch_m0.01_a0.01_s0": {"val_set": "even"}}) == "recipe runs: a tuning folder"
+    assert line({"recipe_s0": {"val_set": "tune"}}) == "recipe runs: a tuning folder"
+    assert line({"recipe_s0": {"val_set": "even"}}) == "recipe runs: no classic run saved here yet"
+    assert line({"recipe_s0": {}, "ablate_xsa_s0": {}}, ablations=True) == "recipe runs and ablations"
+    assert te.one_side_line({"recipe_s0": {}}, False) == "one side only (recipe runs: no classic run saved here yet): no comparison, no ratio"
+
+
 def test_searches_preview_by_hand():
     """A tuning folder with both searches: the recipe search's winner (lowest best) against the classic
     search's winner. Classic winner: best 2.0 at 400 tokens (the other configuration's best is 2.5). Recipe

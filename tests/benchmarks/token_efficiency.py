@@ -1409,6 +1409,20 @@ def unfinished_runs(folder: str) -> list[str]:
     return found
 
 
+def one_side_line(runs: dict[str, dict], ablations: bool) -> str:
+    """Why a folder with one side's runs states no ratio: it tunes that side (a search of more than one
+    configuration, or runs on the tuning split), it holds the recipe's ablations, or the other side's
+    runs are not saved there yet (the scored split's folder while its seeds are being run)."""
+    classic = {(r["classic_lr"], r["classic_batch_tokens"], r["classic_seq_len"])
+               for n, r in runs.items() if n.startswith("classic_")}
+    tuning = len(classic) > 1 or any(n.startswith(RECIPE_SEARCH_PREFIX) for n in runs) \
+        or all(r.get("val_set") == "tune" for r in runs.values())
+    side, other = ("classic", "recipe") if classic else ("recipe", "classic")
+    kind = ("recipe runs and ablations" if ablations and not classic else
+            f"{side} runs: a tuning folder" if tuning else f"{side} runs: no {other} run saved here yet")
+    return f"one side only ({kind}): no comparison, no ratio"
+
+
 def report(folder: str, tokens: int | None, plot: bool = True) -> list[float]:
     """Print every table a results folder supports (search, seeds and ratio, ablations) with the floor
     beside them, and the runs stopped midway; plot the curves."""
@@ -1457,9 +1471,7 @@ def report(folder: str, tokens: int | None, plot: bool = True) -> list[float]:
     if preview:
         print("both sides' searches (a tuning folder): no comparison of seeds, no ratio\n" + preview)
     elif not two_sided:
-        kind = ("classic runs: a tuning folder" if classic else
-                "recipe runs and ablations" if abl else "recipe runs: a tuning folder")
-        print(("\n" if abl else "") + f"one side only ({kind}): no comparison, no ratio")
+        print(("\n" if abl else "") + one_side_line(runs, bool(abl)))
         margin = floor_margin(runs, floors) if classic else ""
         if margin:
             print(margin)
