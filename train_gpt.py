@@ -2772,6 +2772,9 @@ class GPT(nn.Module):
         if self.args.fp8 and _native_fp8(x.device):  # elsewhere the emulation would only cost time
             loss = fp8_head_loss(x, self.lm_head, targets, mtp_weights, prefix_ids, prefix_weight, FP8_HEAD_X_SCALE,
                                  FP8_HEAD_W_SCALE, FP8_HEAD_GRAD_SCALE * float(loss_scale), float(loss_scale))[0]
+        elif x.is_cpu:  # the head's matmuls inside the loss's row blocks: no (T, V) tensor in memory
+            loss = triton_kernels.softcapped_ce_mtp_head_rows(x, self.lm_head, targets, mtp_weights, prefix_ids,
+                                                              prefix_weight, grad_scale=loss_scale)
         else:
             loss = triton_kernels.softcapped_ce_mtp(x @ self.lm_head, targets, mtp_weights, prefix_ids, prefix_weight,
                                                     grad_scale=loss_scale)

@@ -1132,6 +1132,75 @@ def _(logits, targets, mtp_weights, prefix_ids, prefix_weight, grad_scale, grad_
 _ce_mtp_rows_op.register_autograd(_ce_backward, setup_context=_ce_setup)
 
 
+# The CPU head with its loss: logits = x @ w, the loss and dlogits above, and the two matmuls of the
+# backward (dx = dlogits @ w^T, dw = x^T @ dlogits), a block of CE_CPU_HEAD_ROWS rows at a time in one
+# reused (rows, V) buffer. Unfused, a step holds the full (T, V) logits and their gradient (300 MB each
+# in fp32 for a 1,536-token micro-batch at V = 50,304): too large for the allocator's heap, so both are
+# mapped and their pages faulted in afresh every step, and the kernel's page zeroing took about a
+# third of the CPU time of the demo model's forward and backward. Each row's loss and dx come from that
+# row alone, as unfused; dw sums the blocks' products in fp32: both agree with the unfused ones to rounding.
+CE_CPU_HEAD_ROWS = 256  # 51 MB of fp32 logits; blocks of 64 to 1,024 rows timed within 10% of each other
+
+
+@torch.library.custom_op("speedrun::softcapped_ce_mtp_head_rows", mutates_args=())
+def _ce_mtp_head_rows_op(x: Tensor, w: Tensor, targets: Tensor, mtp_weights: Tensor, prefix_ids: Tensor | None,
+                         prefix_weight: Tensor | None, grad_scale: float) -> tuple[Tensor, Tensor, Tensor]:
+    """Returns (per-token loss (T,) fp32, dx (T, D) in x's dtype, dw (D, V) in w's dtype) for the
+    record's gradient of logits = x @ w."""
+    T, V = x.shape[0], w.shape[1]
+    loss = torch.empty(T, dtype=torch.float32, device=x.device)
+    dx = torch.empty_like(x)
+    dw = torch.zeros(w.shape, dtype=torch.float32, device=w.device)
+    cols, w_hit, normaliser = _ce_row_targets(targets, mtp_weights, prefix_ids, prefix_weight)
+    buffer = x.new_empty((min(CE_CPU_HEAD_ROWS, T), V))
+    for a in range(0, T, CE_CPU_HEAD_ROWS):
+        b = min(a + CE_CPU_HEAD_ROWS, T)
+        block = torch.mm(x[a:b], w, out=buffer[: b - a])
+        for c, d, (lg, cc, wh, n) in _row_blocks(b - a, block, cols[a:b], w_hit[a:b], normaliser[a:b]):
+            loss[a + c: a + d] = _ce_rows_block(lg, cc, wh, n, lg, grad_scale)  # dlogits over the logits
+        torch.mm(block, w.T, out=dx[a:b])
+        if block.dtype == torch.float32:
+            dw.addmm_(x[a:b].T, block)
+        else:  # bf16: each block's product is rounded once, the blocks are summed in fp32
+            dw.add_(torch.mm(x[a:b].T, block))
+    return loss, dx, dw.to(w.dtype)
+
+
+@_ce_mtp_head_rows_op.register_fake
+def _(x, w, targets, mtp_weights, prefix_ids, prefix_weight, grad_scale):
+    return x.new_empty(x.shape[0], dtype=torch.float32), torch.empty_like(x), torch.empty_like(w)
+
+
+def _ce_head_setup(ctx, inputs, output):
+    _, dx, dw = output
+    ctx.save_for_backward(dx, dw)
+    ctx.mark_non_differentiable(dx, dw)
+    ctx.set_materialize_grads(False)
+
+
+def _ce_head_backward(ctx, _dloss, _ddx, _ddw):
+    """The stored gradients as they are: the incoming one is ignored, as the loss kernel's is."""
+    dx, dw = ctx.saved_tensors
+    return dx, dw, None, None, None, None, None
+
+
+_ce_mtp_head_rows_op.register_autograd(_ce_head_backward, setup_context=_ce_head_setup)
+
+
+def softcapped_ce_mtp_head_rows(x: Tensor, w: Tensor, targets: Tensor, mtp_weights: Tensor,
+                                prefix_ids: Tensor | None = None, prefix_weight: Tensor | None = None,
+                                grad_scale: float = 1.0) -> Tensor:
+    """softcapped_ce_mtp(x @ w, ...) on a CPU, the head's matmuls fused with the loss (no (T, V) tensor
+    lives past a block of rows): the same per-token loss (T,), differentiable in x (T, D) and w (D, V)."""
+    if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[0] or x.dtype != w.dtype:
+        raise ValueError(f"softcapped_ce_mtp_head_rows: x (T, D) and w (D, V) of one dtype, got "
+                         f"{tuple(x.shape)} {x.dtype} and {tuple(w.shape)} {w.dtype}")
+    _check_ce_args(x.new_empty(x.shape[0], 0), targets, mtp_weights, prefix_ids, prefix_weight, grad_scale)
+    loss, _, _ = torch.ops.speedrun.softcapped_ce_mtp_head_rows(
+        x, w, *_ce_inputs(targets, mtp_weights, prefix_ids, prefix_weight), float(grad_scale))
+    return loss
+
+
 def softcapped_ce_mtp_rows(logits: Tensor, targets: Tensor, mtp_weights: Tensor, prefix_ids: Tensor | None = None,
                            prefix_weight: Tensor | None = None, grad_scale: float = 1.0) -> Tensor:
     """CPU path of `softcapped_ce_mtp`: the kernel's fused algorithm in torch ops, block of rows at a time."""

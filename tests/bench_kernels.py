@@ -1,7 +1,9 @@
-"""Time every Triton kernel against its torch equivalent at the speedrun shapes (CUDA only).
+"""Time every Triton kernel against its torch equivalent at the speedrun shapes (CUDA only), and the
+CPU head fused with its loss against the unfused head (a CPU).
 
     python tests/bench_kernels.py              # all kernels
     python tests/bench_kernels.py --only ce    # one group: sym, mlp, fp8, ce, transpose
+    python tests/bench_kernels.py --only cpu_head   # runs on a CPU
 
 The symmetric products are timed at the NorMuon banks' shapes on one rank of 8 and on 1 GPU, for
 triton_kernels.KERNEL_TIMES (which of the two each measured GPU runs at each shape). The FP8 up-projection
@@ -11,7 +13,10 @@ with the FP8 head's e5m2 gradient.
 Prints milliseconds, achieved TFLOP/s (matmuls) or GB/s (memory-bound kernels) and the speed ratio
 torch / triton. For the symmetric kernels TFLOP/s counts the full product (2 m^2 k), so the
 triangle trick shows up as a higher "effective" rate. No assertions: this file only measures.
-On a machine without a CUDA GPU it says so and exits 0.
+On a machine without a CUDA GPU it says so and exits 0, but for --only cpu_head: the demo model's head
+(128 x 50,304, fp32 and bf16) fused with its loss (softcapped_ce_mtp_head_rows) against x @ w and
+softcapped_ce_mtp, forward and backward, in alternating rounds (a shared machine's speed drifts):
+median milliseconds, and the kernel's CPU time and page faults per call.
 """
 from __future__ import annotations
 
@@ -142,13 +147,58 @@ def bench_transpose(tk, bench) -> None:
          bench(lambda: grad.add_(egrad.mT)), nbytes + 2 * grad.numel() * 4, "GB/s")
 
 
+def bench_cpu_head(tk, tokens: int, rounds: int = 5) -> None:
+    import resource
+    import statistics
+    import time
+    T, D, V = tokens, 128, 50304
+    g = torch.Generator().manual_seed(0)
+    x32 = torch.nn.functional.rms_norm(torch.randn(T, D, generator=g), (D,))
+    w32 = torch.randn(D, V, generator=g) * 0.005
+    targets = torch.randint(0, V, (T,), generator=g)
+    mtp = torch.tensor([1.0, 0.5, 0.25])
+    prefix_ids, pi = torch.randint(-1, V, (T,), generator=g), torch.tensor(0.25)
+
+    def fused(x, w):
+        return tk.softcapped_ce_mtp_head_rows(x, w, targets, mtp, prefix_ids, pi, 1 / T)
+
+    def unfused(x, w):
+        return tk.softcapped_ce_mtp(x @ w, targets, mtp, prefix_ids, pi, 1 / T)
+
+    print(f"CPU head + loss, forward and backward, {T} x {D} x {V}, {torch.get_num_threads()} threads, "
+          f"{rounds} alternating rounds (median)")
+    for dtype in (torch.float32, torch.bfloat16):
+        x = x32.to(dtype).requires_grad_(True)
+        w = w32.to(dtype).requires_grad_(True)
+        times = {"fused": [], "unfused": []}
+        for _ in range(rounds):
+            for name, f in (("fused", fused), ("unfused", unfused)):
+                r0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
+                torch.autograd.grad(f(x, w).sum(), (x, w))
+                r1 = resource.getrusage(resource.RUSAGE_SELF)
+                times[name].append((time.perf_counter() - t0, r1.ru_stime - r0.ru_stime, r1.ru_minflt - r0.ru_minflt))
+        for name, ts in times.items():
+            ms, sys_ms, faults = (statistics.median(t[i] for t in ts) for i in range(3))
+            print(f"  {str(dtype).removeprefix('torch.'):<9} {name:<8} {ms * 1e3:8.1f} ms   kernel {sys_ms * 1e3:7.1f} ms   "
+                  f"{faults:9,.0f} page faults")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--only", choices=("sym", "mlp", "fp8", "ce", "transpose"), help="run one group of kernels")
-    parser.add_argument("--tokens", type=int, default=49152, help="tokens per rank for the MLP and CE shapes")
+    parser.add_argument("--only", choices=("sym", "mlp", "fp8", "ce", "transpose", "cpu_head"),
+                        help="run one group of kernels")
+    parser.add_argument("--tokens", type=int, default=None,
+                        help="tokens per rank for the MLP and CE shapes (49152), or the CPU head's (1536, the "
+                             "demo's micro-batch on one process)")
     args = parser.parse_args()
+    if args.tokens is None:
+        args.tokens = 1536 if args.only == "cpu_head" else 49152
     if args.tokens <= 0:
         raise SystemExit("--tokens must be a positive number of tokens, e.g. --tokens 49152")
+    if args.only == "cpu_head":
+        import triton_kernels as tk
+        bench_cpu_head(tk, args.tokens)
+        return 0
     if not torch.cuda.is_available():
         print("bench_kernels: needs a CUDA GPU (none found); nothing to measure.")
         return 0

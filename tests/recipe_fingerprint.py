@@ -7,7 +7,10 @@ and prints JSON: every step's training loss (float.hex, bit-exact), the final va
 SHA-256 of every parameter of the final checkpoint. tests/test_recipe_fingerprint.py runs it under
 pinned CPU settings (one thread, AVX2 kernels, MKL's AVX2 reproducibility mode) and compares it with
 the stored tests/data/recipe_fingerprint.json, taken from the code before a restructuring of the
-recipe's settings into stage and layer rows: a refactor that changes nothing keeps every bit.
+recipe's settings into stage and layer rows (a refactor that changes nothing keeps every bit), and
+stored again when the CPU head was fused with its loss, a change of summation order: every training
+loss kept its bits, the final parameters moved by rounding. Store it again only for such a change,
+saying so in the commit.
 """
 import contextlib
 import hashlib

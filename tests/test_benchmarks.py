@@ -1172,6 +1172,16 @@ def test_step_timing_smoke():
     assert "need a CUDA GPU" in out and "projected training time" in out
 
 
+def test_bench_kernels_times_the_cpu_head_on_a_cpu():
+    """--only cpu_head runs without a GPU: the fused and unfused head, fp32 and bf16, each a figure."""
+    out = run_script("tests/bench_kernels.py", "--only", "cpu_head", "--tokens", "24")
+    rows = [line.split() for line in out.splitlines() if line.startswith("  ")]
+    assert [r[:2] for r in rows] == [["float32", "fused"], ["float32", "unfused"], ["bfloat16", "fused"],
+                                     ["bfloat16", "unfused"]]
+    assert all(float(r[2]) > 0 and r[3] == "ms" for r in rows)
+    assert "24 x 128 x 50304" in out
+
+
 def test_run_sh_bench_dry_run():
     out = subprocess.run(["bash", "run.sh", "bench", "--dry-run"], cwd=REPO, capture_output=True, text=True, timeout=120,
                          env=dict(os.environ, PYTHON=sys.executable))  # this interpreter: no .venv, no install

@@ -446,6 +446,32 @@ def test_forward_backward_at_init():
         assert (grads["mlp_bank"][idx].abs().sum() > 0) == role.startswith("down."), role
 
 
+def test_cpu_training_loss_fuses_the_head_and_gives_the_unfused_gradients(monkeypatch):
+    """On a CPU the training forward runs the head's matmuls inside the loss (no (T, V) logits): its
+    loss and every parameter's gradient are those of the unfused head, hidden @ lm_head, with the loss."""
+    model = make_model()
+    randomize(model)
+    inputs, targets, cu = make_batch()
+    w, T = torch.tensor([1.0, 0.5, 0.25]), inputs.numel()
+    prefix = torch.tensor(0.25)
+    hidden = model.hidden(inputs, cu, bigrams(inputs))
+    prefix_ids = model.prefix_table[targets.long()]
+    want = tk.softcapped_ce_mtp(hidden @ model.lm_head, targets, w, prefix_ids, prefix, grad_scale=1 / T).sum() / T
+    want.backward()
+    want_grads = {label: p.grad.clone() for label, p in model.params_by_label().items()}
+    model.zero_grad(set_to_none=True)
+
+    def unfused(*a, **k):
+        raise AssertionError("the CPU training forward built the (T, V) logits")
+    monkeypatch.setattr(tk, "softcapped_ce_mtp", unfused)
+    loss = model(inputs, targets, cu, bigrams(inputs), mtp_weights=w, loss_scale=1 / T, prefix_weight=prefix)
+    loss.backward()
+    assert loss.item() == pytest.approx(want.item(), rel=1e-6)
+    for label, p in model.params_by_label().items():
+        g, e = p.grad.double(), want_grads[label].double()
+        assert (g - e).abs().max() <= 1e-5 * e.abs().max() + 1e-12, label
+
+
 def test_every_parameter_gets_a_gradient():
     model = make_model(world_size=4)  # padding: qk/vo 6 -> 8, mlp 8 -> 8
     assert model.bank_roles["qk_bank"][-2:] == ["pad", "pad"]

@@ -647,6 +647,86 @@ def test_ce_short_sequence_and_errors(impl):
             impl()(lg, tg_, w_, p, pw, grad_scale=gs)
 
 
+# The CPU head with its loss (the head's matmuls inside the loss's row blocks)
+
+def head_inputs(T, D, V, dtype, seed=0):
+    """x (T, D) and w (D, V) of small multiples of 1/2 and 1/4: every logit (a multiple of 1/8 below
+    2^5) is exact in fp32 and bf16 whatever the summation order, so the float64 reference sees the
+    op's logits and the same bf16-rounded sigma."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randint(-4, 5, (T, D), generator=g).double() / 2
+    w = torch.randint(-3, 4, (D, V), generator=g).double() / 4
+    return x.to(dtype), w.to(dtype)
+
+
+def head_grads(x, w, targets, weights, prefix_ids, prefix_weight, grad_scale, upstream):
+    """(loss, dx, dw) of softcapped_ce_mtp_head_rows with `upstream` sent into the loss."""
+    xr, wr = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
+    loss = tk.softcapped_ce_mtp_head_rows(xr, wr, targets, weights, prefix_ids, prefix_weight, grad_scale=grad_scale)
+    dx, dw = torch.autograd.grad(loss, (xr, wr), upstream)
+    return loss, dx, dw
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [8, 1024])  # three blocks, the last one short; one block
+@pytest.mark.parametrize("K,prefix", [(1, False), (3, True)])
+def test_ce_head_rows_matches_the_float64_head_and_loss(K, prefix, rows, dtype, monkeypatch):
+    """loss, dx = dlogits w^T and dw = x^T dlogits against float64 matmuls of the float64 record's
+    gradient, over whole and partial row blocks."""
+    monkeypatch.setattr(tk, "CE_CPU_HEAD_ROWS", rows)
+    T, D, V = 21, 16, 300
+    x, w = head_inputs(T, D, V, dtype, seed=K)
+    _, targets, weights, prefix_ids, pi = ce_inputs(T, V, K, prefix, seed=K)
+    loss, dx, dw = head_grads(x, w, targets, weights, prefix_ids, pi, 0.37, torch.randn(T))
+    logits = x.double() @ w.double()
+    want_loss, want_g = ce_record_float64(logits, targets, weights, prefix_ids, 0.25, grad_scale=0.37)
+    assert loss.dtype == torch.float32 and dx.dtype == dtype and dw.dtype == dtype
+    assert_close_rel(loss, want_loss, TOL[torch.float32])
+    assert_close_rel(dx, want_g @ w.double().T, TOL[dtype])
+    assert_close_rel(dw, x.double().T @ want_g, TOL[dtype])
+
+
+def test_ce_head_rows_is_the_unfused_head_and_loss(monkeypatch):
+    """Against softcapped_ce_mtp(x @ w) differentiated by autograd (the GPU's and the old CPU path),
+    on data whose logits are not exact: the same loss and dx, and dw to fp32 rounding (its blocks are
+    summed in another order)."""
+    monkeypatch.setattr(tk, "CE_CPU_HEAD_ROWS", 16)
+    T, D, V = 70, 32, 1000
+    g = torch.Generator().manual_seed(3)
+    x, w = torch.randn(T, D, generator=g), torch.randn(D, V, generator=g) * 0.5
+    _, targets, weights, prefix_ids, pi = ce_inputs(T, V, 3, True, seed=3)
+    loss, dx, dw = head_grads(x, w, targets, weights, prefix_ids, pi, 0.5, torch.ones(T))
+    xr, wr = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
+    want = tk.softcapped_ce_mtp_rows(xr @ wr, targets, weights, prefix_ids, pi, grad_scale=0.5)
+    want.sum().backward()
+    assert_close_rel(loss, want.detach(), 1e-6)
+    assert_close_rel(dx, xr.grad, 1e-6)
+    assert_close_rel(dw, wr.grad, 1e-6)
+
+
+def test_ce_head_rows_ignores_the_upstream_gradient_and_errors():
+    T, D, V = 10, 8, 50
+    x, w = head_inputs(T, D, V, torch.float32)
+    _, targets, weights, prefix_ids, pi = ce_inputs(T, V)
+    args = (x, w, targets, weights, prefix_ids, pi)
+    _, want_dx, want_dw = head_grads(*args, 0.37, torch.full((T,), 0.37))
+    for upstream in (torch.full((T,), 5.0), torch.randn(T), torch.zeros(T)):
+        _, dx, dw = head_grads(*args, 0.37, upstream)
+        assert torch.equal(dx, want_dx) and torch.equal(dw, want_dw)
+    _, dx2, dw2 = head_grads(*args, 0.74, torch.ones(T))
+    assert_close_rel(dx2, 2 * want_dx, 1e-6)
+    assert_close_rel(dw2, 2 * want_dw, 1e-6)
+    bad = {
+        "of one dtype": (x, w.bfloat16(), targets, weights, None, None),
+        r"x \(T, D\) and w \(D, V\)": (x, w[:-1], targets, weights, None, None),
+        "targets must be": (x, w, targets[:-1], weights, None, None),
+        "given together": (x, w, targets, weights, prefix_ids, None),
+    }
+    for message, a in bad.items():
+        with pytest.raises(ValueError, match=message):
+            tk.softcapped_ce_mtp_head_rows(*a)
+
+
 # ----------------------------------------------------------------------------------------------
 # Transposes
 # ----------------------------------------------------------------------------------------------
@@ -707,6 +787,11 @@ def _opcheck_cases():
                                     0.25)),
         ("softcapped_ce_mtp_rows", (torch.randn(40, 50, requires_grad=True), torch.randint(0, 50, (40,)),
                                     torch.tensor([1.0, 0.5]), None, None, 0.25)),
+        ("softcapped_ce_mtp_head_rows", (torch.randn(40, 16, requires_grad=True), torch.randn(16, 50, requires_grad=True),
+                                         torch.randint(0, 50, (40,)), torch.tensor([1.0, 0.5, 0.25]),
+                                         torch.randint(-1, 50, (40,)), torch.tensor(0.25), 0.25)),
+        ("softcapped_ce_mtp_head_rows", (torch.randn(40, 16, requires_grad=True), torch.randn(16, 50, requires_grad=True),
+                                         torch.randint(0, 50, (40,)), torch.tensor([1.0]), None, None, 1.0)),
         ("transpose_copy", (A, torch.empty(36, 20))),
         ("transpose_add", (A, torch.randn(36, 20))),
     ]
