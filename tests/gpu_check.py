@@ -83,9 +83,10 @@ CHECKS: tuple[Check, ...] = (
            TK + "_mm_config", TK + "relu2_mlp", TK + "relu2_mlp_backward")),
     Check("triton-cross-entropy", 60, "softcapped_ce_mtp (8192 x 50304, 3 MTP weights, the prefix term) loss and the "
           "record's gradient in bf16 and fp32 against the float64 reference and its CPU twin run on the GPU; the "
-          "FP8 head's e5m2 gradient against the float64 gradient rounded to e5m2, saturating",
+          "FP8 head's e5m2 gradient against the float64 gradient rounded to e5m2, saturating; the CPU head fused "
+          "with its loss, run on the GPU, against the kernel through x @ w",
           (K + "_ce_mtp_kernel", K + "_tanh", K + "_round_to_bf16", K + "_softcap_sigma", OP + "softcapped_ce_mtp_fwd",
-           OP + "softcapped_ce_mtp_rows", TK + "_ce_config", TK + "softcapped_ce_mtp", TK + "softcapped_ce_mtp_e5m2")),
+           OP + "softcapped_ce_mtp_rows", OP + "softcapped_ce_mtp_head_rows", TK + "_ce_config", TK + "softcapped_ce_mtp", TK + "softcapped_ce_mtp_e5m2")),
     Check("triton-transpose", 30, "transpose_copy and transpose_add of the LM head (768 x 50304) in bf16 and fp32, "
           "and of float8 operands as bytes, exact",
           (K + "_transpose_kernel", OP + "transpose_copy", OP + "transpose_add", TK + "_launch_transpose",
@@ -668,6 +669,17 @@ def check_triton_cross_entropy(res: Result) -> None:
         tk.softcapped_ce_mtp_rows(twin, targets, w, prefix, pi, grad_scale=0.5).sum().backward()
         errs[f"twin_grad_{dname}"] = e = rel_err(x.grad, twin.grad)
         require(e < TOL[dname], f"cross-entropy kernel vs its CPU twin {dname}: gradient difference {e:.2e}")
+        # the CPU head fused with its loss, on the GPU's tensors, against the kernel through x @ w
+        hx = (torch.randn(T_, 128, device="cuda", generator=g) * 0.25).to(dtype)
+        hw = (torch.randn(128, V, device="cuda", generator=g) * 0.5).to(dtype)
+        fx, fw, kx, kw = (t.clone().requires_grad_() for t in (hx, hw, hx, hw))
+        fused = tk.softcapped_ce_mtp_head_rows(fx, fw, targets, w, prefix, pi, grad_scale=0.5)
+        fused.sum().backward()
+        kernel = tk.softcapped_ce_mtp(kx @ kw, targets, w, prefix, pi, grad_scale=0.5)
+        kernel.sum().backward()
+        for part, got, want_ in (("loss", fused, kernel), ("dx", fx.grad, kx.grad), ("dw", fw.grad, kw.grad)):
+            errs[f"head_{part}_{dname}"] = e = rel_err(got, want_)
+            require(e < TOL["fp32" if part == "loss" else dname], f"fused CPU head vs kernel {part} {dname}: {e:.2e}")
         if dtype == torch.bfloat16:  # the FP8 head's form: e5m2 gradient / grad_s, saturating
             for tag, grad_s in (("e5m2", 0.5 * 0.75 / 448), ("e5m2_saturated", 1e-9)):
                 l8, g8 = tk.softcapped_ce_mtp_e5m2(logits, targets, w, prefix, pi, 0.5, grad_s)
@@ -677,9 +689,10 @@ def check_triton_cross_entropy(res: Result) -> None:
                 require(g8.dtype == torch.float8_e5m2 and bool(torch.isfinite(g8.float()).all()), f"{tag}: not finite e5m2")
                 require(differ < 1e-3, f"{tag} gradient: {100 * differ:.3f}% of values differ from float64 rounded to e5m2")
                 require(rel_err(l8, loss64) < TOL["fp32"], f"{tag} loss differs from the reference")
-        del x, x64, twin, loss64
+        del x, x64, twin, loss64, fx, fw, kx, kw
     res.set(errors=errs, summary=f"loss {max(errs['loss_bf16'], errs['loss_fp32']):.1e}, gradient bf16 "
-            f"{errs['grad_bf16']:.1e}, fp32 {errs['grad_fp32']:.1e}, kernel vs twin {errs['twin_grad_bf16']:.1e}; "
+            f"{errs['grad_bf16']:.1e}, fp32 {errs['grad_fp32']:.1e}, kernel vs twin {errs['twin_grad_bf16']:.1e}, "
+            f"vs the fused CPU head dw {errs['head_dw_bf16']:.1e}; "
             f"e5m2 gradient {100 * errs['e5m2_differ']:.3f}% off float64 (saturated: {100 * errs['e5m2_saturated_differ']:.3f}%)")
 
 

@@ -25,7 +25,7 @@ def test_every_cuda_path_has_a_check():
     tk = open(os.path.join(ROOT, "triton_kernels.py")).read()
     tg = open(os.path.join(ROOT, "train_gpt.py")).read()
     assert len(kernels) == tk.count("\n@triton.jit\n") == 10
-    assert len(ops) == tk.count("@torch.library.custom_op(") + tg.count("@torch.library.custom_op(") == 14
+    assert len(ops) == tk.count("@torch.library.custom_op(") + tg.count("@torch.library.custom_op(") == 15
     assert {"cuda:train_gpt.py:_runs_compiled_flex", "cuda:train_gpt.py:_native_fp8", "cuda:train_gpt.py:setup_distributed",
             "cuda:triton_kernels.py:_num_programs", "cuda:train_gpt.py:Batch.to", "op:speedrun::fp8_head_loss",
             "cuda:train_gpt.py:GPT.attention_masks", "cuda:triton_kernels.py:softcapped_ce_mtp_e5m2"} <= paths
