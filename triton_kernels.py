@@ -1024,16 +1024,19 @@ def _(logits, targets, mtp_weights, prefix_ids, prefix_weight, grad_scale, grad_
 
 
 def _ce_setup(ctx, inputs, output):
-    _, grad = output
-    ctx.save_for_backward(grad)
-    ctx.mark_non_differentiable(grad)
-    ctx.set_materialize_grads(False)  # no zero (T, V) tensor for the gradient output nobody uses
+    """The loss ops' outputs after the loss are the gradients of their leading inputs, computed in the
+    forward pass: saved as they are for backward."""
+    grads = output[1:]
+    ctx.save_for_backward(*grads)
+    ctx.mark_non_differentiable(*grads)
+    ctx.set_materialize_grads(False)  # no zero (T, V) tensor for the gradient outputs nobody uses
+    ctx.num_inputs = len(inputs)
 
 
-def _ce_backward(ctx, _dloss, _dgrad):
-    """The stored gradient as is: the incoming one is ignored (the record's; see the section comment)."""
-    (grad,) = ctx.saved_tensors
-    return grad, None, None, None, None, None, None
+def _ce_backward(ctx, _dloss, *_dgrads):
+    """The stored gradients as they are: the incoming one is ignored (the record's; see the section comment)."""
+    grads = ctx.saved_tensors
+    return *grads, *(None,) * (ctx.num_inputs - len(grads))
 
 
 _ce_mtp_fwd_op.register_autograd(_ce_backward, setup_context=_ce_setup)
@@ -1171,20 +1174,7 @@ def _(x, w, targets, mtp_weights, prefix_ids, prefix_weight, grad_scale):
     return x.new_empty(x.shape[0], dtype=torch.float32), torch.empty_like(x), torch.empty_like(w)
 
 
-def _ce_head_setup(ctx, inputs, output):
-    _, dx, dw = output
-    ctx.save_for_backward(dx, dw)
-    ctx.mark_non_differentiable(dx, dw)
-    ctx.set_materialize_grads(False)
-
-
-def _ce_head_backward(ctx, _dloss, _ddx, _ddw):
-    """The stored gradients as they are: the incoming one is ignored, as the loss kernel's is."""
-    dx, dw = ctx.saved_tensors
-    return dx, dw, None, None, None, None, None
-
-
-_ce_mtp_head_rows_op.register_autograd(_ce_head_backward, setup_context=_ce_head_setup)
+_ce_mtp_head_rows_op.register_autograd(_ce_backward, setup_context=_ce_setup)
 
 
 def softcapped_ce_mtp_head_rows(x: Tensor, w: Tensor, targets: Tensor, mtp_weights: Tensor,
