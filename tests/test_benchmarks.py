@@ -429,6 +429,29 @@ def test_a_one_sided_folder_says_why_it_has_no_ratio():
     assert te.one_side_line({"recipe_s0": {}}, False) == "one side only (recipe runs: no classic run saved here yet): no comparison, no ratio"
 
 
+def test_a_scored_folder_waiting_for_the_other_side_lists_its_seeds(tmp_path, capsys):
+    """--load on the scored split's folder while one side's seeds are run: per seed, its best val loss, the
+    tokens it was first reached at (the earliest of equal losses) and its bigram floor, then the mean and
+    sample std over the seeds; a single seed has no spread yet, and a tuning folder lists no seeds."""
+    meta = {"tokens": 300, "val_tokens": 64, "preset": "test", "train": "t", "val": "v", "val_set": "even"}
+    floor = {"unigram": 9.0, "bigram": 3.2, "bigram_weight": 0.5, "train_tokens": 300}
+    te.save_curve(str(tmp_path), "recipe_s0", [(0, 10.0), (100, 3.0), (200, 2.5), (300, 2.5)], {**meta, "seed": 0, "floor": floor})
+    runs = te.load_runs(str(tmp_path), None)
+    floors = te.folder_floors(str(tmp_path), runs)
+    assert te.one_side_seeds(runs, floors).splitlines()[1:] == ["   0   2.5000 @      200       3.2000",
+                                                               "recipe best val: 2.5000 (1 seed: no spread yet)"]
+    te.save_curve(str(tmp_path), "recipe_s1", [(0, 10.0), (100, 2.9), (200, 3.1), (300, 3.0)],
+                  {**meta, "seed": 1, "floor": {**floor, "bigram": 3.3}})
+    runs = te.load_runs(str(tmp_path), None)
+    te.report(str(tmp_path), None, plot=False)
+    out = capsys.readouterr().out
+    assert "one side only (recipe runs: no classic run saved here yet)" in out
+    # bests 2.5 and 2.9: mean 2.7, sample std sqrt(2 * 0.2 ** 2 / 1) = 0.2828
+    assert out.endswith("   0   2.5000 @      200       3.2000\n   1   2.9000 @      100       3.3000\n"
+                        "recipe best val: mean 2.7000, std 0.2828, range 2.5000 .. 2.9000 (2 seeds)\n")
+    assert te.one_side_seeds({n: {**r, "val_set": "tune"} for n, r in runs.items()}, floors) == ""
+
+
 def test_searches_preview_by_hand():
     """A tuning folder with both searches: the recipe search's winner (lowest best) against the classic
     search's winner. Classic winner: best 2.0 at 400 tokens (the other configuration's best is 2.5). Recipe

@@ -1233,6 +1233,14 @@ def compare_runs(folder: str, names: str) -> str:
     return "\n".join(lines)
 
 
+def spread_line(name: str, col: list[float]) -> str:
+    """Mean, sample std and range of one figure over the seeds (one seed has no spread yet)."""
+    m, sd = mean_std(col)
+    if len(col) == 1:
+        return f"{name}: {m:.4f} (1 seed: no spread yet)"
+    return f"{name}: mean {m:.4f}, std {sd:.4f}, range {min(col):.4f} .. {max(col):.4f} ({len(col)} seeds)"
+
+
 def seeds_table(runs: dict[str, dict], floors: Floors | None = None) -> tuple[str, list[float]]:
     """Per seed: the recipe's and the tuned classic's best val loss, the bigram floor and the ratio (when
     ratio_refusal allows one); then mean and spread."""
@@ -1269,10 +1277,7 @@ def seeds_table(runs: dict[str, dict], floors: Floors | None = None) -> tuple[st
         at = [sum(loss_at(r["curve"], frac * budget) for r in side.values()) / len(side) if side else float("nan")
               for side in (recipe, classic)]
         lines.append(f"{'':42} {frac * budget:10,.0f} {at[0]:8.4f} {at[1]:8.4f}")
-    for name, col in (("recipe best val", rb), ("classic best val", cb), ("ratio", ratios)):
-        if col:
-            m, sd = mean_std(col)
-            lines.append(f"{name}: mean {m:.4f}, std {sd:.4f}, range {min(col):.4f} .. {max(col):.4f} ({len(col)} seeds)")
+    lines += [spread_line(name, col) for name, col in (("recipe best val", rb), ("classic best val", cb), ("ratio", ratios)) if col]
     paired = sorted(set(recipe) & set(classic))
     if refusal:
         lines.append(refusal)
@@ -1409,18 +1414,40 @@ def unfinished_runs(folder: str) -> list[str]:
     return found
 
 
-def one_side_line(runs: dict[str, dict], ablations: bool) -> str:
-    """Why a folder with one side's runs states no ratio: it tunes that side (a search of more than one
-    configuration, or runs on the tuning split), it holds the recipe's ablations, or the other side's
-    runs are not saved there yet (the scored split's folder while its seeds are being run)."""
+def tunes_one_side(runs: dict[str, dict]) -> bool:
+    """A folder that tunes a side: a search of more than one classic configuration, the recipe's search
+    runs, or runs on the tuning split."""
     classic = {(r["classic_lr"], r["classic_batch_tokens"], r["classic_seq_len"])
                for n, r in runs.items() if n.startswith("classic_")}
-    tuning = len(classic) > 1 or any(n.startswith(RECIPE_SEARCH_PREFIX) for n in runs) \
+    return len(classic) > 1 or any(n.startswith(RECIPE_SEARCH_PREFIX) for n in runs) \
         or all(r.get("val_set") == "tune" for r in runs.values())
+
+
+def one_side_line(runs: dict[str, dict], ablations: bool) -> str:
+    """Why a folder with one side's runs states no ratio: it tunes that side, it holds the recipe's
+    ablations, or the other side's runs are not saved there yet (the scored split's folder while its
+    seeds are being run)."""
+    classic = any(n.startswith("classic_") for n in runs)
     side, other = ("classic", "recipe") if classic else ("recipe", "classic")
     kind = ("recipe runs and ablations" if ablations and not classic else
-            f"{side} runs: a tuning folder" if tuning else f"{side} runs: no {other} run saved here yet")
+            f"{side} runs: a tuning folder" if tunes_one_side(runs) else f"{side} runs: no {other} run saved here yet")
     return f"one side only ({kind}): no comparison, no ratio"
+
+
+def one_side_seeds(runs: dict[str, dict], floors: Floors) -> str:
+    """The seeds saved so far in a scored folder whose other side is not run yet: each seed's best val
+    loss, the tokens it was first reached at and the seed's bigram floor, then their mean and spread
+    (seeds_table's columns, so the figures stay the same once the other side is saved)."""
+    side = "classic" if any(n.startswith("classic_") for n in runs) else "recipe"
+    seeds = {r["seed"]: r for n, r in runs.items() if n.startswith(f"{side}_")}
+    if not seeds or tunes_one_side(runs):
+        return ""
+    lines = [f"{'seed':>4} {side + ' best':>19} {'bigram floor':>12}"]
+    for seed, run in sorted(seeds.items()):
+        t, v = best_point(run["curve"])
+        floor = f"{floors.by_seed[seed]['bigram']:12.4f}" if seed in floors.by_seed else f"{'-':>12}"
+        lines.append(f"{seed:4} {v:8.4f} @{t:>9,} {floor}")
+    return "\n".join(lines + [spread_line(f"{side} best val", [best_point(r["curve"])[1] for r in seeds.values()])])
 
 
 def report(folder: str, tokens: int | None, plot: bool = True) -> list[float]:
@@ -1472,6 +1499,9 @@ def report(folder: str, tokens: int | None, plot: bool = True) -> list[float]:
         print("both sides' searches (a tuning folder): no comparison of seeds, no ratio\n" + preview)
     elif not two_sided:
         print(("\n" if abl else "") + one_side_line(runs, bool(abl)))
+        waiting = "" if abl else one_side_seeds(runs, floors)
+        if waiting:
+            print(waiting)
         margin = floor_margin(runs, floors) if classic else ""
         if margin:
             print(margin)
