@@ -1171,6 +1171,10 @@ def test_ablation_smoke(tmp_path):
     assert [line for line in loaded.split("switched off / replaced")[1].splitlines()
             if line.startswith("batch schedule")][0].split() == row
     assert "one side only (recipe runs and ablations): no comparison, no ratio" in loaded
+    # a full recipe run that --ablate trains is the one --run recipe trains: same evaluations, same losses
+    run_script("tests/benchmarks/token_efficiency.py", "--smoke", "--run", "recipe", "--seeds", "1",
+               "--save", str(tmp_path / "sides"))
+    assert read_json(tmp_path / "recipe_s1.json")["curve"] == read_json(tmp_path / "sides" / "recipe_s1.json")["curve"]
 
 
 @pytest.mark.slow

@@ -1786,9 +1786,11 @@ def run_ablations(a, device: torch.device) -> None:
             file = "recipe" if i == 0 else "ablate_" + re.sub(r"[^a-z0-9]+", "_", name.lower()).strip("_")
             if saved(a.save, f"{file}_s{seed}"):
                 continue
-            args = recipe_args(a.preset, data.train(seed), data.val_path, a.tokens, 0, data.val.val_tokens, device,
-                               {**a.recipe_overrides, **overrides, "seed": seed}, a.log_dir, edit,
-                               model_dim=a.model_dim)
+            # a full recipe run not saved yet is trained as --run recipe trains it (its --evals curve), so the
+            # ratio can use it; the rows need only their final loss
+            args = recipe_args(a.preset, data.train(seed), data.val_path, a.tokens, a.evals if i == 0 else 0,
+                               data.val.val_tokens, device, {**a.recipe_overrides, **overrides, "seed": seed},
+                               a.log_dir, edit, model_dim=a.model_dim)
             t = time.perf_counter()
             curve = save_recipe_run(a, data, seed, device, f"{file}_s{seed}", args, {"component": name},
                                     diverging_is_a_result=True)  # a diverging variant is a result, not a crash
