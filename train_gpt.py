@@ -2196,9 +2196,11 @@ def block_attention_mask(doc_ids: torch.Tensor, window, pos_div: int = 1,
     partial = any_pass & ~all_pass
 
     def to_indices(blocks):
+        # Contiguous: flex_attention's Triton kernels take the strides of every dim but the last and
+        # step through a row with stride 1; argsort of a transposed matrix keeps its transposed strides.
         counts = blocks.sum(-1, dtype=torch.int32)[None, None]
         order = torch.argsort(blocks.to(torch.int8), dim=-1, descending=True, stable=True)
-        return counts, order.to(torch.int32)[None, None]
+        return counts, order.to(torch.int32, memory_format=torch.contiguous_format)[None, None]
 
     kv_num, kv_idx = to_indices(partial)
     full_num, full_idx = to_indices(all_pass)

@@ -33,6 +33,7 @@ import ast
 import datetime
 import json
 import os
+import platform
 import re
 import subprocess
 import sys
@@ -304,6 +305,7 @@ def render_markdown(report: dict) -> str:
         f"{info['memory_gib']:.1f} GiB), {info['gpu_count']} GPU(s) visible",
         f"- driver {info['driver']}, CUDA {info['cuda']}",
         f"- torch {info['torch']}, triton {info['triton']}, Python {info['python']}",
+        *([f"- host: {info['host']}"] if info.get("host") else []),
         f"- code: commit {info['commit']}" + ("" if len({r.get('commit', info['commit']) for r in results}) == 1
                                              else " (the commit of each check in its row)"),
         f"- result: {passed} of {len(results)} checks passed in {report['total_s']:.0f} s",
@@ -325,12 +327,12 @@ def render_markdown(report: dict) -> str:
         lines += ["", "## Speedrun preset on this GPU", "",
                   f"{t['world_size']} GPU, accumulation {t['accumulation']}, {t['warmup']} warm-up + {t['steps']} "
                   f"timed steps per stage; MFU against {_fmt(t['peak_tflops'], '.1f', 'unknown')} TFLOP/s dense bf16.",
-                  "", "| stage | steps | batch tokens | warm-up s (compile) | ms/step | optimizer ms | tokens/s | "
-                  "GFLOP/token | MFU |",
-                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+                  "", "| stage | steps | batch tokens | warm-up s (compile) | ms/step | host ms | optimizer ms | "
+                  "tokens/s | GFLOP/token | MFU |",
+                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
         for s in t["stages"]:
             lines.append(f"| {s['stage']} | {s['steps']} | {s['batch']:,} | {s['warmup_s']:.1f} | {s['ms']:.1f} | "
-                         f"{_fmt(s.get('optimizer_ms'), '.1f')} | {s['tokens_per_s']:,.0f} | {s['flops_per_token'] / 1e9:.3f} | "
+                         f"{_fmt(s.get('host_ms'), '.1f')} | {_fmt(s.get('optimizer_ms'), '.1f')} | {s['tokens_per_s']:,.0f} | {s['flops_per_token'] / 1e9:.3f} | "
                          f"{_fmt(s.get('mfu') and 100 * s['mfu'], '.1f')}{'%' if s.get('mfu') else ''} |")
         p = t.get("projection")
         if p:
@@ -392,7 +394,6 @@ def write_report(report: dict, folder: str = RECORDS, merge: bool = False) -> tu
 
 
 def machine_info() -> dict:
-    import platform
     import torch
     import triton
     props = torch.cuda.get_device_properties(0)
@@ -413,7 +414,19 @@ def machine_info() -> dict:
     return dict(date=datetime.date.today().isoformat(), gpu=props.name, capability=f"{props.major}.{props.minor}",
                 sms=props.multi_processor_count, memory_gib=props.total_memory / 2**30,
                 gpu_count=torch.cuda.device_count(), driver=driver, cuda=torch.version.cuda, torch=torch.__version__,
-                triton=triton.__version__, python=platform.python_version(), commit=commit)
+                triton=triton.__version__, python=platform.python_version(), commit=commit, host=host_cpu())
+
+
+def host_cpu() -> str:
+    """The host's processor and CPU count: the host launches every kernel, so its speed is part of a
+    step's time where the GPU waits on it (small micro-batches), and differs between machines of one kind."""
+    model = platform.processor() or "unknown processor"
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), model)
+    except OSError:
+        pass
+    return f"{model}, {os.cpu_count()} CPUs"
 
 
 # ----------------------------------------------------------------------------------------------

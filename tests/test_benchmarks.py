@@ -1197,6 +1197,10 @@ def test_step_timing_smoke():
     assert [s[0] for s in stages] == ["stage", "stage", "stage", "extension"]
     assert [int(s[3].replace(",", "")) for s in stages[:3]] == [row.batch_tokens for row in TEST.stages[:3]]
     assert "need a CUDA GPU" in out and "projected training time" in out
+    # On a CPU the host runs every op as it launches it: the launch time is nearly the whole step.
+    launches = [re.search(r"launches a step in ([\d.]+) ms of its ([\d.]+)", line) for line in out.splitlines()]
+    launches = [(float(m[1]), float(m[2])) for m in launches if m]
+    assert len(launches) == 4 and all(0.8 * ms < host <= ms for host, ms in launches), launches
 
 
 def test_bench_kernels_times_the_cpu_head_on_a_cpu():

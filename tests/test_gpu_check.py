@@ -184,11 +184,12 @@ def test_result_is_on_disk_after_every_set(tmp_path):
 # ---- report ------------------------------------------------------------------------------------------
 
 INFO = dict(date="2026-11-24", gpu="NVIDIA H100 80GB HBM3", capability="9.0", sms=132, memory_gib=79.1, gpu_count=1,
-            driver="580.159.04", cuda="13.0", torch="2.11.0+cu130", triton="3.6.0", python="3.12.3", commit="abc1234")
+            driver="580.159.04", cuda="13.0", torch="2.11.0+cu130", triton="3.6.0", python="3.12.3", commit="abc1234",
+            host="Intel(R) Xeon(R) Platinum 8480C, 224 CPUs")
 
-STAGES = [dict(stage="stage 1", steps=423, batch=131072, warmup_s=80.0, ms=400.0, tokens_per_s=327680.0,
+STAGES = [dict(stage="stage 1", steps=423, batch=131072, warmup_s=80.0, ms=400.0, host_ms=390.5, tokens_per_s=327680.0,
                flops_per_token=1.0e9, mfu=0.33, optimizer_ms=40.0, rest_ms=360.0),
-          dict(stage="stage 2", steps=424, batch=262144, warmup_s=40.0, ms=800.0, tokens_per_s=327680.0,
+          dict(stage="stage 2", steps=424, batch=262144, warmup_s=40.0, ms=800.0, host_ms=420.0, tokens_per_s=327680.0,
                flops_per_token=1.1e9, mfu=None, optimizer_ms=48.0, rest_ms=752.0)]
 
 
@@ -234,11 +235,12 @@ def test_report_files_name_the_machine_and_hold_the_figures(tmp_path):
                  "- GPU: NVIDIA H100 80GB HBM3 (compute capability 9.0, 132 SMs, 79.1 GiB), 1 GPU(s) visible",
                  "- driver 580.159.04, CUDA 13.0",
                  "- torch 2.11.0+cu130, triton 3.6.0, Python 3.12.3",
+                 "- host: Intel(R) Xeon(R) Platinum 8480C, 224 CPUs",
                  "- result: 1 of 3 checks passed in 315 s",
                  "| triton-mlp | kernels | pass | 12.3 | worst relative error bf16 3.0e-03 |",
                  "| fp8-up | kernels | fail | 3.0 | AssertionError: post / 2% differ |",
-                 "| stage 1 | 423 | 131,072 | 80.0 | 400.0 | 40.0 | 327,680 | 1.000 | 33.0% |",
-                 "| stage 2 | 424 | 262,144 | 40.0 | 800.0 | 48.0 | 327,680 | 1.100 | - |",
+                 "| stage 1 | 423 | 131,072 | 80.0 | 400.0 | 390.5 | 40.0 | 327,680 | 1.000 | 33.0% |",
+                 "| stage 2 | 424 | 262,144 | 40.0 | 800.0 | 420.0 | 48.0 | 327,680 | 1.100 | - |",
                  "- stages measured: 2 of 4 (projection covers those only)",
                  "- compile and warm-up: 120 s",
                  "- projected training time, 847 steps: 508 s on this GPU, 63.5 s on 8 such GPUs (no communication counted); "

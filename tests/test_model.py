@@ -98,6 +98,12 @@ def test_dense_mask_matches_brute_force(seed):
             assert torch.equal(got, brute_force_mask(doc, window, pos_div)), (window, pos_div)
 
 
+def as_flex_kernel_reads(indices):
+    """A block-index tensor as flex_attention's Triton kernels read it: they take the strides of the
+    batch, head and row dims and step through a row's indices one element at a time (stride 1)."""
+    return indices.as_strided(indices.shape, (*indices.stride()[:-1], 1))
+
+
 def expand_block_mask(bm, n, bs):
     """Token-level mask the flex kernel would apply: partial blocks run mask_mod, full blocks pass."""
     idx = torch.arange(n)
@@ -107,9 +113,9 @@ def expand_block_mask(bm, n, bs):
     partial = torch.zeros(nb, nb, dtype=torch.bool)
     full = torch.zeros(nb, nb, dtype=torch.bool)
     for i in range(nb):
-        for j in bm.kv_indices[0, 0, i, : bm.kv_num_blocks[0, 0, i]].tolist():
+        for j in as_flex_kernel_reads(bm.kv_indices)[0, 0, i, : bm.kv_num_blocks[0, 0, i]].tolist():
             partial[i, j] = True
-        for j in bm.full_kv_indices[0, 0, i, : bm.full_kv_num_blocks[0, 0, i]].tolist():
+        for j in as_flex_kernel_reads(bm.full_kv_indices)[0, 0, i, : bm.full_kv_num_blocks[0, 0, i]].tolist():
             full[i, j] = True
     assert not (partial & full).any()
     for i in range(nb):
@@ -141,12 +147,13 @@ def test_block_mask_applies_exactly_the_dense_mask(seed):
             all_pass = expected.view(nb, bs, nb, bs).all(3).all(1)
             assert torch.equal(full, all_pass)
             # the query side (the backward's loop over query blocks per key block): the same block
-            # pairs, each key block's query blocks listed first in ascending order
+            # pairs, each key block's query blocks listed first in ascending order, laid out as the
+            # backward kernel reads them (a transposed layout read with stride 1 gave wrong dk/dv on CUDA)
             partial = expected.view(nb, bs, nb, bs).any(3).any(1) & ~all_pass
             for num, idx, want in ((bm.q_num_blocks, bm.q_indices, partial), (bm.full_q_num_blocks,
                                                                               bm.full_q_indices, all_pass)):
                 for j in range(nb):
-                    listed = idx[0, 0, j, : num[0, 0, j]].tolist()
+                    listed = as_flex_kernel_reads(idx)[0, 0, j, : num[0, 0, j]].tolist()
                     assert listed == torch.nonzero(want[:, j]).flatten().tolist(), (window, pos_div, j)
 
 

@@ -236,12 +236,16 @@ def run(args: T.Hyperparameters, d: T.DistInfo, steps: int, warmup: int, peak: f
                 model.fp8_mlp.quantize(model.mlp_bank, bootstrap=first + i < T.FP8_BOOTSTRAP_STEPS)
             return plan, batches
 
+        host_s = 0.0  # the timed steps' host time: launching a step, no waiting (nothing in it synchronises)
         for i in range(warmup + steps):
             if i == warmup:
                 T.cuda_synchronize(d.device)
                 counts.append(T.compile_counts())
                 t0 = time.perf_counter()
+            t_launch = time.perf_counter()
             plan, batches = one_step(i)
+            if i >= warmup:
+                host_s += time.perf_counter() - t_launch
             if i >= warmup and len(timed_batches) < 4:
                 timed_batches.extend(batches)
         T.cuda_synchronize(d.device)
@@ -267,7 +271,8 @@ def run(args: T.Hyperparameters, d: T.DistInfo, steps: int, warmup: int, peak: f
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
             ms = float(t)
         fpt = flops_per_token(model, timed_batches)
-        results.append(dict(stage=name, steps=length, ms=ms, batch=plan.batch_tokens, warmup_s=t0 - t_warm,
+        results.append(dict(stage=name, steps=length, ms=ms, host_ms=1000 * host_s / steps, batch=plan.batch_tokens,
+                            warmup_s=t0 - t_warm,
                             tokens_per_s=plan.batch_tokens / (ms / 1000), flops_per_token=fpt,
                             graphs_warmup=counts[1]["graphs"] - counts[0]["graphs"],
                             graphs_timed=counts[2]["graphs"] - counts[1]["graphs"],
@@ -289,6 +294,8 @@ def run(args: T.Hyperparameters, d: T.DistInfo, steps: int, warmup: int, peak: f
         say(f"{r['stage']:10s} {r['steps']:6d} {r['batch']:9,d} {r['ms']:9.2f} {r['tokens_per_s']:12,.0f} "
             f"{r['flops_per_token'] / 1e9:12.3f} {mfu:>7s} {r['graphs_warmup']:>11d}/{r['graphs_timed']:<11d}")
     for r in results:
+        say(f"{r['stage']}: the host launches a step in {r['host_ms']:.2f} ms of its {r['ms']:.2f} "
+            "(near equal: the GPU waits on the host)")
         if "optimizer_ms" in r:
             say(f"{r['stage']}: optimizer step {r['optimizer_ms']:.2f} ms, the rest {r['rest_ms']:.2f} ms per step "
                 f"(device synchronised around the optimizer step)")
