@@ -361,6 +361,9 @@ def render_markdown(report: dict) -> str:
         lines += [f"| {name[:90].replace('|', '/')} | {ms:.3f} | {calls:.1f} |" for name, ms, calls in prof["top_kernels"]]
         lines += ["", "| host op | calls/step | host ms/step |", "| --- | --- | --- |"]
         lines += [f"| {name} | {calls:.1f} | {ms:.3f} |" for name, calls, ms in prof["top_ops"]]
+        if prof.get("top_self"):
+            lines += ["", "| host time spent in (self) | calls/step | self ms/step |", "| --- | --- | --- |"]
+            lines += [f"| {name[:90].replace('|', '/')} | {calls:.1f} | {ms:.3f} |" for name, calls, ms in prof["top_self"]]
     failures = [r for r in results if r["status"] in ("fail", "timeout") and r.get("traceback")]
     if failures:
         fence = "`" * 3

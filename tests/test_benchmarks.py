@@ -11,6 +11,7 @@ import re
 import signal
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -1187,6 +1188,27 @@ def test_stage_rise_smoke(tmp_path):
         saved = read_json(tmp_path / f"{variant}.json")
         assert [s for s, _ in saved["curve"]] == [0, 1, 2] and all(9.0 < v < 11.5 for _, v in saved["curve"])
     assert saved["untie_step"] == 10 ** 9
+
+
+def test_profile_summary_splits_host_time_into_self_times():
+    """A CPU profile of matmuls: aten::mm is called 3 times a step, its self time is at most its
+    inclusive time, the self times of all host events add up to no more than the wall time, and
+    aten::matmul (which only calls aten::mm) spends less in itself than aten::mm."""
+    from torch.profiler import ProfilerActivity, profile
+    x = torch.randn(256, 256)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        t0 = time.perf_counter()
+        for _ in range(2 * 3):
+            x @ x
+        wall = 1000 * (time.perf_counter() - t0)
+    p = step_timing.profile_summary(prof, 2, wall, "cpu")
+    ops = {name: (calls, ms) for name, calls, ms in p["top_ops"]}
+    mine = {name: (calls, ms) for name, calls, ms in p["top_self"]}
+    assert ops["aten::mm"][0] == mine["aten::mm"][0] == 3.0
+    assert 0 < mine["aten::mm"][1] <= ops["aten::mm"][1]
+    assert mine["aten::matmul"][1] < mine["aten::mm"][1]
+    assert sum(ms for _, ms in mine.values()) <= wall / 2
+    assert p["kernels_per_step"] == 0 and p["busy"] == 0
 
 
 @pytest.mark.slow

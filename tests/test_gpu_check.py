@@ -213,7 +213,8 @@ def report(tmp_path):
                   projection=G.project(STAGES), peak_allocated_gib=41.5, peak_reserved_gib=52.25)
     timing["compiles"] = dict(graphs_warmup=9, graphs_timed=0, graph_breaks=0)
     timing["profile"] = dict(what="stage 1, rank 0", steps=2, step_ms=1030.0, busy=0.452, kernels_per_step=4200.0,
-                             ops_per_step=9100.0, top_kernels=[["ce_kernel", 25.6, 8.0]], top_ops=[["aten::mm", 1000.0, 12.5]])
+                             ops_per_step=9100.0, top_kernels=[["ce_kernel", 25.6, 8.0]], top_ops=[["aten::mm", 1000.0, 12.5]],
+                             top_self=[["cudaLaunchKernel", 4200.0, 30.25]])
     checks = [dict(name="triton-mlp", group="kernels", status="pass", seconds=12.34,
                    summary="worst relative error bf16 3.0e-03", error="", traceback="", data={}),
               dict(name="fp8-up", group="kernels", status="fail", seconds=3.0, summary="", error="AssertionError: post | 2% differ",
@@ -251,7 +252,7 @@ def test_report_files_name_the_machine_and_hold_the_figures(tmp_path):
                  "## Profile: stage 1, rank 0",
                  "2 steps, 1030.0 ms/step wall, GPU busy 45.2% (union of kernel intervals / wall time); 4200 kernels and "
                  "9100 aten ops per step.",
-                 "| ce_kernel | 25.600 | 8.0 |", "| aten::mm | 1000.0 | 12.500 |",
+                 "| ce_kernel | 25.600 | 8.0 |", "| aten::mm | 1000.0 | 12.500 |", "| cudaLaunchKernel | 4200.0 | 30.250 |",
                  "### fp8-up (fail)",
                  "AssertionError: post | 2% differ"):  # the traceback as it is, in a code block
         assert line + "\n" in text, line

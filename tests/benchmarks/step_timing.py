@@ -130,8 +130,10 @@ def main(argv=None):
 
 def profile_summary(prof, steps: int, wall_ms: float, what: str, top: int = 25) -> dict:
     """From a torch.profiler run of `steps` steps that took wall_ms: the GPU busy fraction (union of the
-    kernels' intervals over the wall time), kernels and aten ops per step, the top kernels by time and
-    the host ops called most often (per step)."""
+    kernels' intervals over the wall time), kernels and aten ops per step, the top kernels by time,
+    the host ops called most often, and the host's time by what it spent it in itself (self time, per
+    step: aten ops and CUDA runtime calls such as cudaLaunchKernel, cudaHostAlloc or a synchronisation,
+    so a host-bound step shows where its time goes without double counting nested ops)."""
     from torch.autograd import DeviceType
     kernels = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
     spans = sorted((e.time_range.start, e.time_range.end) for e in kernels)
@@ -144,16 +146,23 @@ def profile_summary(prof, steps: int, wall_ms: float, what: str, top: int = 25) 
     for e in kernels:
         t, n = by_kernel.get(e.name, (0.0, 0))
         by_kernel[e.name] = (t + (e.time_range.end - e.time_range.start) / 1000, n + 1)
+    by_self = {}
     for e in prof.events():
-        if e.device_type == DeviceType.CPU and e.name.startswith("aten::"):
+        if e.device_type != DeviceType.CPU:
+            continue
+        if e.name.startswith("aten::"):
             n, t = host.get(e.name, (0, 0.0))
             host[e.name] = (n + 1, t + e.cpu_time_total / 1000)
+        n, t = by_self.get(e.name, (0, 0.0))
+        by_self[e.name] = (n + 1, t + e.self_cpu_time_total / 1000)
     top_kernels = sorted(by_kernel.items(), key=lambda kv: -kv[1][0])[:top]
     top_ops = sorted(host.items(), key=lambda kv: -kv[1][0])[:top]
     return dict(what=what, steps=steps, step_ms=wall_ms / steps, busy=busy_us / 1000 / wall_ms,
                 kernels_per_step=len(kernels) / steps, ops_per_step=sum(n for n, _ in host.values()) / steps,
                 top_kernels=[(name, ms / steps, n / steps) for name, (ms, n) in top_kernels],
-                top_ops=[(name, n / steps, ms / steps) for name, (n, ms) in top_ops])
+                top_ops=[(name, n / steps, ms / steps) for name, (n, ms) in top_ops],
+                top_self=[(name, n / steps, ms / steps)
+                          for name, (n, ms) in sorted(by_self.items(), key=lambda kv: -kv[1][1])[:top]])
 
 
 def optimizer_split(opt, step, device: torch.device, n: int) -> dict:
