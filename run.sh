@@ -170,6 +170,7 @@ fi
 
 # CPU training: glibc hands every large freed block back to the OS, so each step page-faults its
 # (T, 50304) logits and gradients in again; keeping freed memory in the heap makes CPU steps ~20% faster.
+# train_gpt.py sets the same on a CPU itself (keep_freed_memory); this covers every script run.sh starts.
 keep_freed_memory() {
   export MALLOC_MMAP_MAX_=${MALLOC_MMAP_MAX_:-0} MALLOC_TRIM_THRESHOLD_=${MALLOC_TRIM_THRESHOLD_:-68719476736}
 }

@@ -579,12 +579,33 @@ def setup_distributed(force_cpu: bool = False) -> DistInfo:
         device = torch.device("cuda", local_rank)
     else:
         device = torch.device("cpu")
+        keep_freed_memory()
     if world_size > 1 or "RANK" in os.environ:
         if use_cuda:  # NCCL for GPU tensors; gloo for the few CPU tensors (the sparse exchange's counts)
             dist.init_process_group("cuda:nccl,cpu:gloo", device_id=device)
         else:
             dist.init_process_group("gloo")
     return DistInfo(rank, world_size, local_rank, device)
+
+
+def keep_freed_memory() -> bool:
+    """CPU training: tell glibc to keep freed memory in the process heap. By default it maps every large
+    block (logits, their gradient: hundreds of MB a step) afresh and returns it on free, so each step
+    page-faults them in again; a small GPT with an unfused full-vocabulary head ran 1.7x faster with it
+    (0.60 against 1.01 s a step). mallopt(M_MMAP_MAX, 0), and M_TRIM_THRESHOLD at the largest value mallopt's
+    int takes (2 GiB of free heap top kept), as the environment's MALLOC_MMAP_MAX_=0 and
+    MALLOC_TRIM_THRESHOLD_ would set at start-up; values the user set there are left alone. False where
+    the C library has no mallopt (not glibc) or the setting was the user's."""
+    if "MALLOC_MMAP_MAX_" in os.environ or "MALLOC_TRIM_THRESHOLD_" in os.environ:
+        return False
+    try:
+        import ctypes
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return False
+    mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
+    M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4  # glibc's <malloc.h>
+    return bool(mallopt(M_MMAP_MAX, 0)) and bool(mallopt(M_TRIM_THRESHOLD, 2**31 - 1))
 
 
 def cuda_synchronize(device: torch.device) -> None:

@@ -259,3 +259,39 @@ def test_prune_checkpoints_keeps_the_newest_by_step_number(tmp_path):
     (tmp_path / "notes.txt").write_text("kept")
     tg.prune_checkpoints(str(tmp_path), 2)
     assert sorted(os.listdir(tmp_path)) == ["notes.txt", "step_1000000", "step_1000001", "step_1000002.tmp"]
+
+
+KEPT_PROBE = """
+import os, sys
+sys.path.insert(0, {root!r})
+import torch
+import train_gpt as T
+def resident():
+    return int(open('/proc/self/statm').read().split()[1]) * os.sysconf('SC_PAGE_SIZE')
+kept = T.keep_freed_memory() if {call} else None
+before = resident()
+block = torch.ones(64 << 20)  # 256 MiB, above glibc's default mmap threshold
+del block
+print(kept, (resident() - before) >> 20)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/statm; mallopt is glibc's")
+def test_keep_freed_memory_keeps_a_freed_block_in_the_heap():
+    """Resident memory after freeing a 256 MiB tensor, read from /proc: glibc's default hands the block
+    back (near 0 MiB stays resident); after keep_freed_memory it stays in the heap (256 MiB); with the
+    user's MALLOC_MMAP_MAX_ / MALLOC_TRIM_THRESHOLD_ set, the call leaves them be (False) and they keep it."""
+    import subprocess
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
+
+    def probe(call, env):
+        out = subprocess.run([sys.executable, "-c", KEPT_PROBE.format(root=ROOT, call=call)], env=env,
+                             capture_output=True, text=True, timeout=120, check=True).stdout.split()
+        return out[0], int(out[1])
+
+    kept, mib = probe(False, clean)
+    assert kept == "None" and mib < 64
+    kept, mib = probe(True, clean)
+    assert kept == "True" and mib >= 250
+    kept, mib = probe(True, {**clean, "MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(64 << 30)})
+    assert kept == "False" and mib >= 250

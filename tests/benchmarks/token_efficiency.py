@@ -1867,6 +1867,8 @@ def main(argv=None):
     if a.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("error: --device cuda but no CUDA device is available; use --device cpu")
     device = torch.device("cuda" if a.device != "cpu" and torch.cuda.is_available() else "cpu")
+    if device.type == "cpu":
+        T.keep_freed_memory()  # the classic's (T, 50304) logits would be mapped and page-faulted every step
     if a.smoke:
         a.preset, a.evals, a.search_seq, a.search_batch = "test", 1, "128", "1024"
         a.tokens, a.val_tokens = a.tokens or SMOKE_TOKENS, a.val_tokens or 1024
