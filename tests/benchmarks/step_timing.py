@@ -131,9 +131,9 @@ def main(argv=None):
 def profile_summary(prof, steps: int, wall_ms: float, what: str, top: int = 25) -> dict:
     """From a torch.profiler run of `steps` steps that took wall_ms: the GPU busy fraction (union of the
     kernels' intervals over the wall time), kernels and aten ops per step, the top kernels by time,
-    the host ops called most often, and the host's time by what it spent it in itself (self time, per
-    step: aten ops and CUDA runtime calls such as cudaLaunchKernel, cudaHostAlloc or a synchronisation,
-    so a host-bound step shows where its time goes without double counting nested ops)."""
+    the host ops called most often, and where the host's time went (self time per step of aten ops and
+    of CUDA runtime calls such as cudaLaunchKernel, cudaHostAlloc or a synchronisation: nested ops are
+    not counted twice, so a host-bound step shows what holds it up)."""
     from torch.autograd import DeviceType
     kernels = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
     spans = sorted((e.time_range.start, e.time_range.end) for e in kernels)
