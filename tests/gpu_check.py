@@ -423,13 +423,8 @@ def machine_info() -> dict:
 def host_cpu() -> str:
     """The host's processor and CPU count: the host launches every kernel, so its speed is part of a
     step's time where the GPU waits on it (small micro-batches), and differs between machines of one kind."""
-    model = platform.processor() or "unknown processor"
-    try:
-        with open("/proc/cpuinfo") as f:
-            model = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), model)
-    except OSError:
-        pass
-    return f"{model}, {os.cpu_count()} CPUs"
+    import train_gpt as T
+    return f"{T.cpu_model()}, {os.cpu_count()} CPUs"
 
 
 # ----------------------------------------------------------------------------------------------

@@ -255,8 +255,8 @@ def run(args: T.Hyperparameters, d: T.DistInfo, steps: int, warmup: int, peak: f
             plan, batches = one_step(i)
             if i >= warmup:
                 host_s += time.perf_counter() - t_launch
-            if i >= warmup and len(timed_batches) < 4:
-                timed_batches.extend(batches)
+                if len(timed_batches) < 4:
+                    timed_batches.extend(batches)
         T.cuda_synchronize(d.device)
         ms = 1000 * (time.perf_counter() - t0) / steps
         counts.append(T.compile_counts())
