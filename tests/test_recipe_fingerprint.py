@@ -8,6 +8,8 @@ import sys
 
 import pytest
 
+from train_gpt import cpu_model
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STORED = os.path.join(ROOT, "tests", "data", "recipe_fingerprint.json")
 # One thread and AVX2 kernels everywhere (oneDNN, ATen, MKL's conditional numerical reproducibility):
@@ -16,13 +18,6 @@ PINNED = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "ONEDNN_MAX_CPU_ISA": 
           "ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": "AVX2", "OPENBLAS_CORETYPE": "Haswell"}
 
 pytestmark = pytest.mark.slow
-
-
-def cpu_model() -> str:
-    try:
-        return next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
-    except (OSError, StopIteration):
-        return ""
 
 
 @pytest.fixture(scope="module")
