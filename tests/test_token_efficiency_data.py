@@ -277,3 +277,28 @@ def test_floor_flag_prints_each_seeds_floor(capsys):
         floor = te.count_floor(np.concatenate([docs[i] for i in order])[:20_000], scored)
         assert (f"seed {seed}: unigram {floor['unigram']:.4f}, interpolated bigram {floor['bigram']:.4f} "
                 f"(weight {floor['bigram_weight']:.3f})") in out
+
+
+@pytest.mark.parametrize("code, saved", [(143, False), ("non-finite loss at step 3", True)])
+def test_an_ablation_a_signal_stops_is_not_saved_as_a_result(monkeypatch, tmp_path, code, saved):
+    """A diverging ablation row is a result (NaN final loss); one stopped by SIGTERM (train_gpt exits
+    128 + 15 after saving its state) is not: saving it would end the run, and its rerun would skip it."""
+    def run_recipe(*_, **__):
+        raise SystemExit(code)
+    monkeypatch.setattr(te, "run_recipe", run_recipe)
+    monkeypatch.setattr(te, "recipe_cpu_dtype", lambda *_: ("fp32", "recipe dtype fp32"))
+    monkeypatch.setattr(te, "run_copy", lambda files, *_: files)
+    monkeypatch.setattr(te, "run_meta", lambda *_: {})
+    monkeypatch.setattr(te, "this_sitting", lambda a: {"commit": "c0ffee", "command": ["token_efficiency.py"]})
+    a = types.SimpleNamespace(save=str(tmp_path), cpu_dtype="fp32", data_dir=str(tmp_path), tokens=1000)
+    args = tg.Hyperparameters(log_dir=str(tmp_path))
+    os.makedirs(tmp_path / te.PARTIAL_DIR / "ablate_x_s0")
+    if saved:
+        curve = te.save_recipe_run(a, None, 0, None, "ablate_x_s0", args, {}, diverging_is_a_result=True)
+        assert math.isnan(curve[-1][1])
+    else:
+        with pytest.raises(SystemExit) as e:
+            te.save_recipe_run(a, None, 0, None, "ablate_x_s0", args, {}, diverging_is_a_result=True)
+        assert e.value.code == 143
+    assert os.path.exists(tmp_path / "ablate_x_s0.json") == saved
+    assert os.path.isdir(tmp_path / te.PARTIAL_DIR / "ablate_x_s0") != saved  # a stopped run's state stays

@@ -1635,7 +1635,8 @@ def save_recipe_run(a, data: BenchData, seed: int, device: torch.device, name: s
                     extra: dict, diverging_is_a_result: bool = False) -> list[tuple[int, float]]:
     """Train the recipe (resumable: its state in DIR/partial/<name>/) and save it as DIR/<name>.json with
     the run's provenance; returns the curve. With diverging_is_a_result, a run train_gpt stops (a
-    non-finite loss) is saved with a NaN final loss instead of stopping the benchmark."""
+    non-finite loss) is saved with a NaN final loss instead of stopping the benchmark; a run a signal
+    stops is not saved (its state continues it)."""
     state_dir = os.path.join(a.save, PARTIAL_DIR, name)
     run_id = f"{name}_{os.getpid()}"
     t = time.perf_counter()
@@ -1645,8 +1646,8 @@ def save_recipe_run(a, data: BenchData, seed: int, device: torch.device, name: s
                                val_files=run_copy(args.val_files, "val", a.data_dir, state_dir))
     try:
         run = run_recipe(args, device, run_id, state_dir, this_sitting(a))
-    except SystemExit as e:
-        if not diverging_is_a_result:
+    except SystemExit as e:  # a signal's stop (code > 128) keeps its state in partial/ for the next sitting
+        if not diverging_is_a_result or (isinstance(e.code, int) and e.code > 128):
             raise
         print(f"  {name}: stopped ({e})")
         log = os.path.join(args.log_dir, f"{run_id}.txt")
