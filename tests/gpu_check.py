@@ -44,6 +44,8 @@ from dataclasses import dataclass
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TESTS = os.path.join(REPO, "tests")
+# run as a script (run.sh gpu-check) sys.path starts with tests/: train_gpt and the test helpers import from here
+sys.path[:0] = [p for p in (REPO, TESTS) if p not in sys.path]
 SOURCES = ("train_gpt.py", "triton_kernels.py")
 RECORDS = os.path.join(REPO, "records", "gpu_check")
 SHARD_DIR = os.path.join(REPO, ".cache", "gpu_check_shards")  # ignored (.gitignore: .cache/)
@@ -230,7 +232,6 @@ def make_shards(directory: str, num_shards: int = 2, tokens_per_shard: int = 4_0
     geometric lengths (mean mean_doc_len, at least 2 tokens), each starting with BOS. Returns the paths
     (fineweb_train_<i>.bin); shards already there with the right size are kept."""
     import numpy as np
-    sys.path.insert(0, REPO)
     import train_gpt as T
     os.makedirs(directory, exist_ok=True)
     rng = np.random.default_rng(seed)
@@ -533,7 +534,6 @@ def run_one(name: str, result_path: str | None) -> int:
     if check is None:
         print(f"gpu_check: no check named {name!r}; --dry-run lists them", file=sys.stderr)
         return 2
-    sys.path[:0] = [REPO, TESTS]
     res = Result(result_path)
     try:
         check_function(check)(res)
@@ -1085,7 +1085,6 @@ def _nccl_worker(rank: int, world_size: int, port: int, out_dir: str) -> None:
     import torch
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
                       WORLD_SIZE=str(world_size))
-    sys.path[:0] = [REPO, TESTS]
     import torch.distributed as dist
     import train_gpt as T
     d = T.setup_distributed()

@@ -436,3 +436,13 @@ def test_optimizer_split_times_the_step_and_restores_it(monkeypatch):
     split = step_timing.optimizer_split(opt, step, torch.device("cpu"), 3)
     assert split["optimizer_ms"] == pytest.approx(10.0) and split["rest_ms"] == pytest.approx(30.0)
     assert split["wall"] == pytest.approx([40.0] * 3) and "step" not in vars(opt)
+
+
+def test_host_cpu_names_the_processor_when_run_as_a_script(tmp_path):
+    """run.sh runs `python tests/gpu_check.py`, so sys.path starts with tests/, not the repository: the
+    report's host line (train_gpt.cpu_model) must import from there, from any working directory."""
+    code = (f"import sys; sys.path[0] = {os.path.join(ROOT, 'tests')!r}; import gpu_check; "
+            "print(gpu_check.host_cpu())")
+    r = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.strip() == f"{T.cpu_model()}, {os.cpu_count()} CPUs"
