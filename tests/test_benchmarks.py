@@ -989,6 +989,15 @@ def test_token_efficiency_tables_by_hand(tmp_path):
     assert ratios == [] and "ratio: not stated: no bigram floor for these runs (not known: no shards)" in table
     at = {line.split()[0]: line.split()[1:] for line in table.splitlines() if line.startswith(" " * 42)}
     assert at["100"] == ["6.5000", "7.6250"] and at["400"] == ["4.0000", "5.7500"]  # recipe flat after 200
+    # a row with one seed (a long run's first): its spread and p-values are not defined and show as "-";
+    # while no row has two pairs the footer says there is no Holm p yet
+    z_name = te.ABLATIONS[9][0]
+    te.save_curve(str(tmp_path), "ablate_z_s0", [(400, 4.3)], {**meta, "seed": 0, "component": z_name})
+    runs = te.load_runs(str(tmp_path), None)
+    lines = te.ablation_table(runs, te.folder_floors(str(tmp_path), runs)).splitlines()
+    z = [line for line in lines if line.startswith(z_name)][0][len(z_name):].split()
+    assert z == ["1", "4.3000", "+-", "-", "+0.3000", "-", "1", "+0.3000", "-", "-", "-", "0:+0.3000"]
+    assert "Holm p: none yet" in lines[-1] and "nan" not in "\n".join(lines)
     for seed, final in ((0, 4.5), (1, 4.7), (2, 4.6)):
         te.save_curve(str(tmp_path), f"ablate_x_s{seed}", [(400, final)], {**meta, "seed": seed, "component": te.ABLATIONS[5][0]})
     for seed, final in ((0, 4.1), (1, 4.4)):
@@ -1012,7 +1021,8 @@ def test_token_efficiency_tables_by_hand(tmp_path):
     assert float(y[7]) == pytest.approx(0.25, abs=1e-4) and float(y[8]) == pytest.approx(py, abs=1e-4)
     assert float(x[9]) == pytest.approx(2 * px, abs=1e-4) and float(y[9]) == pytest.approx(max(2 * px, py), abs=1e-4)
     assert x[10] == y[10] == "no"
-    assert "adjusted over the 2 rows" in lines[-1]
+    assert "adjusted over the 2 rows" in lines[-1]  # the one-seed row z has no p: not one of the tests
+    assert [line for line in lines if line.startswith(z_name)][0][len(z_name):].split()[9] == "-"
 
 
 def test_loader_coverage_by_hand(tmp_path):

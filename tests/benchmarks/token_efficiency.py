@@ -1325,16 +1325,22 @@ def ablation_table(runs: dict[str, dict], floors: Floors | None = None) -> str:
     w = max([42] + [len(r[0]) for r in rows])  # the name column fits the longest name shown
     lines.append(f"{'switched off / replaced':{w}s} {'n':>2} {'final val':>16} {'delta':>8} {'Welch p':>7} {'pairs':>5} "
                  f"{'paired':>8} {'paired p':>8} {'Holm p':>7} Holm < 0.05  per-seed deltas (seed: delta)")
+    def num(x: float, width: int, sign: str = "") -> str:  # a spread or p-value one seed or one pair cannot give: "-"
+        return "-".rjust(width) if math.isnan(x) else f"{x:{sign}{width}.4f}"
+
     for (name, xs, m, sd, p, pairs, deltas, paired_p), holm_p in zip(rows, adjusted):
         pm = sum(deltas) / len(deltas) if deltas else float("nan")
         significant = "-" if math.isnan(holm_p) else "yes" if holm_p < 0.05 else "no"
         per_seed = " ".join(f"{s}:{d:+.4f}" for s, d in zip(pairs, deltas))
-        lines.append(f"{name:{w}s} {len(xs):2} {m:8.4f} +- {sd:.4f} {m - fm:+8.4f} {p:7.4f} {len(pairs):5} "
-                     f"{pm:+8.4f} {paired_p:8.4f} {holm_p:7.4f} {significant:11s}  {per_seed}")
+        lines.append(f"{name:{w}s} {len(xs):2} {m:8.4f} +- {num(sd, 6)} {m - fm:+8.4f} {num(p, 7)} "
+                     f"{len(pairs):5} {num(pm, 8, '+')} {num(paired_p, 8)} {num(holm_p, 7)} "
+                     f"{significant:11s}  {per_seed}")
+    tested = sum(not math.isnan(a) for a in adjusted)
     lines.append("delta > 0: the component helps. delta and Welch p: against the full recipe's seeds (Welch's two-sided "
                  "t-test); paired: the mean of the per-seed deltas (seeds both have) and its two-sided paired t-test; "
-                 f"Holm p: the paired p adjusted over the {sum(not math.isnan(a) for a in adjusted)} rows with one "
-                 "(records/summarize.py)")
+                 + (f"Holm p: the paired p adjusted over the {tested} rows with one" if tested else
+                    "Holm p: none yet (a paired p needs 2 pairs)")
+                 + "; -: not defined for one seed or one pair (records/summarize.py)")
     return "\n".join(lines)
 
 
