@@ -991,12 +991,14 @@ def test_token_efficiency_tables_by_hand(tmp_path):
     assert at["100"] == ["6.5000", "7.6250"] and at["400"] == ["4.0000", "5.7500"]  # recipe flat after 200
     # a row with one seed (a long run's first): its spread and p-values are not defined and show as "-";
     # while no row has two pairs the footer says there is no Holm p yet
+    def cells(lines: list[str], name: str) -> list[str]:  # a row's columns after its name
+        return [line for line in lines if line.startswith(name)][0][len(name):].split()
+
     z_name = te.ABLATIONS[9][0]
     te.save_curve(str(tmp_path), "ablate_z_s0", [(400, 4.3)], {**meta, "seed": 0, "component": z_name})
     runs = te.load_runs(str(tmp_path), None)
     lines = te.ablation_table(runs, te.folder_floors(str(tmp_path), runs)).splitlines()
-    z = [line for line in lines if line.startswith(z_name)][0][len(z_name):].split()
-    assert z == ["1", "4.3000", "+-", "-", "+0.3000", "-", "1", "+0.3000", "-", "-", "-", "0:+0.3000"]
+    assert cells(lines, z_name) == ["1", "4.3000", "+-", "-", "+0.3000", "-", "1", "+0.3000", "-", "-", "-", "0:+0.3000"]
     assert "Holm p: none yet" in lines[-1] and "nan" not in "\n".join(lines)
     for seed, final in ((0, 4.5), (1, 4.7), (2, 4.6)):
         te.save_curve(str(tmp_path), f"ablate_x_s{seed}", [(400, final)], {**meta, "seed": seed, "component": te.ABLATIONS[5][0]})
@@ -1005,10 +1007,8 @@ def test_token_efficiency_tables_by_hand(tmp_path):
     runs = te.load_runs(str(tmp_path), None)
     lines = te.ablation_table(runs, te.folder_floors(str(tmp_path), runs)).splitlines()
     assert "interpolated bigram 8.0000" in lines[1]
-    rows = {name: [line for line in lines if line.startswith(name)][0][len(name):].split() for name in
-            (te.ABLATIONS[5][0], te.ABLATIONS[7][0])}
     # columns: n, mean, +-, sd, delta, Welch p, pairs, paired delta, paired p, Holm p, Holm < 0.05, per-seed deltas
-    x, y = rows[te.ABLATIONS[5][0]], rows[te.ABLATIONS[7][0]]
+    x, y = cells(lines, te.ABLATIONS[5][0]), cells(lines, te.ABLATIONS[7][0])
     # Welch: the full recipe's two 4.0s add no variance, so t = 0.6 / sqrt(0.01 / 3) with n - 1 = 2 dof,
     # where Student's two-sided p = 1 - |t| / sqrt(2 + t^2)
     t = 0.6 / math.sqrt(0.01 / 3)
@@ -1022,7 +1022,7 @@ def test_token_efficiency_tables_by_hand(tmp_path):
     assert float(x[9]) == pytest.approx(2 * px, abs=1e-4) and float(y[9]) == pytest.approx(max(2 * px, py), abs=1e-4)
     assert x[10] == y[10] == "no"
     assert "adjusted over the 2 rows" in lines[-1]  # the one-seed row z has no p: not one of the tests
-    assert [line for line in lines if line.startswith(z_name)][0][len(z_name):].split()[9] == "-"
+    assert cells(lines, z_name)[9] == "-"
 
 
 def test_loader_coverage_by_hand(tmp_path):
