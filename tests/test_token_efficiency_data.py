@@ -1,6 +1,7 @@
 """The data the token-efficiency benchmark gives both sides (tests/benchmarks/token_efficiency.py): the
 count-model floor against hand-computed values and a plain-Python reference, the even validation
 documents, the per-seed training order, the provenance of saved runs, and the folder checks."""
+import hashlib
 import json
 import math
 import os
@@ -246,6 +247,37 @@ def test_runs_on_other_data_do_not_mix():
     assert te.data_conflict([old, first]) is None      # the same definition: the first val_tokens, shards' order
     assert "different contents" in te.data_conflict([first, {**first, "val_digest": "ef"}])
     assert te.data_conflict([new, {**new, "train_order": "file"}]) is not None
+    # runs that record both digests compare contents: another spelling of the same shards mixes, the
+    # same spelling of other shards does not; one run without the digest falls back to the spellings
+    digested = {**new, "train_shards_digest": "12"}
+    assert te.data_conflict([digested, {**digested, "train": "t2", "val": "v2"}]) is None
+    assert "training shards with different contents (12, 34)" in te.data_conflict(
+        [digested, {**digested, "train_shards_digest": "34"}])
+    assert "val v2" in te.data_conflict([new, {**digested, "train": "t2", "val": "v2"}])
+
+
+def test_train_shards_digest_is_the_tokens_not_the_glob(tmp_path):
+    """Two shards named by a glob and by the same files' directory spelled another way: one digest, the
+    sha256 of both shards' tokens in order, little-endian uint16; one token changed: another digest."""
+    per_shard = [_tagged_documents(100, 4, 20), _tagged_documents(200, 3, 30)]
+    pattern = _write_shards(str(tmp_path / "src"), "t", per_shard)
+    want = hashlib.sha256(b"".join(np.concatenate(docs).astype("<u2").tobytes() for docs in per_shard)).hexdigest()[:16]
+
+    def data(train):
+        flags = types.SimpleNamespace(preset="test", train=train, val=pattern, train_order="shuffled",
+                                      tokens=100, val_set="first", val_tokens=64)
+        return te.BenchData(flags, str(tmp_path / "data"))
+    assert data(pattern).train_shards_digest() == want
+    spelled_otherwise = data(str(tmp_path / "src" / ".." / "src" / "t_00000[01].bin"))
+    assert spelled_otherwise.train_shards_digest() == want
+    folder = str(tmp_path / "results")  # --save: a folder's runs take a new run of the same shards, however spelled
+    te.save_curve(folder, "recipe_s0", [(0, 10.8)], {"tokens": 100, "preset": "test", **data(pattern).meta(0)})
+    te.check_folder(folder, spelled_otherwise, 0, tg.Hyperparameters(**tg.PRESETS["test"]).model_dim)
+    per_shard[1][2][5] += 1
+    _write_shards(str(tmp_path / "src"), "t", per_shard)
+    assert data(pattern).train_shards_digest() != want
+    with pytest.raises(SystemExit, match="holds runs on other data .training shards with different contents"):
+        te.check_folder(folder, data(pattern), 0, tg.Hyperparameters(**tg.PRESETS["test"]).model_dim)
 
 
 def test_results_folder_logs_are_not_ignored():

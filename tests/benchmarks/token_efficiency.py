@@ -810,6 +810,7 @@ class BenchData:
         T.write_shard(self.val_path, self.val.tokens)
         self._train: dict = {}
         self._floor: dict = {}
+        self._train_shards_digest = None
 
     def _key(self, seed: int):
         return seed if self.order == "shuffled" else None  # file order: one copy for every seed
@@ -836,9 +837,20 @@ class BenchData:
             self._floor[key] = count_floor(stream, self.val.tokens)
         return self._floor[key]
 
+    def train_shards_digest(self) -> str:
+        """The training shards' tokens in the loader's order, whatever glob names them: what tells two
+        folders' runs apart when one spelled the shards as a glob and the other as a path."""
+        if self._train_shards_digest is None:
+            h = hashlib.sha256()
+            for docs in shard_documents(self.train_glob, "train"):
+                for d in docs:
+                    h.update(d.astype("<u2").tobytes())
+            self._train_shards_digest = h.hexdigest()[:16]
+        return self._train_shards_digest
+
     def meta(self, seed: int) -> dict:
         return {"train": self.train_glob, "val": self.val_glob, **self.val.meta(), "train_order": self.order,
-                "floor": self.floor(seed)}
+                "train_shards_digest": self.train_shards_digest(), "floor": self.floor(seed)}
 
 
 def git_commit(repo: str = REPO) -> str:
@@ -907,13 +919,21 @@ def data_of(r: dict) -> dict:
 
 
 def data_conflict(runs: list[dict]) -> str | None:
-    """Why these runs cannot be compared (different shards, validation sets or training orders), or None."""
-    kinds = {json.dumps(data_of(r), sort_keys=True) for r in runs}
-    digests = {r["val_digest"] for r in runs if "val_digest" in r}
+    """Why these runs cannot be compared (different shards, validation sets or training orders), or None.
+    Runs that all record the digests of their training shards and validation tokens are compared by
+    those contents, not by how their globs were spelled; older runs, by the globs."""
+    by_contents = all("train_shards_digest" in r and "val_digest" in r for r in runs)
+    kinds = {}
+    for r in runs:
+        d = data_of(r)
+        key = {k: v for k, v in d.items() if not (by_contents and k in ("train", "val"))}
+        kinds.setdefault(json.dumps(key, sort_keys=True), d)
     if len(kinds) > 1:
-        return "; ".join(describe_data(json.loads(k)) for k in sorted(kinds))
-    if len(digests) > 1:
-        return f"validation tokens with different contents ({', '.join(sorted(digests))})"
+        return "; ".join(describe_data(kinds[k]) for k in sorted(kinds))
+    for field, what in (("train_shards_digest", "training shards"), ("val_digest", "validation tokens")):
+        digests = {r[field] for r in runs if field in r}
+        if len(digests) > 1:
+            return f"{what} with different contents ({', '.join(sorted(digests))})"
     return None
 
 
