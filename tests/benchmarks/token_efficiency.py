@@ -838,8 +838,8 @@ class BenchData:
         return self._floor[key]
 
     def train_shards_digest(self) -> str:
-        """The training shards' tokens in the loader's order, whatever glob names them: what tells two
-        folders' runs apart when one spelled the shards as a glob and the other as a path."""
+        """A digest of the training shards' tokens in the loader's order, whatever glob names them: what a
+        results folder compares its runs' training data by (data_conflict)."""
         if self._train_shards_digest is None:
             h = hashlib.sha256()
             for docs in shard_documents(self.train_glob, "train"):
