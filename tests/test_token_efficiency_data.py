@@ -272,12 +272,13 @@ def test_train_shards_digest_is_the_tokens_not_the_glob(tmp_path):
     assert spelled_otherwise.train_shards_digest() == want
     folder = str(tmp_path / "results")  # --save: a folder's runs take a new run of the same shards, however spelled
     te.save_curve(folder, "recipe_s0", [(0, 10.8)], {"tokens": 100, "preset": "test", **data(pattern).meta(0)})
-    te.check_folder(folder, spelled_otherwise, 0, tg.Hyperparameters(**tg.PRESETS["test"]).model_dim)
+    width = tg.Hyperparameters(**tg.PRESETS["test"]).model_dim
+    te.check_folder(folder, spelled_otherwise, 0, width)
     per_shard[1][2][5] += 1
     _write_shards(str(tmp_path / "src"), "t", per_shard)
     assert data(pattern).train_shards_digest() != want
     with pytest.raises(SystemExit, match="holds runs on other data .training shards with different contents"):
-        te.check_folder(folder, data(pattern), 0, tg.Hyperparameters(**tg.PRESETS["test"]).model_dim)
+        te.check_folder(folder, data(pattern), 0, width)
 
 
 def test_results_folder_logs_are_not_ignored():

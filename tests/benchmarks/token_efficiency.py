@@ -664,7 +664,7 @@ class ValidationSet:
     shards: tuple[int, int]     # (val shards they come from, val shards)
 
     def digest(self) -> str:
-        return hashlib.sha256(self.tokens.astype("<u2").tobytes()).hexdigest()[:16]
+        return stream_digest(self.tokens.astype("<u2"))
 
     def meta(self) -> dict:
         return {"val_tokens": self.val_tokens, "val_set": self.how, "val_documents": list(self.documents),
@@ -841,11 +841,8 @@ class BenchData:
         """A digest of the training shards' tokens in the loader's order, whatever glob names them: what a
         results folder compares its runs' training data by (data_conflict)."""
         if self._train_shards_digest is None:
-            h = hashlib.sha256()
-            for docs in shard_documents(self.train_glob, "train"):
-                for d in docs:
-                    h.update(d.astype("<u2").tobytes())
-            self._train_shards_digest = h.hexdigest()[:16]
+            tokens = np.concatenate(training_documents(self.train_glob, "file", 0))
+            self._train_shards_digest = stream_digest(tokens.astype("<u2"))
         return self._train_shards_digest
 
     def meta(self, seed: int) -> dict:
