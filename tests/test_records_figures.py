@@ -139,6 +139,34 @@ def test_every_log_a_saved_run_names_is_committed(folder):
             assert printed == [(t, f"{v:.4f}") for t, v in run["curve"][1:]], f"{folder}/{run['log']}"
 
 
+SITTING_HEADER = re.compile(r"^#.*?\bcommit ([0-9a-f]{7,40})\b.*?\(log ([\w.-]+\.txt)", re.M)
+
+
+@pytest.mark.parametrize("folder", FOLDERS)
+def test_terminal_output_headers_name_the_commit_the_run_saved(folder):
+    """A terminal-output file's sitting header (`# date, commit H, machine ... (log NAME)`) names the commit that
+    the saved run records for the sitting that wrote NAME: the header is typed by hand, the JSON's commit is
+    what the run read from git. A header whose log no saved run names yet (a run in progress) is skipped."""
+    commit_of_log = {}
+    for run in te.read_runs(os.path.join(REPO, folder)).values():
+        if "log" in run and "commit" in run:
+            commit_of_log[os.path.basename(run["log"])] = run["commit"]
+        for sitting in run.get("sittings", []):
+            if "log" in sitting and "commit" in sitting:
+                commit_of_log[os.path.basename(sitting["log"])] = sitting["commit"]
+    checked = 0
+    for path in glob.glob(os.path.join(REPO, folder, "logs", "*stdout*.txt")):
+        with open(path, encoding="utf-8") as f:
+            for commit, log in SITTING_HEADER.findall(f.read()):
+                if log in commit_of_log:
+                    checked += 1
+                    assert commit_of_log[log].startswith(commit), (
+                        f"{os.path.relpath(path, REPO)}: the header of {log} names commit {commit}; "
+                        f"its run saved {commit_of_log[log][:7]}")
+    if folder == "records/token_efficiency_sympy_12M":
+        assert checked >= 6, checked  # the ablations' headers name their logs
+
+
 def run_table_rows() -> list:
     """(folder README, header cells, row cells) of every row naming a saved run (`classic_...`, `rsearch_...`) in a
     results folder's own README: the tables beside the runs, outside records/README.md's marked regions."""
