@@ -7,7 +7,8 @@ records/README.md marks each quoting paragraph or table with the folder(s) it qu
     ... every loss, delta, p-value, rate (3+ decimals) and token count (5+ digits) in here ...
     <!-- /figures -->
 
-and each of those figures must appear, as printed, in the --load output of one of the named folders.
+and each of those figures must appear, as printed, in the --load output of one of the named folders; a
+figure in a README table row naming an ablation, or in text after <!-- row: LABEL -->, on that ablation's row.
 Prose comparing two runs is marked with the pair (<!-- compare: DIR A,B --> ... <!-- /compare -->) and
 checked against `--load DIR --compare A,B` and the two JSONs (below). Each results folder's own README lists its runs in a table (| run | lr | ... | best val | at tokens |);
 every row is checked against the run's JSON curve."""
@@ -62,14 +63,65 @@ def regions() -> list[tuple[list[str], str]]:
     return [([s.strip() for s in names.split(",")], body) for names, body in REGION.findall(text)]
 
 
+# a row of the ablation table --load prints: "bigram hash embedding   3   3.6566 +- 0.0104  +0.0575 ..."
+ABLATION_ROW = re.compile(r"^(\S.*?)\s+\d+\s+\d+\.\d{4} \+- ")
+# prose about one ablation row is marked with its label; it runs to the next mark or the region's end
+ROW_MARK = re.compile(r"<!-- row: (.*?) -->")
+
+
+def ablation_rows(output: str) -> tuple[dict[str, set[str]], set[str]]:
+    """The figures --load prints on each row of its ablation table (by the row's label), and those it
+    prints anywhere else (the recipe's seeds and mean, the floors, the ratio)."""
+    rows, other, in_table = {}, set(), False
+    for line in output.splitlines():
+        if line.startswith("switched off / replaced"):
+            in_table = True
+            continue
+        if line.startswith("delta > 0"):
+            in_table = False
+        m = ABLATION_ROW.match(line) if in_table else None
+        if m:
+            rows.setdefault(m.group(1), set()).update(figures(line))
+        else:
+            other.update(figures(line))
+    return rows, other
+
+
+def row_label(first_cell: str, labels) -> str | None:
+    """The printed label a README table row names: the longest one its first cell starts with."""
+    cell = first_cell.lower()
+    named = [label for label in labels if cell.startswith(label.lower())]
+    return max(named, key=len) if named else None
+
+
 @pytest.mark.parametrize("folders,body", regions(), ids=lambda x: "+".join(x) if isinstance(x, list) else "")
 def test_quoted_figures_are_what_load_prints(folders, body):
+    """Each figure is printed by --load; one in a README table row naming an ablation is printed on that
+    row, and one in prose marked <!-- row: LABEL --> on that row or outside the ablation table (the
+    recipe's own figures), so a figure of one component quoted for another does not pass."""
     assert all(f in FOLDERS for f in folders), f"{folders}: not a committed token-efficiency folder ({FOLDERS})"
-    quoted = figures(COMPARE_REGION.sub("", body))  # a marked comparison inside is checked against --compare
+    body = COMPARE_REGION.sub("", body)  # a marked comparison inside is checked against --compare
+    quoted = figures(body)
     assert quoted, "a marked region with no figure to check"
-    printed = set(figures("\n".join(load_output(f) for f in folders)))
+    output = "\n".join(load_output(f) for f in folders)
+    printed = set(figures(output))
     missing = [f for f in quoted if f not in printed]
     assert not missing, f"records/README.md quotes {missing}, which --load {' / '.join(folders)} does not print"
+    rows, other = {}, set()
+    for folder in folders:
+        folder_rows, folder_other = ablation_rows(load_output(folder))
+        for label, printed_on_row in folder_rows.items():
+            rows.setdefault(label, set()).update(printed_on_row)
+        other |= folder_other
+    wrong = []
+    for line in body.splitlines():
+        label = row_label(line.strip("| ").split("|")[0].strip(), rows) if line.startswith("|") else None
+        wrong += [(label, f) for f in figures(line) if label and f not in rows[label]]
+    marked = ROW_MARK.split(body)  # text, label, text, label, text ...
+    for label, text in zip(marked[1::2], marked[2::2]):
+        assert label in rows, f"records/README.md marks row {label!r}, which --load {' / '.join(folders)} does not print"
+        wrong += [(label, f) for f in figures(text) if f not in rows[label] | other]
+    assert not wrong, f"records/README.md quotes, for an ablation row, a figure --load prints elsewhere: {wrong}"
 
 
 def test_every_results_folder_is_quoted():
