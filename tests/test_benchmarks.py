@@ -179,10 +179,11 @@ def test_only_picks_ablation_rows_by_substring_or_by_a_whole_name_with_a_comma()
     assert picked("") == names
     assert picked("dc,xsa") == ["full recipe", "XSA", "DC"]  # in the table's order
     assert picked("full recipe") == ["full recipe"]
-    # a whole name holding a comma is one row, not its two halves (the first half names all four arms)
+    # a whole name holding a comma is one row, not its two halves (the first half names all five rates)
     assert picked("NorMuon -> AdamW on the matrices, bank lr x0.25") == \
         ["full recipe", "NorMuon -> AdamW on the matrices, bank lr x0.25"]
-    assert len(picked("NorMuon -> AdamW on the matrices")) == 5
+    assert len(picked("NorMuon -> AdamW on the matrices")) == 6
+    assert picked("x0.0625") == ["full recipe", "NorMuon -> AdamW on the matrices, bank lr x0.0625"]
     with pytest.raises(SystemExit, match=r"--only 'mpt' names no ablation row; the rows: NorMuon -> Muon"):
         te.selected_ablations("dc,mpt")
 
