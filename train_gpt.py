@@ -2192,14 +2192,30 @@ def attention_band(n: int, span: int) -> int:
     return 0
 
 
-def block_attention_mask(doc_ids: torch.Tensor, window, pos_div: int = 1,
-                         block_size: int = FLEX_BLOCK_SIZE) -> BlockMask:
-    """flex_attention BlockMask for attention_mask_mod, built from block-level bounds in O((n/bs)^2).
+class BlockMaskIndices(NamedTuple):
+    """The eight int32 tensors of a flex_attention BlockMask: per query block the key blocks that are
+    partial (the mask_mod decides per element) and full (every pair passes), counts (1, 1, nb) and
+    indices (1, 1, nb, nb); then the same per key block (the backward's dk/dv loop)."""
+    kv_num: torch.Tensor
+    kv_idx: torch.Tensor
+    full_kv_num: torch.Tensor
+    full_kv_idx: torch.Tensor
+    q_num: torch.Tensor
+    q_idx: torch.Tensor
+    full_q_num: torch.Tensor
+    full_q_idx: torch.Tensor
+
+
+def block_mask_indices(doc_ids: torch.Tensor, window, pos_div: int = 1,
+                       block_size: int = FLEX_BLOCK_SIZE) -> BlockMaskIndices:
+    """The block structure of attention_mask_mod, from block-level bounds in O((n/bs)^2).
 
     Evaluating the mask_mod on every (q, k) pair (create_block_mask) costs O(T^2) per step; instead each
     block pair is classified from its slot ranges: empty (no pair can pass), full (every pair passes,
     the kernel skips the mask_mod) or partial (the mask_mod decides per element). Slot distances in a
-    block pair cover [q_first - k_last, q_last - k_first]; document ids are non-decreasing."""
+    block pair cover [q_first - k_last, q_last - k_first]; document ids are non-decreasing. window: an
+    int or a 0-d tensor. On the host (the loader's thread, a Python int window) it costs the GPU
+    nothing: the speedrun builds it there and sends the result with the batch (DocumentLoader)."""
     n = doc_ids.numel() * pos_div
     if n % block_size:
         raise ValueError(f"attention: sequence of {n} slots is not a multiple of the {block_size}-token"
@@ -2223,17 +2239,38 @@ def block_attention_mask(doc_ids: torch.Tensor, window, pos_div: int = 1,
         order = torch.argsort(blocks.to(torch.int8), dim=-1, descending=True, stable=True)
         return counts, order.to(torch.int32, memory_format=torch.contiguous_format)[None, None]
 
-    kv_num, kv_idx = to_indices(partial)
-    full_num, full_idx = to_indices(all_pass)
-    # The query side (the backward's dk/dv loop) from the transposed block matrices: BlockMask.from_kv_blocks
-    # would rebuild it from the kv side's indices through a vmapped scatter, dozens more small eager ops
-    # per mask and micro-batch, launched by the host between the compiled graphs.
-    q_num, q_idx = to_indices(partial.mT)
-    full_q_num, full_q_idx = to_indices(all_pass.mT)
-    return BlockMask(seq_lengths=(n, n), kv_num_blocks=kv_num, kv_indices=kv_idx, full_kv_num_blocks=full_num,
-                     full_kv_indices=full_idx, q_num_blocks=q_num, q_indices=q_idx, full_q_num_blocks=full_q_num,
-                     full_q_indices=full_q_idx, BLOCK_SIZE=(block_size, block_size),
+    # The query side from the transposed block matrices: BlockMask.from_kv_blocks would rebuild it
+    # from the kv side's indices through a vmapped scatter, dozens more small ops per mask.
+    return BlockMaskIndices(*to_indices(partial), *to_indices(all_pass), *to_indices(partial.mT),
+                            *to_indices(all_pass.mT))
+
+
+def block_attention_mask(doc_ids: torch.Tensor, window, pos_div: int = 1, block_size: int = FLEX_BLOCK_SIZE,
+                         indices: BlockMaskIndices | None = None) -> BlockMask:
+    """flex_attention BlockMask for attention_mask_mod: block_mask_indices (computed here unless given,
+    e.g. built by the loader on the host) and the mask_mod for the partial blocks."""
+    if indices is None:
+        indices = block_mask_indices(doc_ids, window, pos_div, block_size)
+    n = doc_ids.numel() * pos_div
+    return BlockMask(seq_lengths=(n, n), kv_num_blocks=indices.kv_num, kv_indices=indices.kv_idx,
+                     full_kv_num_blocks=indices.full_kv_num, full_kv_indices=indices.full_kv_idx,
+                     q_num_blocks=indices.q_num, q_indices=indices.q_idx, full_q_num_blocks=indices.full_q_num,
+                     full_q_indices=indices.full_q_idx, BLOCK_SIZE=(block_size, block_size),
                      mask_mod=attention_mask_mod(doc_ids, window, pos_div))
+
+
+def attention_kinds(layers: tuple) -> list[tuple[bool, int]]:
+    """Every (long window?, slots per token) the layer table attends with, sorted: one mask each."""
+    return sorted({(row.window == "long", 2 if row.attention == "paired" else 1)
+                   for row in layers if row.attention != "none"})
+
+
+def flex_mask_spec(args: "Hyperparameters", windows: tuple) -> tuple:
+    """What a batch's host-built block masks are made of at (short, long) windows in blocks: the block
+    size and ((long?, slots per token, window in slots), ...) per attention kind. Hashable: the loader
+    keys its look-ahead on it, and GPT.batch_masks checks it against the windows in force."""
+    return (FLEX_BLOCK_SIZE, tuple((long, r, windows[int(long)] * args.window_block_size)
+                                   for long, r in attention_kinds(args.layers)))
 
 
 class SDPAMask(NamedTuple):
@@ -2617,10 +2654,22 @@ class GPT(nn.Module):
             raise RuntimeError("attention_masks: build the flex masks outside the compiled model and pass"
                                " forward(masks=model.attention_masks(cu_seqlens, T))")
         doc = document_ids(cu_seqlens, num_tokens)
-        kinds = {(row.window == "long", 2 if row.attention == "paired" else 1)
-                 for row in self.layers if row.attention != "none"}
         return {(long, r): attention_mask(doc, self.windows[int(long)], self.window_tokens[int(long)], r, kernel)
-                for long, r in sorted(kinds)}
+                for long, r in attention_kinds(self.layers)}
+
+    def batch_masks(self, batch: "Batch") -> dict:
+        """attention_masks for one micro-batch: from the block masks the loader built on the host and
+        sent with the batch (no mask is computed here), or attention_masks when the batch has none."""
+        if batch.block_masks is None:
+            return self.attention_masks(batch.cu_seqlens, batch.inputs.numel())
+        block_size, kinds = batch.mask_spec
+        if kinds != tuple((long, r, self.window_tokens[int(long)]) for long, r in attention_kinds(self.layers)):
+            raise ValueError(f"batch_masks: the batch's masks were built for (long?, slots per token, window) {kinds},"
+                             f" the model attends at windows {self.window_tokens}; build batches with"
+                             " flex_mask_spec(args, the step's windows) after set_windows")
+        return {(long, r): block_attention_mask(batch.doc_ids, self.windows[int(long)], r, block_size,
+                                                indices=batch.block_masks[long, r])
+                for long, r, _ in kinds}
 
     def _attend(self, q, k, v, mask: BlockMask | SDPAMask, paired: bool) -> torch.Tensor:
         """Masked softmax attention of (T, H, hd) q, k, v at the current fp32 softmax scale. Paired:
@@ -2942,12 +2991,63 @@ class Batch:
     targets: torch.Tensor     # (T,) int64, targets[t] = token after inputs[t]
     cu_seqlens: torch.Tensor  # (max_docs + 1,) int32 document starts then T, padded with T (static shape)
     bigram_ids: torch.Tensor  # (T,) int64 bigram hash of (previous, current) input token
+    # Flex attention's block masks, built on the host (make_batch with a flex_mask_spec) so that no
+    # kernel of the step builds them: the spec, the document id per position (int32, what the masks'
+    # mask_mod reads) and {(long?, slots per token): BlockMaskIndices}. None: the model builds masks.
+    mask_spec: tuple | None = None
+    doc_ids: torch.Tensor | None = None
+    block_masks: dict | None = None
+    staged: torch.Tensor | None = None  # every tensor above packed into one pinned buffer (stage())
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor of the batch in a fixed order (the staging buffer's layout)."""
+        masks = [t for key in sorted(self.block_masks) for t in self.block_masks[key]] if self.block_masks else []
+        extra = [self.doc_ids] if self.doc_ids is not None else []
+        return [self.inputs, self.targets, self.cu_seqlens, self.bigram_ids, *extra, *masks]
+
+    def with_tensors(self, tensors) -> "Batch":
+        """This batch with its tensors replaced, in tensors()'s order."""
+        it = iter(tensors)
+        inputs, targets, cu_seqlens, bigram_ids = (next(it) for _ in range(4))
+        doc_ids = next(it) if self.doc_ids is not None else None
+        block_masks = None
+        if self.block_masks:
+            block_masks = {key: BlockMaskIndices(*(next(it) for _ in BlockMaskIndices._fields))
+                           for key in sorted(self.block_masks)}
+        return Batch(inputs, targets, cu_seqlens, bigram_ids, self.mask_spec, doc_ids, block_masks)
+
+    def stage(self) -> "Batch":
+        """The batch with all its tensors packed into one pinned host buffer: to(device) is then one
+        copy. Runs in the loader's thread on CUDA runs (a pinned allocation, STAGE_ALIGN-aligned views)."""
+        tensors = self.tensors()
+        starts, end = [], 0
+        for t in tensors:
+            starts.append(end)
+            end += -(-t.numel() * t.element_size() // STAGE_ALIGN) * STAGE_ALIGN
+        staged = torch.empty(end, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+        for t, start in zip(tensors, starts):
+            staged[start: start + t.numel() * t.element_size()].view(t.dtype).view(t.shape).copy_(t)
+        return dataclasses.replace(self, staged=staged)
+
+    def unstage(self, staged: torch.Tensor) -> "Batch":
+        """This batch's tensors as views of a copy of its staged buffer (stage()'s layout)."""
+        views, start = [], 0
+        for t in self.tensors():
+            size = t.numel() * t.element_size()
+            views.append(staged[start: start + size].view(t.dtype).view(t.shape))
+            start += -(-size // STAGE_ALIGN) * STAGE_ALIGN
+        return self.with_tensors(views)
 
     def to(self, device: torch.device) -> "Batch":
+        """The batch on `device`: one non-blocking copy of the staged buffer (staged here if it is not
+        yet), the tensors as aligned views of the copy. A CPU batch is returned as it is."""
         if device.type == "cpu":
             return self
-        # pinned host memory makes these copies asynchronous with the compute already queued
-        return Batch(*(t.pin_memory().to(device, non_blocking=True) for t in dataclasses.astuple(self)))
+        staged = (self if self.staged is not None else self.stage()).staged
+        return self.unstage(staged.to(device, non_blocking=True))  # pinned: asynchronous with the queued work
+
+
+STAGE_ALIGN = 128  # bytes between tensors of a staged batch: inductor, cuBLAS and Triton assume 16-byte aligned inputs
 
 
 def max_docs_for(num_tokens: int) -> int:
@@ -2956,8 +3056,9 @@ def max_docs_for(num_tokens: int) -> int:
     return num_tokens // 8 + 16
 
 
-def make_batch(buf: np.ndarray, bigram_vocab_size: int) -> Batch:
-    """Batch from T + 1 consecutive tokens: inputs buf[:T], targets buf[1:]."""
+def make_batch(buf: np.ndarray, bigram_vocab_size: int, mask_spec: tuple | None = None) -> Batch:
+    """Batch from T + 1 consecutive tokens: inputs buf[:T], targets buf[1:]. mask_spec (flex_mask_spec):
+    also build the flex block masks of every attention kind, here on the host."""
     T = len(buf) - 1
     inputs = torch.from_numpy(buf[:T].astype(np.int32))
     starts = np.flatnonzero(buf[:T] == BOS_ID)
@@ -2965,8 +3066,14 @@ def make_batch(buf: np.ndarray, bigram_vocab_size: int) -> Batch:
     cu = np.full(max_docs_for(T) + 1, T, dtype=np.int32)
     cu[0] = 0
     cu[1:1 + len(starts)] = starts
-    return Batch(inputs, torch.from_numpy(buf[1:].astype(np.int64)), torch.from_numpy(cu),
-                 bigram_hash(inputs, bigram_vocab_size))
+    batch = Batch(inputs, torch.from_numpy(buf[1:].astype(np.int64)), torch.from_numpy(cu),
+                  bigram_hash(inputs, bigram_vocab_size))
+    if mask_spec is not None:
+        block_size, kinds = mask_spec
+        doc = document_ids(batch.cu_seqlens, T)
+        masks = {(long, r): block_mask_indices(doc, window, r, block_size) for long, r, window in kinds}
+        batch = dataclasses.replace(batch, mask_spec=mask_spec, doc_ids=doc.to(torch.int32), block_masks=masks)
+    return batch
 
 
 def _load_shard_with_index(path: str) -> tuple[np.ndarray, np.ndarray]:
@@ -2978,13 +3085,19 @@ class DocumentLoader:
     """BOS-aligned training batches. Every rank walks the same document index (all shards in order,
     looping), so a step's micro-batches are consecutive, disjoint runs of documents whatever the world
     size: micro-batch g of a step goes to rank g % world_size. The next shard is read and indexed on a
-    background thread while the current one is in use."""
+    background thread while the current one is in use, and look_ahead() builds the next step's
+    batches (block masks and the pinned staging buffer included, for a CUDA `device`) on another, so
+    the training loop only copies them."""
 
-    def __init__(self, pattern: str, bigram_vocab_size: int, rank: int = 0, world_size: int = 1):
+    def __init__(self, pattern: str, bigram_vocab_size: int, rank: int = 0, world_size: int = 1,
+                 device: torch.device | None = None):
         from concurrent.futures import ThreadPoolExecutor
         self.files = find_shards(pattern, "train")
         self.bigram_vocab_size, self.rank, self.world_size = bigram_vocab_size, rank, world_size
-        self._pool = ThreadPoolExecutor(max_workers=1)
+        self.stage = device is not None and device.type == "cuda"  # pack each batch into pinned memory
+        self._pool = ThreadPoolExecutor(max_workers=1)   # shard reads
+        self._steps = ThreadPoolExecutor(max_workers=1)  # look-ahead steps (they wait on shard reads)
+        self._ahead = None  # (key, future) of the step look_ahead() is building
         self.shard, self.doc = 0, 0  # position: next document to hand out
         self._open(0)
 
@@ -2999,29 +3112,55 @@ class DocumentLoader:
             self._open(shard, self._prefetch.result() if prefetched else None)
         return self._current[1]
 
-    def _next_document(self) -> np.ndarray:
-        tokens, starts = self._shard_data(self.shard)
-        while self.doc >= len(starts):
-            self.shard, self.doc = (self.shard + 1) % len(self.files), 0
-            tokens, starts = self._shard_data(self.shard)
-        end = starts[self.doc + 1] if self.doc + 1 < len(starts) else len(tokens)
-        doc = tokens[starts[self.doc]:end]
-        self.doc += 1
-        return doc
+    def _next_document(self, shard: int, doc: int) -> tuple[np.ndarray, int, int]:
+        """The document at (shard, doc) or the first after it, and the position after it."""
+        tokens, starts = self._shard_data(shard)
+        while doc >= len(starts):
+            shard, doc = (shard + 1) % len(self.files), 0
+            tokens, starts = self._shard_data(shard)
+        end = starts[doc + 1] if doc + 1 < len(starts) else len(tokens)
+        return tokens[starts[doc]:end], shard, doc + 1
 
-    def next_step(self, tokens_per_micro: int, max_doc_len: int, micro_batches: int) -> list[Batch]:
-        """This rank's micro-batches of one step; each holds whole documents (truncated to max_doc_len,
-        the last one to fit) making exactly tokens_per_micro + 1 tokens."""
+    def _build(self, position: tuple[int, int], request: tuple) -> tuple[list[Batch], tuple[int, int]]:
+        """One step's micro-batches of this rank from `position`, and the position after them."""
+        tokens_per_micro, max_doc_len, micro_batches, mask_spec = request
+        shard, doc = position
         mine = []
         for g in range(micro_batches):
             pieces, need = [], tokens_per_micro + 1
             while need > 0:
-                doc = self._next_document()[:min(max_doc_len, need)]
-                pieces.append(doc)
-                need -= len(doc)
+                tokens, shard, doc = self._next_document(shard, doc)
+                pieces.append(tokens[:min(max_doc_len, need)])
+                need -= len(pieces[-1])
             if g % self.world_size == self.rank:
-                mine.append(make_batch(np.concatenate(pieces), self.bigram_vocab_size))
-        return mine
+                batch = make_batch(np.concatenate(pieces), self.bigram_vocab_size, mask_spec)
+                mine.append(batch.stage() if self.stage else batch)
+        return mine, (shard, doc)
+
+    def _settle(self):
+        """Wait for the look-ahead in flight (it reads shards), and take it: (key, (batches, position))."""
+        ahead, self._ahead = self._ahead, None
+        return None if ahead is None else (ahead[0], ahead[1].result())
+
+    def next_step(self, tokens_per_micro: int, max_doc_len: int, micro_batches: int,
+                  mask_spec: tuple | None = None) -> list[Batch]:
+        """This rank's micro-batches of one step; each holds whole documents (truncated to max_doc_len,
+        the last one to fit) making exactly tokens_per_micro + 1 tokens. mask_spec (flex_mask_spec):
+        each batch also carries the flex block masks at those windows. The look_ahead() of exactly this
+        step from this position is used; any other is dropped."""
+        request = (tokens_per_micro, max_doc_len, micro_batches, mask_spec)
+        key = ((self.shard, self.doc), request)
+        ahead = self._settle()
+        batches, (self.shard, self.doc) = ahead[1] if ahead and ahead[0] == key else self._build(*key)
+        return batches
+
+    def look_ahead(self, tokens_per_micro: int, max_doc_len: int, micro_batches: int,
+                   mask_spec: tuple | None = None) -> None:
+        """Start building the step after the one last returned on the loader's thread (next_step's
+        arguments); the next next_step with the same arguments returns it."""
+        self._settle()
+        key = ((self.shard, self.doc), (tokens_per_micro, max_doc_len, micro_batches, mask_spec))
+        self._ahead = (key, self._steps.submit(self._build, *key))
 
     def state_dict(self) -> dict:
         return {"shard": self.shard, "doc": self.doc, "files": list(self.files)}
@@ -3030,6 +3169,7 @@ class DocumentLoader:
         if state["files"] != list(self.files):
             raise SystemExit("error: the checkpoint was written with other training shards "
                              f"({len(state['files'])} files starting {state['files'][:1]}); resume with the same --train_files")
+        self._settle()  # a look-ahead from the old position is of no use
         self.shard, self.doc = state["shard"], state["doc"]
         self._open(self.shard)
 
@@ -3128,6 +3268,13 @@ def plan_step(args: Hyperparameters, step: int) -> StepPlan:
         momentum = hi
     return StepPlan(step, stage, row.batch_tokens, row.max_doc_len, tuple(row.windows),
                     lr_mult, momentum, tuple(float(w) for w in mtp), float(prefix), step % 2 == 1)
+
+
+def batch_request(args: Hyperparameters, plan: StepPlan, slots: int, device: torch.device) -> tuple:
+    """DocumentLoader.next_step's arguments for a step over `slots` micro-batches: on CUDA the loader
+    also builds the step's flex block masks (flex_mask_spec), so no kernel of the step builds them."""
+    spec = flex_mask_spec(args, plan.windows) if device.type == "cuda" else None
+    return plan.batch_tokens // slots, plan.max_doc_len, slots, spec
 
 
 def warmup_steps(args: Hyperparameters) -> list[int]:
@@ -3421,7 +3568,7 @@ def evaluate(model_fn, batches: list[Batch], device: torch.device) -> float:
     total = torch.zeros((), dtype=torch.float64, device=device)
     for b in batches:
         b = b.to(device)
-        masks = model_fn.attention_masks(b.cu_seqlens, b.inputs.numel())  # outside the compiled graph
+        masks = model_fn.batch_masks(b)  # outside the compiled graph
         total += model_fn(b.inputs, b.targets, b.cu_seqlens, b.bigram_ids, masks=masks).double() * b.inputs.numel()
     count = torch.tensor(float(sum(b.inputs.numel() for b in batches)), dtype=torch.float64, device=device)
     if dist.is_initialized():
@@ -3450,7 +3597,7 @@ def train_step(model_fn, opt: NorMuonAdam, batches: list[Batch], plan: StepPlan,
     loss = torch.zeros((), device=device)
     for b in batches:
         b = b.to(device)
-        masks = model_fn.attention_masks(b.cu_seqlens, b.inputs.numel())  # outside the compiled graph
+        masks = model_fn.batch_masks(b)  # outside the compiled graph; built by the loader when it could
         micro = model_fn(b.inputs, b.targets, b.cu_seqlens, b.bigram_ids, mtp_weights=mtp, loss_scale=grad_scale,
                          prefix_weight=prefix, masks=masks)
         micro.backward()
@@ -3518,7 +3665,7 @@ def train(args: Hyperparameters, d: DistInfo) -> float:
     if dtype_note:
         progress.show(dtype_note, final=True)
     model_fn = compile_model(model) if args.compile else model
-    loader = DocumentLoader(args.train_files, args.bigram_vocab_size, d.rank, d.world_size)
+    loader = DocumentLoader(args.train_files, args.bigram_vocab_size, d.rank, d.world_size, d.device)
     val_batches = validation_batches(args.val_files, args.val_tokens, min(args.val_seq_len, args.val_tokens),
                                      args.bigram_vocab_size, d.rank, d.world_size)
     mtp = torch.zeros(len(args.stages[0].mtp_start), dtype=torch.float32, device=d.device)
@@ -3538,9 +3685,10 @@ def train(args: Hyperparameters, d: DistInfo) -> float:
     def run_step(step):  # one training step, then the untie right after the last tied step (the record's)
         plan = plan_step(args, step)
         set_windows(plan.windows)
-        tokens = plan.batch_tokens // slots
-        loss = train_step(model_fn, opt, loader.next_step(tokens, plan.max_doc_len, slots), plan, mtp, prefix,
-                          grad_scale, d.device)
+        batches = loader.next_step(*batch_request(args, plan, slots, d.device))
+        if step + 1 < total:  # the next step's batches are built on the loader's thread meanwhile
+            loader.look_ahead(*batch_request(args, plan_step(args, step + 1), slots, d.device))
+        loss = train_step(model_fn, opt, batches, plan, mtp, prefix, grad_scale, d.device)
         if step == untie_step(args):
             opt.untie()
         if fp8_mlp:  # after the optimizer step (the record's per-step order), for the next forward

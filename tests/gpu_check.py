@@ -116,9 +116,10 @@ CHECKS: tuple[Check, ...] = (
           (TG + "GPT.forward", TG + "Batch.to"), "model"),
     Check("sync-free-step", 150, "training steps under torch.cuda.set_sync_debug_mode('error'): "
           "test_training_step_never_waits_for_the_gpu (eager), then compiled model and optimizer with FP8 "
-          "re-quantisation, with any recompilation an error",
-          (TG + "hyperparam_tensors", TG + "_adam_update_sliced",
-           TG + "build_optimizer", TG + "copy_from_host_"), "model"),
+          "re-quantisation and the loader's host-built flex masks in pinned staging buffers, with any "
+          "recompilation an error",
+          (TG + "hyperparam_tensors", TG + "_adam_update_sliced", TG + "build_optimizer", TG + "copy_from_host_",
+           TG + "batch_request", TG + "DocumentLoader.__init__", TG + "Batch.stage"), "model"),
     # -- run: NCCL, the script end to end, the kernel choice table ------------------------------------
     Check("normuon-nccl", 60, "NorMuonAdam on a single-rank NCCL group (and 2 ranks where 2 GPUs exist) "
           "against the single-process result; on that group, StopOnSignal's step-late read of the combined "
@@ -1047,7 +1048,7 @@ def check_sync_free_step(res: Result) -> None:
     model = T.GPT(args).to(device)
     opt = T.build_optimizer(args, model, device)
     model_fn = T.compile_model(model)
-    loader = T.DocumentLoader(args.train_files, args.bigram_vocab_size)
+    loader = T.DocumentLoader(args.train_files, args.bigram_vocab_size, device=device)
     mtp = torch.zeros(len(args.stages[0].mtp_start), device=device)
     prefix = torch.zeros((), device=device)
     model.prefix_table.copy_(T.build_prefix_table(T.gpt2_encoding(), args.padded_vocab_size))
@@ -1057,7 +1058,7 @@ def check_sync_free_step(res: Result) -> None:
     def step(i):
         plan = T.plan_step(args, i)
         model.set_windows(*plan.windows)
-        batches = loader.next_step(plan.batch_tokens // slots, plan.max_doc_len, slots)
+        batches = loader.next_step(*T.batch_request(args, plan, slots, device))  # masks built by the loader
         loss = T.train_step(model_fn, opt, batches, plan, mtp, prefix, T.grad_scale_for(args, 1), device)
         model.fp8_mlp.quantize(model.mlp_bank, bootstrap=i < T.FP8_BOOTSTRAP_STEPS)
         return loss

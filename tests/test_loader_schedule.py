@@ -254,3 +254,111 @@ def test_final_validation_is_the_records_one_sequence_per_rank_and_step(tmp_path
     # the rotary tables reach every position of such a sequence, and paired slots twice as far (2T)
     cos, _ = tg.rotary_tables(tg.rotary_base_frequencies(128), 262_144, 6, torch.float32)["plain"]
     assert cos.shape == (262_144, 32)
+
+
+# ---- the loader's host-built flex masks, look-ahead and staging buffer ------------------------------
+
+SPEC_ARGS = tg.parse_args(["--preset", "test"])
+
+
+def test_look_ahead_changes_no_batch_and_no_position(tmp_path):
+    """A loader that builds every next step on its thread (and one whose look-ahead is for another
+    request, or is abandoned by a resume) hands out exactly the batches of one that builds them on
+    demand; its state_dict is the position after the last step it returned."""
+    pattern = make_corpus(tmp_path, num_shards=2, docs_per_shard=12)
+    requests = [(300, 300, 2), (300, 300, 2), (500, 120, 2), (500, 120, 2), (300, 300, 2)] * 2
+    plain, ahead = tg.DocumentLoader(pattern, 1001), tg.DocumentLoader(pattern, 1001)
+    for i, request in enumerate(requests):
+        want, state = plain.next_step(*request), plain.state_dict()
+        got = ahead.next_step(*request)
+        if i + 1 < len(requests):
+            ahead.look_ahead(*requests[i + 1])
+        assert ahead.state_dict() == state  # the look-ahead in flight has not moved the position
+        for x, y in zip(want, got):
+            assert torch.equal(x.inputs, y.inputs) and torch.equal(x.targets, y.targets)
+            assert torch.equal(x.cu_seqlens, y.cu_seqlens) and torch.equal(x.bigram_ids, y.bigram_ids)
+    # a look-ahead for one request, then another request: built again from the same position
+    ahead.look_ahead(100, 50, 2)
+    state = ahead.state_dict()
+    first = ahead.next_step(200, 50, 2)
+    plain.load_state_dict(state)
+    assert all(torch.equal(x.inputs, y.inputs) for x, y in zip(first, plain.next_step(200, 50, 2)))
+    # a resume drops the look-ahead
+    ahead.look_ahead(300, 300, 2)
+    ahead.load_state_dict(state)
+    plain.load_state_dict(state)
+    assert all(torch.equal(x.inputs, y.inputs) for x, y in zip(ahead.next_step(300, 300, 2), plain.next_step(300, 300, 2)))
+
+
+def test_loader_batches_carry_the_flex_masks_of_the_step(tmp_path):
+    """With a flex_mask_spec, every batch carries one block mask per attention kind of the layer table,
+    built on the host at the spec's windows; their block structure is the brute-force rule's (causal,
+    window + 1 slots, same document, in slots for paired rows)."""
+    import test_model as tm
+    pattern = make_corpus(tmp_path, num_shards=2, docs_per_shard=30)
+    bs = 16
+    windows = (1, 3)
+    spec = tg.flex_mask_spec(SPEC_ARGS, windows)
+    block_size, kinds = spec
+    assert block_size == tg.FLEX_BLOCK_SIZE
+    assert kinds == ((False, 2, windows[0] * SPEC_ARGS.window_block_size),
+                     (True, 1, windows[1] * SPEC_ARGS.window_block_size))  # the test table: paired short, long
+    spec = (bs, kinds)  # 16-token blocks: several blocks per 128-token batch
+    loader = tg.DocumentLoader(pattern, 1001)
+    for _ in range(3):
+        for b in loader.next_step(128, 60, 2, spec):
+            T = b.inputs.numel()
+            starts = [s for s in b.cu_seqlens.tolist() if 0 < s < T]
+            doc = np.searchsorted(np.array(starts), np.arange(T), side="right")  # documents seen so far
+            assert b.doc_ids.dtype == torch.int32 and b.doc_ids.tolist() == doc.tolist()
+            assert sorted(b.block_masks) == [(False, 2), (True, 1)]
+            for long, r, window in kinds:
+                bm = tg.block_attention_mask(b.doc_ids, window, r, bs, indices=b.block_masks[long, r])
+                effective, _ = tm.expand_block_mask(bm, T * r, bs)
+                assert torch.equal(effective, tm.brute_force_mask(doc, window, r)), (long, r)
+
+
+def test_model_takes_the_batch_masks_only_at_their_windows(tmp_path):
+    """GPT.batch_masks hands the loader's masks to the attention (the same tensors that
+    attention_masks computes from cu_seqlens) and refuses a batch built for other windows."""
+    pattern = make_corpus(tmp_path, num_shards=2, docs_per_shard=30)
+    model = tg.GPT(SPEC_ARGS)
+    model.set_windows(2, 5)
+    loader = tg.DocumentLoader(pattern, 1001)
+    (b,) = loader.next_step(256, 100, 1, tg.flex_mask_spec(SPEC_ARGS, (2, 5)))
+    got, want = model.batch_masks(b), model.attention_masks(b.cu_seqlens, 256, kernel="flex")
+    assert sorted(got) == sorted(want)
+    for key in want:
+        for name in tg.BlockMaskIndices._fields:
+            field = {"kv_num": "kv_num_blocks", "kv_idx": "kv_indices", "full_kv_num": "full_kv_num_blocks",
+                     "full_kv_idx": "full_kv_indices", "q_num": "q_num_blocks", "q_idx": "q_indices",
+                     "full_q_num": "full_q_num_blocks", "full_q_idx": "full_q_indices"}[name]
+            assert getattr(got[key], field) is getattr(b.block_masks[key], name)
+            assert torch.equal(getattr(got[key], field), getattr(want[key], field)), (key, name)
+    (stale,) = loader.next_step(256, 100, 1, tg.flex_mask_spec(SPEC_ARGS, (1, 3)))
+    with pytest.raises(ValueError, match="batch_masks: the batch's masks were built for"):
+        model.batch_masks(stale)
+    (plain,) = loader.next_step(256, 100, 1)  # no spec: the model builds its masks (CPU runs)
+    assert isinstance(model.batch_masks(plain)[True, 1], tg.SDPAMask)
+
+
+def test_staged_batch_is_one_buffer_of_aligned_views(tmp_path):
+    """stage() packs every tensor of a batch (masks included) into one buffer; unstage() of a copy of
+    it gives back equal tensors, each a view of that copy at a STAGE_ALIGN-aligned offset: the device
+    copy of a step is one transfer per micro-batch."""
+    pattern = make_corpus(tmp_path, num_shards=2, docs_per_shard=30)
+    (b,) = tg.DocumentLoader(pattern, 1001).next_step(256, 100, 1, tg.flex_mask_spec(SPEC_ARGS, (1, 3)))
+    staged = b.stage()
+    assert staged.staged.dtype == torch.uint8 and staged.staged.dim() == 1
+    copy = staged.staged.clone()
+    back = b.unstage(copy)
+    assert len(back.tensors()) == 5 + 8 * len(b.block_masks)
+    for x, y in zip(b.tensors(), back.tensors()):
+        assert x.dtype == y.dtype and torch.equal(x, y)
+        assert y.untyped_storage().data_ptr() == copy.data_ptr()  # a view of the one copy
+        assert (y.data_ptr() - copy.data_ptr()) % tg.STAGE_ALIGN == 0
+    assert back.mask_spec == b.mask_spec and back.staged is None
+    on_meta = staged.to(torch.device("meta"))  # a non-CPU device: views of one copied buffer
+    assert all(t.device.type == "meta" and t.untyped_storage().nbytes() == staged.staged.numel()
+               for t in on_meta.tensors())
+    assert b.to(torch.device("cpu")) is b

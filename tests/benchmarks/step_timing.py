@@ -213,7 +213,7 @@ def run(args: T.Hyperparameters, d: T.DistInfo, steps: int, warmup: int, peak: f
             dist.broadcast(p.data, src=0)
     opt = T.build_optimizer(args, model, d.device)
     model_fn = T.compile_model(model) if args.compile else model
-    loader = T.DocumentLoader(args.train_files, args.bigram_vocab_size, d.rank, d.world_size)
+    loader = T.DocumentLoader(args.train_files, args.bigram_vocab_size, d.rank, d.world_size, d.device)
     mtp = torch.zeros(len(args.stages[0].mtp_start), dtype=torch.float32, device=d.device)
     prefix = torch.zeros((), dtype=torch.float32, device=d.device)
     model.prefix_table.copy_(T.build_prefix_table(T.gpt2_encoding(), args.padded_vocab_size))
@@ -239,7 +239,9 @@ def run(args: T.Hyperparameters, d: T.DistInfo, steps: int, warmup: int, peak: f
             plan = T.plan_step(args, first + min(i, length - 1))
             plan = dataclasses.replace(plan, do_adam=i % 2 == 1)  # alternate as in the real run
             model.set_windows(*plan.windows)
-            batches = loader.next_step(plan.batch_tokens // slots, plan.max_doc_len, slots)
+            batches = loader.next_step(*T.batch_request(args, plan, slots, d.device))
+            # as train(): the next step is built on the loader's thread (a stage's steps share a plan's shapes)
+            loader.look_ahead(*T.batch_request(args, T.plan_step(args, first + min(i + 1, length - 1)), slots, d.device))
             T.train_step(model_fn, opt, batches, plan, mtp, prefix, T.grad_scale_for(args, d.world_size), d.device)
             if fp8_mlp:
                 model.fp8_mlp.quantize(model.mlp_bank, bootstrap=first + i < T.FP8_BOOTSTRAP_STEPS)
