@@ -216,3 +216,35 @@ def test_fp8_training_step_traces_into_one_graph(flex_on_cpu, monkeypatch):
     targets = {str(n.target) for n in forward.graph.nodes if n.op == "call_function"}
     assert any("fp8_mlp" in t for t in targets) and any("fp8_head_loss" in t for t in targets), targets
     assert (model.fp8_mlp.act_scale[:, 0] != 1.0).all()  # the delayed scales were written back
+
+
+def test_loader_built_masks_train_exactly_like_the_models_own(flex_on_cpu):
+    """The block masks the loader builds on the host (make_batch with the step's flex_mask_spec, the
+    CUDA path) give the compiled training step the same loss and gradients, bit for bit, as masks the
+    model builds from cu_seqlens; in the traced graphs every tensor of them is a graph input."""
+    model = tg.GPT(TEST)
+    randomize(model)
+    T = 256
+    buf = torch.randint(0, 50_000, (T + 1,), generator=torch.Generator().manual_seed(3)).numpy().astype("uint16")
+    buf[[0, 30, 70, 200]] = tg.BOS_ID
+    b = tg.make_batch(buf, TEST.bigram_vocab_size, tg.flex_mask_spec(TEST, TEST.windows_init))
+    assert b.cu_seqlens[:5].tolist() == [0, 30, 70, 200, T]
+    results = []
+    for masks in (model.attention_masks(b.cu_seqlens, T, kernel="flex"), model.batch_masks(b)):
+        graphs = []
+        torch._dynamo.reset()
+        compiled = torch.compile(model, backend=aot_autograd(fw_compiler=_collector(graphs)("forward", True)),
+                                 fullgraph=True, dynamic=False)
+        model.zero_grad(set_to_none=True)
+        loss = compiled(b.inputs, b.targets, b.cu_seqlens, b.bigram_ids, mtp_weights=torch.tensor([1.0, 0.5, 0.25]),
+                        loss_scale=1 / T, prefix_weight=torch.tensor(0.25), masks=masks)
+        loss.backward()
+        flex = [n for _, gm in graphs for n in _flex_nodes(gm)]
+        assert len(flex) == 2 * sum(row.attention != "none" for row in model.layers)  # forward, backward
+        assert all(a.op == "placeholder" for n in flex for a in _tensor_args(n))
+        results.append((loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}))
+    (loss_model, grads_model), (loss_loader, grads_loader) = results
+    assert torch.equal(loss_model, loss_loader)
+    assert grads_model.keys() == grads_loader.keys() and len(grads_model) > 10
+    for name in grads_model:
+        assert torch.equal(grads_model[name], grads_loader[name]), name
