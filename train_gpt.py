@@ -322,6 +322,8 @@ class Hyperparameters:
     attn_scale: float = knob(0.1, _RATE)            # softmax scale at windows_init (x sqrt(128/head_dim)); YaRN grows it
     fp8: bool = True                                # FP8 LM head and MLPs in training on GPUs with FP8 tensor cores
     fp8_up_fast_accum: bool = True                  # the record's FP8 MLP up-projection: Hopper's fast accumulation
+    attention_kernel: str = "auto"                  # CUDA: flex | varlen (torch's flash varlen_attn, the record's
+                                                    # FA3 call) | auto (the faster per layer kind on this GPU)
     # schedule: stage boundaries scale with num_iterations
     num_iterations: int = knob(1270, _AT_LEAST_1)   # scheduled steps, then extension_iterations at the last row
     extension_iterations: int = knob(15, _AT_LEAST_0)
@@ -528,7 +530,8 @@ def check_args(args: Hyperparameters, world_size: int) -> None:
         if allowed and not allowed.allows(value):
             raise SystemExit(f"error: --{f.name} {value!r} must be {allowed}")
     for name, choices in (("matrix_optimizer", MATRIX_OPTIMIZERS), ("orthogonalizer", sorted(ORTHOGONALIZERS)),
-                          ("cpu_dtype", ("auto", *CPU_DTYPES)), ("bank_ownership", OWNERSHIPS)):
+                          ("cpu_dtype", ("auto", *CPU_DTYPES)), ("bank_ownership", OWNERSHIPS),
+                          ("attention_kernel", ("auto", *GPU_ATTENTION_KERNELS))):
         if getattr(args, name) not in choices:
             raise SystemExit(f"error: --{name} {getattr(args, name)!r} is not one of {', '.join(choices)}")
     if args.val_tokens % min(args.val_seq_len, args.val_tokens):
@@ -2208,47 +2211,71 @@ class BlockMaskIndices(NamedTuple):
 
 def block_mask_indices(doc_ids: torch.Tensor, window, pos_div: int = 1,
                        block_size: int = FLEX_BLOCK_SIZE) -> BlockMaskIndices:
-    """The block structure of attention_mask_mod, from block-level bounds in O((n/bs)^2).
+    """The block structure of attention_mask_mod, in O(n/bs x window/bs) work.
 
     Evaluating the mask_mod on every (q, k) pair (create_block_mask) costs O(T^2) per step; instead each
     block pair is classified from its slot ranges: empty (no pair can pass), full (every pair passes,
     the kernel skips the mask_mod) or partial (the mask_mod decides per element). Slot distances in a
-    block pair cover [q_first - k_last, q_last - k_first]; document ids are non-decreasing. window: an
-    int or a 0-d tensor. On the host (the loader's thread, a Python int window) it costs the GPU
-    nothing: the speedrun builds it there and sends the result with the batch (DocumentLoader)."""
+    block pair cover [q_first - k_last, q_last - k_first]; document ids are non-decreasing. Only the
+    band of key blocks i - band + 1 .. i of query block i can pass the causal window, so only the
+    band is classified. window: a Python int or a CPU 0-d tensor (the band's width is read from it).
+    Built on the host (the loader's thread) it costs the GPU nothing: the speedrun builds it there and
+    sends the result with the batch (DocumentLoader)."""
     n = doc_ids.numel() * pos_div
     if n % block_size:
         raise ValueError(f"attention: sequence of {n} slots is not a multiple of the {block_size}-token"
                          " attention block; make the tokens per rank a multiple of 128")
     nb = n // block_size
-    first = torch.arange(nb, device=doc_ids.device) * block_size
+    if isinstance(window, torch.Tensor) and window.device.type != "cpu":
+        raise ValueError("block_mask_indices: pass the window as a Python int (reading a device tensor waits for the GPU)")
+    span = int(window)
+    band = min(nb, (span + block_size - 1) // block_size + 2)
+    dev = doc_ids.device
+    first = torch.arange(nb, device=dev) * block_size
     last = first + block_size - 1
     d_first, d_last = doc_ids[first // pos_div], doc_ids[last // pos_div]
-    lo = first[:, None] - last[None, :]   # smallest q - k in the block pair
-    hi = last[:, None] - first[None, :]   # largest q - k
-    docs_meet = (d_first[:, None] <= d_last[None, :]) & (d_first[None, :] <= d_last[:, None])
-    any_pass = (hi >= 0) & (lo <= window) & docs_meet
-    one_doc = (d_first == d_last)
-    all_pass = (lo >= 0) & (hi <= window) & one_doc[:, None] & one_doc[None, :] & (d_first[:, None] == d_first[None, :])
+    rows = torch.arange(nb, device=dev)[:, None]
+    j = rows - torch.arange(band, device=dev)[None, :]  # (nb, band): band entry b of row i is key block i - b
+    valid = j >= 0
+    k = j.clamp(min=0)
+    lo = first[:, None] - last[k]   # smallest q - k in the block pair (the largest is >= 0: k <= i)
+    hi = last[:, None] - first[k]   # largest q - k
+    any_pass = valid & (lo <= span) & (d_first[:, None] <= d_last[k]) & (d_first[k] <= d_last[:, None])
+    one_doc = d_first == d_last
+    all_pass = valid & (lo >= 0) & (hi <= span) & one_doc[:, None] & one_doc[k] & (d_first[:, None] == d_first[k])
     partial = any_pass & ~all_pass
+    # The query side (the backward's dk/dv loop): key block c's band entry b is query block c + b.
+    qi = rows + torch.arange(band, device=dev)[None, :]
+    q_valid = qi < nb
+    q_rows = qi.clamp(max=nb - 1)
+    b = torch.arange(band, device=dev)[None, :].expand(nb, band)
 
-    def to_indices(blocks):
-        # Contiguous: flex_attention's Triton kernels take the strides of every dim but the last and
-        # step through a row with stride 1; argsort of a transposed matrix keeps its transposed strides.
-        counts = blocks.sum(-1, dtype=torch.int32)[None, None]
-        order = torch.argsort(blocks.to(torch.int8), dim=-1, descending=True, stable=True)
-        return counts, order.to(torch.int32, memory_format=torch.contiguous_format)[None, None]
+    def listed(blocks, cols):
+        # Each row's blocks in the given column order (ascending block index), first; flex_attention's
+        # kernels read a row only up to its count (the look-ahead load is masked there), so the rest
+        # of the row, past the band, stays 0. Contiguous: the kernels step through a row with stride 1.
+        on = blocks.cumsum(-1, dtype=torch.int32)
+        counts = on[:, -1]
+        off = torch.arange(1, blocks.shape[1] + 1, dtype=torch.int32, device=dev) - on  # non-listed ones so far
+        rank = torch.where(blocks, on - 1, counts[:, None] + off - 1)
+        out = torch.zeros(nb, nb, dtype=torch.int32, device=dev)
+        out.scatter_(1, rank.long(), cols.to(torch.int32))
+        return counts[None, None], out[None, None]
 
-    # The query side from the transposed block matrices: BlockMask.from_kv_blocks would rebuild it
-    # from the kv side's indices through a vmapped scatter, dozens more small ops per mask.
-    return BlockMaskIndices(*to_indices(partial), *to_indices(all_pass), *to_indices(partial.mT),
-                            *to_indices(all_pass.mT))
+    flip = torch.flip  # kv side: band entries run from block i down; list them ascending
+    kv_cols = flip(k, (1,))
+    q_cols = q_rows
+    return BlockMaskIndices(*listed(flip(partial, (1,)), kv_cols), *listed(flip(all_pass, (1,)), kv_cols),
+                            *listed(q_valid & partial[q_rows, b], q_cols),
+                            *listed(q_valid & all_pass[q_rows, b], q_cols))
 
 
 def block_attention_mask(doc_ids: torch.Tensor, window, pos_div: int = 1, block_size: int = FLEX_BLOCK_SIZE,
                          indices: BlockMaskIndices | None = None) -> BlockMask:
     """flex_attention BlockMask for attention_mask_mod: block_mask_indices (computed here unless given,
-    e.g. built by the loader on the host) and the mask_mod for the partial blocks."""
+    e.g. built by the loader on the host; then window is a Python int or CPU tensor) and the mask_mod,
+    which reads window (a device tensor on the GPU: a new window value is no new code), for the
+    partial blocks."""
     if indices is None:
         indices = block_mask_indices(doc_ids, window, pos_div, block_size)
     n = doc_ids.numel() * pos_div
@@ -2265,12 +2292,36 @@ def attention_kinds(layers: tuple) -> list[tuple[bool, int]]:
                    for row in layers if row.attention != "none"})
 
 
-def flex_mask_spec(args: "Hyperparameters", windows: tuple) -> tuple:
+def flex_mask_spec(args: "Hyperparameters", windows: tuple, kernels: dict | None = None) -> tuple | None:
     """What a batch's host-built block masks are made of at (short, long) windows in blocks: the block
-    size and ((long?, slots per token, window in slots), ...) per attention kind. Hashable: the loader
-    keys its look-ahead on it, and GPT.batch_masks checks it against the windows in force."""
-    return (FLEX_BLOCK_SIZE, tuple((long, r, windows[int(long)] * args.window_block_size)
-                                   for long, r in attention_kinds(args.layers)))
+    size and ((long?, slots per token, window in slots), ...) per attention kind that runs flex
+    (kernels, {kind: kernel}; default every kind); None when no kind does. Hashable: the loader keys
+    its look-ahead on it, and GPT.batch_masks checks it against the windows in force."""
+    kinds = tuple((long, r, windows[int(long)] * args.window_block_size) for long, r in attention_kinds(args.layers)
+                  if kernels is None or kernels[long, r] == "flex")
+    return (FLEX_BLOCK_SIZE, kinds) if kinds else None
+
+
+# Which GPU kernel attends for each layer kind, (long window?, slots per token) -> "flex" | "varlen",
+# by torch.cuda.get_device_name(): the faster of the two at the speedrun's shapes, as the GPU check's
+# attention-kernels timing measured them (forward + backward). A GPU or kind not listed runs flex.
+ATTENTION_KERNEL_CHOICE: dict[str, dict[tuple[bool, int], str]] = {}
+GPU_ATTENTION_KERNELS = ("flex", "varlen")
+
+
+def attention_kernels(args: "Hyperparameters", device: torch.device) -> dict[tuple[bool, int], str]:
+    """The attention kernel of every layer kind on `device`: SDPA on CPUs (flex_attention has no CPU
+    backward, varlen_attn no CPU kernel); on CUDA --attention_kernel, whose "auto" reads
+    ATTENTION_KERNEL_CHOICE for this GPU."""
+    kinds = attention_kinds(args.layers)
+    if device.type != "cuda":
+        return dict.fromkeys(kinds, "sdpa")
+    if args.attention_kernel in GPU_ATTENTION_KERNELS:
+        return dict.fromkeys(kinds, args.attention_kernel)
+    if args.attention_kernel != "auto":
+        raise ValueError(f"--attention_kernel {args.attention_kernel!r} is not one of auto, {', '.join(GPU_ATTENTION_KERNELS)}")
+    table = ATTENTION_KERNEL_CHOICE.get(torch.cuda.get_device_name(device), {})
+    return {kind: table.get(kind, "flex") for kind in kinds}
 
 
 class SDPAMask(NamedTuple):
@@ -2283,7 +2334,17 @@ class SDPAMask(NamedTuple):
     fp32: bool = False
 
 
-ATTENTION_KERNELS = ("flex", "sdpa", "sdpa_fp32")
+class VarlenMask(NamedTuple):
+    """torch's varlen_attn arguments for one layer kind (FA-style variable-length attention, the
+    record's FA3 call): document starts in slots (cu_seqlens, doubled on paired rows; the padding
+    entries equal to the end give empty documents), the longest document in slots, the window in slots
+    (window_size=(window, 0): causal, window + 1 keys). All but the tensor are Python ints."""
+    cu_seqlens: torch.Tensor
+    max_seqlen: int
+    window: int
+
+
+ATTENTION_KERNELS = ("flex", "varlen", "sdpa", "sdpa_fp32")
 
 
 def attention_mask(doc_ids: torch.Tensor, window: torch.Tensor, span: int, pos_div: int,
@@ -2294,7 +2355,9 @@ def attention_mask(doc_ids: torch.Tensor, window: torch.Tensor, span: int, pos_d
     if kernel not in ATTENTION_KERNELS:
         raise ValueError(f"attention: kernel={kernel!r}; choose one of {', '.join(ATTENTION_KERNELS)}")
     if kernel == "flex":
-        return block_attention_mask(doc_ids, window, pos_div)
+        return block_attention_mask(doc_ids, window, pos_div, indices=block_mask_indices(doc_ids, span, pos_div))
+    if kernel == "varlen":
+        raise ValueError("attention: varlen attention takes document starts, not ids: GPT.attention_masks builds it")
     chunk = attention_band(doc_ids.numel() * pos_div, span)
     mask = banded_attention_mask(doc_ids, window, pos_div, chunk, span) if chunk else dense_attention_mask(doc_ids, window, pos_div)
     return SDPAMask(mask, span, chunk, kernel == "sdpa_fp32")
@@ -2323,6 +2386,15 @@ def flex_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask: B
 
     fn = compiled_flex_attention() if _runs_compiled_flex(q) else flex_attention
     return fn(q, k, v, score_mod=scaled, block_mask=block_mask, scale=1.0)
+
+
+def varlen_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: VarlenMask, scale: float) -> torch.Tensor:
+    """torch.nn.attention.varlen.varlen_attn (flash attention on CUDA; torch >= 2.11) of (n, H, hd) q,
+    k, v over the documents of mask.cu_seqlens, causal with mask.window slots back: the call record
+    #89 makes to FA3's flash_attn_varlen_func (window_size=(bm, 0), softmax_scale)."""
+    from torch.nn.attention.varlen import varlen_attn
+    return varlen_attn(q, k, v, mask.cu_seqlens, mask.cu_seqlens, mask.max_seqlen, mask.max_seqlen,
+                       scale=scale, window_size=(mask.window, 0))
 
 
 # -- rotary embeddings and YaRN -------------------------------------------------------------------
@@ -2640,36 +2712,50 @@ class GPT(nn.Module):
         mu = self._mudd_layer(k, x)
         return {name: mu[:, c: c + 1] for c, name in enumerate(MUDD_LAYER_NAMES[k])}
 
-    def attention_masks(self, cu_seqlens: torch.Tensor, num_tokens: int, kernel: str | None = None) -> dict:
+    def attention_masks(self, cu_seqlens: torch.Tensor, num_tokens: int, kernel: str | None = None,
+                        max_doc_len: int | None = None, prebuilt: tuple | None = None) -> dict:
         """The mask of every attention kind the table uses, {(long window, slots per token): mask}, for
-        one packed sequence at the current windows. kernel: "flex" (default on CUDA), "sdpa" (default
-        elsewhere; flex_attention has no CPU backward) or "sdpa_fp32".
+        one packed sequence at the current windows. kernel: every kind's ATTENTION_KERNELS entry, or
+        None for attention_kernels() (SDPA on CPUs, flex or varlen per kind on CUDA). max_doc_len: the
+        longest document (varlen's launch grid; default num_tokens). prebuilt: (doc_ids,
+        {kind: BlockMaskIndices}) built by the loader, used for those kinds (batch_masks).
 
         Build them outside a compiled model and pass them to forward(masks=...), once per micro-batch:
         inductor's flex_attention lowering reads the block mask's tensors, and the tensors its mask_mod
         captures, only as graph inputs with fixed layouts; computed inside the graph they fail to lower
         ("convert FlexibleLayout to FixedLayout first", PyTorch issue 139836)."""
-        kernel = kernel or ("flex" if cu_seqlens.is_cuda else "sdpa")
-        if kernel == "flex" and torch.compiler.is_compiling():
+        kinds = attention_kinds(self.layers)
+        kernels = attention_kernels(self.args, cu_seqlens.device) if kernel is None else dict.fromkeys(kinds, kernel)
+        if "flex" in kernels.values() and torch.compiler.is_compiling():
             raise RuntimeError("attention_masks: build the flex masks outside the compiled model and pass"
                                " forward(masks=model.attention_masks(cu_seqlens, T))")
-        doc = document_ids(cu_seqlens, num_tokens)
-        return {(long, r): attention_mask(doc, self.windows[int(long)], self.window_tokens[int(long)], r, kernel)
-                for long, r in attention_kinds(self.layers)}
+        doc_ids, indices = prebuilt or (None, {})
+        masks = {}
+        for (long, r), k in kernels.items():
+            window, span = self.windows[int(long)], self.window_tokens[int(long)]
+            if (long, r) in indices:
+                masks[long, r] = block_attention_mask(doc_ids, window, r, indices=indices[long, r])
+            elif k == "varlen":
+                masks[long, r] = VarlenMask(cu_seqlens * r if r > 1 else cu_seqlens, (max_doc_len or num_tokens) * r, span)
+            else:
+                if doc_ids is None or doc_ids.numel() != num_tokens:
+                    doc_ids = document_ids(cu_seqlens, num_tokens)
+                masks[long, r] = attention_mask(doc_ids, window, span, r, k)
+        return masks
 
     def batch_masks(self, batch: "Batch") -> dict:
-        """attention_masks for one micro-batch: from the block masks the loader built on the host and
-        sent with the batch (no mask is computed here), or attention_masks when the batch has none."""
-        if batch.block_masks is None:
-            return self.attention_masks(batch.cu_seqlens, batch.inputs.numel())
-        block_size, kinds = batch.mask_spec
-        if kinds != tuple((long, r, self.window_tokens[int(long)]) for long, r in attention_kinds(self.layers)):
-            raise ValueError(f"batch_masks: the batch's masks were built for (long?, slots per token, window) {kinds},"
-                             f" the model attends at windows {self.window_tokens}; build batches with"
-                             " flex_mask_spec(args, the step's windows) after set_windows")
-        return {(long, r): block_attention_mask(batch.doc_ids, self.windows[int(long)], r, block_size,
-                                                indices=batch.block_masks[long, r])
-                for long, r, _ in kinds}
+        """attention_masks for one micro-batch: the block masks the loader built on the host and sent
+        with the batch (no kernel computes them here), the other kinds' masks built here."""
+        prebuilt = None
+        if batch.block_masks is not None:
+            block_size, kinds = batch.mask_spec
+            if block_size != FLEX_BLOCK_SIZE or any(window != self.window_tokens[int(long)] for long, _, window in kinds):
+                raise ValueError(f"batch_masks: the batch's masks were built for (long?, slots per token, window) {kinds},"
+                                 f" the model attends at windows {self.window_tokens}; build batches with"
+                                 " flex_mask_spec(args, the step's windows) after set_windows")
+            prebuilt = (batch.doc_ids, batch.block_masks)
+        return self.attention_masks(batch.cu_seqlens, batch.inputs.numel(), max_doc_len=batch.max_doc_len,
+                                    prebuilt=prebuilt)
 
     def _attend(self, q, k, v, mask: BlockMask | SDPAMask, paired: bool) -> torch.Tensor:
         """Masked softmax attention of (T, H, hd) q, k, v at the current fp32 softmax scale. Paired:
@@ -2683,6 +2769,9 @@ class GPT(nn.Module):
         def to_seq(t):  # (T, H, hd) -> (1, H/r, r*T, hd)
             return t.reshape(r * T, H // r, hd).transpose(0, 1).unsqueeze(0)
 
+        if isinstance(mask, VarlenMask):  # the fp32 scale as a number, as FA3's softmax_scale in the record
+            y = varlen_attend(*(t.reshape(r * T, H // r, hd) for t in (q, k, v)), mask, self.attn_scale_value)
+            return y.reshape(T, H, hd)
         if isinstance(mask, BlockMask):
             y = flex_attend(to_seq(q), to_seq(k), to_seq(v), mask, self.attn_scale)
         else:  # SDPA takes the scale as a number: the same fp32 value, kept as a float by set_windows
@@ -2997,6 +3086,7 @@ class Batch:
     mask_spec: tuple | None = None
     doc_ids: torch.Tensor | None = None
     block_masks: dict | None = None
+    max_doc_len: int | None = None  # documents are at most this long (the stage's; varlen's launch grid)
     staged: torch.Tensor | None = None  # every tensor above packed into one pinned buffer (stage())
 
     def tensors(self) -> list[torch.Tensor]:
@@ -3014,7 +3104,7 @@ class Batch:
         if self.block_masks:
             block_masks = {key: BlockMaskIndices(*(next(it) for _ in BlockMaskIndices._fields))
                            for key in sorted(self.block_masks)}
-        return Batch(inputs, targets, cu_seqlens, bigram_ids, self.mask_spec, doc_ids, block_masks)
+        return Batch(inputs, targets, cu_seqlens, bigram_ids, self.mask_spec, doc_ids, block_masks, self.max_doc_len)
 
     def stage(self) -> "Batch":
         """The batch with all its tensors packed into one pinned host buffer: to(device) is then one
@@ -3056,9 +3146,11 @@ def max_docs_for(num_tokens: int) -> int:
     return num_tokens // 8 + 16
 
 
-def make_batch(buf: np.ndarray, bigram_vocab_size: int, mask_spec: tuple | None = None) -> Batch:
+def make_batch(buf: np.ndarray, bigram_vocab_size: int, mask_spec: tuple | None = None,
+               max_doc_len: int | None = None) -> Batch:
     """Batch from T + 1 consecutive tokens: inputs buf[:T], targets buf[1:]. mask_spec (flex_mask_spec):
-    also build the flex block masks of every attention kind, here on the host."""
+    also build the flex block masks of its attention kinds, here on the host. max_doc_len: the
+    longest a document of buf may be (the loader's truncation)."""
     T = len(buf) - 1
     inputs = torch.from_numpy(buf[:T].astype(np.int32))
     starts = np.flatnonzero(buf[:T] == BOS_ID)
@@ -3067,7 +3159,7 @@ def make_batch(buf: np.ndarray, bigram_vocab_size: int, mask_spec: tuple | None 
     cu[0] = 0
     cu[1:1 + len(starts)] = starts
     batch = Batch(inputs, torch.from_numpy(buf[1:].astype(np.int64)), torch.from_numpy(cu),
-                  bigram_hash(inputs, bigram_vocab_size))
+                  bigram_hash(inputs, bigram_vocab_size), max_doc_len=max_doc_len)
     if mask_spec is not None:
         block_size, kinds = mask_spec
         doc = document_ids(batch.cu_seqlens, T)
@@ -3133,7 +3225,7 @@ class DocumentLoader:
                 pieces.append(tokens[:min(max_doc_len, need)])
                 need -= len(pieces[-1])
             if g % self.world_size == self.rank:
-                batch = make_batch(np.concatenate(pieces), self.bigram_vocab_size, mask_spec)
+                batch = make_batch(np.concatenate(pieces), self.bigram_vocab_size, mask_spec, max_doc_len)
                 mine.append(batch.stage() if self.stage else batch)
         return mine, (shard, doc)
 
@@ -3273,7 +3365,7 @@ def plan_step(args: Hyperparameters, step: int) -> StepPlan:
 def batch_request(args: Hyperparameters, plan: StepPlan, slots: int, device: torch.device) -> tuple:
     """DocumentLoader.next_step's arguments for a step over `slots` micro-batches: on CUDA the loader
     also builds the step's flex block masks (flex_mask_spec), so no kernel of the step builds them."""
-    spec = flex_mask_spec(args, plan.windows) if device.type == "cuda" else None
+    spec = flex_mask_spec(args, plan.windows, attention_kernels(args, device)) if device.type == "cuda" else None
     return plan.batch_tokens // slots, plan.max_doc_len, slots, spec
 
 

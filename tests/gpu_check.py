@@ -108,7 +108,12 @@ CHECKS: tuple[Check, ...] = (
     Check("flex-attention", 80, "flex_attention forward and backward through the one compiled flex_attention, with "
           "the record's block masks (causal, window, documents, paired slots), against SDPA with the dense mask; "
           "no host sync in the eager call",
-          (TG + "_runs_compiled_flex", TG + "GPT.attention_masks")),
+          (TG + "_runs_compiled_flex",)),
+    Check("attention-kernels", 150, "per layer kind of the speedrun (plain short, plain long, paired short) at stage "
+          "1's and stage 3's micro-batch (16,384 and 49,152 tokens, documents cut at 896 / 2,048): flex_attention "
+          "with the loader's host-built block masks against torch's varlen_attn, forward + backward ms each, the "
+          "faster per kind (ATTENTION_KERNEL_CHOICE); varlen against fp32 SDPA with the dense mask",
+          (TG + "attention_kernels",)),
     # -- model: the compiled model against an independent reference, the sync-free step -----------------
     Check("compiled-model", 350, "the speedrun model (FP8 on, near its init: loss near ln(vocab)) compiled whole "
           "(fullgraph, masks as inputs) against the eager model with fp32 SDPA and dense masks: loss and every "
@@ -942,6 +947,91 @@ def check_flex_attention(res: Result) -> None:
     res.set(errors={k: v[0] for k, v in errs.items()}, sdpa_bf16={k: v[1] for k, v in errs.items()},
             summary=f"{len(cases)} masks, worst relative error {worst[1][0]:.1e} ({worst[0]}; SDPA in bf16 {worst[1][1]:.1e}); "
             "eager call with no host sync")
+
+
+def _documents(T_: int, max_doc_len: int, seed: int):
+    """(cu_seqlens int32 padded as the loader pads them, document ids int64) on the CPU for documents of
+    geometric lengths (mean 700 tokens) cut at max_doc_len, as the loader cuts FineWeb's."""
+    import numpy as np
+    import torch
+    import train_gpt as T
+    lengths = np.minimum(np.random.default_rng(seed).geometric(1.0 / 700, T_), max_doc_len)
+    starts = (np.cumsum(lengths) - lengths)
+    starts = starts[(starts > 0) & (starts < T_)][: T.max_docs_for(T_) - 1]
+    cu = torch.full((T.max_docs_for(T_) + 1,), T_, dtype=torch.int32)
+    cu[0] = 0
+    cu[1: 1 + len(starts)] = torch.from_numpy(starts.astype(np.int32))
+    return cu, T.document_ids(cu, T_)
+
+
+def check_attention_kernels(res: Result) -> None:
+    import torch
+    import torch.nn.functional as F
+    import triton
+    import train_gpt as T
+    H, hd, scale = 6, 128, 0.12
+    kinds = {"plain short": (False, 1), "plain long": (True, 1), "paired short": (False, 2)}
+
+    def qkv(n, heads, grad=True):  # (n, heads, hd) bf16 leaves
+        return [torch.randn(n, heads, hd, device="cuda").bfloat16().requires_grad_(grad) for _ in range(3)]
+
+    def as_seq(t):  # (n, heads, hd) -> (1, heads, n, hd), flex's and SDPA's layout
+        return t.transpose(0, 1).unsqueeze(0)
+
+    # correctness at 8,192 tokens: varlen against fp32 SDPA with the dense mask (bf16 SDPA: what bf16 costs)
+    errs = {}
+    cu, doc = _documents(8192, 896, 11)
+    for name, (long, r) in kinds.items():
+        window = 384 if long else 128
+        q, k, v = qkv(8192 * r, H // r)
+        dy = torch.randn_like(q)
+        y = T.varlen_attend(q, k, v, T.VarlenMask((cu * r).cuda(), 896 * r, window), scale)
+        y.backward(dy)
+        dense = T.dense_attention_mask(doc.cuda(), torch.tensor(window, device="cuda"), r)
+        ref = [t.detach().float().requires_grad_() for t in (q, k, v)]
+        y32 = F.scaled_dot_product_attention(*map(as_seq, ref), attn_mask=dense, scale=scale)
+        y32.backward(as_seq(dy.float()))
+        low = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+        y16 = F.scaled_dot_product_attention(*map(as_seq, low), attn_mask=dense, scale=scale)
+        y16.backward(as_seq(dy))
+        for what, a, b, c in (("y", as_seq(y), y32, y16), ("dq", q.grad, ref[0].grad, low[0].grad),
+                              ("dk", k.grad, ref[1].grad, low[1].grad), ("dv", v.grad, ref[2].grad, low[2].grad)):
+            e, e16 = rel_err(a, b), rel_err(c, b)
+            errs[f"{name}: {what}"] = e
+            require(e < max(2 * e16, 2e-3) and e < TOL["bf16"],
+                    f"varlen attention {name} {what}: relative error {e:.2e} (SDPA in bf16: {e16:.2e})")
+        del q, k, v, ref, low, y, y32, y16, dense
+    # timing: forward + backward per kind at the stages' micro-batches, masks built on the host as the loader does
+    times, total = {}, {}
+    for stage, (T_, max_len, windows) in {"stage 1": (16384, 896, (128, 384)), "stage 3": (49152, 2048, (640, 1408))}.items():
+        cu, doc = _documents(T_, max_len, 12)
+        for name, (long, r) in kinds.items():
+            window = windows[int(long)]
+            q, k, v = qkv(T_ * r, H // r)
+            dy = torch.randn_like(q)
+            ind = T.block_mask_indices(doc, window, r)  # on the host, as make_batch builds it
+            bm = T.block_attention_mask(doc.to(torch.int32).cuda(), torch.tensor(window, dtype=torch.int32, device="cuda"),
+                                        r, indices=T.BlockMaskIndices(*(t.cuda() for t in ind)))
+            vm = T.VarlenMask((cu * r).cuda(), max_len * r, window)
+            s = torch.tensor(scale, device="cuda")
+
+            def flex():
+                T.flex_attend(as_seq(q), as_seq(k), as_seq(v), bm, s).backward(as_seq(dy))
+
+            def varlen():
+                T.varlen_attend(q, k, v, vm, scale).backward(dy)
+
+            ms = {"flex": triton.testing.do_bench(flex, warmup=5, rep=30),
+                  "varlen": triton.testing.do_bench(varlen, warmup=5, rep=30)}
+            times[f"{stage} {name}"] = ms
+            for kernel, t in ms.items():  # both stages' micro-batches together (each stage a third of the steps)
+                total.setdefault((long, r), {}).setdefault(kernel, 0.0)
+                total[long, r][kernel] += t
+            del q, k, v, dy, bm
+    table = {kind: min(ms, key=ms.get) for kind, ms in total.items()}
+    res.set(errors=errs, times_ms=times, choice={str(k): v for k, v in table.items()},
+            summary="; ".join(f"{k} flex {v['flex']:.2f} / varlen {v['varlen']:.2f} ms" for k, v in times.items())
+            + f"; worst varlen error {max(errs.values()):.1e}; ATTENTION_KERNEL_CHOICE entry: {table}")
 
 
 def near_init(model, seed: int) -> None:

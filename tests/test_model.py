@@ -239,10 +239,29 @@ def test_model_with_banded_cpu_attention_equals_dense(monkeypatch):
 # ---- attention semantics -------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("kernel", ["sdpa", "flex"])
+def documented_varlen_attn(q, k, v, cu_seq_q, cu_seq_k, max_q, max_k, *, scale, window_size):
+    """torch.nn.attention.varlen.varlen_attn as its documentation states it, in float64 loops: the
+    rows [cu[i], cu[i+1]) of (n, H, hd) q, k, v are one sequence each (empty ones allowed); a query at
+    row t sees the keys u of its sequence with t - left <= u <= t + right (window_size=(W, 0): causal,
+    W back); max_q / max_k bound every sequence's length (the flash kernel's launch grid)."""
+    assert torch.equal(cu_seq_q, cu_seq_k) and max_q == max_k and cu_seq_q.dtype == torch.int32
+    left, right = window_size
+    out = torch.zeros_like(q)
+    bounds = cu_seq_q.tolist()
+    for a, b in zip(bounds[:-1], bounds[1:]):
+        assert 0 <= b - a <= max_q, (a, b, max_q)
+        for t in range(a, b):
+            for h in range(q.shape[1]):
+                keys = [u for u in range(a, b) if t - left <= u <= t + right]
+                p = torch.softmax(torch.tensor([scale * float(q[t, h] @ k[u, h]) for u in keys], dtype=torch.float64), 0)
+                out[t, h] = p @ v[keys, h].double()
+    return out
+
+
+@pytest.mark.parametrize("kernel", ["sdpa", "flex", "varlen"])
 @pytest.mark.parametrize("paired", [False, True])
 @pytest.mark.parametrize("heads", [2, 6])
-def test_attend_matches_float64_brute_force(paired, heads, kernel):
+def test_attend_matches_float64_brute_force(paired, heads, kernel, monkeypatch):
     """A loop over tokens and heads. Paired (the record's slots): head h of token t is slot
     2t + h // (H/2); head h attends over heads h mod H/2 and h mod H/2 + H/2 of earlier slots, at most
     `window` slots back, so a first-half head does not see its partner of the same token. The scores
@@ -256,9 +275,15 @@ def test_attend_matches_float64_brute_force(paired, heads, kernel):
     window = torch.tensor(11, dtype=torch.int32)
     g = torch.Generator().manual_seed(1)
     q, k, v = (torch.randn(T, H, hd, generator=g, dtype=torch.float64) for _ in range(3))
+    cu = torch.tensor([0, 15, 64, 64], dtype=torch.int32)
     if kernel == "flex":  # the GPU's block mask, through flex_attention's eager reference (no CPU backward)
-        mask = tg.block_attention_mask(tg.document_ids(torch.tensor([0, 15, 64, 64], dtype=torch.int32), T), window,
-                                       2 if paired else 1, block_size=16)
+        mask = tg.block_attention_mask(tg.document_ids(cu, T), window, 2 if paired else 1, block_size=16)
+    elif kernel == "varlen":  # the CUDA kernel's documented semantics standing in for it (it has no CPU kernel)
+        import torch.nn.attention.varlen as varlen_module
+        monkeypatch.setattr(varlen_module, "varlen_attn", documented_varlen_attn)
+        model.window_tokens = (11, 11)
+        mask = model.attention_masks(cu, T, kernel="varlen", max_doc_len=49)[(False, 2) if paired else (True, 1)]
+        assert isinstance(mask, tg.VarlenMask) and mask.window == 11 and mask.max_seqlen == 49 * (2 if paired else 1)
     else:
         mask = tg.attention_mask(doc, window, 11, 2 if paired else 1, "sdpa")
     with torch.no_grad():
