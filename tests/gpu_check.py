@@ -108,7 +108,7 @@ CHECKS: tuple[Check, ...] = (
     Check("flex-attention", 80, "flex_attention forward and backward through the one compiled flex_attention, with "
           "the record's block masks (causal, window, documents, paired slots), against SDPA with the dense mask; "
           "no host sync in the eager call",
-          (TG + "_runs_compiled_flex",)),
+          (TG + "_runs_compiled_flex", TG + "block_mask_indices")),
     Check("attention-kernels", 150, "per layer kind of the speedrun (plain short, plain long, paired short) at stage "
           "1's and stage 3's micro-batch (16,384 and 49,152 tokens, documents cut at 896 / 2,048): flex_attention "
           "with the loader's host-built block masks against torch's varlen_attn, forward + backward ms each, the "
