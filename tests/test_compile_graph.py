@@ -205,7 +205,7 @@ def test_fp8_training_step_traces_into_one_graph(flex_on_cpu, monkeypatch):
     args = tg.parse_args(["--preset", "test", "--vocab_size", "1000", "--padded_vocab_size", "1024"])
     model = tg.GPT(args)
     randomize(model)
-    model.fp8_mlp.quantize(model.mlp_bank, bootstrap=True)
+    model.quantize_fp8(bootstrap=True)
     graphs = []
     keep = _collector(graphs)
 

@@ -186,7 +186,7 @@ def _head_run(fp8: bool):
     args = tg.parse_args(["--preset", "test", "--fp8", str(fp8), "--vocab_size", "1000", "--padded_vocab_size", "1024"])
     torch.manual_seed(0)
     model = tg.GPT(args)
-    model.fp8_mlp.quantize(model.mlp_bank, bootstrap=True)  # read only where the MLPs run in FP8
+    model.quantize_fp8(bootstrap=True)  # read only where the head and MLPs run in FP8
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, 1000, (129,), generator=g)
     cu = torch.tensor([0, 60, 128, 128], dtype=torch.int32)
@@ -202,7 +202,7 @@ def test_model_training_head_uses_fp8_where_supported(monkeypatch):
     FP8 with it; their down-projections are zero at init, so they change little here.)"""
     calls = []
     real = tg.fp8_head_loss
-    monkeypatch.setattr(tg, "fp8_head_loss", lambda *a: calls.append(a[6:]) or real(*a))
+    monkeypatch.setattr(tg, "fp8_head_loss", lambda *a: calls.append(a[8:]) or real(*a))
     loss16, head16, mlp16 = _head_run(fp8=True)   # CPU: no FP8 tensor cores, bf16 head
     assert calls == []
     monkeypatch.setattr(tg, "_native_fp8", lambda device: True)
@@ -227,6 +227,14 @@ def _head_inputs(T=64, K=32, N=96, seed=7):
     return x, w, targets, torch.tensor([1.0, 0.5, 0.25]), prefix, torch.tensor(0.25)
 
 
+def head_loss(x, w, targets, mtp, prefix, pi, xs, ws, gs, grad_scale):
+    """fp8_head_loss on x and w quantised at the given scales (the model passes fp8_head_input(x) and
+    its buffer from fp8_head_weight(lm_head), at the FP8_HEAD_* scales): (loss, e5m2 gradient)."""
+    x_f8 = tg._quantize_fp8(x.detach(), xs, E4M3)
+    w_f8 = tg._quantize_fp8(w.detach().T, ws, E4M3).T
+    return tg.fp8_head_loss(x, w, x_f8, w_f8, targets, mtp, prefix, pi, xs, ws, gs, grad_scale)
+
+
 def test_fp8_head_loss_against_float64_references():
     """Loss of the bf16 logits of the dequantised float8 product; the e5m2 gradient is the float64
     reference gradient / grad_s rounded to e5m2; dx and dw are float64 products of the float8 operands."""
@@ -235,9 +243,9 @@ def test_fp8_head_loss_against_float64_references():
     gs = tg.FP8_HEAD_GRAD_SCALE * grad_scale
     xs, ws = tg.FP8_HEAD_X_SCALE, tg.FP8_HEAD_W_SCALE
     a, b = x.clone().requires_grad_(), w.clone().requires_grad_()
-    loss, x_f8, w_f8, g_f8 = tg.fp8_head_loss(a, b, targets, mtp, prefix, pi, xs, ws, gs, grad_scale)
+    loss, g_f8 = head_loss(a, b, targets, mtp, prefix, pi, xs, ws, gs, grad_scale)
     (loss.sum() * grad_scale).backward()
-    assert g_f8.dtype == E5M2 and w_f8.stride() == (1, w.shape[0])  # column-major, as cuBLAS reads it
+    assert g_f8.dtype == E5M2 and g_f8.shape == (x.shape[0], w.shape[1])
     # quantised as the record does: t / scale in bf16, then cast to e4m3
     xq, wq = (x / xs).to(E4M3).double() * xs, (w / ws).to(E4M3).double() * ws
     logits = (xq @ wq).bfloat16().double()  # the forward's bf16 output
@@ -261,7 +269,7 @@ def test_fp8_head_backward_runs_without_fast_accumulation(monkeypatch):
                         real(a, b, sa, sb, out_dtype, fast_accum))
     x, w, targets, mtp, prefix, pi = _head_inputs(T=48, K=32, N=80)
     a, b = x.clone().requires_grad_(), w.clone().requires_grad_()
-    loss = tg.fp8_head_loss(a, b, targets, mtp, prefix, pi, 0.1, 0.01, 1e-4, 1.0)[0]
+    loss = head_loss(a, b, targets, mtp, prefix, pi, 0.1, 0.01, 1e-4, 1.0)[0]
     loss.sum().backward()
     assert seen == [((48, 32), (32, 80), torch.bfloat16, True),    # logits
                     ((48, 80), (80, 32), torch.bfloat16, False),   # dx = dlogits @ w^T
@@ -271,19 +279,20 @@ def test_fp8_head_backward_runs_without_fast_accumulation(monkeypatch):
 def test_fp8_head_gradient_saturates_instead_of_overflowing():
     """A gradient scale far too small for the gradient: e5m2 values saturate at +-57344, never inf."""
     x, w, targets, mtp, prefix, pi = _head_inputs()
-    _, _, _, g_f8 = tg.fp8_head_loss(x, w, targets, mtp, prefix, pi, 0.1, 0.01, 1e-9, 1.0)
+    _, g_f8 = head_loss(x, w, targets, mtp, prefix, pi, 0.1, 0.01, 1e-9, 1.0)
     g = g_f8.float()
     assert torch.isfinite(g).all() and g.abs().max() == 57344
 
 
 def test_fp8_head_loss_registrations():
     x, w, targets, mtp, prefix, pi = _head_inputs(T=32, K=32, N=48)
-    torch.library.opcheck(tg.fp8_head_loss, (x.requires_grad_(), w.requires_grad_(), targets, mtp, prefix, pi,
-                                             0.1, 0.01, 1e-4, 1.0),
+    x_f8, w_f8 = tg._quantize_fp8(x, 0.1, E4M3), tg._quantize_fp8(w.T, 0.01, E4M3).T
+    torch.library.opcheck(tg.fp8_head_loss, (x.requires_grad_(), w.requires_grad_(), x_f8, w_f8, targets, mtp, prefix,
+                                             pi, 0.1, 0.01, 1e-4, 1.0),
                           test_utils=("test_autograd_registration", "test_faketensor"))
 
-    def f(a, b):
-        return tg.fp8_head_loss(a, b, targets, mtp, prefix, pi, 0.1, 0.01, 1e-4, 1.0)[0].sum()
+    def f(a, b):  # the float8 operands come in as the model's: x_f8 row-major, w_f8 a transposed buffer
+        return tg.fp8_head_loss(a, b, x_f8, w_f8, targets, mtp, prefix, pi, 0.1, 0.01, 1e-4, 1.0)[0].sum()
 
     grads = []
     for fn in (f, torch.compile(f, backend="aot_eager", fullgraph=True)):
@@ -331,6 +340,15 @@ def mlp_inputs(T=48, D=64, H=96, seed=0):
     return x, w_up, w_down, dy
 
 
+def mlp_op_operands(state: tg.FP8MLPState, x: torch.Tensor, layer: int = 0) -> tuple:
+    """fp8_mlp's arguments after (x, w_up, w_down), as FP8MLPState.mlp makes them (record #89's current
+    scaling of x)."""
+    amax_x = x.abs().amax().float()
+    x_f8 = (x.float() * (448 / amax_x)).to(E4M3)
+    return (x_f8, state.up_f8[layer], state.up_scale[layer, 0] * amax_x / 448, state.down_f8_t[layer],
+            state.down_scale[layer, 0], state.act_scale[layer, 0])
+
+
 def fp8_state(w_up, w_down) -> tg.FP8MLPState:
     state = tg.FP8MLPState(1, *w_up.shape)
     state.quantize(torch.stack([w_up, w_down]), bootstrap=True)
@@ -346,7 +364,7 @@ def test_fp8_mlp_forward_backward_match_float64_emulation(headroom):
     state = fp8_state(w_up, w_down)
     state.act_scale[:, 0] = act
     x_, w_up_, w_down_ = (t.clone().requires_grad_(True) for t in (x, w_up, w_down))
-    y = state.mlp(0, x_, w_up_, w_down_)
+    y = state.mlp(0, x_, w_up_, w_down_)[0]
     assert y.dtype == torch.bfloat16 and y.shape == x.shape
     # fp32 sums in another order (an occasional bf16 flip of pre) and the final bf16 rounding
     assert (y.double() - y_ref).abs().max() <= 2 ** -6 * y_ref.abs().max()
@@ -366,8 +384,7 @@ def test_fp8_mlp_backward_is_the_post_only_bf16_backward():
     x, w_up, w_down, dy = mlp_inputs(seed=1)
     state = fp8_state(w_up, w_down)
     ins = [t.clone().requires_grad_(True) for t in (x, w_up, w_down)]
-    y, post, _ = tg.fp8_mlp(*ins, state.up_f8[0], state.up_scale[0, 0], state.down_f8_t[0], state.down_scale[0, 0],
-                            state.act_scale[0, 0])
+    y, post, _ = tg.fp8_mlp(*ins, *mlp_op_operands(state, x))
     y.backward(dy)
     want = tg.triton_kernels.relu2_mlp_backward(dy, x, w_up, w_down, post)
     for t, w in zip(ins, want):
@@ -386,9 +403,9 @@ def test_fp8_delayed_scaling_bookkeeping_over_three_steps(monkeypatch):
     real = tg.fp8_mlp
 
     def spy(*args):
-        seen.append({"act": float(args[7]), "down": float(args[6]), "up": float(args[4])})
+        seen.append({"act": float(args[8]), "down": float(args[7]), "up_dequant": float(args[5])})
         out = real(*args)
-        seen[-1]["post_amax"] = float(out[2])
+        seen[-1]["post_amax"] = float(out[2].amax())
         return out
 
     monkeypatch.setattr(tg, "fp8_mlp", spy)
@@ -399,8 +416,7 @@ def test_fp8_delayed_scaling_bookkeeping_over_three_steps(monkeypatch):
 
     def forward():
         x = tg.norm(torch.randn(T, D, generator=g)).bfloat16()
-        for layer in range(L):
-            state.mlp(layer, x, bank[2 * layer], bank[2 * layer + 1])
+        state.update_act_scales([state.mlp(layer, x, bank[2 * layer], bank[2 * layer + 1])[1] for layer in range(L)])
 
     def amax(t):
         return float(t.float().abs().max())
@@ -448,9 +464,14 @@ def test_fp8_mlp_compiles_fullgraph_like_eager():
     results = []
     for compiled in (False, True):
         state = fp8_state(w_up, w_down)
-        fn = torch.compile(state.mlp, backend="aot_eager", fullgraph=True) if compiled else state.mlp
+
+        def mlp(*ins):
+            y, post_max = state.mlp(0, *ins)
+            state.update_act_scales([post_max])
+            return y
+        fn = torch.compile(mlp, backend="aot_eager", fullgraph=True) if compiled else mlp
         ins = [t.clone().requires_grad_(True) for t in (x, w_up, w_down)]
-        y = fn(0, *ins)
+        y = fn(*ins)
         y.backward(dy)
         results.append((y.detach(), *(t.grad for t in ins), state.act_scale.clone()))
     for eager, comp in zip(*results):
@@ -461,8 +482,7 @@ def test_fp8_mlp_compiles_fullgraph_like_eager():
 def test_fp8_mlp_opcheck():
     x, w_up, w_down, _ = mlp_inputs(T=32, D=32, H=48, seed=5)
     state = fp8_state(w_up, w_down)
-    args = (x.requires_grad_(), w_up.requires_grad_(), w_down.requires_grad_(), state.up_f8[0], state.up_scale[0, 0],
-            state.down_f8_t[0], state.down_scale[0, 0], state.act_scale[0, 0])
+    args = (x.requires_grad_(), w_up.requires_grad_(), w_down.requires_grad_(), *mlp_op_operands(state, x.detach()))
     # test_schema multiplies every input, which float8 tensors do not support on the CPU; the compile
     # test above covers AOTAutograd
     torch.library.opcheck(tg.fp8_mlp, args, test_utils=("test_autograd_registration", "test_faketensor"))
@@ -479,6 +499,8 @@ def test_fp8_mlp_errors():
         state.mlp(0, x.float(), w_up, w_down)
     with pytest.raises(ValueError, match="mlp_bank must be"):
         state.quantize(torch.stack([w_up, w_down])[:, :, :16], bootstrap=True)
+    with pytest.raises(ValueError, match="post_maxima must hold 1 layers"):
+        state.update_act_scales([])
 
 
 def _mlp_model(fp8: bool):
@@ -487,7 +509,7 @@ def _mlp_model(fp8: bool):
     model = tg.GPT(args)
     with torch.no_grad():  # trained-looking down-projections, so the MLPs matter to the loss
         model.mlp_bank[1::2] = 0.02 * torch.randn_like(model.mlp_bank[1::2])
-    model.fp8_mlp.quantize(model.mlp_bank, bootstrap=True)
+    model.quantize_fp8(bootstrap=True)
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, 1000, (129,), generator=g)
     batch = (tokens[:-1], tokens[1:], torch.tensor([0, 60, 128, 128], dtype=torch.int32),
@@ -528,16 +550,18 @@ def test_fp8_state_rides_in_the_state_dict(monkeypatch):
     model, batch = _mlp_model(True)
     snapshot = {k: v.clone() for k, v in model.state_dict().items()}
     assert {"fp8_mlp.up_f8", "fp8_mlp.up_scale", "fp8_mlp.down_f8_t", "fp8_mlp.down_scale",
-            "fp8_mlp.down_next_scale", "fp8_mlp.act_scale"} <= set(snapshot)
+            "fp8_mlp.down_next_scale", "fp8_mlp.act_scale", "lm_head_f8_t"} <= set(snapshot)
     model(*batch, mtp_weights=torch.tensor([1.0, 0.5])).backward()
     with torch.no_grad():
         model.mlp_bank.mul_(1.1)
-    model.fp8_mlp.quantize(model.mlp_bank, bootstrap=False)
+        model.lm_head.mul_(1.1)
+    model.quantize_fp8(bootstrap=False)
     assert (model.fp8_mlp.act_scale[:, 0] != 1.0).all()
     model.load_state_dict(snapshot)
     assert (model.fp8_mlp.act_scale == 1.0).all()
     for name in ("up_f8", "down_f8_t"):
         assert torch.equal(getattr(model.fp8_mlp, name).view(torch.uint8), snapshot[f"fp8_mlp.{name}"].view(torch.uint8))
+    assert torch.equal(model.lm_head_f8_t.view(torch.uint8), snapshot["lm_head_f8_t"].view(torch.uint8))
 
 
 def test_every_layers_scales_are_16_byte_aligned():
@@ -550,8 +574,10 @@ def test_every_layers_scales_are_16_byte_aligned():
     state = tg.FP8MLPState(L, H, D)
     state.quantize(bank, bootstrap=True)
     x = tg.norm(torch.randn(T, D, generator=g)).bfloat16()
+    maxima = []
     for layer in range(L):
         for name in ("up_scale", "down_scale", "act_scale", "down_next_scale"):
             assert getattr(state, name)[layer, 0].data_ptr() % 16 == 0, (name, layer)
-        state.mlp(layer, x, bank[2 * layer], bank[2 * layer + 1])
+        maxima.append(state.mlp(layer, x, bank[2 * layer], bank[2 * layer + 1])[1])
+    state.update_act_scales(maxima)
     assert (state.act_scale[:, 0] != 1.0).all()  # every layer's forward ran and recorded its amax
