@@ -802,10 +802,11 @@ def fp8_matmul(x: torch.Tensor, w: torch.Tensor, x_s: float, w_s: float, grad_s:
 
 
 def fp8_head_input(x: torch.Tensor) -> torch.Tensor:
-    """x (T, D) bf16 / FP8_HEAD_X_SCALE cast to e4m3 (the division rounded to bf16 first, as in record
-    #89): plain torch, so inductor fuses it into the final norm. Detached: x's gradient comes through
-    fp8_head_loss's x argument."""
-    return (x.detach() / FP8_HEAD_X_SCALE).to(torch.float8_e4m3fn)
+    """x (T, D) / FP8_HEAD_X_SCALE cast to e4m3, the quotient rounded to x's dtype (bf16) first, as the
+    eager division in x's dtype does: plain torch, so inductor fuses it into the final norm. The
+    rounding is written out because inductor computes a bf16 division in fp32 and would skip it.
+    Detached: x's gradient comes through fp8_head_loss's x argument."""
+    return (x.detach().float() / FP8_HEAD_X_SCALE).to(x.dtype).to(torch.float8_e4m3fn)
 
 
 def fp8_head_weight(w: torch.Tensor) -> torch.Tensor:

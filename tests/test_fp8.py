@@ -581,3 +581,201 @@ def test_every_layers_scales_are_16_byte_aligned():
         maxima.append(state.mlp(layer, x, bank[2 * layer], bank[2 * layer + 1])[1])
     state.update_act_scales(maxima)
     assert (state.act_scale[:, 0] != 1.0).all()  # every layer's forward ran and recorded its amax
+
+
+# ---- what the compiled graph sees: float8 operands made outside the custom ops --------------------
+
+
+def old_head_loss(x, w, targets, mtp, prefix, pi, grad_scale):
+    """The FP8 head as one op computed it before the quantisation moved out (x and w quantised inside,
+    every micro-batch): (per-token loss, dx bf16, dw in w's dtype), from the same primitives."""
+    xs, ws, gs = tg.FP8_HEAD_X_SCALE, tg.FP8_HEAD_W_SCALE, tg.FP8_HEAD_GRAD_SCALE * grad_scale
+    x_f8 = tg._quantize_fp8(x, xs, E4M3)
+    w_f8 = tg._quantize_fp8(w.T, ws, E4M3).T
+    logits = tg._scaled_matmul(x_f8, w_f8, xs, ws, torch.bfloat16, fast_accum=True)
+    loss, g_f8 = tg.triton_kernels.softcapped_ce_mtp_e5m2(logits, targets, mtp, prefix, pi, grad_scale, gs)
+    dx, dw = tg.fp8_matmul_grads(g_f8, x_f8, w_f8, xs, ws, gs)
+    return loss, dx.to(x.dtype), dw.to(w.dtype)
+
+
+def _bytes(t):
+    return t.view(torch.uint8)
+
+
+def test_fp8_head_graph_path_is_bitwise_the_quantise_inside_op():
+    """fp8_head_loss on fp8_head_input(x) and fp8_head_weight(w): the loss, dx and dw bitwise those of
+    the op that quantised inside, and both float8 operands the float64 quantisation's."""
+    x, w, targets, mtp, prefix, pi = _head_inputs(T=64, K=32, N=96)
+    w = w * 0.01  # in the head scale's range
+    grad_scale = 1 / 64
+    a, b = x.clone().requires_grad_(), w.clone().requires_grad_()
+    x_f8, w_f8_t = tg.fp8_head_input(a), tg.fp8_head_weight(b.detach())
+    assert not x_f8.requires_grad and w_f8_t.shape == (96, 32) and w_f8_t.is_contiguous()
+    assert torch.equal(x_f8.float(), (x.double() / tg.FP8_HEAD_X_SCALE).bfloat16().to(E4M3).float())
+    assert torch.equal(w_f8_t.T.float(), (w.double() / tg.FP8_HEAD_W_SCALE).bfloat16().to(E4M3).float())
+    loss, _ = tg.fp8_head_loss(a, b, x_f8, w_f8_t.T, targets, mtp, prefix, pi, tg.FP8_HEAD_X_SCALE,
+                               tg.FP8_HEAD_W_SCALE, tg.FP8_HEAD_GRAD_SCALE * grad_scale, grad_scale)
+    (loss.sum() * grad_scale).backward()
+    ref_loss, ref_dx, ref_dw = old_head_loss(x, w, targets, mtp, prefix, pi, grad_scale)
+    assert torch.equal(loss, ref_loss) and torch.equal(a.grad, ref_dx) and torch.equal(b.grad, ref_dw)
+    assert a.grad.dtype == b.grad.dtype == torch.bfloat16 and (b.grad != 0).any()
+
+
+def test_fp8_head_loss_rejects_operands_of_the_wrong_shape_or_dtype():
+    x, w, targets, mtp, prefix, pi = _head_inputs(T=32, K=32, N=48)
+    x_f8, w_f8 = tg.fp8_head_input(x), tg.fp8_head_weight(w).T
+    for bad, message in (((x_f8[:16], w_f8), "x_f8 must be float8_e4m3fn of shape \\(32, 32\\)"),
+                         ((x_f8, w_f8.to(E5M2)), "w_f8 must be float8_e4m3fn"),
+                         ((x.clone(), w_f8), "x_f8 must be float8_e4m3fn")):
+        with pytest.raises(ValueError, match=message):
+            tg.fp8_head_loss(x, w, *bad, targets, mtp, prefix, pi, 0.1, 0.01, 1e-4, 1.0)
+
+
+def test_model_fp8_head_is_bitwise_the_quantise_inside_op_and_reads_the_step_copy(monkeypatch):
+    """In the model (FP8 tensor cores pretended): quantize_fp8 leaves lm_head / FP8_HEAD_W_SCALE in e4m3
+    (transposed) in lm_head_f8_t; the training loss, lm_head's gradient and the head input's gradient
+    are bitwise the quantise-inside op's. The copy is made once per optimizer step: after lm_head
+    changes, a forward without quantize_fp8 still reads the old copy (the same loss bits), one after it
+    the new."""
+    monkeypatch.setattr(tg, "_native_fp8", lambda device: True)
+    model, batch = _mlp_model(True)  # quantize_fp8(bootstrap=True) done
+    with torch.no_grad():
+        model.lm_head.normal_(0, 0.02)
+    model.quantize_fp8(bootstrap=False)
+    want = (model.lm_head.detach().T.contiguous().double() / tg.FP8_HEAD_W_SCALE).bfloat16().to(E4M3)
+    assert torch.equal(_bytes(model.lm_head_f8_t), _bytes(want))
+
+    seen = []
+    real = tg.fp8_head_loss
+
+    def spy(x, w, *rest):
+        x.retain_grad()
+        seen.append((x, w, rest))
+        return real(x, w, *rest)
+
+    monkeypatch.setattr(tg, "fp8_head_loss", spy)
+    mtp = torch.tensor([1.0, 0.5])
+    act = model.fp8_mlp.act_scale.clone()
+
+    def run():  # from the same act scales each time: the MLPs' delayed scales move with every forward
+        model.fp8_mlp.act_scale.copy_(act)
+        model.zero_grad(set_to_none=True)
+        loss = model(*batch, mtp_weights=mtp, loss_scale=1 / 128, prefix_weight=torch.tensor(0.25))
+        loss.backward()
+        return loss.detach()
+
+    loss = run()
+    x, w, rest = seen[-1]
+    assert w is model.lm_head and rest[0] is not None and torch.equal(_bytes(rest[1].T), _bytes(model.lm_head_f8_t))
+    targets, _, prefix_ids, prefix_weight = rest[2:6]
+    ref_loss, ref_dx, ref_dw = old_head_loss(x.detach(), model.lm_head.detach(), targets, mtp, prefix_ids,
+                                             prefix_weight, 1 / 128)
+    assert torch.equal(loss, ref_loss.sum() * (1 / 128))
+    assert torch.equal(x.grad, ref_dx) and torch.equal(model.lm_head.grad, ref_dw)
+
+    with torch.no_grad():  # an optimizer-like change of lm_head, no re-quantisation
+        model.lm_head.mul_(1.5)
+    assert torch.equal(run(), loss)  # the head read the copy of the last quantize_fp8
+    model.quantize_fp8(bootstrap=False)
+    assert not torch.equal(run(), loss)
+
+
+def _spy_mlp_op(monkeypatch, seen):
+    real = tg.fp8_mlp
+
+    def spy(*args):
+        out = real(*args)
+        seen.append({"act": args[8].clone(), "post": out[1], "post_max": out[2]})
+        return out
+
+    monkeypatch.setattr(tg, "fp8_mlp", spy)
+
+
+def test_act_scales_are_written_once_from_every_layers_maxima_and_read_a_forward_late(monkeypatch):
+    """Three layers, two forwards: each layer's op reads the act scale the previous forward left (1.0
+    before the first), and after each forward act_scale[l] = max(post of layer l) * 1.80 / 448, the amax
+    computed by hand from the post the layer produced and, within a bf16 step, from the float64
+    emulation of the layer; the second forward's inputs are twice as large, so a scale from the current
+    forward could not pass for the previous one's."""
+    L, T, D, H = 3, 32, 32, 48
+    g = torch.Generator().manual_seed(11)
+    bank = ((torch.rand(2 * L, H, D, generator=g) * 2 - 1) / 32).bfloat16()
+    bank[1::2] *= 3
+    state = tg.FP8MLPState(L, H, D)
+    state.quantize(bank, bootstrap=True)
+    seen = []
+    _spy_mlp_op(monkeypatch, seen)
+    xs = [tg.norm(torch.randn(T, D, generator=g)).bfloat16() for _ in range(L)]
+    previous = torch.ones(L)
+    for gain in (1.0, 2.0):
+        seen.clear()
+        maxima = [state.mlp(layer, xs[layer] * gain, bank[2 * layer], bank[2 * layer + 1])[1] for layer in range(L)]
+        assert (state.act_scale[:, 0] == previous).all()  # nothing written before update_act_scales
+        state.update_act_scales(maxima)
+        for layer in range(L):
+            assert float(seen[layer]["act"]) == float(previous[layer])
+            amax = seen[layer]["post"].float().max()
+            assert torch.equal(seen[layer]["post_max"].amax(), amax)
+            assert float(state.act_scale[layer, 0]) == float(amax * (1.80 / 448))
+            _, _, amax64 = fp8_mlp_emulation(xs[layer] * gain, bank[2 * layer], bank[2 * layer + 1], 1.0)
+            assert float(amax) == pytest.approx(float(amax64), rel=2 ** -7)
+        assert len(set(state.act_scale[:, 0].tolist())) == L  # every layer its own
+        now = state.act_scale[:, 0].clone()
+        assert (now > 2 * previous).all() or gain == 1.0
+        previous = now
+    assert (state.act_scale[:, 1:] == 1.0).all()  # only the 16-byte slots' first entries are scales
+
+
+def _graph_counts(gm) -> dict:
+    counts = {}
+    for n in gm.graph.nodes:
+        if n.op == "call_function":
+            counts[str(n.target)] = counts.get(str(n.target), 0) + 1
+    return counts
+
+
+def test_compiled_fp8_mlps_one_op_per_layer_and_one_act_scale_write():
+    """Three FP8 MLP layers and the act-scale update compiled whole (fullgraph, AOTAutograd): the
+    forward graph holds one speedrun::fp8_mlp per layer and no other custom op; x's amax per layer and
+    the one reduction of the stacked maxima are graph ops (4 amax); act_scale is written once (one
+    select_scatter); results, gradients and scales are the eager ones bit for bit."""
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.aot_autograd import make_boxed_func
+    L, T, D, H = 3, 32, 32, 48
+    g = torch.Generator().manual_seed(12)
+    bank = ((torch.rand(2 * L, H, D, generator=g) * 2 - 1) / 32).bfloat16()
+    x0 = tg.norm(torch.randn(T, D, generator=g)).bfloat16()
+    graphs = []
+
+    def keep(gm, example_inputs):
+        graphs.append(gm)
+        return make_boxed_func(gm.forward)
+
+    results = []
+    for compiled in (False, True):
+        state = tg.FP8MLPState(L, H, D)
+        state.quantize(bank, bootstrap=True)
+
+        def layers(x, bank):
+            maxima = []
+            for layer in range(L):
+                y, post_max = state.mlp(layer, x, bank[2 * layer], bank[2 * layer + 1])
+                maxima.append(post_max)
+                x = tg.norm(x + y)
+            state.update_act_scales(maxima)
+            return x
+
+        fn = torch.compile(layers, backend=aot_autograd(fw_compiler=keep, bw_compiler=keep), fullgraph=True) \
+            if compiled else layers
+        x, b = x0.clone().requires_grad_(), bank.clone().requires_grad_()
+        for _ in range(2):  # the second forward reads the first's act scales
+            out = fn(x, b)
+            out.float().square().sum().backward()
+        results.append((out.detach(), x.grad, b.grad, state.act_scale.clone()))
+    for eager, comp in zip(*results):
+        assert torch.equal(comp, eager)
+    forward, backward = graphs[0], graphs[1]
+    fw, bw = _graph_counts(forward), _graph_counts(backward)
+    assert {k: v for k, v in fw.items() if "speedrun" in k} == {"speedrun.fp8_mlp.default": L}, fw
+    assert fw["aten.amax.default"] == L + 1 and fw["aten.select_scatter.default"] == 1, fw
+    assert {k: v for k, v in bw.items() if "speedrun" in k} == {"speedrun.relu2_mlp_bwd.default": L}, bw
