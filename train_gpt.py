@@ -878,9 +878,12 @@ fp8_head_loss.register_autograd(_fp8_head_loss_autograd, setup_context=_fp8_head
 
 # ---- FP8 MLP (record #89, modded-nanogpt PR #342) ---------------------------------------------
 # Training forward only (evaluation stays bf16). Up-projection: x is quantised with its own current
-# amax, x_f8 = e4m3(x * 448 / amax|x|); W1 with a per-layer s1 = amax|W1| / 448 taken in the bank's
-# bf16 after every optimizer step; the kernel accumulates in fp32, dequantises by s1 * amax|x| / 448
-# and keeps post = relu(pre)^2 in bf16 plus an e4m3 copy for the down-projection. Down-projection:
+# amax, x_f8 = e4m3(x * 448 / amax|x|), in the traced graph (FP8MLPState.mlp); W1 with a per-layer
+# s1 = amax|W1| / 448 taken in the bank's bf16 after every optimizer step; the kernel accumulates in
+# fp32, dequantises by s1 * amax|x| / 448 and keeps post = relu(pre)^2 in bf16 plus an e4m3 copy for
+# the down-projection, and each program leaves its maximum of post; all layers' maxima are reduced
+# once after the last layer, into the next forward's activation scales (FP8MLPState.update_act_scales;
+# the record's kernel epilogue takes a per-SM partial max the same way). Down-projection:
 # torch._scaled_mm with delayed per-layer scales, so no scale waits on a reduction of its own input:
 #   activations  a_l = max(amax of post in the previous training forward, 1e-12) * 1.80 / 448 (1.0
 #                before the first), post_f8 = e4m3(min(post / a_l, 448));
