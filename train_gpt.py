@@ -2554,8 +2554,10 @@ class GPT(nn.Module):
         }
         self.fp8_mlp = FP8MLPState(L, args.mlp_hidden, D, fast_accum=args.fp8_up_fast_accum)  # FP8 MLP weights and scales (record #89)
         # lm_head's e4m3 copy for the FP8 head, transposed (fp8_head_weight), made by quantize_fp8 once per
-        # optimizer step; persistent, so the warm-up reset and checkpoints restore it with lm_head
-        self.register_buffer("lm_head_f8_t", torch.zeros(V, D, dtype=torch.float8_e4m3fn))
+        # optimizer step. Derived from lm_head, so not in the state dict (checkpoints stay as they were):
+        # every load_state_dict (the warm-up reset, a resume) makes it again from the loaded lm_head.
+        self.register_buffer("lm_head_f8_t", torch.zeros(V, D, dtype=torch.float8_e4m3fn), persistent=False)
+        self.register_load_state_dict_post_hook(GPT._quantize_fp8_head_after_load)
 
         # Window state: changed in place by set_windows so compiled graphs see new values, not new code.
         self.register_buffer("rotary_freq", rotary_base_frequencies(hd))
@@ -2746,6 +2748,11 @@ class GPT(nn.Module):
         of the last call, however lm_head and mlp_bank changed since."""
         self.lm_head_f8_t.copy_(fp8_head_weight(self.lm_head))
         self.fp8_mlp.quantize(self.mlp_bank, bootstrap=bootstrap)
+
+    @staticmethod
+    def _quantize_fp8_head_after_load(model: "GPT", incompatible_keys) -> None:
+        with torch.no_grad():
+            model.lm_head_f8_t.copy_(fp8_head_weight(model.lm_head))
 
     def _mlp(self, i: int, xn: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor,
              post_maxima: list | None) -> torch.Tensor:
@@ -3346,8 +3353,8 @@ class Progress:
             print(text, flush=True)
 
 
-CHECKPOINT_FORMAT = 6  # 3: the record-#89 model (layer table, MUDD, FP8 MLP state); 4: FP8 scales in 16-byte
-#                        slots; 5: the stage and layer rows in the saved settings; 6: the LM head's e4m3 copy
+CHECKPOINT_FORMAT = 5  # 3: the record-#89 model (layer table, MUDD, FP8 MLP state); 4: FP8 scales in 16-byte
+#                        slots; 5: the stage and layer rows in the saved settings
 
 
 def save_checkpoint(path: str, step: int, model: nn.Module, opt: NorMuonAdam, loader: DocumentLoader,

@@ -544,24 +544,28 @@ def test_model_training_forward_takes_the_fp8_mlp_path(monkeypatch):
 
 
 def test_fp8_state_rides_in_the_state_dict(monkeypatch):
-    """The warm-up reset and checkpoints restore model.state_dict(): the FP8 state is in it, so
-    the activation scales return to 1.0 and the weight copies to the snapshot's."""
+    """The warm-up reset and checkpoints restore model.state_dict(): the FP8 MLP state is in it, so
+    the activation scales return to 1.0 and the weight copies to the snapshot's. The head's e4m3 copy
+    is not (it is lm_head's, quantised): loading makes it again from the loaded lm_head."""
     monkeypatch.setattr(tg, "_native_fp8", lambda device: True)
     model, batch = _mlp_model(True)
     snapshot = {k: v.clone() for k, v in model.state_dict().items()}
     assert {"fp8_mlp.up_f8", "fp8_mlp.up_scale", "fp8_mlp.down_f8_t", "fp8_mlp.down_scale",
-            "fp8_mlp.down_next_scale", "fp8_mlp.act_scale", "lm_head_f8_t"} <= set(snapshot)
+            "fp8_mlp.down_next_scale", "fp8_mlp.act_scale"} <= set(snapshot) and "lm_head_f8_t" not in snapshot
+    head_copy = model.lm_head_f8_t.clone()
     model(*batch, mtp_weights=torch.tensor([1.0, 0.5])).backward()
     with torch.no_grad():
         model.mlp_bank.mul_(1.1)
         model.lm_head.mul_(1.1)
     model.quantize_fp8(bootstrap=False)
     assert (model.fp8_mlp.act_scale[:, 0] != 1.0).all()
+    assert not torch.equal(_bytes(model.lm_head_f8_t), _bytes(head_copy))  # quantize_fp8 moved it ...
     model.load_state_dict(snapshot)
     assert (model.fp8_mlp.act_scale == 1.0).all()
     for name in ("up_f8", "down_f8_t"):
         assert torch.equal(getattr(model.fp8_mlp, name).view(torch.uint8), snapshot[f"fp8_mlp.{name}"].view(torch.uint8))
-    assert torch.equal(model.lm_head_f8_t.view(torch.uint8), snapshot["lm_head_f8_t"].view(torch.uint8))
+    assert torch.equal(_bytes(model.lm_head_f8_t), _bytes(head_copy))  # ... and the load made it again
+    assert torch.equal(_bytes(model.lm_head_f8_t), _bytes(tg.fp8_head_weight(snapshot["lm_head"])))
 
 
 def test_every_layers_scales_are_16_byte_aligned():
