@@ -627,6 +627,15 @@ def copy_from_host_(dst: torch.Tensor, src: torch.Tensor) -> None:
 # FP8 custom ops: y = x @ w with float8 inputs and static scales
 # ----------------------------------------------------------------------------------------------
 
+# What the compiled training graph does with FP8 (GPUs with FP8 tensor cores): the weights' e4m3 copies
+# are made once per optimizer step outside the graph (GPT.quantize_fp8: the LM head and FP8MLPState);
+# inside it, the activations' quantisation (x / scale cast to e4m3, the MLP input's amax) is plain
+# torch that inductor fuses into the producing norm, and the custom ops below receive float8 tensors
+# and only run what inductor cannot: the cuBLAS FP8 GEMMs, the up-projection kernel and the loss
+# kernel. The MLPs' delayed activation scales are updated once per forward from all layers' partial
+# maxima (record #89, modded-nanogpt PR #342). Every eager op inside a custom op is a host launch
+# the graph cannot fuse, and the step is host-bound, so the ops keep none they can do without.
+
 # The LM head is the single biggest matmul (T x 768 x 50304), so it runs in float8 on GPUs that have
 # FP8 tensor cores (the speedrun's FP8 head since record #25, modded-nanogpt). Scales are static (no
 # amax bookkeeping): the head's input is rms-normalised and its weights and gradients stay in
@@ -790,29 +799,54 @@ def fp8_matmul(x: torch.Tensor, w: torch.Tensor, x_s: float, w_s: float, grad_s:
 # ---- FP8 LM head with the training loss (record #89) --------------------------------------------
 # The head's matmul and the softcapped multi-token loss in one op: the loss kernel writes dlogits
 # straight into e5m2 (divided by grad_s, saturating), the operand of the backward matmuls, so no
-# logits-sized gradient is written in bf16, then scaled and cast in passes of its own.
+# logits-sized gradient is written in bf16, then scaled and cast in passes of its own. The op gets both
+# operands already in e4m3: x_f8 = e4m3(x / x_s) from the compiled graph (fp8_head_input), w_f8 =
+# e4m3(w / w_s) made once per optimizer step (GPT.quantize_fp8, fp8_head_weight), not per micro-batch.
+
+
+def fp8_head_input(x: torch.Tensor) -> torch.Tensor:
+    """x (T, D) / FP8_HEAD_X_SCALE cast to e4m3, the quotient rounded to x's dtype (bf16) first, as the
+    eager division in x's dtype does: plain torch, so inductor fuses it into the final norm. The
+    rounding is written out because inductor computes a bf16 division in fp32 and would skip it.
+    Detached: x's gradient comes through fp8_head_loss's x argument."""
+    return (x.detach().float() / FP8_HEAD_X_SCALE).to(x.dtype).to(torch.float8_e4m3fn)
+
+
+def fp8_head_weight(w: torch.Tensor) -> torch.Tensor:
+    """The LM head w (D, V) / FP8_HEAD_W_SCALE in e4m3, returned as its transpose (V, D) row-major, so
+    that .T is the column-major (D, V) operand cuBLAS wants."""
+    return _quantize_fp8(w.T, FP8_HEAD_W_SCALE, torch.float8_e4m3fn)
+
+
+def _check_fp8_head_args(x: torch.Tensor, w: torch.Tensor, x_f8: torch.Tensor, w_f8: torch.Tensor) -> None:
+    for name, t, ref in (("x_f8", x_f8, x), ("w_f8", w_f8, w)):
+        if t.dtype != torch.float8_e4m3fn or t.shape != ref.shape:
+            raise ValueError(f"fp8_head_loss: {name} must be float8_e4m3fn of shape {tuple(ref.shape)},"
+                             f" got {t.dtype} {tuple(t.shape)}")
+
 
 @torch.library.custom_op("speedrun::fp8_head_loss", mutates_args=())
-def fp8_head_loss(x: torch.Tensor, w: torch.Tensor, targets: torch.Tensor, mtp_weights: torch.Tensor,
-                  prefix_ids: torch.Tensor | None, prefix_weight: torch.Tensor | None, x_s: float, w_s: float,
-                  grad_s: float, grad_scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per-token training loss (T,) fp32 of logits = x (T, K) @ w (K, N) in float8 (triton_kernels.
-    softcapped_ce_mtp's loss), and what the backward reads: x_f8, w_f8 (column-major) and the loss's
-    gradient dlogits / grad_s in e5m2. The backward uses that gradient whatever gradient reaches the
-    loss (the loss kernel's rule): use it as sum(loss) * grad_scale, grad_s = FP8_HEAD_GRAD_SCALE * grad_scale."""
-    x_f8 = _quantize_fp8(x, x_s, torch.float8_e4m3fn)
-    w_f8 = _quantize_fp8(w.T, w_s, torch.float8_e4m3fn).T
+def fp8_head_loss(x: torch.Tensor, w: torch.Tensor, x_f8: torch.Tensor, w_f8: torch.Tensor, targets: torch.Tensor,
+                  mtp_weights: torch.Tensor, prefix_ids: torch.Tensor | None, prefix_weight: torch.Tensor | None,
+                  x_s: float, w_s: float, grad_s: float, grad_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token training loss (T,) fp32 of logits = x_f8 (T, K) @ w_f8 (K, N, column-major) in float8
+    with scales x_s, w_s (triton_kernels.softcapped_ce_mtp's loss), and the loss's gradient dlogits /
+    grad_s in e5m2, which the backward reads. x (T, K) and w (K, N) are the bf16 tensors x_f8 and w_f8
+    were quantised from: the forward reads only their shapes; they are the inputs that receive dx (bf16)
+    and dw (fp32 cast to w's dtype). The backward uses the stored gradient whatever gradient reaches
+    the loss (the loss kernel's rule): use it as sum(loss) * grad_scale, grad_s = FP8_HEAD_GRAD_SCALE * grad_scale."""
+    _check_fp8_head_args(x, w, x_f8, w_f8)
     logits = _scaled_matmul(x_f8, w_f8, x_s, w_s, torch.bfloat16, fast_accum=True)
-    loss, g_f8 = triton_kernels.softcapped_ce_mtp_e5m2(logits, targets, mtp_weights, prefix_ids, prefix_weight,
-                                                       grad_scale, grad_s)
-    return loss, x_f8, w_f8, g_f8
+    return triton_kernels.softcapped_ce_mtp_e5m2(logits, targets, mtp_weights, prefix_ids, prefix_weight,
+                                                 grad_scale, grad_s)
 
 
 @fp8_head_loss.register_fake
-def _fp8_head_loss_fake(x, w, targets, mtp_weights, prefix_ids, prefix_weight, x_s, w_s, grad_s, grad_scale):
-    (M, K), N = x.shape, w.shape[1]
-    return (x.new_empty((M,), dtype=torch.float32), x.new_empty((M, K), dtype=torch.float8_e4m3fn),
-            w.new_empty((N, K), dtype=torch.float8_e4m3fn).T, x.new_empty((M, N), dtype=torch.float8_e5m2))
+def _fp8_head_loss_fake(x, w, x_f8, w_f8, targets, mtp_weights, prefix_ids, prefix_weight, x_s, w_s, grad_s,
+                        grad_scale):
+    _check_fp8_head_args(x, w, x_f8, w_f8)
+    (M, _), N = x.shape, w.shape[1]
+    return x.new_empty((M,), dtype=torch.float32), x.new_empty((M, N), dtype=torch.float8_e5m2)
 
 
 @torch.library.custom_op("speedrun::fp8_head_loss_backward", mutates_args=())
@@ -828,18 +862,18 @@ def _fp8_head_loss_backward_fake(g_f8, x_f8, w_f8, x_s, w_s, grad_s):
 
 
 def _fp8_head_loss_setup_context(ctx, inputs, output):
-    x, w, _, _, _, _, x_s, w_s, grad_s, _ = inputs
-    _, x_f8, w_f8, g_f8 = output
-    ctx.mark_non_differentiable(x_f8, w_f8, g_f8)
+    x, w, x_f8, w_f8, _, _, _, _, x_s, w_s, grad_s, _ = inputs
+    _, g_f8 = output
+    ctx.mark_non_differentiable(g_f8)
     ctx.save_for_backward(x_f8, w_f8, g_f8)
     ctx.scales = (x_s, w_s, grad_s)
     ctx.dtypes = (x.dtype, w.dtype)
 
 
-def _fp8_head_loss_autograd(ctx, _grad_loss, _gx, _gw, _gg):
+def _fp8_head_loss_autograd(ctx, _grad_loss, _grad_g):
     x_f8, w_f8, g_f8 = ctx.saved_tensors
     grad_x, grad_w = fp8_head_loss_backward(g_f8, x_f8, w_f8, *ctx.scales)
-    return grad_x.to(ctx.dtypes[0]), grad_w.to(ctx.dtypes[1]), *(None,) * 8
+    return grad_x.to(ctx.dtypes[0]), grad_w.to(ctx.dtypes[1]), *(None,) * 10
 
 
 fp8_head_loss.register_autograd(_fp8_head_loss_autograd, setup_context=_fp8_head_loss_setup_context)
@@ -847,9 +881,12 @@ fp8_head_loss.register_autograd(_fp8_head_loss_autograd, setup_context=_fp8_head
 
 # ---- FP8 MLP (record #89, modded-nanogpt PR #342) ---------------------------------------------
 # Training forward only (evaluation stays bf16). Up-projection: x is quantised with its own current
-# amax, x_f8 = e4m3(x * 448 / amax|x|); W1 with a per-layer s1 = amax|W1| / 448 taken in the bank's
-# bf16 after every optimizer step; the kernel accumulates in fp32, dequantises by s1 * amax|x| / 448
-# and keeps post = relu(pre)^2 in bf16 plus an e4m3 copy for the down-projection. Down-projection:
+# amax, x_f8 = e4m3(x * 448 / amax|x|), in the traced graph (FP8MLPState.mlp); W1 with a per-layer
+# s1 = amax|W1| / 448 taken in the bank's bf16 after every optimizer step; the kernel accumulates in
+# fp32, dequantises by s1 * amax|x| / 448 and keeps post = relu(pre)^2 in bf16 plus an e4m3 copy for
+# the down-projection, and each program leaves its maximum of post; all layers' maxima are reduced
+# once after the last layer, into the next forward's activation scales (FP8MLPState.update_act_scales;
+# the record's kernel epilogue takes a per-SM partial max the same way). Down-projection:
 # torch._scaled_mm with delayed per-layer scales, so no scale waits on a reduction of its own input:
 #   activations  a_l = max(amax of post in the previous training forward, 1e-12) * 1.80 / 448 (1.0
 #                before the first), post_f8 = e4m3(min(post / a_l, 448));
@@ -867,42 +904,43 @@ E4M3_MAX = triton_kernels.E4M3_MAX
 
 
 @torch.library.custom_op("speedrun::fp8_mlp", mutates_args=())
-def fp8_mlp(x: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, up_f8: torch.Tensor,
-            up_scale: torch.Tensor, down_f8_t: torch.Tensor, down_scale: torch.Tensor,
-            act_scale: torch.Tensor, fast_accum: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def fp8_mlp(x: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, x_f8: torch.Tensor, up_f8: torch.Tensor,
+            up_dequant: torch.Tensor, down_f8_t: torch.Tensor, down_scale: torch.Tensor, act_scale: torch.Tensor,
+            fast_accum: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """relu(x w_up^T)^2 w_down in FP8 for bf16 x (T, D). Returns (y (T, D) bf16, post (T, H) bf16,
-    amax of post (0-D fp32)).
+    maxima of post over disjoint parts (P,) fp32, P = triton_kernels.relu2_fp8_up_partial_count).
 
-    The forward reads only the quantised copies: up_f8 (H, D) e4m3 with scale up_scale, down_f8_t
-    (D, H) e4m3 (W2 transposed, so its .mT is the column-major (H, D) operand cuBLAS wants) with scale
-    down_scale, and act_scale for post; scales are 0-D fp32 tensors. w_up and w_down (bf16, (H, D))
-    are inputs for the backward, which computes their gradients in bf16 from post. fast_accum: the
-    up-projection kernel's accumulation (triton_kernels, FP8 MLP up-projection)."""
-    amax_x = x.abs().amax().float()
-    x_f8 = (x.float() * (E4M3_MAX / amax_x)).to(torch.float8_e4m3fn)
-    post, post_f8, post_amax = triton_kernels.relu2_fp8_up(x_f8, up_f8, up_scale * amax_x / E4M3_MAX, act_scale,
-                                                           fast_accum=fast_accum)
+    The forward reads only the quantised operands: x_f8 (T, D) e4m3 (x * 448 / amax|x|, quantised by
+    the caller in the traced graph), up_f8 (H, D) e4m3 with up_dequant = up_scale * amax|x| / 448 the
+    product of both operands' scales, down_f8_t (D, H) e4m3 (W2 transposed, so its .mT is the
+    column-major (H, D) operand cuBLAS wants) with scale down_scale, and act_scale for post; scales are
+    0-D fp32 tensors. x, w_up and w_down (bf16; the weights (H, D)) are inputs for the backward, which
+    computes their gradients in bf16 from post. fast_accum: the up-projection kernel's accumulation
+    (triton_kernels, FP8 MLP up-projection)."""
+    post, post_f8, post_max = triton_kernels.relu2_fp8_up_partials(x_f8, up_f8, up_dequant, act_scale,
+                                                                   fast_accum=fast_accum)
     y = _scaled_matmul(post_f8, down_f8_t.mT, act_scale, down_scale, torch.bfloat16, fast_accum=True)
-    return y, post, post_amax
+    return y, post, post_max
 
 
 @fp8_mlp.register_fake
-def _fp8_mlp_fake(x, w_up, w_down, up_f8, up_scale, down_f8_t, down_scale, act_scale, fast_accum=True):
+def _fp8_mlp_fake(x, w_up, w_down, x_f8, up_f8, up_dequant, down_f8_t, down_scale, act_scale, fast_accum=True):
     T, H = x.shape[0], up_f8.shape[0]
+    parts = triton_kernels.relu2_fp8_up_partial_count(T, H, x.device)
     return (x.new_empty((T, down_f8_t.shape[0]), dtype=torch.bfloat16), x.new_empty((T, H), dtype=torch.bfloat16),
-            x.new_empty((), dtype=torch.float32))
+            x.new_empty((parts,), dtype=torch.float32))
 
 
 def _fp8_mlp_setup_context(ctx, inputs, output):
     x, w_up, w_down = inputs[:3]
-    _, post, post_amax = output
-    ctx.mark_non_differentiable(post, post_amax)
+    _, post, post_max = output
+    ctx.mark_non_differentiable(post, post_max)
     ctx.save_for_backward(x, w_up, w_down, post)
 
 
-def _fp8_mlp_autograd(ctx, grad_y, grad_post, grad_amax):
+def _fp8_mlp_autograd(ctx, grad_y, grad_post, grad_max):
     x, w_up, w_down, post = ctx.saved_tensors
-    return *triton_kernels.relu2_mlp_backward(grad_y, x, w_up, w_down, post), None, None, None, None, None, None
+    return *triton_kernels.relu2_mlp_backward(grad_y, x, w_up, w_down, post), *(None,) * 7
 
 
 fp8_mlp.register_autograd(_fp8_mlp_autograd, setup_context=_fp8_mlp_setup_context)
@@ -919,8 +957,9 @@ class FP8MLPState(nn.Module):
     16-byte aligned (a plain (L,) vector fails from layer 1 on). All buffers are persistent, so
     model.state_dict() carries them: the reset after the compile warm-up and checkpoints restore them
     with the weights (activation scales back to 1.0 at a fresh start, as in the record). Call
-    quantize() after every optimizer step, and once before the first FP8 forward; call mlp() per
-    layer in the training forward.
+    quantize() after every optimizer step, and once before the first FP8 forward (GPT.quantize_fp8);
+    in the training forward call mlp() per layer, then update_act_scales() once with every layer's
+    maxima of post.
     """
 
     def __init__(self, num_layers: int, hidden: int, dim: int, fast_accum: bool = True):
@@ -935,9 +974,11 @@ class FP8MLPState(nn.Module):
         self.register_buffer("down_next_scale", torch.ones(slots))  # headroom scale for the next quantize
         self.register_buffer("act_scale", torch.ones(slots))
 
-    def mlp(self, layer: int, x: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
+    def mlp(self, layer: int, x: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer `layer`'s MLP on x (T, D) bf16 with w_up, w_down (H, D) (its mlp_bank entries, which
-        receive the gradients). Records this forward's amax of post as the next forward's act scale."""
+        receive the gradients). Returns (y (T, D) bf16, maxima of post (P,) fp32) for update_act_scales.
+        x's amax and e4m3 cast are plain torch here, so the compiled graph fuses them into the norm
+        that produces x; the op reads this layer's act scale as the previous forward left it."""
         H, D = self.up_f8.shape[1:]
         if x.dim() != 2 or x.shape[1] != D:
             raise ValueError(f"FP8MLPState.mlp: x must be (T, {D}), got {tuple(x.shape)}")
@@ -945,10 +986,23 @@ class FP8MLPState(nn.Module):
             raise ValueError(f"FP8MLPState.mlp: w_up and w_down must be ({H}, {D}), got {tuple(w_up.shape)} and {tuple(w_down.shape)}")
         if not (x.dtype == w_up.dtype == w_down.dtype == torch.bfloat16):
             raise ValueError(f"FP8MLPState.mlp: x, w_up, w_down must be bf16, got {x.dtype}, {w_up.dtype}, {w_down.dtype}")
-        y, _, post_amax = fp8_mlp(x, w_up, w_down, self.up_f8[layer], self.up_scale[layer, 0], self.down_f8_t[layer],
-                                  self.down_scale[layer, 0], self.act_scale[layer, 0], self.fast_accum)
-        self.act_scale[layer, 0] = post_amax.clamp_min(FP8_SCALE_FLOOR) * (FP8_ACT_HEADROOM / E4M3_MAX)
-        return y
+        xd = x.detach()  # x's gradient comes through the op's x argument (the bf16 backward)
+        amax_x = xd.abs().amax().float()  # current scaling of the up-projection's input (record #89)
+        x_f8 = (xd.float() * (E4M3_MAX / amax_x)).to(torch.float8_e4m3fn)
+        up_dequant = self.up_scale[layer, 0] * amax_x / E4M3_MAX
+        y, _, post_max = fp8_mlp(x, w_up, w_down, x_f8, self.up_f8[layer], up_dequant, self.down_f8_t[layer],
+                                 self.down_scale[layer, 0], self.act_scale[layer, 0], self.fast_accum)
+        return y, post_max
+
+    def update_act_scales(self, post_maxima: list[torch.Tensor]) -> None:
+        """After the forward's last MLP: every layer's next act scale from its maxima of post, in one
+        reduction and one write (modded-nanogpt PR #342 reduces its per-SM partials after all layers).
+        post_maxima[layer] is mlp()'s second output for that layer."""
+        L = self.act_scale.shape[0]
+        if len(post_maxima) != L:
+            raise ValueError(f"FP8MLPState.update_act_scales: post_maxima must hold {L} layers' maxima, got {len(post_maxima)}")
+        amax = torch.stack(post_maxima).amax(dim=1)
+        self.act_scale[:, 0] = amax.clamp_min(FP8_SCALE_FLOOR) * (FP8_ACT_HEADROOM / E4M3_MAX)
 
     @torch.no_grad()
     def quantize(self, mlp_bank: torch.Tensor, bootstrap: bool) -> None:
@@ -2608,6 +2662,11 @@ class GPT(nn.Module):
             "mlp_bank": mlp_roles + ["pad"] * (n_mlp - len(mlp_roles)),
         }
         self.fp8_mlp = FP8MLPState(L, args.mlp_hidden, D, fast_accum=args.fp8_up_fast_accum)  # FP8 MLP weights and scales (record #89)
+        # lm_head's e4m3 copy for the FP8 head, transposed (fp8_head_weight), made by quantize_fp8 once per
+        # optimizer step. Derived from lm_head, so not in the state dict (checkpoints stay as they were):
+        # every load_state_dict (the warm-up reset, a resume) makes it again from the loaded lm_head.
+        self.register_buffer("lm_head_f8_t", torch.zeros(V, D, dtype=torch.float8_e4m3fn), persistent=False)
+        self.register_load_state_dict_post_hook(GPT._quantize_fp8_head_after_load)
 
         # Window state: changed in place by set_windows so compiled graphs see new values, not new code.
         self.register_buffer("rotary_freq", rotary_base_frequencies(hd))
@@ -2819,9 +2878,28 @@ class GPT(nn.Module):
             y = y * coef("gate", i)[..., None]
         return F.linear(y.reshape(T, H * hd), scaled(self.scalars[2 * i + 1], w["vo"][2 * j + 1]))
 
-    def _mlp(self, i: int, xn: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, fp8: bool) -> torch.Tensor:
-        if fp8:  # training on GPUs with FP8 tensor cores (record #89)
-            return self.fp8_mlp.mlp(i, xn, w_up, w_down)
+    @torch.no_grad()
+    def quantize_fp8(self, bootstrap: bool) -> None:
+        """Refresh the e4m3 weight copies the FP8 training forward reads (the LM head's and the MLPs',
+        FP8MLPState.quantize) from the current weights. Call after every optimizer step, bootstrap =
+        step < FP8_BOOTSTRAP_STEPS, and once before step 0 with bootstrap=True: a forward reads the copies
+        of the last call, however lm_head and mlp_bank changed since."""
+        self.lm_head_f8_t.copy_(fp8_head_weight(self.lm_head))
+        self.fp8_mlp.quantize(self.mlp_bank, bootstrap=bootstrap)
+
+    @staticmethod
+    def _quantize_fp8_head_after_load(model: "GPT", incompatible_keys) -> None:
+        with torch.no_grad():
+            model.lm_head_f8_t.copy_(fp8_head_weight(model.lm_head))
+
+    def _mlp(self, i: int, xn: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor,
+             post_maxima: list | None) -> torch.Tensor:
+        """post_maxima: a list for the FP8 MLPs (training on GPUs with FP8 tensor cores, record #89), to
+        which this layer's maxima of post are appended; None for the bf16 MLP."""
+        if post_maxima is not None:
+            y, post_max = self.fp8_mlp.mlp(i, xn, w_up, w_down)
+            post_maxima.append(post_max)
+            return y
         return triton_kernels.relu2_mlp(xn, w_up, w_down)
 
     def hidden(self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor, bigram_ids: torch.Tensor,
@@ -2862,6 +2940,7 @@ class GPT(nn.Module):
         if masks is None:
             masks = self.attention_masks(cu_seqlens, T)
         skip_src = h = mudd_in = None
+        post_maxima = [] if fp8 else None
         for i, row in enumerate(self.layers):
             if i == self.post_gates_layer:
                 gates[1] = self._mudd_gate(1, x)  # from the raw residual entering this layer
@@ -2886,12 +2965,14 @@ class GPT(nn.Module):
                 x = resid[i, 0] * x + post[i, 0] * y + coef("x0", i) * x0
                 if i > 0 and xb is not None:
                     x = x + coef("bigram", i) * xb
-            out = self._mlp(i, norm(x), mlp[2 * i], mlp[2 * i + 1], fp8)
+            out = self._mlp(i, norm(x), mlp[2 * i], mlp[2 * i + 1], post_maxima)
             x = m["resid_mlp"] * x + m["post_mlp"] * out if row.mudd else resid[i, 1] * x + post[i, 1] * out
             if row.save_skip:
                 skip_src = x
             if row.save_h:
                 h = x
+        if fp8:  # every layer has read its act scale: now the next forward's, in one write
+            self.fp8_mlp.update_act_scales(post_maxima)
         if a.backout:  # post-loop MUDD layer 1; its h coefficient starts at -0.5 (the backout)
             m = self._mudd_coefficients(1, x)
             x = x + m["cache0"] * cache0 + m["h"] * h + m["mudd_input"] * mudd_in  # the record's order of sums
@@ -2931,8 +3012,10 @@ class GPT(nn.Module):
         # the loss kernel's stored gradient assumes exactly this upstream gradient, loss_scale per token
         # (triton_kernels, "Softcapped cross-entropy")
         if self.args.fp8 and _native_fp8(x.device):  # elsewhere the emulation would only cost time
-            loss = fp8_head_loss(x, self.lm_head, targets, mtp_weights, prefix_ids, prefix_weight, FP8_HEAD_X_SCALE,
-                                 FP8_HEAD_W_SCALE, FP8_HEAD_GRAD_SCALE * float(loss_scale), float(loss_scale))[0]
+            # x quantised here, in the graph; lm_head's copy as quantize_fp8 made it after the last step
+            loss = fp8_head_loss(x, self.lm_head, fp8_head_input(x), self.lm_head_f8_t.T, targets, mtp_weights,
+                                 prefix_ids, prefix_weight, FP8_HEAD_X_SCALE, FP8_HEAD_W_SCALE,
+                                 FP8_HEAD_GRAD_SCALE * float(loss_scale), float(loss_scale))[0]
         elif x.is_cpu:  # the head's matmuls inside the loss's row blocks: no (T, V) tensor in memory
             loss = triton_kernels.softcapped_ce_mtp_head_rows(x, self.lm_head, targets, mtp_weights, prefix_ids,
                                                               prefix_weight, grad_scale=loss_scale)
@@ -3748,10 +3831,10 @@ def train(args: Hyperparameters, d: DistInfo) -> float:
     if dist.is_initialized():
         for p in model.parameters():
             dist.broadcast(p.data, src=0)
-    fp8_mlp = args.fp8 and _native_fp8(d.device)
-    if fp8_mlp:  # step 0's forward already reads the e4m3 weights: quantise the initial ones (W2 is zero,
-        # so only W1 matters); before the warm-up snapshot, so the reset brings this state back too
-        model.fp8_mlp.quantize(model.mlp_bank, bootstrap=True)
+    fp8 = args.fp8 and _native_fp8(d.device)
+    if fp8:  # step 0's forward already reads the e4m3 weights: quantise the initial ones (W2 is zero,
+        # so only the head and W1 matter); before the warm-up snapshot, so the reset brings them back too
+        model.quantize_fp8(bootstrap=True)
     log = RunLog(args, run_id, d, notes=[dtype_note] if dtype_note else [])
     progress = Progress(d.is_master)
     if dtype_note:
@@ -3783,8 +3866,8 @@ def train(args: Hyperparameters, d: DistInfo) -> float:
         loss = train_step(model_fn, opt, batches, plan, mtp, prefix, grad_scale, d.device)
         if step == untie_step(args):
             opt.untie()
-        if fp8_mlp:  # after the optimizer step (the record's per-step order), for the next forward
-            model.fp8_mlp.quantize(model.mlp_bank, bootstrap=step < FP8_BOOTSTRAP_STEPS)
+        if fp8:  # after the optimizer step (the record's per-step order), for the next forward
+            model.quantize_fp8(bootstrap=step < FP8_BOOTSTRAP_STEPS)
         return plan, loss / (grad_scale * plan.batch_tokens / d.world_size)  # mean per token of this rank
 
     if args.compile:

@@ -722,6 +722,28 @@ def relu2_fp8_up_triton(x_f8: Tensor, w_up_f8: Tensor, dequant: Tensor, act_scal
     return post, post_f8, partial
 
 
+def relu2_fp8_up_partial_count(M: int, N: int, device: torch.device) -> int:
+    """Length of relu2_fp8_up_partials' maxima for x_f8 (M, D), w_up_f8 (N, D) on `device`: the kernel's
+    persistent grid on CUDA (one program per SM at training sizes), 1 elsewhere (the reference)."""
+    if device.type != "cuda":
+        return 1
+    cfg = _fp8_up_config(M, N, device)
+    return _num_programs(device, triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"]))
+
+
+def relu2_fp8_up_partials(x_f8: Tensor, w_up_f8: Tensor, dequant: Tensor, act_scale: Tensor,
+                          fast_accum: bool = True) -> tuple[Tensor, Tensor, Tensor]:
+    """`relu2_fp8_up` with the amax left unreduced: (post, post_f8, maxima of post over disjoint parts
+    (relu2_fp8_up_partial_count(T, H, device),) fp32), whose max is the amax of post. The FP8 MLP
+    reduces every layer's maxima in one go after the last layer, as record #89's kernel does with its
+    per-SM partial maxima (modded-nanogpt PR #342): no reduction launch per layer."""
+    if x_f8.is_cuda:
+        return relu2_fp8_up_triton(x_f8, w_up_f8, dequant, act_scale, fast_accum=fast_accum)
+    _check_fp8_up_args(x_f8, w_up_f8, dequant, act_scale)
+    post, post_f8, amax = relu2_fp8_up_reference(x_f8, w_up_f8, dequant, act_scale)
+    return post, post_f8, amax.reshape(1)
+
+
 def relu2_fp8_up(x_f8: Tensor, w_up_f8: Tensor, dequant: Tensor, act_scale: Tensor,
                  fast_accum: bool = True) -> tuple[Tensor, Tensor, Tensor]:
     """(post bf16 (T, H), post_f8 e4m3 (T, H), amax of post (0-D fp32)) of the FP8 up-projection.
@@ -732,11 +754,8 @@ def relu2_fp8_up(x_f8: Tensor, w_up_f8: Tensor, dequant: Tensor, act_scale: Tens
     differentiable: the FP8 MLP op around it owns the (bf16) backward. CUDA runs the kernel (the maximum
     is reduced from per-program partials on the device, no host sync), other devices the reference.
     """
-    if x_f8.is_cuda:
-        post, post_f8, partial = relu2_fp8_up_triton(x_f8, w_up_f8, dequant, act_scale, fast_accum=fast_accum)
-        return post, post_f8, partial.amax()
-    _check_fp8_up_args(x_f8, w_up_f8, dequant, act_scale)
-    return relu2_fp8_up_reference(x_f8, w_up_f8, dequant, act_scale)
+    post, post_f8, partial = relu2_fp8_up_partials(x_f8, w_up_f8, dequant, act_scale, fast_accum=fast_accum)
+    return post, post_f8, partial.amax()
 
 
 # ----------------------------------------------------------------------------------------------

@@ -96,8 +96,10 @@ CHECKS: tuple[Check, ...] = (
            TK + "transpose_copy", TK + "transpose_add")),
     Check("fp8-up", 40, "relu2_fp8_up kernel (49152 x 768 -> 3072, e4m3): with fast accumulation (the record's) "
           "within the bound of a 13-bit running sum of the float64 result; with fp32 promotion within it too and "
-          "at most half the fast error against the fp32 reference; the e4m3 copy and the amax",
-          (K + "_fp8_relu2_kernel", TK + "_fp8_up_config", TK + "relu2_fp8_up")),
+          "at most half the fast error against the fp32 reference; the e4m3 copy and the amax, and the partial "
+          "maxima the FP8 MLP reduces after all layers (their count, their max equal to the amax)",
+          (K + "_fp8_relu2_kernel", TK + "_fp8_up_config", TK + "relu2_fp8_up_partials",
+           TK + "relu2_fp8_up_partial_count")),
     Check("fp8-head", 60, "the FP8 LM head with the loss (16384 x 768 x 50304): loss, e5m2 gradient, dx and dw "
           "through torch._scaled_mm against the emulation; the plain fp8_mm op too",
           (OP + "fp8_mm", OP + "fp8_mm_backward", OP + "fp8_head_loss", OP + "fp8_head_loss_backward",
@@ -762,6 +764,9 @@ def check_fp8_up(res: Result) -> None:
     figures = {}
     for mode, fast in (("fast", True), ("precise", False)):
         post, post_f8, amax = tk.relu2_fp8_up(x_f8, w_f8, dequant, act, fast_accum=fast)
+        parts = tk.relu2_fp8_up_partials(x_f8, w_f8, dequant, act, fast_accum=fast)[2]
+        require(parts.shape == (tk.relu2_fp8_up_partial_count(T_, H, x_f8.device),) and torch.equal(parts.amax(), amax),
+                f"{mode}: partial maxima {tuple(parts.shape)} (max {float(parts.amax())}) against the amax {float(amax)}")
         r = post.float().sqrt()  # relu(pre) from post, within half a bf16 ulp of pre's rounding
         excess = ((r - exact.clamp_min(0)).abs() - bound - 2.0 ** -7 * exact.abs() - 1e-30).clamp_min(0)
         figures[mode] = dict(post=rel_err(post, rp), differ=float((post != rp).double().mean()),
@@ -785,17 +790,18 @@ class _Emulated:
     def __enter__(self):
         import train_gpt as T
         import triton_kernels as tk
-        self.saved = (T._native_fp8, tk.relu2_fp8_up)
+        self.saved = (T._native_fp8, tk.relu2_fp8_up_partials)
         T._native_fp8 = lambda device: False
 
-        def up_reference(x_f8, w_up_f8, dequant, act_scale, fast_accum=True):
-            return tk.relu2_fp8_up_reference(x_f8, w_up_f8, dequant, act_scale)
-        tk.relu2_fp8_up = up_reference
+        def up_reference(x_f8, w_up_f8, dequant, act_scale, fast_accum=True):  # its amax as one partial maximum
+            post, post_f8, amax = tk.relu2_fp8_up_reference(x_f8, w_up_f8, dequant, act_scale)
+            return post, post_f8, amax.reshape(1)
+        tk.relu2_fp8_up_partials = up_reference
 
     def __exit__(self, *exc):
         import train_gpt as T
         import triton_kernels as tk
-        T._native_fp8, tk.relu2_fp8_up = self.saved
+        T._native_fp8, tk.relu2_fp8_up_partials = self.saved
 
 
 def check_fp8_head(res: Result) -> None:
@@ -814,7 +820,8 @@ def check_fp8_head(res: Result) -> None:
 
     def head():
         a, b = x.clone().requires_grad_(), w.clone().requires_grad_()
-        loss, _, _, g8 = T.fp8_head_loss(a, b, targets, mtp, prefix, pi, *scales, grad_scale)
+        loss, g8 = T.fp8_head_loss(a, b, T.fp8_head_input(a), T.fp8_head_weight(b).T, targets, mtp, prefix, pi,
+                                   *scales, grad_scale)
         (loss.sum() * grad_scale).backward()
         return loss, g8.float(), a.grad, b.grad
 
@@ -856,16 +863,15 @@ def check_fp8_mlp(res: Result) -> None:
     dy = torch.randn(T_, D, device="cuda", generator=g).bfloat16()
     state = T.FP8MLPState(L, H, D).cuda()
     state.quantize(bank, bootstrap=True)
-    with torch.no_grad():
-        for layer in range(L):  # sets the delayed activation scales from this input's amax
-            state.mlp(layer, x, bank[2 * layer], bank[2 * layer + 1])
+    with torch.no_grad():  # sets the delayed activation scales from this input's amax
+        state.update_act_scales([state.mlp(layer, x, bank[2 * layer], bank[2 * layer + 1])[1] for layer in range(L)])
     act = state.act_scale.clone()
     layer = L - 1  # its scales sit 32 bytes into their buffers
 
     def run():
         state.act_scale.copy_(act)
         ins = [t.clone().requires_grad_() for t in (x, bank[2 * layer], bank[2 * layer + 1])]
-        y = state.mlp(layer, *ins)
+        y = state.mlp(layer, *ins)[0]
         y.backward(dy)
         return [y] + [t.grad for t in ins]
 
@@ -1061,7 +1067,7 @@ def check_compiled_model(res: Result) -> None:
     near_init(model, seed=1)
     model.set_windows(*args.stages[1].windows)
     model.prefix_table.copy_(T.build_prefix_table(T.gpt2_encoding(), args.padded_vocab_size))
-    model.fp8_mlp.quantize(model.mlp_bank, bootstrap=True)
+    model.quantize_fp8(bootstrap=True)
     fp8_state = {k: v.clone() for k, v in model.fp8_mlp.state_dict().items()}
     T_ = 4096
 
@@ -1143,14 +1149,14 @@ def check_sync_free_step(res: Result) -> None:
     prefix = torch.zeros((), device=device)
     model.prefix_table.copy_(T.build_prefix_table(T.gpt2_encoding(), args.padded_vocab_size))
     slots = T.check_batch_split(args, 1)
-    model.fp8_mlp.quantize(model.mlp_bank, bootstrap=True)
+    model.quantize_fp8(bootstrap=True)
 
     def step(i):
         plan = T.plan_step(args, i)
         model.set_windows(*plan.windows)
         batches = loader.next_step(*T.batch_request(args, plan, slots, device))  # masks built by the loader
         loss = T.train_step(model_fn, opt, batches, plan, mtp, prefix, T.grad_scale_for(args, 1), device)
-        model.fp8_mlp.quantize(model.mlp_bank, bootstrap=i < T.FP8_BOOTSTRAP_STEPS)
+        model.quantize_fp8(bootstrap=i < T.FP8_BOOTSTRAP_STEPS)
         return loss
 
     step(2), step(3)  # compile stage 2's shapes, both parities: no recompilation below

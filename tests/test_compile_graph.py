@@ -198,23 +198,42 @@ def test_every_stage_block_mask_equals_the_dense_mask():
 
 def test_fp8_training_step_traces_into_one_graph(flex_on_cpu, monkeypatch):
     """The FP8 path (GPUs with FP8 tensor cores) as the compiled model takes it: the FP8 MLP ops with their
-    in-place delayed-scale updates and the FP8 head fused with the loss trace with the masks into one
-    graph (fullgraph), forward and backward. Pretend the CPU has FP8 tensor cores: the model takes its
-    FP8 paths, whose float8 matmuls run their emulation on CPU tensors."""
+    delayed-scale update and the FP8 head fused with the loss trace with the masks into one graph
+    (fullgraph), forward and backward, with one custom op per layer and one for the head (their
+    backward ops likewise); the activations' e4m3 casts and amaxes and the one act-scale write are
+    graph ops, the head's weight the buffer quantize_fp8 fills. Pretend the CPU has FP8 tensor cores:
+    the model takes its FP8 paths, whose float8 matmuls run their emulation on CPU tensors."""
     monkeypatch.setattr(tg, "_native_fp8", lambda device: True)
     args = tg.parse_args(["--preset", "test", "--vocab_size", "1000", "--padded_vocab_size", "1024"])
     model = tg.GPT(args)
     randomize(model)
-    model.fp8_mlp.quantize(model.mlp_bank, bootstrap=True)
+    model.quantize_fp8(bootstrap=True)
     graphs = []
     keep = _collector(graphs)
 
     _trace(model, lambda cu, T: model.attention_masks(cu, T, kernel="flex"),
            aot_autograd(fw_compiler=keep("forward", True), bw_compiler=keep("backward", True)), vocab=1000)
     assert [kind for kind, _ in graphs] == ["forward", "backward"]
-    forward = graphs[0][1]
-    targets = {str(n.target) for n in forward.graph.nodes if n.op == "call_function"}
-    assert any("fp8_mlp" in t for t in targets) and any("fp8_head_loss" in t for t in targets), targets
+    L = args.num_layers
+    for (kind, gm), want in zip(graphs, ({"fp8_mlp": L, "fp8_head_loss": 1},
+                                         {"fp8_head_loss_backward": 1, "relu2_mlp_bwd": L})):
+        names = [str(n.target).split(".")[1] for n in gm.graph.nodes
+                 if n.op == "call_function" and str(n.target).startswith("speedrun.")]
+        custom = {name: names.count(name) for name in names if name.startswith("fp8") or name == "relu2_mlp_bwd"}
+        # the FP8 custom ops once per layer and once for the head; the activations' quantisation (x's
+        # amax and e4m3 cast per MLP, the head input's cast) and the act-scale update are graph ops
+        assert custom == want, (kind, custom)
+    forward = graphs[0][1].graph
+    for n in forward.nodes:
+        if n.op == "call_function" and str(n.target).startswith(("speedrun.fp8_mlp", "speedrun.fp8_head_loss")):
+            x_f8 = n.args[3] if "fp8_mlp" in str(n.target) else n.args[2]
+            assert str(x_f8.target) == "aten._to_copy.default", (n, x_f8)  # the e4m3 cast, in the graph
+            if "fp8_head_loss" in str(n.target):  # the buffer quantize_fp8 fills, transposed
+                assert str(n.args[3].target) in ("aten.t.default", "aten.permute.default"), n.args[3]
+                assert n.args[3].args[0].op == "placeholder"
+    count = {t: sum(str(n.target) == t for n in forward.nodes) for t in ("aten.amax.default", "aten.select_scatter.default")}
+    # x's amax per MLP, one reduction of every layer's maxima of post, one write of all act scales
+    assert count == {"aten.amax.default": L + 1, "aten.select_scatter.default": 1}, count
     assert (model.fp8_mlp.act_scale[:, 0] != 1.0).all()  # the delayed scales were written back
 
 

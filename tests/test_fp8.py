@@ -186,7 +186,7 @@ def _head_run(fp8: bool):
     args = tg.parse_args(["--preset", "test", "--fp8", str(fp8), "--vocab_size", "1000", "--padded_vocab_size", "1024"])
     torch.manual_seed(0)
     model = tg.GPT(args)
-    model.fp8_mlp.quantize(model.mlp_bank, bootstrap=True)  # read only where the MLPs run in FP8
+    model.quantize_fp8(bootstrap=True)  # read only where the head and MLPs run in FP8
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, 1000, (129,), generator=g)
     cu = torch.tensor([0, 60, 128, 128], dtype=torch.int32)
@@ -202,7 +202,7 @@ def test_model_training_head_uses_fp8_where_supported(monkeypatch):
     FP8 with it; their down-projections are zero at init, so they change little here.)"""
     calls = []
     real = tg.fp8_head_loss
-    monkeypatch.setattr(tg, "fp8_head_loss", lambda *a: calls.append(a[6:]) or real(*a))
+    monkeypatch.setattr(tg, "fp8_head_loss", lambda *a: calls.append(a[8:]) or real(*a))
     loss16, head16, mlp16 = _head_run(fp8=True)   # CPU: no FP8 tensor cores, bf16 head
     assert calls == []
     monkeypatch.setattr(tg, "_native_fp8", lambda device: True)
@@ -227,6 +227,14 @@ def _head_inputs(T=64, K=32, N=96, seed=7):
     return x, w, targets, torch.tensor([1.0, 0.5, 0.25]), prefix, torch.tensor(0.25)
 
 
+def head_loss(x, w, targets, mtp, prefix, pi, xs, ws, gs, grad_scale):
+    """fp8_head_loss on x and w quantised at the given scales (the model passes fp8_head_input(x) and
+    its buffer from fp8_head_weight(lm_head), at the FP8_HEAD_* scales): (loss, e5m2 gradient)."""
+    x_f8 = tg._quantize_fp8(x.detach(), xs, E4M3)
+    w_f8 = tg._quantize_fp8(w.detach().T, ws, E4M3).T
+    return tg.fp8_head_loss(x, w, x_f8, w_f8, targets, mtp, prefix, pi, xs, ws, gs, grad_scale)
+
+
 def test_fp8_head_loss_against_float64_references():
     """Loss of the bf16 logits of the dequantised float8 product; the e5m2 gradient is the float64
     reference gradient / grad_s rounded to e5m2; dx and dw are float64 products of the float8 operands."""
@@ -235,9 +243,9 @@ def test_fp8_head_loss_against_float64_references():
     gs = tg.FP8_HEAD_GRAD_SCALE * grad_scale
     xs, ws = tg.FP8_HEAD_X_SCALE, tg.FP8_HEAD_W_SCALE
     a, b = x.clone().requires_grad_(), w.clone().requires_grad_()
-    loss, x_f8, w_f8, g_f8 = tg.fp8_head_loss(a, b, targets, mtp, prefix, pi, xs, ws, gs, grad_scale)
+    loss, g_f8 = head_loss(a, b, targets, mtp, prefix, pi, xs, ws, gs, grad_scale)
     (loss.sum() * grad_scale).backward()
-    assert g_f8.dtype == E5M2 and w_f8.stride() == (1, w.shape[0])  # column-major, as cuBLAS reads it
+    assert g_f8.dtype == E5M2 and g_f8.shape == (x.shape[0], w.shape[1])
     # quantised as the record does: t / scale in bf16, then cast to e4m3
     xq, wq = (x / xs).to(E4M3).double() * xs, (w / ws).to(E4M3).double() * ws
     logits = (xq @ wq).bfloat16().double()  # the forward's bf16 output
@@ -261,7 +269,7 @@ def test_fp8_head_backward_runs_without_fast_accumulation(monkeypatch):
                         real(a, b, sa, sb, out_dtype, fast_accum))
     x, w, targets, mtp, prefix, pi = _head_inputs(T=48, K=32, N=80)
     a, b = x.clone().requires_grad_(), w.clone().requires_grad_()
-    loss = tg.fp8_head_loss(a, b, targets, mtp, prefix, pi, 0.1, 0.01, 1e-4, 1.0)[0]
+    loss = head_loss(a, b, targets, mtp, prefix, pi, 0.1, 0.01, 1e-4, 1.0)[0]
     loss.sum().backward()
     assert seen == [((48, 32), (32, 80), torch.bfloat16, True),    # logits
                     ((48, 80), (80, 32), torch.bfloat16, False),   # dx = dlogits @ w^T
@@ -271,19 +279,20 @@ def test_fp8_head_backward_runs_without_fast_accumulation(monkeypatch):
 def test_fp8_head_gradient_saturates_instead_of_overflowing():
     """A gradient scale far too small for the gradient: e5m2 values saturate at +-57344, never inf."""
     x, w, targets, mtp, prefix, pi = _head_inputs()
-    _, _, _, g_f8 = tg.fp8_head_loss(x, w, targets, mtp, prefix, pi, 0.1, 0.01, 1e-9, 1.0)
+    _, g_f8 = head_loss(x, w, targets, mtp, prefix, pi, 0.1, 0.01, 1e-9, 1.0)
     g = g_f8.float()
     assert torch.isfinite(g).all() and g.abs().max() == 57344
 
 
 def test_fp8_head_loss_registrations():
     x, w, targets, mtp, prefix, pi = _head_inputs(T=32, K=32, N=48)
-    torch.library.opcheck(tg.fp8_head_loss, (x.requires_grad_(), w.requires_grad_(), targets, mtp, prefix, pi,
-                                             0.1, 0.01, 1e-4, 1.0),
+    x_f8, w_f8 = tg._quantize_fp8(x, 0.1, E4M3), tg._quantize_fp8(w.T, 0.01, E4M3).T
+    torch.library.opcheck(tg.fp8_head_loss, (x.requires_grad_(), w.requires_grad_(), x_f8, w_f8, targets, mtp, prefix,
+                                             pi, 0.1, 0.01, 1e-4, 1.0),
                           test_utils=("test_autograd_registration", "test_faketensor"))
 
-    def f(a, b):
-        return tg.fp8_head_loss(a, b, targets, mtp, prefix, pi, 0.1, 0.01, 1e-4, 1.0)[0].sum()
+    def f(a, b):  # the float8 operands come in as the model's: x_f8 row-major, w_f8 a transposed buffer
+        return tg.fp8_head_loss(a, b, x_f8, w_f8, targets, mtp, prefix, pi, 0.1, 0.01, 1e-4, 1.0)[0].sum()
 
     grads = []
     for fn in (f, torch.compile(f, backend="aot_eager", fullgraph=True)):
@@ -331,6 +340,15 @@ def mlp_inputs(T=48, D=64, H=96, seed=0):
     return x, w_up, w_down, dy
 
 
+def mlp_op_operands(state: tg.FP8MLPState, x: torch.Tensor, layer: int = 0) -> tuple:
+    """fp8_mlp's arguments after (x, w_up, w_down), as FP8MLPState.mlp makes them (record #89's current
+    scaling of x)."""
+    amax_x = x.abs().amax().float()
+    x_f8 = (x.float() * (448 / amax_x)).to(E4M3)
+    return (x_f8, state.up_f8[layer], state.up_scale[layer, 0] * amax_x / 448, state.down_f8_t[layer],
+            state.down_scale[layer, 0], state.act_scale[layer, 0])
+
+
 def fp8_state(w_up, w_down) -> tg.FP8MLPState:
     state = tg.FP8MLPState(1, *w_up.shape)
     state.quantize(torch.stack([w_up, w_down]), bootstrap=True)
@@ -346,7 +364,7 @@ def test_fp8_mlp_forward_backward_match_float64_emulation(headroom):
     state = fp8_state(w_up, w_down)
     state.act_scale[:, 0] = act
     x_, w_up_, w_down_ = (t.clone().requires_grad_(True) for t in (x, w_up, w_down))
-    y = state.mlp(0, x_, w_up_, w_down_)
+    y = state.mlp(0, x_, w_up_, w_down_)[0]
     assert y.dtype == torch.bfloat16 and y.shape == x.shape
     # fp32 sums in another order (an occasional bf16 flip of pre) and the final bf16 rounding
     assert (y.double() - y_ref).abs().max() <= 2 ** -6 * y_ref.abs().max()
@@ -366,8 +384,7 @@ def test_fp8_mlp_backward_is_the_post_only_bf16_backward():
     x, w_up, w_down, dy = mlp_inputs(seed=1)
     state = fp8_state(w_up, w_down)
     ins = [t.clone().requires_grad_(True) for t in (x, w_up, w_down)]
-    y, post, _ = tg.fp8_mlp(*ins, state.up_f8[0], state.up_scale[0, 0], state.down_f8_t[0], state.down_scale[0, 0],
-                            state.act_scale[0, 0])
+    y, post, _ = tg.fp8_mlp(*ins, *mlp_op_operands(state, x))
     y.backward(dy)
     want = tg.triton_kernels.relu2_mlp_backward(dy, x, w_up, w_down, post)
     for t, w in zip(ins, want):
@@ -386,9 +403,9 @@ def test_fp8_delayed_scaling_bookkeeping_over_three_steps(monkeypatch):
     real = tg.fp8_mlp
 
     def spy(*args):
-        seen.append({"act": float(args[7]), "down": float(args[6]), "up": float(args[4])})
+        seen.append({"act": float(args[8]), "down": float(args[7]), "up_dequant": float(args[5])})
         out = real(*args)
-        seen[-1]["post_amax"] = float(out[2])
+        seen[-1]["post_amax"] = float(out[2].amax())
         return out
 
     monkeypatch.setattr(tg, "fp8_mlp", spy)
@@ -399,8 +416,7 @@ def test_fp8_delayed_scaling_bookkeeping_over_three_steps(monkeypatch):
 
     def forward():
         x = tg.norm(torch.randn(T, D, generator=g)).bfloat16()
-        for layer in range(L):
-            state.mlp(layer, x, bank[2 * layer], bank[2 * layer + 1])
+        state.update_act_scales([state.mlp(layer, x, bank[2 * layer], bank[2 * layer + 1])[1] for layer in range(L)])
 
     def amax(t):
         return float(t.float().abs().max())
@@ -448,9 +464,14 @@ def test_fp8_mlp_compiles_fullgraph_like_eager():
     results = []
     for compiled in (False, True):
         state = fp8_state(w_up, w_down)
-        fn = torch.compile(state.mlp, backend="aot_eager", fullgraph=True) if compiled else state.mlp
+
+        def mlp(*ins):
+            y, post_max = state.mlp(0, *ins)
+            state.update_act_scales([post_max])
+            return y
+        fn = torch.compile(mlp, backend="aot_eager", fullgraph=True) if compiled else mlp
         ins = [t.clone().requires_grad_(True) for t in (x, w_up, w_down)]
-        y = fn(0, *ins)
+        y = fn(*ins)
         y.backward(dy)
         results.append((y.detach(), *(t.grad for t in ins), state.act_scale.clone()))
     for eager, comp in zip(*results):
@@ -461,8 +482,7 @@ def test_fp8_mlp_compiles_fullgraph_like_eager():
 def test_fp8_mlp_opcheck():
     x, w_up, w_down, _ = mlp_inputs(T=32, D=32, H=48, seed=5)
     state = fp8_state(w_up, w_down)
-    args = (x.requires_grad_(), w_up.requires_grad_(), w_down.requires_grad_(), state.up_f8[0], state.up_scale[0, 0],
-            state.down_f8_t[0], state.down_scale[0, 0], state.act_scale[0, 0])
+    args = (x.requires_grad_(), w_up.requires_grad_(), w_down.requires_grad_(), *mlp_op_operands(state, x.detach()))
     # test_schema multiplies every input, which float8 tensors do not support on the CPU; the compile
     # test above covers AOTAutograd
     torch.library.opcheck(tg.fp8_mlp, args, test_utils=("test_autograd_registration", "test_faketensor"))
@@ -479,6 +499,8 @@ def test_fp8_mlp_errors():
         state.mlp(0, x.float(), w_up, w_down)
     with pytest.raises(ValueError, match="mlp_bank must be"):
         state.quantize(torch.stack([w_up, w_down])[:, :, :16], bootstrap=True)
+    with pytest.raises(ValueError, match="post_maxima must hold 1 layers"):
+        state.update_act_scales([])
 
 
 def _mlp_model(fp8: bool):
@@ -487,7 +509,7 @@ def _mlp_model(fp8: bool):
     model = tg.GPT(args)
     with torch.no_grad():  # trained-looking down-projections, so the MLPs matter to the loss
         model.mlp_bank[1::2] = 0.02 * torch.randn_like(model.mlp_bank[1::2])
-    model.fp8_mlp.quantize(model.mlp_bank, bootstrap=True)
+    model.quantize_fp8(bootstrap=True)
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, 1000, (129,), generator=g)
     batch = (tokens[:-1], tokens[1:], torch.tensor([0, 60, 128, 128], dtype=torch.int32),
@@ -522,22 +544,28 @@ def test_model_training_forward_takes_the_fp8_mlp_path(monkeypatch):
 
 
 def test_fp8_state_rides_in_the_state_dict(monkeypatch):
-    """The warm-up reset and checkpoints restore model.state_dict(): the FP8 state is in it, so
-    the activation scales return to 1.0 and the weight copies to the snapshot's."""
+    """The warm-up reset and checkpoints restore model.state_dict(): the FP8 MLP state is in it, so
+    the activation scales return to 1.0 and the weight copies to the snapshot's. The head's e4m3 copy
+    is not (it is lm_head's, quantised): loading makes it again from the loaded lm_head."""
     monkeypatch.setattr(tg, "_native_fp8", lambda device: True)
     model, batch = _mlp_model(True)
     snapshot = {k: v.clone() for k, v in model.state_dict().items()}
     assert {"fp8_mlp.up_f8", "fp8_mlp.up_scale", "fp8_mlp.down_f8_t", "fp8_mlp.down_scale",
-            "fp8_mlp.down_next_scale", "fp8_mlp.act_scale"} <= set(snapshot)
+            "fp8_mlp.down_next_scale", "fp8_mlp.act_scale"} <= set(snapshot) and "lm_head_f8_t" not in snapshot
+    head_copy = model.lm_head_f8_t.clone()
     model(*batch, mtp_weights=torch.tensor([1.0, 0.5])).backward()
     with torch.no_grad():
         model.mlp_bank.mul_(1.1)
-    model.fp8_mlp.quantize(model.mlp_bank, bootstrap=False)
+        model.lm_head.mul_(1.1)
+    model.quantize_fp8(bootstrap=False)
     assert (model.fp8_mlp.act_scale[:, 0] != 1.0).all()
+    assert not torch.equal(_bytes(model.lm_head_f8_t), _bytes(head_copy))  # quantize_fp8 moved it ...
     model.load_state_dict(snapshot)
     assert (model.fp8_mlp.act_scale == 1.0).all()
     for name in ("up_f8", "down_f8_t"):
         assert torch.equal(getattr(model.fp8_mlp, name).view(torch.uint8), snapshot[f"fp8_mlp.{name}"].view(torch.uint8))
+    assert torch.equal(_bytes(model.lm_head_f8_t), _bytes(head_copy))  # ... and the load made it again
+    assert torch.equal(_bytes(model.lm_head_f8_t), _bytes(tg.fp8_head_weight(snapshot["lm_head"])))
 
 
 def test_every_layers_scales_are_16_byte_aligned():
@@ -550,8 +578,208 @@ def test_every_layers_scales_are_16_byte_aligned():
     state = tg.FP8MLPState(L, H, D)
     state.quantize(bank, bootstrap=True)
     x = tg.norm(torch.randn(T, D, generator=g)).bfloat16()
+    maxima = []
     for layer in range(L):
         for name in ("up_scale", "down_scale", "act_scale", "down_next_scale"):
             assert getattr(state, name)[layer, 0].data_ptr() % 16 == 0, (name, layer)
-        state.mlp(layer, x, bank[2 * layer], bank[2 * layer + 1])
+        maxima.append(state.mlp(layer, x, bank[2 * layer], bank[2 * layer + 1])[1])
+    state.update_act_scales(maxima)
     assert (state.act_scale[:, 0] != 1.0).all()  # every layer's forward ran and recorded its amax
+
+
+# ---- what the compiled graph sees: float8 operands made outside the custom ops --------------------
+
+
+def old_head_loss(x, w, targets, mtp, prefix, pi, grad_scale):
+    """The FP8 head as one op computed it before the quantisation moved out (x and w quantised inside,
+    every micro-batch): (per-token loss, dx bf16, dw in w's dtype), from the same primitives."""
+    xs, ws, gs = tg.FP8_HEAD_X_SCALE, tg.FP8_HEAD_W_SCALE, tg.FP8_HEAD_GRAD_SCALE * grad_scale
+    x_f8 = tg._quantize_fp8(x, xs, E4M3)
+    w_f8 = tg._quantize_fp8(w.T, ws, E4M3).T
+    logits = tg._scaled_matmul(x_f8, w_f8, xs, ws, torch.bfloat16, fast_accum=True)
+    loss, g_f8 = tg.triton_kernels.softcapped_ce_mtp_e5m2(logits, targets, mtp, prefix, pi, grad_scale, gs)
+    dx, dw = tg.fp8_matmul_grads(g_f8, x_f8, w_f8, xs, ws, gs)
+    return loss, dx.to(x.dtype), dw.to(w.dtype)
+
+
+def _bytes(t):
+    return t.view(torch.uint8)
+
+
+def test_fp8_head_graph_path_is_bitwise_the_quantise_inside_op():
+    """fp8_head_loss on fp8_head_input(x) and fp8_head_weight(w): the loss, dx and dw bitwise those of
+    the op that quantised inside, and both float8 operands the float64 quantisation's."""
+    x, w, targets, mtp, prefix, pi = _head_inputs(T=64, K=32, N=96)
+    w = w * 0.01  # in the head scale's range
+    grad_scale = 1 / 64
+    a, b = x.clone().requires_grad_(), w.clone().requires_grad_()
+    x_f8, w_f8_t = tg.fp8_head_input(a), tg.fp8_head_weight(b.detach())
+    assert not x_f8.requires_grad and w_f8_t.shape == (96, 32) and w_f8_t.is_contiguous()
+    assert torch.equal(x_f8.float(), (x.double() / tg.FP8_HEAD_X_SCALE).bfloat16().to(E4M3).float())
+    assert torch.equal(w_f8_t.T.float(), (w.double() / tg.FP8_HEAD_W_SCALE).bfloat16().to(E4M3).float())
+    loss, _ = tg.fp8_head_loss(a, b, x_f8, w_f8_t.T, targets, mtp, prefix, pi, tg.FP8_HEAD_X_SCALE,
+                               tg.FP8_HEAD_W_SCALE, tg.FP8_HEAD_GRAD_SCALE * grad_scale, grad_scale)
+    (loss.sum() * grad_scale).backward()
+    ref_loss, ref_dx, ref_dw = old_head_loss(x, w, targets, mtp, prefix, pi, grad_scale)
+    assert torch.equal(loss, ref_loss) and torch.equal(a.grad, ref_dx) and torch.equal(b.grad, ref_dw)
+    assert a.grad.dtype == b.grad.dtype == torch.bfloat16 and (b.grad != 0).any()
+
+
+def test_fp8_head_loss_rejects_operands_of_the_wrong_shape_or_dtype():
+    x, w, targets, mtp, prefix, pi = _head_inputs(T=32, K=32, N=48)
+    x_f8, w_f8 = tg.fp8_head_input(x), tg.fp8_head_weight(w).T
+    for bad, message in (((x_f8[:16], w_f8), "x_f8 must be float8_e4m3fn of shape \\(32, 32\\)"),
+                         ((x_f8, w_f8.to(E5M2)), "w_f8 must be float8_e4m3fn"),
+                         ((x.clone(), w_f8), "x_f8 must be float8_e4m3fn")):
+        with pytest.raises(ValueError, match=message):
+            tg.fp8_head_loss(x, w, *bad, targets, mtp, prefix, pi, 0.1, 0.01, 1e-4, 1.0)
+
+
+def test_model_fp8_head_is_bitwise_the_quantise_inside_op_and_reads_the_step_copy(monkeypatch):
+    """In the model (FP8 tensor cores pretended): quantize_fp8 leaves lm_head / FP8_HEAD_W_SCALE in e4m3
+    (transposed) in lm_head_f8_t; the training loss, lm_head's gradient and the head input's gradient
+    are bitwise the quantise-inside op's. The copy is made once per optimizer step: after lm_head
+    changes, a forward without quantize_fp8 still reads the old copy (the same loss bits), one after it
+    the new."""
+    monkeypatch.setattr(tg, "_native_fp8", lambda device: True)
+    model, batch = _mlp_model(True)  # quantize_fp8(bootstrap=True) done
+    with torch.no_grad():
+        model.lm_head.normal_(0, 0.02)
+    model.quantize_fp8(bootstrap=False)
+    want = (model.lm_head.detach().T.contiguous().double() / tg.FP8_HEAD_W_SCALE).bfloat16().to(E4M3)
+    assert torch.equal(_bytes(model.lm_head_f8_t), _bytes(want))
+
+    seen = []
+    real = tg.fp8_head_loss
+
+    def spy(x, w, *rest):
+        x.retain_grad()
+        seen.append((x, w, rest))
+        return real(x, w, *rest)
+
+    monkeypatch.setattr(tg, "fp8_head_loss", spy)
+    mtp = torch.tensor([1.0, 0.5])
+    act = model.fp8_mlp.act_scale.clone()
+
+    def run():  # from the same act scales each time: the MLPs' delayed scales move with every forward
+        model.fp8_mlp.act_scale.copy_(act)
+        model.zero_grad(set_to_none=True)
+        loss = model(*batch, mtp_weights=mtp, loss_scale=1 / 128, prefix_weight=torch.tensor(0.25))
+        loss.backward()
+        return loss.detach()
+
+    loss = run()
+    x, w, rest = seen[-1]
+    assert w is model.lm_head and rest[0] is not None and torch.equal(_bytes(rest[1].T), _bytes(model.lm_head_f8_t))
+    targets, _, prefix_ids, prefix_weight = rest[2:6]
+    ref_loss, ref_dx, ref_dw = old_head_loss(x.detach(), model.lm_head.detach(), targets, mtp, prefix_ids,
+                                             prefix_weight, 1 / 128)
+    assert torch.equal(loss, ref_loss.sum() * (1 / 128))
+    assert torch.equal(x.grad, ref_dx) and torch.equal(model.lm_head.grad, ref_dw)
+
+    with torch.no_grad():  # an optimizer-like change of lm_head, no re-quantisation
+        model.lm_head.mul_(1.5)
+    assert torch.equal(run(), loss)  # the head read the copy of the last quantize_fp8
+    model.quantize_fp8(bootstrap=False)
+    assert not torch.equal(run(), loss)
+
+
+def _spy_mlp_op(monkeypatch, seen):
+    real = tg.fp8_mlp
+
+    def spy(*args):
+        out = real(*args)
+        seen.append({"act": args[8].clone(), "post": out[1], "post_max": out[2]})
+        return out
+
+    monkeypatch.setattr(tg, "fp8_mlp", spy)
+
+
+def test_act_scales_are_written_once_from_every_layers_maxima_and_read_a_forward_late(monkeypatch):
+    """Three layers, two forwards: each layer's op reads the act scale the previous forward left (1.0
+    before the first), and after each forward act_scale[l] = max(post of layer l) * 1.80 / 448, the amax
+    computed by hand from the post the layer produced and, within a bf16 step, from the float64
+    emulation of the layer; the second forward's inputs are twice as large, so a scale from the current
+    forward could not pass for the previous one's."""
+    L, T, D, H = 3, 32, 32, 48
+    g = torch.Generator().manual_seed(11)
+    bank = ((torch.rand(2 * L, H, D, generator=g) * 2 - 1) / 32).bfloat16()
+    bank[1::2] *= 3
+    state = tg.FP8MLPState(L, H, D)
+    state.quantize(bank, bootstrap=True)
+    seen = []
+    _spy_mlp_op(monkeypatch, seen)
+    xs = [tg.norm(torch.randn(T, D, generator=g)).bfloat16() for _ in range(L)]
+    previous = torch.ones(L)
+    for gain in (1.0, 2.0):
+        seen.clear()
+        maxima = [state.mlp(layer, xs[layer] * gain, bank[2 * layer], bank[2 * layer + 1])[1] for layer in range(L)]
+        assert (state.act_scale[:, 0] == previous).all()  # nothing written before update_act_scales
+        state.update_act_scales(maxima)
+        for layer in range(L):
+            assert float(seen[layer]["act"]) == float(previous[layer])
+            amax = seen[layer]["post"].float().max()
+            assert torch.equal(seen[layer]["post_max"].amax(), amax)
+            assert float(state.act_scale[layer, 0]) == float(amax * (1.80 / 448))
+            _, _, amax64 = fp8_mlp_emulation(xs[layer] * gain, bank[2 * layer], bank[2 * layer + 1], 1.0)
+            assert float(amax) == pytest.approx(float(amax64), rel=2 ** -7)
+        assert len(set(state.act_scale[:, 0].tolist())) == L  # every layer its own
+        now = state.act_scale[:, 0].clone()
+        assert (now > 2 * previous).all() or gain == 1.0
+        previous = now
+    assert (state.act_scale[:, 1:] == 1.0).all()  # only the 16-byte slots' first entries are scales
+
+
+def _graph_counts(gm) -> dict:
+    counts = {}
+    for n in gm.graph.nodes:
+        if n.op == "call_function":
+            counts[str(n.target)] = counts.get(str(n.target), 0) + 1
+    return counts
+
+
+def test_compiled_fp8_mlps_one_op_per_layer_and_one_act_scale_write():
+    """Three FP8 MLP layers and the act-scale update compiled whole (fullgraph, AOTAutograd): the
+    forward graph holds one speedrun::fp8_mlp per layer and no other custom op; x's amax per layer and
+    the one reduction of the stacked maxima are graph ops (4 amax); act_scale is written once (one
+    select_scatter); results, gradients and scales are the eager ones bit for bit."""
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.aot_autograd import make_boxed_func
+    L, T, D, H = 3, 32, 32, 48
+    g = torch.Generator().manual_seed(12)
+    bank = ((torch.rand(2 * L, H, D, generator=g) * 2 - 1) / 32).bfloat16()
+    x0 = tg.norm(torch.randn(T, D, generator=g)).bfloat16()
+    graphs = []
+
+    def keep(gm, example_inputs):
+        graphs.append(gm)
+        return make_boxed_func(gm.forward)
+
+    results = []
+    for compiled in (False, True):
+        state = tg.FP8MLPState(L, H, D)
+        state.quantize(bank, bootstrap=True)
+
+        def layers(x, bank):
+            maxima = []
+            for layer in range(L):
+                y, post_max = state.mlp(layer, x, bank[2 * layer], bank[2 * layer + 1])
+                maxima.append(post_max)
+                x = tg.norm(x + y)
+            state.update_act_scales(maxima)
+            return x
+
+        fn = torch.compile(layers, backend=aot_autograd(fw_compiler=keep, bw_compiler=keep), fullgraph=True) \
+            if compiled else layers
+        x, b = x0.clone().requires_grad_(), bank.clone().requires_grad_()
+        for _ in range(2):  # the second forward reads the first's act scales
+            out = fn(x, b)
+            out.float().square().sum().backward()
+        results.append((out.detach(), x.grad, b.grad, state.act_scale.clone()))
+    for eager, comp in zip(*results):
+        assert torch.equal(comp, eager)
+    forward, backward = graphs[0], graphs[1]
+    fw, bw = _graph_counts(forward), _graph_counts(backward)
+    assert {k: v for k, v in fw.items() if "speedrun" in k} == {"speedrun.fp8_mlp.default": L}, fw
+    assert fw["aten.amax.default"] == L + 1 and fw["aten.select_scatter.default"] == 1, fw
+    assert {k: v for k, v in bw.items() if "speedrun" in k} == {"speedrun.relu2_mlp_bwd.default": L}, bw

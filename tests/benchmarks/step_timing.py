@@ -217,9 +217,9 @@ def run(args: T.Hyperparameters, d: T.DistInfo, steps: int, warmup: int, peak: f
     mtp = torch.zeros(len(args.stages[0].mtp_start), dtype=torch.float32, device=d.device)
     prefix = torch.zeros((), dtype=torch.float32, device=d.device)
     model.prefix_table.copy_(T.build_prefix_table(T.gpt2_encoding(), args.padded_vocab_size))
-    fp8_mlp = args.fp8 and T._native_fp8(d.device)  # as train(): quantised before step 0 and after every step
-    if fp8_mlp:
-        model.fp8_mlp.quantize(model.mlp_bank, bootstrap=True)
+    fp8 = args.fp8 and T._native_fp8(d.device)  # as train(): quantised before step 0 and after every step
+    if fp8:
+        model.quantize_fp8(bootstrap=True)
     if d.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(d.device)
 
@@ -243,8 +243,8 @@ def run(args: T.Hyperparameters, d: T.DistInfo, steps: int, warmup: int, peak: f
             # as train(): the next step is built on the loader's thread (a stage's steps share a plan's shapes)
             loader.look_ahead(*T.batch_request(args, T.plan_step(args, first + min(i + 1, length - 1)), slots, d.device))
             T.train_step(model_fn, opt, batches, plan, mtp, prefix, T.grad_scale_for(args, d.world_size), d.device)
-            if fp8_mlp:
-                model.fp8_mlp.quantize(model.mlp_bank, bootstrap=first + i < T.FP8_BOOTSTRAP_STEPS)
+            if fp8:
+                model.quantize_fp8(bootstrap=first + i < T.FP8_BOOTSTRAP_STEPS)
             return plan, batches
 
         host_s = 0.0  # the timed steps' host time: launching a step, no waiting (nothing in it synchronises)
