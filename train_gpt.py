@@ -1764,8 +1764,10 @@ class ShardExchange:
 
 class BackwardReductions:
     """One step's gradient reductions (phase 1), launched from post-accumulate-grad hooks while the
-    last micro-batch's backward runs (NorMuonAdam.reductions_on_backward), as modded-nanogpt's records
-    launch their reduce_scatters from Tensor.register_post_accumulate_grad_hook.
+    last micro-batch's backward runs (NorMuonAdam.reductions_on_backward), as modded-nanogpt's DistAdam
+    (@vagrawal, @akash5474; records before #89) launched its reduce_scatters from
+    Tensor.register_post_accumulate_grad_hook when should_sync was set for the last micro-batch. Record
+    #89's NorMuonAndAdam launches them after the backward instead; the numbers are the same.
 
     Launches follow the fixed `order` (the step's labels in scatter_order): a label launches as soon
     as it and every label before it are ready, so every rank issues the same collectives in the same
