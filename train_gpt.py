@@ -10,6 +10,7 @@ devices, files and compilation all start in main().
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import functools
 import glob
@@ -1208,17 +1209,23 @@ def orthogonalization_flops(rows: int, cols: int, orthogonalizer="polar_express"
 # moment of arXiv 2510.05491) for the matrix banks, Adam for the rest, communication included.
 # Every parameter has a label and a ParamConfig. One NorMuonAdam.step() does all communication:
 #
-#   phase 1 scatter (scatter_order, big banks first): launch the async gradient reduction
+#   phase 1 scatter (scatter_order, big banks first): launch the async gradient reduction; in step()
+#       after the backward, or, under reductions_on_backward, from gradient hooks while the last
+#       micro-batch's backward runs (a label launches once it and every label before it are final;
+#       while tied, the head waits for the embedding's gradient too, folded into its own first)
 #       sharded         reduce_scatter(AVG): whole matrices of a bank / a block of rows per rank
 #       replicated      all_reduce(AVG): every rank updates the whole tensor
 #       sharded_sparse  all_to_all of only the touched rows to their owner (dense when that's cheaper)
 #       none            no communication (world size 1, or gradients already identical on all ranks)
-#   phase 2 work (work_order, small params first, banks last so their reductions have landed):
-#       wait for that reduction, update the local shard, launch the async all_gather of the shard
+#   phase 2 work (small params first, banks last so their reductions have landed): Adam in at most two
+#       calls of the group update, the labels every rank updates whole, then the sharded ones (each
+#       group in work_order: wait for its reductions, update, launch the async all_gathers of the
+#       shards); then the NorMuon banks in work_order: wait, update the local shard, all_gather
 #   phase 3 finalize: wait for the gathers; refresh the tied embedding from the head
 #
 # The section is four pieces, each usable without the others:
 #   update math     pure functions of one shard, no communication: _normuon_update, _adam_update
+#                   (_adam_update_group: several labels' shards in one call)
 #   layout          OwnershipLayout: which rank owns which rows of every label (a Slot per label), the
 #                   shapes of its state and its per-matrix learning rates; needs no process group
 #   comms           CommLayer (async collectives, bytes counted per label) and ShardExchange (the
@@ -1376,16 +1383,26 @@ def _adam_update(grad, exp_avg, exp_avg_sq, param, hp):
     param.copy_(p - u)
 
 
+def _adam_update_group(grads, exp_avgs, exp_avg_sqs, params, hps):
+    """_adam_update on several labels' shards, one list entry per label. Each entry gets the same fp32
+    ops in the same order, so every element has the per-label update's bits; compiled, the group is
+    one graph, one launch instead of one per label (a GPU step is host-bound: 18 Adam labels, each a
+    launch with its own guard checks, cost more host time than their kernels take)."""
+    for grad, exp_avg, exp_avg_sq, param, hp in zip(grads, exp_avgs, exp_avg_sqs, params, hps):
+        _adam_update(grad, exp_avg, exp_avg_sq, param, hp)
+
+
 def update_functions(compile=False):
-    """(NorMuon update, Adam update): eager (Adam sliced on CPUs) for compile=False, else compiled
-    with torch.compile, inductor for True or the backend given (a name or callable). Compiled, each
-    label's whole update (a NorMuon bank's momentum, orthogonalization, variance reduction and
-    cautious step over all its matrices at once) is one graph, fullgraph: a break is an error."""
+    """(NorMuon update, Adam group update): eager (Adam sliced on CPUs, label by label) for
+    compile=False, else compiled with torch.compile, inductor for True or the backend given (a name or
+    callable), fullgraph: a break is an error. Compiled, a label's whole NorMuon update (momentum,
+    orthogonalization, variance reduction and cautious step over all its matrices) is one graph, and
+    so is the Adam update of a whole group of labels (_adam_update_group)."""
     if not compile:
-        return _normuon_update, _adam_update_sliced
+        return _normuon_update, _adam_update_group_sliced
     backend = "inductor" if compile is True else compile
     return (torch.compile(_normuon_update, dynamic=False, backend=backend, fullgraph=True),
-            torch.compile(_adam_update, dynamic=True, backend=backend, fullgraph=True))
+            torch.compile(_adam_update_group, dynamic=True, backend=backend, fullgraph=True))
 
 
 def normuon_hyperparams(lr: float, wd: float, wd_mul: float, momentum: float, beta2: float) -> list[float]:
@@ -1802,6 +1819,43 @@ class ShardExchange:
         return full[:slot.rows].view(shard.dtype)
 
 
+class BackwardReductions:
+    """One step's gradient reductions (phase 1), launched from post-accumulate-grad hooks while the
+    last micro-batch's backward runs (NorMuonAdam.reductions_on_backward), as modded-nanogpt's DistAdam
+    (@vagrawal, @akash5474; records before #89) launched its reduce_scatters from
+    Tensor.register_post_accumulate_grad_hook when should_sync was set for the last micro-batch. Record
+    #89's NorMuonAndAdam launches them after the backward instead; the numbers are the same.
+
+    Launches follow the fixed `order` (the step's labels in scatter_order): a label launches as soon
+    as it and every label before it are ready, so every rank issues the same collectives in the same
+    order whichever order its hooks fire in (autograd's order is the same on ranks that run the same
+    graph, but nothing here relies on it). A label is ready once the hooks of every label in
+    needs[label] have fired: its own parameter's, and for the tied head also the embedding's, whose
+    gradient is folded into the head's before the head's reduction launches.
+    """
+
+    def __init__(self, order, needs: dict[str, tuple[str, ...]], launch):
+        self.order, self.needs, self.launch = list(order), needs, launch
+        self.fired: set[str] = set()
+        self.launched: dict = {}  # label -> the function that waits for its reduction (ShardExchange.scatter)
+
+    def hook(self, label: str):
+        """The post-accumulate-grad hook of label's parameter: its gradient is final."""
+        def on_final_grad(_param):
+            self.fired.add(label)
+            self.advance()
+        return on_final_grad
+
+    def advance(self, final: bool = False) -> None:
+        """Launch, in order, every label whose predecessors have launched and that is ready (final:
+        every label left, after the backward, e.g. those that received no gradient)."""
+        while len(self.launched) < len(self.order):
+            label = self.order[len(self.launched)]
+            if not final and not self.fired.issuperset(self.needs[label]):
+                return
+            self.launched[label] = self.launch(label)
+
+
 # ---- NorMuonAdam: the orchestrator ----------------------------------------------------------
 
 
@@ -1848,7 +1902,9 @@ class NorMuonAdam:
     than this fraction of the rows (0 forces dense).
 
     step(do_adam, lr_scale, momentum) consumes the gradients it uses (sets .grad to None); Adam
-    gradients are left alone on steps without Adam so that they keep accumulating.
+    gradients are left alone on steps without Adam so that they keep accumulating. With more than one
+    rank, `with opt.reductions_on_backward(do_adam): loss.backward()` around the last micro-batch's
+    backward launches phase 1 from gradient hooks, overlapping it with the rest of the backward.
     """
 
     def __init__(self, params: dict[str, nn.Parameter], configs: dict[str, ParamConfig], *,
@@ -1882,6 +1938,7 @@ class NorMuonAdam:
         self._matrix_lr = {label: self.layout.matrix_lr(label) for label, slot in self.slots.items()
                            if slot.cfg.optimizer == "normuon"}
         self._normuon_fn, self._adam_fn = update_functions(compile)
+        self._on_backward: tuple[bool, dict] | None = None  # (do_adam, reductions) launched from hooks
 
     def prepare_sparse(self, label: str, row_ids, launch: bool = False) -> None:
         """Declare rows of a sharded_sparse table that this rank's gradient touches.
@@ -1918,19 +1975,99 @@ class NorMuonAdam:
         return {label: (self.normuon_lr if slot.cfg.optimizer == "normuon" else self.adam_lr) * lr_scale
                 * lr_multipliers(slot.cfg, slot.shape) for label, slot in self.slots.items()}
 
-    def _work(self, slot: Slot, grad: torch.Tensor, hp: torch.Tensor, after_update=None):
-        """Update the local shard; return a function that completes its all_gather (or None)."""
+    def _active(self, do_adam: bool) -> list[str]:
+        """The labels one step updates, in scatter_order: NorMuon ones always, Adam ones on do_adam
+        steps (every_step ones always); never the tied embedding (the head's update drives it)."""
+        skip = self.tied[0] if self.tied else None
+        return [label for label in self.scatter_order
+                if label != skip and (do_adam or self.slots[label].cfg.optimizer == "normuon"
+                                      or self.slots[label].cfg.every_step)]
+
+    def _fold_tied_grad(self) -> None:
+        """While tied, add embed.grad^T into the head's gradient (the head's update drives both)."""
+        embed, head = (self.slots[t].param for t in self.tied)
+        if embed.grad is not None:
+            if head.grad is None:
+                head.grad = embed.grad.mT.contiguous()
+            else:
+                triton_kernels.transpose_add(embed.grad, head.grad)
+            embed.grad = None
+
+    def _launch_reduction(self, label: str, do_adam: bool):
+        """Phase 1 for one label: launch its gradient reduction, the tied fold first for the head."""
+        if self.tied and do_adam and label == self.tied[1]:
+            self._fold_tied_grad()
+        slot = self.slots[label]
+        return self.exchange.scatter(slot, slot.grad_view())
+
+    @contextlib.contextmanager
+    def reductions_on_backward(self, do_adam: bool):
+        """Around the last micro-batch's backward: launch this step's gradient reductions (phase 1)
+        from post-accumulate-grad hooks as the gradients become final, in scatter_order (see
+        BackwardReductions); the next step(do_adam) waits on them instead of launching them. The step's
+        labels only (on steps without Adam, Adam gradients keep accumulating). One rank has nothing to
+        reduce: no hooks, nothing to do."""
+        do_adam = bool(do_adam)
+        if self._on_backward is not None:
+            raise ValueError("reductions_on_backward: this step's reductions are already launched; call step() first")
+        if self.world_size == 1:
+            yield
+            return
+        active = self._active(do_adam)
+        head = self.tied[1] if self.tied and do_adam else None
+        needs = {label: (label, self.tied[0]) if label == head else (label,) for label in active}
+        launch = BackwardReductions(active, needs, functools.partial(self._launch_reduction, do_adam=do_adam))
+        handles = []
+        try:
+            for label in dict.fromkeys(n for ns in needs.values() for n in ns):
+                p = self.slots[label].param
+                if p.requires_grad:
+                    handles.append(p.register_post_accumulate_grad_hook(launch.hook(label)))
+                else:  # no gradient will come: ready now
+                    launch.fired.add(label)
+            yield
+        finally:
+            for h in handles:
+                h.remove()
+        launch.advance(final=True)
+        self._on_backward = (do_adam, launch.launched)
+
+    def _adam_groups(self, active) -> list[list[str]]:
+        """The step's Adam labels in work_order, in the groups whose update is one call: first the
+        labels every rank updates whole (replicated, none), whose reductions are small and land
+        first, then the sharded ones (embedding tables, head), whose shards are gathered after."""
+        adam = [label for label in self.work_order if label in active and self.slots[label].cfg.optimizer == "adam"]
+        groups = ([label for label in adam if not self.slots[label].sharded],
+                  [label for label in adam if self.slots[label].sharded])
+        return [group for group in groups if group]
+
+    def _adam_work(self, labels, reduced, hps) -> dict:
+        """Wait for the reductions of a group of Adam labels, update their local shards in one call
+        of the Adam group update, then launch their all_gathers; returns label -> function that
+        completes the gather, for the sharded ones."""
+        slots = [self.slots[label] for label in labels]
+        grads = [reduced[label]() for label in labels]
+        shards = [slot.local_shard() for slot in slots]
+        states = [self.state[label] for label in labels]
+        self._adam_fn(grads, [st["exp_avg"] for st in states], [st["exp_avg_sq"] for st in states], shards,
+                      [hps[label] for label in labels])
+        gathers = {}
+        for slot, shard in zip(slots, shards):
+            self.adam_steps[slot.label] += 1
+            done = self.exchange.gather(slot, shard)
+            if done is not None:
+                gathers[slot.label] = done
+        return gathers
+
+    def _normuon_work(self, slot: Slot, grad: torch.Tensor, hp: torch.Tensor, after_update=None):
+        """Update the local shard of a NorMuon label; return a function that completes its all_gather (or None)."""
         st = self.state[slot.label]
         shard = slot.local_shard()
-        if slot.cfg.optimizer == "normuon":
-            if shard.size(0):  # a balanced bank may give this rank none of its matrices
-                self._normuon_fn(grad, st["momentum_buffer"], st["second_moment"], shard, st.get("mantissa"),
-                                 self._matrix_lr[slot.label], hp, self.orthogonalize)
-            if after_update is not None:  # on the owned matrices, before they are gathered
-                after_update(slot, shard, st.get("mantissa"))
-        else:
-            self._adam_fn(grad, st["exp_avg"], st["exp_avg_sq"], shard, hp)
-            self.adam_steps[slot.label] += 1
+        if shard.size(0):  # a balanced bank may give this rank none of its matrices
+            self._normuon_fn(grad, st["momentum_buffer"], st["second_moment"], shard, st.get("mantissa"),
+                             self._matrix_lr[slot.label], hp, self.orthogonalize)
+        if after_update is not None:  # on the owned matrices, before they are gathered
+            after_update(slot, shard, st.get("mantissa"))
         return self.exchange.gather(slot, shard)
 
     @torch.no_grad()
@@ -1949,27 +2086,24 @@ class NorMuonAdam:
             if label not in self.slots or self.slots[label].cfg.optimizer != "normuon":
                 raise ValueError(f"NorMuonAdam.step: after_update[{label!r}] needs a normuon label")
         momentum = self.normuon_momentum if momentum is None else momentum
-        skip = self.tied[0] if self.tied else None
-        active = [label for label in self.scatter_order
-                  if label != skip and (do_adam or self.slots[label].cfg.optimizer == "normuon"
-                                        or self.slots[label].cfg.every_step)]
+        active = self._active(do_adam)
         hps = self._hyperparams(active, float(lr_scale), float(momentum))
-        if self.tied and do_adam:
-            embed, head = (self.slots[t].param for t in self.tied)
-            if embed.grad is not None:
-                if head.grad is None:
-                    head.grad = embed.grad.mT.contiguous()
-                else:
-                    triton_kernels.transpose_add(embed.grad, head.grad)
-                embed.grad = None
-        # phase 1: scatter
-        reduced = {label: self.exchange.scatter(self.slots[label], self.slots[label].grad_view()) for label in active}
-        # phase 2: work
+        # phase 1: scatter, unless reductions_on_backward launched it during the backward
+        if self._on_backward is not None:
+            launched_adam, reduced = self._on_backward
+            self._on_backward = None
+            if launched_adam != bool(do_adam):
+                raise ValueError(f"NorMuonAdam.step: do_adam={do_adam} but reductions_on_backward launched"
+                                 f" the reductions of a do_adam={launched_adam} step")
+        else:
+            reduced = {label: self._launch_reduction(label, do_adam) for label in active}
+        # phase 2: work. Adam in at most two calls (_adam_groups), then the NorMuon banks in work_order.
         gathers = {}
-        active_set = set(active)
+        for group in self._adam_groups(active):
+            gathers.update(self._adam_work(group, reduced, hps))
         for label in self.work_order:
-            if label in active_set:
-                done = self._work(self.slots[label], reduced[label](), hps[label], after_update.get(label))
+            if label in reduced and self.slots[label].cfg.optimizer == "normuon":
+                done = self._normuon_work(self.slots[label], reduced[label](), hps[label], after_update.get(label))
                 if done is not None:
                     gathers[label] = done
         # phase 3: finalize. The head's gather is waited on first, so the tied embedding is refreshed
@@ -1991,6 +2125,8 @@ class NorMuonAdam:
         """
         if self.tied is None:
             raise ValueError("NorMuonAdam.untie(): embedding and head are not tied")
+        if self._on_backward is not None:
+            raise ValueError("NorMuonAdam.untie(): reductions launched by reductions_on_backward are pending; call step() first")
         e_label, h_label = self.tied
         e, h = self.slots[e_label], self.slots[h_label]
         self.state[e_label] = {name: self.layout.shard_of(e_label, self.exchange.full_tensor(h, shard)
@@ -3770,12 +3906,15 @@ def train_step(model_fn, opt: NorMuonAdam, batches: list[Batch], plan: StepPlan,
     for i, b in enumerate(batches):  # the bigram rows to exchange are known before backward: start now
         opt.prepare_sparse("bigram_embed", b.bigram_ids, launch=plan.do_adam and i == len(batches) - 1)
     loss = torch.zeros((), device=device)
-    for b in batches:
+    for i, b in enumerate(batches):
         b = b.to(device)
         masks = model_fn.batch_masks(b)  # outside the compiled graph; built by the loader when it could
         micro = model_fn(b.inputs, b.targets, b.cu_seqlens, b.bigram_ids, mtp_weights=mtp, loss_scale=grad_scale,
                          prefix_weight=prefix, masks=masks)
-        micro.backward()
+        # The last backward launches each gradient's reduction as soon as that gradient is final.
+        last = i == len(batches) - 1
+        with opt.reductions_on_backward(plan.do_adam) if last else contextlib.nullcontext():
+            micro.backward()
         loss += micro.detach()
     opt.step(plan.do_adam, lr_scale=plan.lr_mult, momentum=plan.momentum)
     return loss
@@ -4000,6 +4139,13 @@ def _adam_update_sliced(grad, exp_avg, exp_avg_sq, param, hp):
     flat = [t.view(-1) for t in tensors]
     for a in range(0, grad.numel(), ADAM_CPU_CHUNK):
         _adam_update(*(t[a: a + ADAM_CPU_CHUNK] for t in flat), hp)
+
+
+def _adam_update_group_sliced(grads, exp_avgs, exp_avg_sqs, params, hps):
+    """_adam_update_group on a CPU: label by label, each sliced (eager, one call per label costs the
+    CPU nothing that grouping would save, and slicing keeps the temporaries in cache)."""
+    for grad, exp_avg, exp_avg_sq, param, hp in zip(grads, exp_avgs, exp_avg_sqs, params, hps):
+        _adam_update_sliced(grad, exp_avg, exp_avg_sq, param, hp)
 
 
 # ---- Balanced ownership: banks without padding ----------------------------------------------

@@ -8,6 +8,7 @@ Run as a script under torchrun, this file is the worker of the multi-node test:
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
@@ -783,6 +784,281 @@ def test_compiled_step_never_recompiles_on_schedule_changes():
     drive(opt, params, grads, steps=range(2, 6), untie_at=-1)
     assert len(compiles) == n_warm, f"{len(compiles) - n_warm} recompiles when lr/momentum changed"
     torch._dynamo.reset()
+
+
+# ----------------------------------------------------------------------------------------------
+# Reductions launched from gradient hooks during the last backward; Adam in at most two calls
+# ----------------------------------------------------------------------------------------------
+
+REDUCTIONS = ("reduce_scatter_avg", "all_reduce_avg", "reduce_scatter_uneven", "all_to_all")
+GATHERS = ("all_gather", "all_gather_uneven")
+
+
+def backward_loss(params, grads, scale, final_order=SCATTER_ORDER):
+    """A loss whose gradient is exactly grads[label] * scale for every label (dyadic: no rounding).
+    Its terms are built in reversed final_order and autograd runs the last-built term first, so the
+    gradients become final one by one in final_order (by default the head's before the embedding's)."""
+    loss = torch.zeros(())
+    for label in reversed(final_order):
+        loss = loss + (params[label].float() * (grads[label].float() * scale)).sum()
+    return loss
+
+
+class LaunchLog:
+    """The events of a run in order: ("grad", label) when autograd has accumulated a label's gradient
+    (a hook registered before the optimizer's, so it fires first), (op, label) when the optimizer's
+    CommLayer launches a collective, and the driver's ("last backward", step) / ("step", step) marks."""
+
+    def __init__(self, opt, params):
+        self.events = []
+        for label, p in params.items():
+            p.register_post_accumulate_grad_hook(lambda _p, label=label: self.events.append(("grad", label)))
+        for op in REDUCTIONS + GATHERS:
+            setattr(opt.comm, op, self.spy(op, getattr(opt.comm, op)))
+
+    def spy(self, op, fn):
+        def launch(label, *args, **kwargs):
+            self.events.append((op, label))
+            return fn(label, *args, **kwargs)
+        return launch
+
+    def last_backward(self, step):
+        """The events from the start of step's last backward to its opt.step() call."""
+        return self.events[self.events.index(("last backward", step)) + 1:self.events.index(("step", step))]
+
+
+def drive_backward(opt, params, grads_of_step, sparse_rows_of_step=None, hooked=True, log=None):
+    """drive() with autograd: every step's gradients arrive as two micro-batches' backward passes of
+    half the gradient each; hooked: the last one under opt.reductions_on_backward, as train_step runs it."""
+    for step in range(NUM_STEPS):
+        do_adam = step % 2 == 1
+        if sparse_rows_of_step is not None:
+            opt.prepare_sparse("bigram_embed", sparse_rows_of_step(step), launch=do_adam)
+        if step == UNTIE_AT:
+            opt.untie()
+        grads = grads_of_step(step)
+        backward_loss(params, grads, 0.5).backward()
+        log.events.append(("last backward", step))
+        with opt.reductions_on_backward(do_adam) if hooked else contextlib.nullcontext():
+            backward_loss(params, grads, 0.5).backward()
+        log.events.append(("step", step))
+        opt.step(do_adam=do_adam, lr_scale=1.0 - 0.05 * step, momentum=0.85 + 0.02 * step)
+
+
+def hooked_worker(rank: int, world_size: int, group=None):
+    """Runs of distributed_worker's two comms modes through autograd, with the reductions launched
+    after the backward (hooked=False, the path before reductions_on_backward) and from its hooks."""
+    out = {}
+    for mode in ("sparse", "dense") if world_size > 1 else ("sparse",):
+        for hooked in (False, True):
+            params = make_params()
+            opt = build(params, sparse_threshold=1.0 if mode == "sparse" else 0.0, process_group=group,
+                        ownership="balanced" if mode == "sparse" else "padded")
+            log = LaunchLog(opt, params)
+
+            def rows(step):
+                return step_grads(step, world_size)[1][rank]["bigram_embed"].float().abs().sum(1).nonzero().view(-1)
+            drive_backward(opt, params, lambda s: step_grads(s, world_size)[1][rank], rows if mode == "sparse" else None,
+                           hooked, log)
+            out[mode, hooked] = {"params": {k: p.data.clone() for k, p in params.items()}, "state": opt.state_dict(),
+                                 "layout": {k: (s.lo, s.real_rows, s.sharded) for k, s in opt.slots.items()},
+                                 "bytes": dict(opt.comm.bytes_sent), "events": log.events,
+                                 "hooks_left": any(p._post_accumulate_grad_hooks and len(p._post_accumulate_grad_hooks) > 1
+                                                   for p in params.values())}
+    return out
+
+
+def hook_tests_worker(rank: int, world_size: int):
+    """The 2-rank runs of the tests below in one start of the ranks (spawned: a fork after this
+    process ran a backward could not run autograd)."""
+    return {"runs": hooked_worker(rank, world_size), "firing order": firing_order_worker(rank, world_size),
+            "misuse": misuse_worker(rank, world_size)}
+
+
+@pytest.fixture(scope="module")
+def hooked_results():
+    two = run_on_ranks(hook_tests_worker, 2, timeout=240, start_method="spawn")
+    return {1: [hooked_worker(0, 1)], 2: [r["runs"] for r in two], "firing order": [r["firing order"] for r in two],
+            "misuse": [r["misuse"] for r in two]}
+
+
+def assert_same_bits(a, b, what):
+    for label, t in a["params"].items():
+        assert torch.equal(t, b["params"][label]), f"{what}: parameter {label}"
+    assert a["state"]["adam_steps"] == b["state"]["adam_steps"], what
+    for label, st in a["state"]["state"].items():
+        for name, t in st.items():
+            assert torch.equal(t, b["state"]["state"][label][name]), f"{what}: {label}.{name}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_reductions_launched_on_backward_give_the_same_bits(world_size, hooked_results):
+    """Adam and NorMuon steps, tied then untied, the sparse and the dense bigram exchange, balanced and
+    padded ownership: the hook-launched run equals the launch-after-backward run bit for bit, and both
+    equal the single-process run of the global gradients (bit for bit on one rank)."""
+    results = hooked_results[world_size]
+    for rank, res in enumerate(results):
+        for mode, hooked in res:
+            if hooked:
+                assert_same_bits(res[mode, True], res[mode, False], f"{mode} rank {rank}")
+                assert not res[mode, True]["hooks_left"], "reductions_on_backward leaves no hook behind"
+    check_against_reference([{mode: res[mode, True] for mode, hooked in res if hooked} for res in results], world_size)
+    if world_size == 1:
+        ref_params, ref_sd = reference_run(1)
+        assert_same_bits(results[0]["sparse", True], {"params": ref_params, "state": ref_sd}, "one rank")
+
+
+def expected_launches(step):
+    """The labels whose reductions a 2-rank step launches, in SCATTER_ORDER (not 'local', comms none)."""
+    do_adam = step % 2 == 1
+    cfgs = make_configs()
+    return [label for label in SCATTER_ORDER if cfgs[label].comms != "none"
+            and (do_adam or cfgs[label].optimizer == "normuon") and not (label == "embed" and step < UNTIE_AT)]
+
+
+@pytest.mark.slow
+def test_hook_launched_reductions_start_before_the_backward_ends(hooked_results):
+    """On 2 ranks the reductions launch during the last backward, right after their gradients are final
+    (the first one before the last gradient arrives), in SCATTER_ORDER, identically on both ranks; the
+    tied head's only after the embedding's gradient (folded into it); without hooks none launches
+    during the backward. One rank: no hooks and no collective at all."""
+    results = hooked_results[2]
+    for mode in ("sparse", "dense"):
+        per_rank = []
+        for rank, res in enumerate(results):
+            events = res[mode, True]["events"]
+            log = LaunchLog.__new__(LaunchLog)
+            log.events = events
+            for step in range(NUM_STEPS):
+                during = log.last_backward(step)
+                grads = [i for i, (kind, _) in enumerate(during) if kind == "grad"]
+                launches = [i for i, (kind, _) in enumerate(during) if kind in REDUCTIONS]
+                assert launches and launches[0] < grads[-1], (mode, rank, step, during)
+                labels = list(dict.fromkeys(during[i][1] for i in launches))
+                assert labels == expected_launches(step), (mode, rank, step, labels)
+                if step % 2 == 1 and step < UNTIE_AT:  # tied Adam step: the head waits for the embedding
+                    head = next(i for i in launches if during[i][1] == "lm_head")
+                    assert during.index(("grad", "embed")) < head, (mode, rank, step, during)
+                    assert during.index(("grad", "lm_head")) < during.index(("grad", "embed"))
+                after = LaunchLog.__new__(LaunchLog)
+                after.events = res[mode, False]["events"]
+                assert not [e for e in after.last_backward(step) if e[0] in REDUCTIONS], (mode, rank, step)
+            per_rank.append([e for e in events if e[0] != "grad"])
+        assert per_rank[0] == per_rank[1], f"{mode}: the ranks launched different collectives or in another order"
+    one = hooked_results[1][0]["sparse", True]["events"]
+    assert not [e for e in one if e[0] in REDUCTIONS + GATHERS]
+
+
+def firing_order_worker(rank, world_size):
+    """One tied Adam step whose gradients become final in SCATTER_ORDER on rank 0 and in the reverse
+    order on rank 1; returns the collectives this rank launched, in order, and the parameters."""
+    params = make_params()
+    opt = build(params)
+    log = LaunchLog(opt, params)
+    grads = step_grads(1, world_size)[1][rank]
+    final_order = SCATTER_ORDER if rank == 0 else SCATTER_ORDER[::-1]
+    with opt.reductions_on_backward(True):
+        backward_loss(params, grads, 1.0, final_order).backward()
+    opt.step(do_adam=True)
+    return [e for e in log.events if e[0] != "grad"], {k: p.data.clone() for k, p in params.items()}
+
+
+@pytest.mark.slow
+def test_ranks_launch_in_scatter_order_whatever_order_their_hooks_fire(hooked_results):
+    """Ranks whose gradients become final in opposite orders still launch the same collectives in the
+    same order, SCATTER_ORDER (a rank launching in its hooks' order would pair different collectives:
+    an error, a hang or wrong sums), and end with the same parameters."""
+    (events0, params0), (events1, params1) = hooked_results["firing order"]
+    assert events0 == events1
+    assert list(dict.fromkeys(label for op, label in events0 if op in REDUCTIONS)) == expected_launches(1)
+    for label, t in params0.items():
+        assert torch.equal(t, params1[label]), label
+
+
+@pytest.mark.slow
+def test_reductions_on_backward_refuses_a_second_launch_or_another_step(hooked_results):
+    """Misuse is a one-line ValueError: a second block before step(), a step with the other do_adam."""
+    for errors in hooked_results["misuse"]:
+        assert len(errors) == 2 and all("\n" not in e for e in errors), errors
+        assert "already launched" in errors[0] and "do_adam=False" in errors[1], errors
+
+
+def misuse_worker(rank, world_size):
+    params = make_params()
+    opt = build(params)
+    grads = step_grads(1, world_size)[1][rank]
+    errors = []
+    with opt.reductions_on_backward(True):
+        backward_loss(params, grads, 1.0).backward()
+    try:
+        with opt.reductions_on_backward(True):
+            pass
+    except ValueError as e:
+        errors.append(str(e))
+    try:
+        opt.step(do_adam=False)
+    except ValueError as e:
+        errors.append(str(e))
+    return errors
+
+
+def counted(fn, calls):
+    """fn, recording the number of labels of every call (the Adam group update's first argument)."""
+    def counting(grads, *rest):
+        calls.append(len(grads))
+        return fn(grads, *rest)
+    return counting
+
+
+def adam_group_worker(rank, world_size, group=None, backend="aot_eager"):
+    """The distributed_worker run with compiled updates twice: the Adam group update as the optimizer
+    calls it (its calls counted), and the per-label form, one compiled _adam_update call per label;
+    then eagerly (the CPU's per-label sliced update)."""
+    import torch._dynamo
+    out = {}
+    for variant in ("group", "per label", "eager"):
+        torch._dynamo.reset()
+        params = make_params()
+        opt = build(params, process_group=group, compile=backend if variant != "eager" else False)
+        opt._normuon_fn = T._normuon_update  # eager: only Adam is under test, and compiling NorMuon is slow
+        calls = []
+        if variant == "group":
+            opt._adam_fn = counted(opt._adam_fn, calls)
+        elif variant == "per label":
+            single = torch.compile(T._adam_update, dynamic=True, backend=backend, fullgraph=True)
+
+            def per_label(*lists):
+                for args in zip(*lists):
+                    single(*args)
+            opt._adam_fn = counted(per_label, calls)
+        drive(opt, params, lambda s: step_grads(s, world_size)[1][rank])
+        out[variant] = {"params": {k: p.data.clone() for k, p in params.items()}, "state": opt.state_dict(),
+                        "calls": calls}
+    torch._dynamo.reset()
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world_size, backend", [(1, "inductor"), (2, "aot_eager")])
+def test_compiled_adam_runs_in_at_most_two_calls_with_the_per_label_bits(world_size, backend):
+    """Compiled, an Adam step updates all its labels in at most two calls of the group update (one rank:
+    one; two ranks: the replicated and 'none' labels, then the sharded ones), every Adam label steps
+    twice in five steps, and every parameter and state bit equals one compiled _adam_update call per
+    label (and, with aot_eager, which runs the eager ops, the eager step's bits)."""
+    if world_size == 1:
+        results = [adam_group_worker(0, 1, backend=backend)]
+        expected = [6, 7]  # step 1: every Adam label but the tied embedding; step 3, untied: all 7
+    else:
+        results = run_on_ranks(adam_group_worker, 2, backend=backend, timeout=240)
+        expected = [3, 3, 3, 4]  # scalars, gates, local | lm_head, value_embed, bigram_embed (+ embed untied)
+    for rank, res in enumerate(results):
+        assert res["group"]["calls"] == expected, (rank, res["group"]["calls"])
+        adam = [label for label, cfg in make_configs().items() if cfg.optimizer == "adam"]
+        assert res["group"]["state"]["adam_steps"] == {label: 2 for label in adam}
+        assert_same_bits(res["group"], res["per label"], f"rank {rank}")
+        if backend == "aot_eager":
+            assert_same_bits(res["group"], res["eager"], f"rank {rank}, eager")
 
 
 def one_line_error(fn, match):
