@@ -148,3 +148,16 @@ def test_training_step_counts_and_prebuilt_masks_remove_exactly_the_mask_share()
     assert prebuilt.phases.get("masks", {"aten": 0})["aten"] == 0
     assert prebuilt.aten == built.aten - masks["aten"]
     assert prebuilt.crossings == built.crossings
+
+
+@pytest.mark.slow
+def test_smoke_run_prints_the_summary_and_writes_the_json(tmp_path, capsys):
+    out = tmp_path / "figures.json"
+    count = H.main(["--smoke", "--json", str(out)])
+    printed = capsys.readouterr().out.splitlines()
+    summary = next(line for line in printed if line.startswith("host dispatches per step:"))
+    assert summary == (f"host dispatches per step: {count.total:,} ({count.aten:,} aten ops outside compiled graphs"
+                       f" + {count.crossings:,} custom-op crossings), 2 micro-batches, 4 layers")
+    figures = H.json.loads(out.read_text())
+    assert figures["total"] == count.total > 0 and figures["layers"] == 4 and figures["micro_batches"] == 2
+    assert sum(p["aten"] for p in figures["phases"].values()) == figures["aten"]

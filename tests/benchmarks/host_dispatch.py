@@ -3,7 +3,9 @@ custom-op crossings, per phase, on the CUDA code path forced onto CPU tensors (i
 
     python tests/benchmarks/host_dispatch.py                    # 11-layer table, 8 micro-batches, 2 steps
     python tests/benchmarks/host_dispatch.py --json out.json    # the figures as JSON as well
-    python tests/benchmarks/host_dispatch.py --smoke            # tooling check (tests): 1 step, fast backend
+    python tests/benchmarks/host_dispatch.py --backend aot_eager --steps 4   # compiles in a fraction of the time
+    python tests/benchmarks/host_dispatch.py --prebuilt_masks   # masks built before the step (a loader's share)
+    python tests/benchmarks/host_dispatch.py --smoke            # tooling check (tests): 4 layers, 1 step
 
 What is counted. One training step is what train_gpt.train()'s run_step does: train_gpt.train_step (every
 micro-batch's attention masks, forward and backward, the loss sum, then NorMuonAdam.step), then the FP8
@@ -438,14 +440,16 @@ def main(argv=None):
     ap.add_argument("--prebuilt_masks", action="store_true",
                     help="build each micro-batch's masks before the step, outside the count (as a loader would)")
     ap.add_argument("--json", default=None, help="also write the figures (per step) to this file")
-    ap.add_argument("--smoke", action="store_true", help="1 step, aot_eager: a tooling check (tests)")
+    ap.add_argument("--smoke", action="store_true",
+                    help="tooling check (tests): 1 step, aot_eager, the test preset's 4 layers, 2 micro-batches of 256 tokens")
     a = ap.parse_args(argv)
     if a.steps < 1 or a.micro_tokens % T.FLEX_BLOCK_SIZE:
         raise SystemExit(f"error: --steps must be >= 1 and --micro_tokens a multiple of {T.FLEX_BLOCK_SIZE}")
-    if a.smoke:
-        a.steps, a.backend = 1, "aot_eager"
-    torch.set_num_threads(min(torch.get_num_threads(), os.cpu_count() or 1))
-    args = tiny_args(a.micro_tokens, a.micro_batches)
+    layers = T.LAYERS
+    if a.smoke:  # the test preset's 4-layer table: compiles in a fraction of the 11 layers' time
+        a.steps, a.backend, a.micro_tokens, a.micro_batches = 1, "aot_eager", 256, 2
+        layers = T.parse_args(["--preset", "test"]).layers
+    args = tiny_args(a.micro_tokens, a.micro_batches, layers)
     print(f"host dispatches of one training step: {len(args.layers)} layers, {a.micro_batches} micro-batches x "
           f"{a.micro_tokens} tokens, CUDA path on CPU tensors, {a.backend} backend"
           + (", masks prebuilt" if a.prebuilt_masks else ""))
