@@ -29,8 +29,11 @@ functions with known counts.
 The CUDA path on CPU tensors, and what is substituted:
   * compiled: the model with train_gpt.compile_model's settings (fullgraph, dynamic=False), the optimizer's
     updates compiled as on CUDA (train_gpt.update_functions(True)); the backend is --backend (default
-    inductor). The graph boundaries, and so the count, do not depend on the backend (--smoke uses
-    aot_eager, which compiles in seconds; the tests check both give the same count).
+    inductor). The graph boundaries, and so what is dispatched outside them, are dynamo's and
+    AOTAutograd's whatever the backend; aot_eager (--smoke's) compiles in a fraction of inductor's time.
+    The phase split of forward and backward is not: AOTAutograd's partitioner may move backward work into
+    the forward graph (aot_eager does here: the loss's gradient ignores the incoming one), so the two
+    are one phase.
   * attention: flex block masks built per micro-batch outside the graph (attention_masks(kernel="flex"), as
     on CUDA). Inductor cannot compile flex_attention's backward for CPU tensors (it fails in lowering), so
     with --backend inductor the flex call inside the graph is replaced by SDPA on the dense mask that the
