@@ -161,3 +161,4 @@ def test_smoke_run_prints_the_summary_and_writes_the_json(tmp_path, capsys):
     figures = H.json.loads(out.read_text())
     assert figures["total"] == count.total > 0 and figures["layers"] == 4 and figures["micro_batches"] == 2
     assert sum(p["aten"] for p in figures["phases"].values()) == figures["aten"]
+    assert figures["per_step"] == [dict(step=2, adam=False, total=count.total, aten=count.aten, crossings=count.crossings)]

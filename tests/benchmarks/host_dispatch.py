@@ -384,16 +384,16 @@ PHASE_TEXT = {"masks": "attention masks (eager)", FORWARD_BACKWARD: "forward + b
 
 
 def measure(args: T.Hyperparameters, backend: str, steps: int, warmup: int = 2, prebuilt_masks: bool = False,
-            log=print) -> tuple[DispatchCount, float]:
-    """(summed DispatchCount of `steps` training steps after `warmup` compiling ones, seconds of the
-    counted steps). prebuilt_masks: masks built before each counted step (outside the count)."""
+            log=print) -> tuple[DispatchCount, list[dict]]:
+    """(summed DispatchCount of `steps` training steps after `warmup` compiling ones, each step's totals).
+    prebuilt_masks: masks built before each counted step (outside the count)."""
     runner = StepRunner(args, backend)
     with cuda_path_on_cpu(backend):
         t = time.perf_counter()
         for s in range(warmup):
             runner.step(s, runner.batches(s))
         log(f"compiled and warmed up in {warmup} steps: {time.perf_counter() - t:.0f}s")
-        total, t = DispatchCount(), time.perf_counter()
+        total, each = DispatchCount(), []
         for s in range(warmup, warmup + steps):
             batches = runner.batches(s)
             masks = runner.masks_for(batches) if prebuilt_masks else None
@@ -402,7 +402,8 @@ def measure(args: T.Hyperparameters, backend: str, steps: int, warmup: int = 2, 
                 raise SystemExit(f"error: step {s} gave loss {loss}")
             log(f"step {s} ({'NorMuon + Adam' if s % 2 else 'NorMuon'}): {count.total} host dispatches")
             total = merged(total, count)
-        return total, time.perf_counter() - t
+            each.append(dict(step=s, adam=s % 2 == 1, total=count.total, aten=count.aten, crossings=count.crossings))
+        return total, each
 
 
 def merged(a: DispatchCount, b: DispatchCount) -> DispatchCount:
@@ -442,7 +443,8 @@ def main(argv=None):
                     help="compile backend of the model and the optimizer (the count does not depend on it)")
     ap.add_argument("--prebuilt_masks", action="store_true",
                     help="build each micro-batch's masks before the step, outside the count (as a loader would)")
-    ap.add_argument("--json", default=None, help="also write the figures (per step) to this file")
+    ap.add_argument("--json", default=None, help="also write the figures (per step: the mean, and each step's totals)"
+                    " to this file")
     ap.add_argument("--smoke", action="store_true",
                     help="tooling check (tests): 1 step, aot_eager, the test preset's 4 layers, 2 micro-batches of 256 tokens")
     a = ap.parse_args(argv)
@@ -457,7 +459,7 @@ def main(argv=None):
           f"{a.micro_tokens} tokens, CUDA path on CPU tensors, {a.backend} backend"
           + (", masks prebuilt" if a.prebuilt_masks else ""))
     t = time.perf_counter()
-    count, _ = measure(args, a.backend, a.steps, prebuilt_masks=a.prebuilt_masks)
+    count, each = measure(args, a.backend, a.steps, prebuilt_masks=a.prebuilt_masks)
     print("\n".join(report(count, a.steps, a.micro_batches, len(args.layers))))
     print(f"substituted on this CPU: {'flex_attention -> SDPA on the dense mask inside the graph (inductor has no CPU flex backward); ' if a.backend == 'inductor' else ''}"
           "_native_fp8 forced True (float8 matmuls emulated); CPU twins of Triton kernels not counted")
@@ -465,7 +467,7 @@ def main(argv=None):
     if a.json:
         figures = dict(count.scaled(1 / a.steps), steps=a.steps, micro_batches=a.micro_batches,
                        layers=len(args.layers), micro_tokens=a.micro_tokens, backend=a.backend,
-                       prebuilt_masks=a.prebuilt_masks)
+                       prebuilt_masks=a.prebuilt_masks, per_step=each)
         with open(a.json, "w") as f:
             json.dump(figures, f, indent=1)
     return count
