@@ -123,6 +123,16 @@ def test_report_summary_line_and_per_step_figures():
     assert count.scaled(0.5)["phases"]["masks"]["aten"] == 80
 
 
+def test_compare_prints_the_change_per_phase():
+    before = dict(total=100.0, aten=90.0, crossings=10.0, phases={"masks": {"aten": 40, "crossings": 0},
+                                                                   H.FORWARD_BACKWARD: {"aten": 50, "crossings": 10}})
+    after = dict(total=60.0, aten=50.0, crossings=10.0, phases={H.FORWARD_BACKWARD: {"aten": 50, "crossings": 10}})
+    lines = H.compare(before, after)
+    assert lines[0] == "host dispatches per step, before -> after: 100.0 -> 60.0 (-40.0)"
+    masks = next(line for line in lines if "attention masks" in line)
+    assert masks.split()[-4:] == ["40.0", "->", "0.0", "(-40.0)"]
+
+
 @pytest.mark.slow
 def test_training_step_counts_and_prebuilt_masks_remove_exactly_the_mask_share():
     """The real step (4-layer test table, 2 micro-batches, aot_eager): positive counts in every phase

@@ -3,6 +3,7 @@ custom-op crossings, per phase, on the CUDA code path forced onto CPU tensors (i
 
     python tests/benchmarks/host_dispatch.py                    # 11-layer table, 8 micro-batches, 2 steps
     python tests/benchmarks/host_dispatch.py --json out.json    # the figures as JSON as well
+    python tests/benchmarks/host_dispatch.py --compare out.json # and the change since out.json's run
     python tests/benchmarks/host_dispatch.py --backend aot_eager --steps 4   # compiles in a fraction of the time
     python tests/benchmarks/host_dispatch.py --prebuilt_masks   # masks built before the step (a loader's share)
     python tests/benchmarks/host_dispatch.py --smoke            # tooling check (tests): 4 layers, 1 step
@@ -434,6 +435,22 @@ def report(count: DispatchCount, steps: int, micro: int, layers: int, top: int =
     return lines
 
 
+def compare(before: dict, after: dict) -> list[str]:
+    """Lines of per-step figures (the --json files' contents) before -> after: the total, its two parts,
+    every phase."""
+    def line(what, b, a):
+        return f"  {what:44s} {b:>10,.1f} -> {a:>10,.1f}  ({a - b:+,.1f})"
+    lines = [f"host dispatches per step, before -> after: {before['total']:,.1f} -> {after['total']:,.1f}"
+             f" ({after['total'] - before['total']:+,.1f})",
+             line("aten ops outside compiled graphs", before["aten"], after["aten"]),
+             line("custom-op crossings", before["crossings"], after["crossings"])]
+    for p in sorted({*before["phases"], *after["phases"]},
+                    key=lambda p: PHASE_ORDER.index(p) if p in PHASE_ORDER else len(PHASE_ORDER)):
+        b, a = (sum(f["phases"].get(p, {}).values()) for f in (before, after))
+        lines.append(line(PHASE_TEXT.get(p, p), b, a))
+    return lines
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=2, help="counted steps after the 2 compiling ones (mean reported)")
@@ -445,6 +462,8 @@ def main(argv=None):
                     help="build each micro-batch's masks before the step, outside the count (as a loader would)")
     ap.add_argument("--json", default=None, help="also write the figures (per step: the mean, and each step's totals)"
                     " to this file")
+    ap.add_argument("--compare", default=None, metavar="BEFORE_JSON",
+                    help="also print the change from an earlier --json file (e.g. at the base commit)")
     ap.add_argument("--smoke", action="store_true",
                     help="tooling check (tests): 1 step, aot_eager, the test preset's 4 layers, 2 micro-batches of 256 tokens")
     a = ap.parse_args(argv)
@@ -470,6 +489,9 @@ def main(argv=None):
                        prebuilt_masks=a.prebuilt_masks, per_step=each)
         with open(a.json, "w") as f:
             json.dump(figures, f, indent=1)
+    if a.compare:
+        with open(a.compare) as f:
+            print("\n".join(compare(json.load(f), count.scaled(1 / a.steps))))
     return count
 
 
