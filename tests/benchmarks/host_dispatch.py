@@ -337,7 +337,6 @@ class StepRunner:
         self.mtp = torch.zeros(len(args.stages[0].mtp_start), dtype=torch.float32)
         self.prefix = torch.zeros((), dtype=torch.float32)
         self.grad_scale = T.grad_scale_for(args, 1)
-        self.prebuilt_masks = None  # {micro-batch index: masks}: masks built before the step (comparisons)
 
     def batches(self, step: int) -> list[T.Batch]:
         plan = T.plan_step(self.args, step)
