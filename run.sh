@@ -12,7 +12,9 @@
 #                                   stage (ms/step, tokens/s, MFU, peak memory, projected run time); ARGS
 #                                   pass through to tests/benchmarks/step_timing.py. On a CPU-only machine:
 #                                   the CPU benchmarks and a short demo-preset timing. Both print the
-#                                   committed token-efficiency and ablation tables (records/).
+#                                   committed token-efficiency and ablation tables (records/) and the host
+#                                   dispatches of one training step (tests/benchmarks/host_dispatch.py,
+#                                   counted on CPU tensors on any machine).
 #                                   `./run.sh bench --dry-run` lists them.
 #   ./run.sh gpu-check [ARGS...]    every CUDA path checked on this machine's GPU, then the speedrun's step
 #                                   times; report in records/gpu_check/ (tests/README.md "GPU check"). Uses
@@ -192,7 +194,8 @@ if [[ $mode == bench ]]; then
   benches=("$py tests/bench_kernels.py" "$py tests/bench_optimizer.py"
            "$py tests/benchmarks/token_efficiency.py --load records/token_efficiency_sympy_500K --no_plot"
            "$py tests/benchmarks/token_efficiency.py --load records/token_efficiency_tinyshakespeare_500K --no_plot"
-           "$py tests/benchmarks/stage_rise.py --table records/stage_rise")
+           "$py tests/benchmarks/stage_rise.py --table records/stage_rise"
+           "$py tests/benchmarks/host_dispatch.py")
   if (( gpus > 0 )); then
     # The speedrun preset reads the FineWeb train shards: fetch the first one if absent.
     benches=("$py data/cached_fineweb10B.py 1" "${benches[@]}"
