@@ -3339,12 +3339,17 @@ class Batch:
         return dataclasses.replace(self, staged=staged)
 
     def unstage(self, staged: torch.Tensor) -> "Batch":
-        """This batch's tensors as views of a copy of its staged buffer (stage()'s layout)."""
-        views, start = [], 0
+        """This batch's tensors as views of a copy of its staged buffer (stage()'s layout): one view of
+        the buffer per dtype, then one as_strided per tensor (each a host dispatch on the launch path)."""
+        views, typed, start = [], {}, 0
         for t in self.tensors():
-            size = t.numel() * t.element_size()
-            views.append(staged[start: start + size].view(t.dtype).view(t.shape))
-            start += -(-size // STAGE_ALIGN) * STAGE_ALIGN
+            if t.dtype not in typed:  # the buffer's length is a multiple of STAGE_ALIGN: any dtype divides it
+                typed[t.dtype] = staged.view(t.dtype)
+            strides = [1] * t.dim()
+            for d in range(t.dim() - 2, -1, -1):
+                strides[d] = strides[d + 1] * t.shape[d + 1]
+            views.append(typed[t.dtype].as_strided(t.shape, strides, start // t.element_size()))
+            start += -(-t.numel() * t.element_size() // STAGE_ALIGN) * STAGE_ALIGN
         return self.with_tensors(views)
 
     def to(self, device: torch.device) -> "Batch":

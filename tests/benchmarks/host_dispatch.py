@@ -5,12 +5,14 @@ custom-op crossings, per phase, on the CUDA code path forced onto CPU tensors (i
     python tests/benchmarks/host_dispatch.py --json out.json    # the figures as JSON as well
     python tests/benchmarks/host_dispatch.py --compare out.json # and the change since out.json's run
     python tests/benchmarks/host_dispatch.py --backend aot_eager --steps 4   # compiles in a fraction of the time
-    python tests/benchmarks/host_dispatch.py --prebuilt_masks   # masks built before the step (a loader's share)
+    python tests/benchmarks/host_dispatch.py --model_masks      # the masks built by the model in the step, as before the loader built them
     python tests/benchmarks/host_dispatch.py --smoke            # tooling check (tests): 4 layers, 1 step
 
 What is counted. One training step is what train_gpt.train()'s run_step does: train_gpt.train_step (every
-micro-batch's attention masks, forward and backward, the loss sum, then NorMuonAdam.step), then the FP8
-re-quantization of the MLP weights and the loss's scaling. Counted, for that step:
+micro-batch's transfer (Batch.to: one copy of its staged buffer and a view per tensor), attention masks
+(GPT.batch_masks: BlockMasks around the block indices the loader built on its thread, as on CUDA),
+forward and backward, the loss sum, then NorMuonAdam.step), then the FP8 re-quantization of the weights
+(GPT.quantize_fp8) and the loss's scaling. Counted, for that step:
   * aten ops dispatched outside compiled graphs: every aten:: call the profiler records that is not inside
     a compiled graph (CompiledFunction / CompiledFunctionBackward, inductor's "## Call CompiledFxGraph"),
     nested calls included (a composite op's inner dispatches cost host time too; the outermost ones, the
@@ -35,8 +37,11 @@ The CUDA path on CPU tensors, and what is substituted:
     The phase split of forward and backward is not: AOTAutograd's partitioner may move backward work into
     the forward graph (aot_eager does here: the loss's gradient ignores the incoming one), so the two
     are one phase.
-  * attention: flex block masks built per micro-batch outside the graph (attention_masks(kernel="flex"), as
-    on CUDA). Inductor cannot compile flex_attention's backward for CPU tensors (it fails in lowering), so
+  * batches: built as the CUDA loader builds them (make_batch with the step's flex_mask_spec, then
+    stage()), outside the count (the loader's thread); inside it, Batch.to makes the staged buffer's copy
+    (a clone here, the host-to-device copy on CUDA) and its views, as on CUDA. --model_masks: batches
+    without block masks, the model building them per micro-batch (attention_masks(kernel="flex")).
+  * attention: flex. Inductor cannot compile flex_attention's backward for CPU tensors (it fails in lowering), so
     with --backend inductor the flex call inside the graph is replaced by SDPA on the dense mask that the
     block mask's mask_mod defines (built inside the graph: nothing outside changes). With aot_eager the
     flex_attention call itself is traced (its CPU-device check switched off, as tests/test_compile_graph.py does).
@@ -48,8 +53,7 @@ The CUDA path on CPU tensors, and what is substituted:
     CUDA, ~2,000 aten ops per micro-batch on a CPU), the MLP's relu2 post / dpre, the FP8 up-projection's
     reference, and the transposes of the tied embedding (a speedrun::transpose_* op on CUDA: counted as a
     crossing here). Not seen on a CPU, so not counted: the few torch.empty allocations a Triton launch
-    makes on CUDA, Batch.to's pinned copies and copy_from_host_'s pin_memory (CPU tensors are not moved),
-    and the orthogonalizer's symmetric products that the measured kernel table sends to Triton ops
+    makes on CUDA, copy_from_host_'s pin_memory (CPU tensors are not moved), and the orthogonalizer's symmetric products that the measured kernel table sends to Triton ops
     inside the optimizer's compiled graphs (on a CPU they are traced into the graph).
 Sizes: the record's layer table (train_gpt.LAYERS) and 8 micro-batches on one rank, at tiny widths (model
 dim 128, 2 heads x 64, MLP 512, vocabulary 1,024, 1,024 tokens per micro-batch): the counts depend on the
@@ -261,18 +265,17 @@ def tiny_args(micro_tokens: int = 1024, micro_batches: int = 8, layers=T.LAYERS)
         compile=True)
 
 
-def synthetic_batches(args: T.Hyperparameters, tokens: int, count: int, seed: int) -> list[T.Batch]:
-    """count packed sequences of random tokens in documents of random lengths (shapes as the loader's)."""
+def synthetic_token_buffers(args: T.Hyperparameters, tokens: int, count: int, seed: int) -> list:
+    """count buffers of tokens + 1 random token ids, documents of random lengths (16 to tokens / 2) each
+    starting with BOS, as the loader's (make_batch finds the documents from the BOS tokens)."""
     gen = torch.Generator().manual_seed(seed)
     out = []
     for _ in range(count):
         ids = torch.randint(0, args.vocab_size, (tokens + 1,), generator=gen)
-        lengths = torch.randint(16, tokens // 2, (tokens // 16,), generator=gen).cumsum(0)
-        starts = [0] + [int(s) for s in lengths if s < tokens][: T.max_docs_for(tokens) - 1]
-        cu = torch.full((T.max_docs_for(tokens) + 1,), tokens, dtype=torch.int32)
-        cu[:len(starts)] = torch.tensor(starts, dtype=torch.int32)
-        inputs = ids[:-1].to(torch.int32)
-        out.append(T.Batch(inputs, ids[1:].clone(), cu, T.bigram_hash(inputs, args.bigram_vocab_size)))
+        starts = torch.randint(16, tokens // 2, (tokens // 16,), generator=gen).cumsum(0)
+        ids[0] = T.BOS_ID
+        ids[starts[starts < tokens]] = T.BOS_ID
+        out.append(ids.numpy().astype("uint16"))
     return out
 
 
@@ -328,7 +331,7 @@ class StepRunner:
         self.opt = T.build_optimizer(args, self.model, self.device)
         # the CUDA path's compiled updates (build_optimizer compiles them only on CUDA)
         self.opt._normuon_fn, self.opt._adam_fn = T.update_functions(True if backend == "inductor" else backend)
-        self.model.fp8_mlp.quantize(self.model.mlp_bank, bootstrap=True)  # as train() does before step 0
+        self.model.quantize_fp8(bootstrap=True)  # as train() does before step 0
         if backend == "inductor":
             self.model_fn = T.compile_model(self.model)
         else:  # compile_model's settings, another backend
@@ -338,43 +341,47 @@ class StepRunner:
         self.prefix = torch.zeros((), dtype=torch.float32)
         self.grad_scale = T.grad_scale_for(args, 1)
 
-    def batches(self, step: int) -> list[T.Batch]:
+    def batches(self, step: int, model_masks: bool = False) -> list[T.Batch]:
+        """The step's micro-batches as the CUDA loader hands them over: block masks built and every
+        tensor staged (model_masks: no block masks, the model builds them in the step)."""
         plan = T.plan_step(self.args, step)
-        return synthetic_batches(self.args, plan.batch_tokens // self.args.micro_batches, self.args.micro_batches,
-                                 seed=step)
+        tokens = plan.batch_tokens // self.args.micro_batches
+        spec = None if model_masks else T.flex_mask_spec(self.args, plan.windows)
+        out = []
+        for buf in synthetic_token_buffers(self.args, tokens, self.args.micro_batches, seed=step):
+            b = T.make_batch(buf, self.args.bigram_vocab_size, spec, plan.max_doc_len)
+            inputs = b.inputs % self.args.vocab_size  # BOS (50256) found the documents; now the tiny vocabulary's ids
+            out.append(dataclasses.replace(b, inputs=inputs, targets=b.targets % self.args.vocab_size,
+                                           bigram_ids=T.bigram_hash(inputs, self.args.bigram_vocab_size)).stage())
+        return out
 
-    def masks_for(self, batches):
-        """The flex masks of every micro-batch, built now (what a loader that builds them would hand over)."""
-        return [self.model.attention_masks(b.cu_seqlens, b.inputs.numel(), kernel="flex") for b in batches]
-
-    def step(self, step: int, batches: list[T.Batch], prebuilt: list | None = None):
-        """One run_step: train_step, then the FP8 re-quantization, then the loss's scaling. prebuilt: masks
-        per micro-batch built beforehand (attention_masks then hands them out instead of building)."""
+    def step(self, step: int, batches: list[T.Batch]):
+        """One run_step: train_step, then the FP8 re-quantization, then the loss's scaling."""
         args, model = self.args, self.model
         plan = T.plan_step(args, step)
         model.set_windows(*plan.windows)
-        queue = list(prebuilt) if prebuilt is not None else None
 
-        def attention_masks(cu_seqlens, num_tokens, kernel=None):
-            if queue is not None:
-                return queue.pop(0)
-            return model.attention_masks(cu_seqlens, num_tokens, kernel="flex")  # the CUDA default
+        def batch_masks(batch):  # the CUDA path: the loader's block masks, or flex masks built here
+            if batch.block_masks is not None:
+                return model.batch_masks(batch)
+            return model.attention_masks(batch.cu_seqlens, batch.inputs.numel(), kernel="flex")
 
         # forward and backward are one phase: AOTAutograd's partitioner may move backward work into the
         # forward graph (aot_eager does: the loss's gradient does not depend on the incoming one)
-        model_fn = _PhaseMarked(self.model_fn, call=FORWARD_BACKWARD, attention_masks=marked(attention_masks, PHASE_PREFIX + "masks"))
+        model_fn = _PhaseMarked(self.model_fn, call=FORWARD_BACKWARD, batch_masks=marked(batch_masks, PHASE_PREFIX + "masks"))
         opt = _PhaseMarked(self.opt, step=marked(self.opt.step, PHASE_PREFIX + "optimizer"))
-        backward = torch.Tensor.backward
+        backward, to = torch.Tensor.backward, T.Batch.to
         torch.Tensor.backward = marked(backward, PHASE_PREFIX + FORWARD_BACKWARD)
+        T.Batch.to = lambda batch, device: batch.unstage(batch.staged.clone())  # the device copy, and its views
         try:
             with record_function(PHASE_PREFIX + OTHER_PHASE):
                 loss = T.train_step(model_fn, opt, batches, plan, self.mtp, self.prefix, self.grad_scale, self.device)
             with record_function(PHASE_PREFIX + "fp8 quantize"):
-                model.fp8_mlp.quantize(model.mlp_bank, bootstrap=step < T.FP8_BOOTSTRAP_STEPS)
+                model.quantize_fp8(bootstrap=step < T.FP8_BOOTSTRAP_STEPS)
             with record_function(PHASE_PREFIX + OTHER_PHASE):
                 return loss / (self.grad_scale * plan.batch_tokens)
         finally:
-            torch.Tensor.backward = backward
+            torch.Tensor.backward, T.Batch.to = backward, to
 
 
 PHASE_ORDER = ("masks", FORWARD_BACKWARD, "optimizer", "fp8 quantize", OTHER_PHASE)
@@ -383,21 +390,19 @@ PHASE_TEXT = {"masks": "attention masks (eager)", FORWARD_BACKWARD: "forward + b
               "fp8 quantize": "FP8 re-quantization", OTHER_PHASE: "train_step's glue (copies, loss sum)"}
 
 
-def measure(args: T.Hyperparameters, backend: str, steps: int, warmup: int = 2, prebuilt_masks: bool = False,
+def measure(args: T.Hyperparameters, backend: str, steps: int, warmup: int = 2, model_masks: bool = False,
             log=print) -> tuple[DispatchCount, list[dict]]:
     """(summed DispatchCount of `steps` training steps after `warmup` compiling ones, each step's totals).
-    prebuilt_masks: masks built before each counted step (outside the count)."""
+    model_masks: batches without block masks (the model builds them in the step)."""
     runner = StepRunner(args, backend)
     with cuda_path_on_cpu(backend):
         t = time.perf_counter()
         for s in range(warmup):
-            runner.step(s, runner.batches(s))
+            runner.step(s, runner.batches(s, model_masks))
         log(f"compiled and warmed up in {warmup} steps: {time.perf_counter() - t:.0f}s")
         total, each = DispatchCount(), []
         for s in range(warmup, warmup + steps):
-            batches = runner.batches(s)
-            masks = runner.masks_for(batches) if prebuilt_masks else None
-            count, loss = count_host_dispatches(runner.step, s, batches, masks)
+            count, loss = count_host_dispatches(runner.step, s, runner.batches(s, model_masks))
             if not torch.isfinite(loss):
                 raise SystemExit(f"error: step {s} gave loss {loss}")
             log(f"step {s} ({'NorMuon + Adam' if s % 2 else 'NorMuon'}): {count.total} host dispatches")
@@ -457,8 +462,8 @@ def main(argv=None):
     ap.add_argument("--micro_batches", type=int, default=8)
     ap.add_argument("--backend", default="inductor", choices=("inductor", "aot_eager"),
                     help="compile backend of the model and the optimizer (the count does not depend on it)")
-    ap.add_argument("--prebuilt_masks", action="store_true",
-                    help="build each micro-batch's masks before the step, outside the count (as a loader would)")
+    ap.add_argument("--model_masks", action="store_true",
+                    help="the model builds each micro-batch's flex masks in the step (instead of the loader)")
     ap.add_argument("--json", default=None, help="also write the figures (per step: the mean, and each step's totals)"
                     " to this file")
     ap.add_argument("--compare", default=None, metavar="BEFORE_JSON",
@@ -475,9 +480,9 @@ def main(argv=None):
     args = tiny_args(a.micro_tokens, a.micro_batches, layers)
     print(f"host dispatches of one training step: {len(args.layers)} layers, {a.micro_batches} micro-batches x "
           f"{a.micro_tokens} tokens, CUDA path on CPU tensors, {a.backend} backend"
-          + (", masks prebuilt" if a.prebuilt_masks else ""))
+          + (", masks built by the model" if a.model_masks else ""))
     t = time.perf_counter()
-    count, each = measure(args, a.backend, a.steps, prebuilt_masks=a.prebuilt_masks)
+    count, each = measure(args, a.backend, a.steps, model_masks=a.model_masks)
     print("\n".join(report(count, a.steps, a.micro_batches, len(args.layers))))
     print(f"substituted on this CPU: {'flex_attention -> SDPA on the dense mask inside the graph (inductor has no CPU flex backward); ' if a.backend == 'inductor' else ''}"
           "_native_fp8 forced True (float8 matmuls emulated); CPU twins of Triton kernels not counted")
@@ -485,7 +490,7 @@ def main(argv=None):
     if a.json:
         figures = dict(count.scaled(1 / a.steps), steps=a.steps, micro_batches=a.micro_batches,
                        layers=len(args.layers), micro_tokens=a.micro_tokens, backend=a.backend,
-                       prebuilt_masks=a.prebuilt_masks, per_step=each)
+                       model_masks=a.model_masks, per_step=each)
         with open(a.json, "w") as f:
             json.dump(figures, f, indent=1)
     if a.compare:
