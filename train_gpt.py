@@ -4026,6 +4026,9 @@ def train(args: Hyperparameters, d: DistInfo) -> float:
             set_windows(plan_step(args, step).windows)
             evaluate(model_fn, val_batches[:1], d.device)
             run_step(step)
+        # the final validation's windows: a new graph where a kernel takes the window as a number (varlen)
+        set_windows(args.final_val_windows, plan_step(args, total - 1).windows[1])
+        evaluate(model_fn, val_batches[:1], d.device)
         model.load_state_dict(saved_model)
         model.prefix_table.fill_(-1)  # not in the state dict; the timed run builds it again
         model.zero_grad(set_to_none=True)  # Adam gradients of an even last warm-up step must not leak in
