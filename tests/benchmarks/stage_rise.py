@@ -71,10 +71,9 @@ def coverage_by_step(args: T.Hyperparameters, steps: int) -> list[tuple[float, f
         for _ in range(args.micro_batches):
             need = plan.batch_tokens // args.micro_batches + 1
             while need > 0:
-                shard, doc = loader.shard, loader.doc
-                take = len(loader._next_document()[:min(plan.max_doc_len, need)])
-                if loader.shard != shard or loader.doc != doc + 1:  # the loader moved on to the next shard
-                    shard, doc = loader.shard, loader.doc - 1
+                tokens, loader.shard, loader.doc = loader._next_document(loader.shard, loader.doc)
+                take = len(tokens[:min(plan.max_doc_len, need)])
+                shard, doc = loader.shard, loader.doc - 1  # the document just taken (maybe in the next shard)
                 start = shards[shard][1][doc]
                 seen[shard][start:start + take] = True
                 need -= take
