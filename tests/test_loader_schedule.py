@@ -362,3 +362,37 @@ def test_staged_batch_is_one_buffer_of_aligned_views(tmp_path):
     assert all(t.device.type == "meta" and t.untyped_storage().nbytes() == staged.staged.numel()
                for t in on_meta.tensors())
     assert b.to(torch.device("cpu")) is b
+
+
+def test_attention_kernel_per_kind_decides_which_masks_the_loader_builds(tmp_path, monkeypatch):
+    """attention_kernels: SDPA on CPUs; on CUDA --attention_kernel for every kind, or with auto the GPU's
+    ATTENTION_KERNEL_CHOICE row (flex where it lists nothing). The loader builds block masks for the flex
+    kinds only (none: no spec), and batch_masks gives the varlen kinds VarlenMasks over the batch's
+    documents (starts and the stage's longest document doubled on paired rows)."""
+    import dataclasses
+    cuda = torch.device("cuda")
+    kinds = tg.attention_kinds(SPEC_ARGS.layers)
+    assert kinds == [(False, 2), (True, 1)]
+    assert tg.attention_kernels(SPEC_ARGS, torch.device("cpu")) == dict.fromkeys(kinds, "sdpa")
+    varlen_args = dataclasses.replace(SPEC_ARGS, attention_kernel="varlen")
+    assert tg.attention_kernels(varlen_args, cuda) == dict.fromkeys(kinds, "varlen")
+    assert tg.flex_mask_spec(SPEC_ARGS, (1, 3), tg.attention_kernels(varlen_args, cuda)) is None
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Some GPU")
+    assert tg.attention_kernels(SPEC_ARGS, cuda) == dict.fromkeys(kinds, "flex")  # auto, no row for this GPU
+    monkeypatch.setitem(tg.ATTENTION_KERNEL_CHOICE, "Some GPU", {(False, 2): "varlen"})
+    mixed = tg.attention_kernels(SPEC_ARGS, cuda)
+    assert mixed == {(False, 2): "varlen", (True, 1): "flex"}
+    spec = tg.flex_mask_spec(SPEC_ARGS, (1, 3), mixed)
+    assert spec == (tg.FLEX_BLOCK_SIZE, ((True, 1, 3 * SPEC_ARGS.window_block_size),))
+    pattern = make_corpus(tmp_path, num_shards=2, docs_per_shard=30)
+    (b,) = tg.DocumentLoader(pattern, 1001).next_step(256, 100, 1, spec)
+    assert sorted(b.block_masks) == [(True, 1)] and b.max_doc_len == 100
+    model = tg.GPT(SPEC_ARGS)
+    model.set_windows(1, 3)
+    monkeypatch.setattr(tg, "attention_kernels", lambda args, device: mixed)  # the batch's CPU tensors, the CUDA choice
+    masks = model.batch_masks(b)
+    assert isinstance(masks[True, 1], tg.BlockMask) and masks[True, 1].kv_indices is b.block_masks[True, 1].kv_idx
+    paired = masks[False, 2]
+    assert isinstance(paired, tg.VarlenMask)
+    assert torch.equal(paired.cu_seqlens, 2 * b.cu_seqlens) and paired.cu_seqlens.dtype == torch.int32
+    assert (paired.max_seqlen, paired.window) == (200, SPEC_ARGS.window_block_size)
