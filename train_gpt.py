@@ -3329,13 +3329,9 @@ class Batch:
         """The batch with all its tensors packed into one pinned host buffer: to(device) is then one
         copy. Runs in the loader's thread on CUDA runs (a pinned allocation, STAGE_ALIGN-aligned views)."""
         tensors = self.tensors()
-        starts, end = [], 0
-        for t in tensors:
-            starts.append(end)
-            end += -(-t.numel() * t.element_size() // STAGE_ALIGN) * STAGE_ALIGN
-        staged = torch.empty(end, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
-        for t, start in zip(tensors, starts):
-            staged[start: start + t.numel() * t.element_size()].view(t.dtype).view(t.shape).copy_(t)
+        staged = torch.empty(sum(map(_staged_bytes, tensors)), dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+        for view, t in zip(self.unstage(staged).tensors(), tensors):
+            view.copy_(t)
         return dataclasses.replace(self, staged=staged)
 
     def unstage(self, staged: torch.Tensor) -> "Batch":
@@ -3349,7 +3345,7 @@ class Batch:
             for d in range(t.dim() - 2, -1, -1):
                 strides[d] = strides[d + 1] * t.shape[d + 1]
             views.append(typed[t.dtype].as_strided(t.shape, strides, start // t.element_size()))
-            start += -(-t.numel() * t.element_size() // STAGE_ALIGN) * STAGE_ALIGN
+            start += _staged_bytes(t)
         return self.with_tensors(views)
 
     def to(self, device: torch.device) -> "Batch":
@@ -3362,6 +3358,11 @@ class Batch:
 
 
 STAGE_ALIGN = 128  # bytes between tensors of a staged batch: inductor, cuBLAS and Triton assume 16-byte aligned inputs
+
+
+def _staged_bytes(t: torch.Tensor) -> int:
+    """Bytes t takes in a staged buffer: its own, rounded up to STAGE_ALIGN."""
+    return -(-t.numel() * t.element_size() // STAGE_ALIGN) * STAGE_ALIGN
 
 
 def max_docs_for(num_tokens: int) -> int:
