@@ -2452,12 +2452,10 @@ def block_mask_indices(doc_ids: torch.Tensor, window, pos_div: int = 1,
         out.scatter_(1, rank.long(), cols.to(torch.int32))
         return counts[None, None], out[None, None]
 
-    flip = torch.flip  # kv side: band entries run from block i down; list them ascending
-    kv_cols = flip(k, (1,))
-    q_cols = q_rows
-    return BlockMaskIndices(*listed(flip(partial, (1,)), kv_cols), *listed(flip(all_pass, (1,)), kv_cols),
-                            *listed(q_valid & partial[q_rows, b], q_cols),
-                            *listed(q_valid & all_pass[q_rows, b], q_cols))
+    kv_cols = k.flip(1)  # kv side: band entries run from block i down; list them ascending
+    return BlockMaskIndices(*listed(partial.flip(1), kv_cols), *listed(all_pass.flip(1), kv_cols),
+                            *listed(q_valid & partial[q_rows, b], q_rows),
+                            *listed(q_valid & all_pass[q_rows, b], q_rows))
 
 
 def block_attention_mask(doc_ids: torch.Tensor, window, pos_div: int = 1, block_size: int = FLEX_BLOCK_SIZE,
@@ -2933,7 +2931,7 @@ class GPT(nn.Module):
             elif k == "varlen":
                 masks[long, r] = VarlenMask(cu_seqlens * r if r > 1 else cu_seqlens, (max_doc_len or num_tokens) * r, span)
             else:
-                if doc_ids is None or doc_ids.numel() != num_tokens:
+                if doc_ids is None:
                     doc_ids = document_ids(cu_seqlens, num_tokens)
                 masks[long, r] = attention_mask(doc_ids, window, span, r, k)
         return masks
@@ -3020,11 +3018,12 @@ class GPT(nn.Module):
         FP8MLPState.quantize) from the current weights. Call after every optimizer step, bootstrap =
         step < FP8_BOOTSTRAP_STEPS, and once before step 0 with bootstrap=True: a forward reads the copies
         of the last call, however lm_head and mlp_bank changed since."""
-        self.lm_head_f8_t.copy_(fp8_head_weight(self.lm_head))
+        self._quantize_fp8_head_after_load(self)
         self.fp8_mlp.quantize(self.mlp_bank, bootstrap=bootstrap)
 
     @staticmethod
-    def _quantize_fp8_head_after_load(model: "GPT", incompatible_keys) -> None:
+    def _quantize_fp8_head_after_load(model: "GPT", incompatible_keys=None) -> None:
+        """The LM head's e4m3 copy from lm_head (also load_state_dict's post-hook: the copy is derived)."""
         with torch.no_grad():
             model.lm_head_f8_t.copy_(fp8_head_weight(model.lm_head))
 
