@@ -26,6 +26,9 @@
 # PYTHON=/path/to/python uses that interpreter as it is, with no install at all (for a machine with a
 # preinstalled CUDA torch): it must have torch >= 2.11, triton >= 3.6, numpy and tiktoken, and for
 # `test` also pytest, scipy and matplotlib, or run.sh stops saying what is missing.
+# On a machine with an NVIDIA GPU (nvidia-smi lists one) .venv gets the stack the GPU check last passed
+# on, requirements-gpu.txt (torch 2.11.0; `test` adds the test tools: requirements-oldest.txt); elsewhere
+# requirements.txt (torch 2.14.1; `test`: requirements-dev.txt). `--dry-run` prints which ("pins:").
 # NPROC: processes to launch (default: number of GPUs, or 2 on a CPU-only machine).
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -157,11 +160,29 @@ if [[ $mode == gpu-check ]]; then
   exec "$PY" tests/gpu_check.py "$@"
 fi
 
-case $mode in
-  test) req=requirements-dev.txt ;;
-  test-oldest) req=requirements-oldest.txt ;;
-  *) req=requirements.txt ;;
-esac
+# True on a machine with an NVIDIA GPU that CUDA may use (nvidia-smi lists one; CUDA_VISIBLE_DEVICES is
+# not set empty). Asked before any torch is installed, so without torch.
+nvidia_gpu() {
+  [[ ${CUDA_VISIBLE_DEVICES-unset} != "" ]] && command -v nvidia-smi >/dev/null &&
+    nvidia-smi -L 2>/dev/null | grep -q '^GPU '
+}
+
+# Pins. On a machine with an NVIDIA GPU: the stack the GPU check last passed on (requirements-gpu.txt,
+# torch 2.11.0), so a GPU run uses the stack of the recorded GPU figures; elsewhere the newest pins.
+if nvidia_gpu; then
+  stack=gpu
+  case $mode in
+    test | test-oldest) req=requirements-oldest.txt ;;  # the GPU stack plus the test tools
+    *) req=requirements-gpu.txt ;;
+  esac
+else
+  stack=newest
+  case $mode in
+    test) req=requirements-dev.txt ;;
+    test-oldest) req=requirements-oldest.txt ;;
+    *) req=requirements.txt ;;
+  esac
+fi
 if [[ -n ${PYTHON:-} ]]; then
   use_given_python
 elif [[ $mode == test-oldest ]]; then
@@ -231,6 +252,7 @@ else
 fi
 if (( dry_run )); then
   echo "gpus: $gpus"
+  if [[ -n ${PYTHON:-} ]]; then echo "pins: none installed (PYTHON=$PYTHON as it is)"; else echo "pins: $req ($stack stack)"; fi
   if (( ${#fetch[@]} )); then echo "fetch: ${fetch[*]}"; fi
   echo "launch: ${cmd[*]}"
   exit 0

@@ -19,9 +19,10 @@ RUN_SH = os.path.join(REPO, "run.sh")
 NO_NETWORK = {"PIP_NO_INDEX": "1", "PIP_FIND_LINKS": "", "PIP_CONFIG_FILE": os.devnull}
 
 
-def run_sh(*args, python=None, cwd_script=RUN_SH, timeout=120):
+def run_sh(*args, python=None, cwd_script=RUN_SH, timeout=120, env_extra=None):
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHON", "NPROC")}
     env.update(NO_NETWORK, CUDA_VISIBLE_DEVICES="")
+    env.update(env_extra or {})
     if python is not None:
         env["PYTHON"] = python
     return subprocess.run(["bash", cwd_script, *args], capture_output=True, text=True, timeout=timeout, env=env)
@@ -110,3 +111,37 @@ def test_default_makes_own_venv_and_installs_only_when_needed(tmp_path):
     assert "run.sh: installing requirements.txt into .venv (pip's own progress follows)" in r.stderr
     assert r.stderr.splitlines()[-1] == "run.sh: pip install -r requirements.txt into .venv failed (see above)"
     assert "launch:" not in r.stdout
+
+
+@pytest.mark.slow
+def test_a_machine_with_an_nvidia_gpu_gets_the_gpu_checked_stack(tmp_path):
+    """nvidia-smi listing a GPU makes run.sh install requirements-gpu.txt (the stack of the recorded GPU
+    figures) instead of requirements.txt, and `test` the GPU stack plus the test tools
+    (requirements-oldest.txt); without a GPU (or with CUDA_VISIBLE_DEVICES empty) the newest pins. Here
+    only the file run.sh picks needs nothing from an index: any other choice fails at pip."""
+    shutil.copy(RUN_SH, tmp_path / "run.sh")
+    absent = "run-sh-test-not-a-package==0.0.1\n"
+    for name in ("requirements.txt", "requirements-dev.txt", "requirements-oldest.txt"):
+        (tmp_path / name).write_text(absent)
+    (tmp_path / "requirements-gpu.txt").write_text("# nothing to install\n")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    fake = bin_dir / "nvidia-smi"
+    fake.write_text("#!/bin/sh\necho 'GPU 0: NVIDIA H100 80GB HBM3 (UUID: GPU-0)'\n")
+    fake.chmod(0o755)
+    path = f"{bin_dir}{os.pathsep}{os.environ['PATH']}"
+    script = str(tmp_path / "run.sh")
+
+    gpu = dict(PATH=path, CUDA_VISIBLE_DEVICES="0")
+    r = run_sh("--dry-run", cwd_script=script, env_extra=gpu)
+    assert r.returncode == 0, r.stderr
+    assert "pins: requirements-gpu.txt (gpu stack)" in r.stdout.splitlines()
+
+    r = run_sh("test", "--version", cwd_script=script, env_extra=gpu)  # the test tools are not met here
+    assert r.returncode == 1
+    assert "run.sh: installing requirements-oldest.txt into .venv" in r.stderr
+
+    for no_gpu in (dict(PATH=path, CUDA_VISIBLE_DEVICES=""), {}):  # GPUs hidden; no nvidia-smi at all
+        r = run_sh("--dry-run", cwd_script=script, env_extra=no_gpu)
+        assert r.returncode == 1
+        assert "run.sh: installing requirements.txt into .venv" in r.stderr, r.stderr

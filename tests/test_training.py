@@ -45,7 +45,9 @@ def test_two_rank_run_log_and_learning(two_rank_run):
     for name in ("train_gpt.py", "triton_kernels.py"):
         source = open(os.path.join(ROOT, name)).read().rstrip("\n")
         assert f"==== {name} ====\n{source}\n" in log
-    assert re.search(r"^python 3\.\d+\.\d+ torch 2\.14\.1\S* triton 3\.8\.\d+", log, re.M)
+    import platform
+    import triton  # the versions the launched processes import: this interpreter's (any pinned stack)
+    assert f"python {platform.python_version()} torch {torch.__version__} triton {triton.__version__}" in log
     assert "hardware: 2 CPU process(es)" in log and "orthogonalizer = 'polar_express'" in log
     assert re.search(r"^cpu dtype (bf16|fp32) \(auto: 256x64x256 matmul GFLOP/s per process: bf16 [0-9.]+, "
                      r"fp32 [0-9.]+; capability \w+\) on .+$", log, re.M)
