@@ -132,26 +132,6 @@ def restaged(stages: tuple, **columns) -> tuple:
                  for i, row in enumerate(stages))
 
 
-def check_stages(stages) -> None:
-    """One-line ValueErrors naming the flag: every column in range, the shares, one extension row last."""
-    if not isinstance(stages, tuple) or len(stages) < 2 or not all(isinstance(r, Stage) for r in stages):
-        raise ValueError("--stages must be a tuple of >= 2 Stage rows (scheduled stages, then the extension)")
-    for f in dataclasses.fields(Stage):
-        allowed = f.metadata.get("allowed")
-        column = tuple(getattr(r, f.name) for r in stages)
-        if allowed and not allowed.column(len(stages)).allows(column):
-            raise ValueError(f"--stage_{f.name} {column!r} must be {allowed.column(len(stages))}")
-    shares = [r.share for r in stages]
-    if shares[-1] is not None or any(not isinstance(s, (int, float)) or isinstance(s, bool) or not 0 < s <= 1
-                                     for s in shares[:-1]):
-        raise ValueError(f"--stage_share {tuple(shares)!r}: scheduled stages need shares in (0, 1] and the last"
-                         " row (the extension) None")
-    if abs(sum(shares[:-1]) - 1) > 1e-9:
-        raise ValueError(f"--stage_share {tuple(shares)!r}: the scheduled stages' shares must add up to 1")
-    if len({len(r.mtp_start) for r in stages} | {len(r.mtp_end) for r in stages}) != 1:
-        raise ValueError("--stage_mtp_start and --stage_mtp_end must give the same number (>= 1) of weights")
-
-
 # -- layers: what each layer does ---------------------------------------------------------------
 
 ATTENTION_KINDS = ("plain", "paired", "none")
@@ -221,44 +201,6 @@ def layers_from_words(rows) -> tuple:
             raise ValueError(f"--layers row {i} ({row!r}): needs exactly one of attn, paired, skip")
         layers.append(Layer(**fields))
     return tuple(layers)
-
-
-def check_layers(layers) -> None:
-    """One-line ValueErrors naming --layers and the row: a table the model can build."""
-    if not isinstance(layers, tuple) or not layers or not all(isinstance(r, Layer) for r in layers):
-        raise ValueError(f"--layers must be a non-empty tuple of Layer rows, got {layers!r}")
-
-    def fail(i, msg):
-        raise ValueError(f"--layers row {i} ({layers[i]}): {msg}")
-
-    for i, r in enumerate(layers):
-        if r.attention not in ATTENTION_KINDS or r.input not in ("x", "h"):
-            fail(i, f"attention must be one of {', '.join(ATTENTION_KINDS)} and input x or h")
-        if r.attention == "none" and (r.window or r.value_embed or r.xsa or r.gate or r.dc or r.key_offset
-                                      or r.input != "x" or r.mudd):
-            fail(i, "a skip row has no attention, so no window/offset/ve/xsa/gate/dc/from_h/mudd")
-        if r.attention != "none" and r.window not in ("short", "long"):
-            fail(i, "an attention row needs a short or long window")
-        if r.attention == "paired" and (r.key_offset or r.xsa or r.dc):
-            fail(i, "paired rows take no offset, xsa or dc")
-
-    def where(role):
-        return [i for i, r in enumerate(layers) if getattr(r, role)]
-
-    for role in ("save_skip", "save_h", "post_gates", "mudd"):
-        if len(where(role)) != 1:
-            raise ValueError(f"--layers: exactly one row must be {role}, got rows {where(role)}")
-    if where("mudd") != [len(layers) - 1]:
-        fail(where("mudd")[0], "the mudd row must be the last layer")
-    if where("post_gates")[0] == 0:
-        fail(0, "post_gates must come after layer 0 (gate 0 covers the layers before it)")
-    for i, r in enumerate(layers):
-        if r.attention == "none" and i <= where("save_skip")[0]:
-            fail(i, "a skip row must come after the save_skip row")
-        if (r.input == "h" or r.mudd) and i <= where("save_h")[0]:
-            fail(i, "from_h and mudd rows must come after the save_h row")
-    if not where("value_embed"):
-        raise ValueError("--layers: at least one row must take a value embedding (the post-loop MUDD mixing reads table 0)")
 
 
 # -- the per-parameter optimizer table (record #89's param_table; ParamConfig's fields) ----------
@@ -457,102 +399,8 @@ PRESETS: dict[str, dict] = {
 
 # -- the command line ---------------------------------------------------------------------------
 
-def _parse_value(name: str, text: str, default):
-    """Parse a command-line value into the type of the field's default."""
-    try:
-        if isinstance(default, bool):
-            if text.lower() in ("1", "true", "yes", "on"):
-                return True
-            if text.lower() in ("0", "false", "no", "off"):
-                return False
-            raise ValueError
-        if isinstance(default, tuple):
-            import ast
-            value = ast.literal_eval(text)
-            value = tuple(value) if isinstance(value, (list, tuple)) else (value,)
-            return tuple(tuple(v) if isinstance(v, list) else v for v in value)
-        return type(default)(text)
-    except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
-        kind = "true/false" if isinstance(default, bool) else type(default).__name__
-        raise SystemExit(f"error: --{name} {text!r} is not a valid {kind} (default: {default!r})")
-
-
 _STAGE_COLUMNS = [f.name for f in dataclasses.fields(Stage)]
 _ROW_FIELDS = ("stages", "layers")  # set through --stage_<column> and --layers, not whole
-
-
-def parse_args(argv: list[str] | None = None) -> Hyperparameters:
-    """`--preset NAME`, then `--field value` for any Hyperparameters field, `--stage_<column>` with one
-    value per stage row, `--layers` as words, and `--ablate` names (applied last)."""
-    defaults = Hyperparameters()
-    parser = argparse.ArgumentParser(
-        description="Speedrun GPT training. Any hyperparameter can be overridden: --field value.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--preset", default="speedrun", choices=sorted(PRESETS),
-                        help="base configuration the overrides apply to")
-    for f in dataclasses.fields(Hyperparameters):
-        if f.name not in _ROW_FIELDS:
-            parser.add_argument(f"--{f.name}", default=None, metavar=type(getattr(defaults, f.name)).__name__.upper(),
-                                help=f"(speedrun default: {getattr(defaults, f.name)!r})")
-    for name in _STAGE_COLUMNS:
-        parser.add_argument(f"--stage_{name}", default=None, metavar="TUPLE",
-                            help=f"one value per stage row, extension last (speedrun: "
-                                 f"{tuple(getattr(r, name) for r in STAGES)!r})")
-    parser.add_argument("--layers", default=None, metavar="TUPLE",
-                        help=f"one string of words per layer; words: {', '.join(LAYER_WORDS)}")
-    parser.add_argument("--ablate", default="", metavar="NAMES",
-                        help=f"comma-separated components to switch off: {', '.join(ABLATIONS)}")
-    ns, unknown = parser.parse_known_args(argv)
-    if unknown:
-        raise SystemExit(f"error: unknown argument {unknown[0]!r}; `python train_gpt.py --help` lists every field")
-    args = dataclasses.replace(defaults, **PRESETS[ns.preset])
-    overrides = {}
-    for f in dataclasses.fields(Hyperparameters):
-        text = getattr(ns, f.name, None) if f.name not in _ROW_FIELDS else None
-        if text is not None:
-            overrides[f.name] = _parse_value(f.name, text, getattr(args, f.name))
-    columns = {name: _parse_value(f"stage_{name}", getattr(ns, f"stage_{name}"), ())
-               for name in _STAGE_COLUMNS if getattr(ns, f"stage_{name}") is not None}
-    try:
-        if columns:
-            overrides["stages"] = restaged(args.stages, **columns)
-        if ns.layers is not None:
-            overrides["layers"] = layers_from_words(_parse_value("layers", ns.layers, ()))
-        return ablated(dataclasses.replace(args, **overrides), [n for n in ns.ablate.split(",") if n.strip()])
-    except ValueError as e:
-        raise SystemExit(f"error: {e}") from None
-
-
-def check_args(args: Hyperparameters, world_size: int) -> None:
-    """Every flag and shard checked at start-up, before the process group, model, loader or log:
-    a bad one stops the run with one line naming it (SystemExit), never a traceback from later on."""
-    for f in dataclasses.fields(Hyperparameters):
-        allowed, value = f.metadata.get("allowed"), getattr(args, f.name)
-        if allowed and not allowed.allows(value):
-            raise SystemExit(f"error: --{f.name} {value!r} must be {allowed}")
-    for name, choices in (("matrix_optimizer", MATRIX_OPTIMIZERS), ("orthogonalizer", sorted(ORTHOGONALIZERS)),
-                          ("cpu_dtype", ("auto", *CPU_DTYPES)), ("bank_ownership", OWNERSHIPS),
-                          ("attention_kernel", ("auto", *GPU_ATTENTION_KERNELS))):
-        if getattr(args, name) not in choices:
-            raise SystemExit(f"error: --{name} {getattr(args, name)!r} is not one of {', '.join(choices)}")
-    if args.val_tokens % min(args.val_seq_len, args.val_tokens):
-        raise SystemExit(f"error: --val_tokens {args.val_tokens} must be a multiple of --val_seq_len {args.val_seq_len}")
-    try:
-        check_stages(args.stages)
-        _check_model_args(args, world_size)
-    except ValueError as e:
-        raise SystemExit(f"error: {e}") from None
-    check_batch_split(args, world_size)
-    tokens = {"train": 0, "val": 0}
-    for what in tokens:  # headers only (size and magic): the loaders read them after the log is open
-        for path in find_shards(getattr(args, f"{what}_files"), what):
-            try:
-                tokens[what] += read_shard_header(path)
-            except ShardError as e:
-                raise SystemExit(f"error: {e}") from None
-    if tokens["val"] < args.val_tokens + 1:  # validation_batches' own check, before the log
-        raise SystemExit(f"error: --val_tokens {args.val_tokens} needs {args.val_tokens + 1} tokens but the val shards"
-                         f" {args.val_files!r} hold {tokens['val']}; lower --val_tokens")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -590,26 +438,6 @@ def setup_distributed(force_cpu: bool = False) -> DistInfo:
         else:
             dist.init_process_group("gloo")
     return DistInfo(rank, world_size, local_rank, device)
-
-
-def keep_freed_memory() -> bool:
-    """CPU training: tell glibc to keep freed memory in the process heap. By default it maps every large
-    block (logits, their gradient: hundreds of MB a step) afresh and returns it on free, so each step
-    page-faults them in again; a small GPT with an unfused full-vocabulary head ran 1.7x faster with it
-    (0.60 against 1.01 s a step). mallopt(M_MMAP_MAX, 0), and M_TRIM_THRESHOLD at the largest value mallopt's
-    int takes (2 GiB of free heap top kept), as the environment's MALLOC_MMAP_MAX_=0 and
-    MALLOC_TRIM_THRESHOLD_ would set at start-up; values the user set there are left alone. False where
-    the C library has no mallopt (not glibc) or the setting was the user's."""
-    if "MALLOC_MMAP_MAX_" in os.environ or "MALLOC_TRIM_THRESHOLD_" in os.environ:
-        return False
-    try:
-        import ctypes
-        mallopt = ctypes.CDLL(None).mallopt
-    except (OSError, AttributeError):
-        return False
-    mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
-    M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4  # glibc's <malloc.h>
-    return bool(mallopt(M_MMAP_MAX, 0)) and bool(mallopt(M_TRIM_THRESHOLD, 2**31 - 1))
 
 
 def cuda_synchronize(device: torch.device) -> None:
@@ -1026,13 +854,12 @@ class FP8MLPState(nn.Module):
 
 
 # ----------------------------------------------------------------------------------------------
-# Orthogonalization: Polar Express and Gram Newton-Schulz
+# Orthogonalization: Polar Express
 # ----------------------------------------------------------------------------------------------
 
-# Polar Express: Amsel, Persson, Musco, Gower, arXiv 2505.16932. Gram Newton-Schulz: the iteration on
-# the Gram matrix of Dao-AILab/gram-newton-schulz. Both functions map a gradient-like G (..., m, n) to an
-# approximation of its polar factor U V^T
-# (G = U S V^T), in bf16, batched over the leading dims (a bank of matrices). Each iteration applies
+# Polar Express: Amsel, Persson, Musco, Gower, arXiv 2505.16932 (Gram Newton-Schulz, an alternative,
+# sits below the fence). It maps a gradient-like G (..., m, n) to an approximation of its polar factor
+# U V^T (G = U S V^T), in bf16, batched over the leading dims (a bank of matrices). Each iteration applies
 # the odd polynomial p(x) = a x + b x^3 + c x^5 to the singular values; the Polar Express coefficients
 # below are tuned so that five iterations take every singular value in roughly [1e-3, 1] into a
 # narrow band around 1. Dividing by ||G||_F * 1.02 first guarantees the spectral norm is < 1.
@@ -1051,17 +878,6 @@ def _as_bank(G: torch.Tensor) -> torch.Tensor:
     if G.ndim < 2:
         raise ValueError(f"orthogonalization needs matrices (..., m, n); got shape {tuple(G.shape)}")
     return G.reshape(-1, G.size(-2), G.size(-1))
-
-
-def _normalized_bank(G: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """G / (||G||_F * 1.02 + 1e-6) per matrix, as a 3-D (batch, m, n) tensor of `dtype`.
-
-    The norm is taken in fp32 whatever G's dtype: a bf16 norm of a large matrix is too coarse to
-    keep the spectral norm safely below 1.
-    """
-    G3 = _as_bank(G)
-    norm = G3.float().norm(dim=(-2, -1), keepdim=True)
-    return (G3.float() / (norm * 1.02 + 1e-6)).to(dtype)
 
 
 def _gram_of(X: torch.Tensor, left: bool) -> torch.Tensor:
@@ -1103,77 +919,9 @@ def polar_express(G: torch.Tensor, coeffs=POLAR_EXPRESS_COEFFS, dtype: torch.dty
     return X.reshape(G.shape)
 
 
-def gram_newton_schulz(G: torch.Tensor, coeffs=POLAR_EXPRESS_COEFFS, restart_after: int = 2,
-                       dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """The same polynomial iteration, run on the small Gram matrix instead of the full matrix.
-
-    Every iterate has the form X_k = Q_k X_0 (wide case; tall matrices are transposed views), so it
-    suffices to track the s x s left factor Q and the Gram matrix R = X_k X_k^T:
-        Z = a I + b R + c R^2,   Q <- Z Q,   R <- Z R Z.
-    The long dimension is touched only to form R, at the restart and at the end (X = Q X_0). For a
-    3072 x 768 MLP matrix that is ~30% fewer FLOPs than Polar Express. Errors in the accumulated Q
-    grow fastest during the first, steep iterations, so after `restart_after` iterations X is formed
-    explicitly and R recomputed from it. The Gram work runs in fp16 (all entries are bounded by a
-    few units; fp16 keeps 3 more mantissa bits than bf16); the result is bf16 with G's shape.
-    dtype=torch.float32 runs everything in fp32 and returns fp32 (the CPU fp32 mode).
-    """
-    X = _normalized_bank(G, torch.float16 if dtype == torch.bfloat16 else dtype)
-    tall = X.size(-2) > X.size(-1)
-    if tall:
-        X = X.mT.contiguous()
-    s = X.size(-2)
-    eye = torch.eye(s, dtype=X.dtype, device=X.device)
-    R = _gram_of(X, left=True)
-    Q = None
-    last = len(coeffs) - 1
-    for i, (a, b, c) in enumerate(coeffs):
-        if i == restart_after and Q is not None:
-            X = torch.bmm(Q, X)
-            R = _gram_of(X, left=True)
-            Q = None
-        Z = _poly_of_gram(R, b, c) + a * eye
-        Q = Z if Q is None else torch.bmm(Z, Q)
-        if i < last:
-            R = torch.bmm(torch.bmm(Z, R), Z)
-    X = torch.bmm(Q, X)
-    if tall:
-        X = X.mT
-    return X.to(dtype).reshape(G.shape)
-
-
-# Measured choice of "auto", per GPU: (rows, cols) of a bank's matrices -> (Polar Express ms, Gram
-# Newton-Schulz ms) for one rank's shard. Only repeatable measurements are listed: on one H100 80GB HBM3
-# (tests/bench_optimizer.py, torch 2.11, 2026-11-24) the 768 x 768 banks gave 1.25 and 2.45 ms for the
-# same Polar Express call in one run; on one H200 (the GPU check, 2026-11-26) every bank took 1.05 to
-# 1.28 ms either way (launch-bound), and 3 and 24 matrices of 3072 x 768 favoured opposite ones, so none
-# is listed. The rest follow the FLOP count. The GPU check's kernel-choice check times every bank again.
-ORTHOGONALIZER_MS = {"H100": {(3072, 768): (1.971, 1.218)}, "H200": {}}
-
-
-def auto_orthogonalizer(rows: int, cols: int, gpu_name: str = "") -> str:
-    """The name "auto" runs for (rows, cols) matrices: the faster measured one on a GPU whose table has
-    the shape, else the one with fewer FLOPs (orthogonalization_flops: Gram Newton-Schulz once the long
-    side is at least twice the short one)."""
-    times = triton_kernels.measured_table(ORTHOGONALIZER_MS, gpu_name).get((rows, cols))
-    if times is not None:
-        return "polar_express" if times[0] <= times[1] else "gram_newton_schulz"
-    return "gram_newton_schulz" if max(rows, cols) >= 2 * min(rows, cols) else "polar_express"
-
-
-def orthogonalize_auto(G: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """Per bank shape, Gram Newton-Schulz or Polar Express (auto_orthogonalizer).
-
-    Per matrix with short side s and long side L, Polar Express costs ~20 s^2 L + 10 s^3 FLOPs
-    and the Gram form ~8 s^2 L + 32 s^3: the Gram form wins once L > ~1.8 s (the 3072 x 768 MLP
-    bank: -29%) and loses on square matrices (attention banks: +33%).
-    """
-    m, n = G.shape[-2:]
-    name = auto_orthogonalizer(m, n, triton_kernels.gpu_name_of(G))
-    return (gram_newton_schulz if name == "gram_newton_schulz" else polar_express)(G, dtype=dtype)
-
-
-ORTHOGONALIZERS = {"polar_express": polar_express, "gram_newton_schulz": gram_newton_schulz,
-                   "auto": orthogonalize_auto}
+# The orthogonalizers by name (--orthogonalizer); the record's is Polar Express, and the alternatives
+# below the fence add themselves to this table.
+ORTHOGONALIZERS = {"polar_express": polar_express}
 
 
 def orthogonalizer_of(orthogonalizer):
@@ -1183,22 +931,6 @@ def orthogonalizer_of(orthogonalizer):
     if orthogonalizer in ORTHOGONALIZERS:
         return ORTHOGONALIZERS[orthogonalizer]
     raise ValueError(f"NorMuonAdam: orthogonalizer={orthogonalizer!r}; choose one of {sorted(ORTHOGONALIZERS)}")
-
-
-def orthogonalization_flops(rows: int, cols: int, orthogonalizer="polar_express") -> int:
-    """FLOPs to orthogonalize one rows x cols matrix, counted like torch's FlopCounterMode (2 per
-    multiply-add, symmetric products counted dense). With s the short side and L the long one:
-    Polar Express 5 x (4 s^2 L + 2 s^3); Gram Newton-Schulz 8 s^2 L + 32 s^3 (module docstrings).
-    orthogonalizer: a name, one of the functions (or a functools.partial of one); anything else is
-    costed as Polar Express. Balanced ownership evens out these counts over the ranks."""
-    fn = getattr(orthogonalizer, "func", orthogonalizer)
-    name = next((k for k, f in ORTHOGONALIZERS.items() if fn is f or fn == k), "polar_express")
-    s, L = min(rows, cols), max(rows, cols)
-    if name == "auto":
-        name = auto_orthogonalizer(rows, cols)
-    if name == "gram_newton_schulz":
-        return 8 * s * s * L + 32 * s ** 3
-    return len(POLAR_EXPRESS_COEFFS) * (4 * s * s * L + 2 * s ** 3)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -2694,41 +2426,6 @@ def dc_term(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_ids: torch.Te
 
 # -- the model ------------------------------------------------------------------------------------
 
-def _check_model_args(args: Hyperparameters, world_size: int) -> None:
-    """One-line ValueErrors naming the flag, before any tensor is allocated."""
-    def fail(msg):
-        raise ValueError(f"model config: {msg}")
-
-    if world_size < 1:
-        fail(f"world_size must be >= 1, got {world_size}")
-    for name in ("model_dim", "num_heads", "head_dim", "mlp_hidden", "window_block_size", "gate_channels",
-                 "mudd_hidden", "dc_window"):
-        if getattr(args, name) < 1:
-            fail(f"--{name} must be >= 1, got {getattr(args, name)}")
-    if args.num_heads * args.head_dim != args.model_dim:
-        fail(f"--model_dim ({args.model_dim}) must equal --num_heads * --head_dim ({args.num_heads}*{args.head_dim});"
-             " value embeddings and MUDD's V are added to V, and the banks hold square attention matrices")
-    if args.head_dim % 4:
-        fail(f"--head_dim must be a multiple of 4 (half of it rotates, in pairs), got {args.head_dim}")
-    if args.padded_vocab_size < args.vocab_size:
-        fail(f"--padded_vocab_size ({args.padded_vocab_size}) must be >= --vocab_size ({args.vocab_size})")
-    if args.bigram_vocab_size < 2:
-        fail(f"--bigram_vocab_size must be >= 2, got {args.bigram_vocab_size}")
-    if args.gate_channels > args.model_dim:
-        fail(f"--gate_channels ({args.gate_channels}) must be <= --model_dim ({args.model_dim})")
-    if args.num_heads % 2:
-        fail(f"--num_heads must be even (Q and K live in the qk_bank as groups of two heads; paired rows"
-             f" put half of the heads in each slot), got {args.num_heads}")
-    if args.gate_channels % 2:
-        fail(f"--gate_channels must be even (value-embedding gates read half from x, half from ve), got {args.gate_channels}")
-    if len(args.windows_init) != 2 or not all(isinstance(w, int) and w >= 1 for w in args.windows_init):
-        fail(f"--windows_init must be (short, long) block counts >= 1, got {args.windows_init!r}")
-    try:
-        check_layers(args.layers)
-    except ValueError as e:
-        fail(str(e))
-
-
 def bank_padding(n: int, world_size: int, args: Hyperparameters) -> int:
     """Matrices a bank of n real ones holds: padded ownership (the record's) needs a multiple of the
     world size, balanced ownership none."""
@@ -3180,20 +2877,6 @@ BOS_ID = 50256  # <|endoftext|> starts every document
 
 class ShardError(ValueError):
     """A shard file that is not what the format promises; the message names the file."""
-
-
-def write_shard(path: str, tokens) -> None:
-    """Write tokens (any int sequence < 2**16) atomically: a temporary file renamed into place."""
-    tokens = np.asarray(tokens)
-    if tokens.size and (tokens.min() < 0 or tokens.max() >= 2**16):
-        raise ValueError(f"{path}: token ids must fit in uint16 (got range {tokens.min()}..{tokens.max()})")
-    header = np.zeros(SHARD_HEADER_INTS, dtype="<i4")
-    header[0], header[1], header[2] = SHARD_MAGIC, SHARD_VERSION, tokens.size
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "wb") as f:
-        f.write(header.tobytes())
-        f.write(tokens.astype("<u2").tobytes())
-    os.replace(tmp, path)
 
 
 def read_shard_header(path: str) -> int:
@@ -3737,145 +3420,9 @@ CHECKPOINT_FORMAT = 5  # 3: the record-#89 model (layer table, MUDD, FP8 MLP sta
 #                        slots; 5: the stage and layer rows in the saved settings
 
 
-def save_checkpoint(path: str, step: int, model: nn.Module, opt: NorMuonAdam, loader: DocumentLoader,
-                    args: Hyperparameters, d: DistInfo) -> None:
-    """A directory written whole or not at all: every rank writes its files into path.tmp, rank 0
-    renames it to path once all have finished."""
-    tmp = path + ".tmp"
-    if d.is_master:
-        if os.path.exists(tmp):
-            shutil.rmtree(tmp)
-        os.makedirs(tmp)
-    if dist.is_initialized():
-        dist.barrier()
-    # Adam gradients accumulate over even steps: this rank's pending ones are part of the state too.
-    pending = {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
-    torch.save({"optimizer": opt.state_dict(), "rng": torch.get_rng_state(), "grads": pending},
-               os.path.join(tmp, f"rank{d.rank:03d}.pt"))
-    if d.is_master:
-        torch.save({"format": CHECKPOINT_FORMAT, "step": step, "world_size": d.world_size,
-                    "args": dataclasses.asdict(args), "model": model.state_dict(), "loader": loader.state_dict()},
-                   os.path.join(tmp, "model.pt"))
-    if dist.is_initialized():
-        dist.barrier()
-    if d.is_master:
-        if os.path.exists(path):
-            shutil.rmtree(path)
-        os.replace(tmp, path)
-    if dist.is_initialized():
-        dist.barrier()
-
-
-def whole_checkpoints(run_dir: str) -> list[tuple[int, str]]:
-    """(step, path) of every whole checkpoint of a run (its step_N directories), oldest first; one still
-    being written (step_N.tmp) and any other file are not checkpoints."""
-    return sorted((int(e[5:]), os.path.join(run_dir, e)) for e in os.listdir(run_dir)
-                  if e.startswith("step_") and e[5:].isdecimal())
-
-
-def prune_checkpoints(run_dir: str, keep: int) -> None:
-    """Delete all but the newest `keep` whole checkpoints of a run, so that frequent checkpoints of a long
-    run take bounded disk."""
-    for _, path in whole_checkpoints(run_dir)[:-keep]:
-        shutil.rmtree(path)
-
-
-class StopOnSignal:
-    """While enabled (a run that checkpoints, in the main thread), SIGINT (Ctrl-C) and SIGTERM (kill, a
-    scheduler's preemption notice, torchrun passing either on) do not stop the process: they set `signum`,
-    and the run saves where it is and exits; a second signal stops at once. Every rank must stop after the
-    same step to write one checkpoint, so with several ranks each step's requests are combined (a
-    one-element all-reduce, MAX) and read a step later through a page-locked host copy and an event: the
-    host waits at most for the end of step - 2, with step - 1 still queued behind it, so the device never
-    runs dry (a plain .item() would wait for everything queued). The caller's handlers are back on exit."""
-
-    def __init__(self, enabled: bool, world_size: int = 1, device: torch.device = torch.device("cpu")):
-        self.enabled = enabled and threading.current_thread() is threading.main_thread()
-        self.signum = 0
-        self.shared = self.host = self.done = None
-        if world_size > 1 and self.enabled:  # one slot per step parity
-            cuda = device.type == "cuda"
-            self.shared = [torch.zeros(1, device=device) for _ in range(2)]
-            self.host = [torch.zeros(1, pin_memory=cuda) for _ in range(2)]
-            self.done = [torch.cuda.Event() for _ in range(2)] if cuda else None
-
-    def __enter__(self) -> StopOnSignal:
-        if self.enabled:
-            self.previous = {s: signal.signal(s, self.request) for s in (signal.SIGINT, signal.SIGTERM)}
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if self.enabled:
-            for s, handler in self.previous.items():
-                signal.signal(s, handler)
-
-    def request(self, signum, frame) -> None:
-        if self.signum:
-            raise KeyboardInterrupt
-        self.signum = signum
-        print(f"  {signal.Signals(signum).name}: stopping once this step's state is saved (again: at once)",
-              file=sys.stderr, flush=True)
-
-    def share(self, step: int) -> None:
-        """After step `step`: this rank's request joins every rank's (queued, not waited for)."""
-        if self.shared is not None:
-            i = step % 2
-            self.shared[i].fill_(self.signum)
-            dist.all_reduce(self.shared[i], op=dist.ReduceOp.MAX)
-            self.host[i].copy_(self.shared[i], non_blocking=True)  # lands after the all-reduce, in stream order
-            if self.done is not None:
-                self.done[i].record()
-
-    def agreed(self, step: int) -> int:
-        """The signal every rank stops for before step `step` (0: none): this rank's own with one rank, with
-        several the combined requests of step - 2 (shared before the one in flight)."""
-        if self.shared is None:
-            return self.signum
-        i = step % 2
-        if self.done is not None:
-            self.done[i].synchronize()  # the end of step - 2: step - 1 is queued behind it
-        return int(self.host[i])
-
-
 # Fields that may differ between a checkpoint and the run resuming from it.
 RESUMABLE_CHANGES = {"resume", "save_every", "keep_checkpoints", "val_loss_every", "log_dir", "checkpoint_dir",
                      "run_id", "compile"}
-
-
-def load_checkpoint(path: str, model: nn.Module, opt: NorMuonAdam, loader: DocumentLoader,
-                    args: Hyperparameters, d: DistInfo) -> int:
-    """Restore everything a step depends on; returns the step to continue from. Refuses a checkpoint of
-    another configuration or world size with a one-line reason."""
-    def refuse(why):
-        raise SystemExit(f"error: cannot resume from {path}: {why}")
-
-    try:
-        meta = torch.load(os.path.join(path, "model.pt"), map_location=d.device, weights_only=False)
-        mine = torch.load(os.path.join(path, f"rank{d.rank:03d}.pt"), map_location=d.device, weights_only=False)
-    except FileNotFoundError as e:
-        refuse(f"missing {os.path.basename(e.filename)} (not a checkpoint directory, or an unfinished one)")
-    except Exception as e:  # torch.load raises many types for a damaged file
-        refuse(f"unreadable checkpoint file ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})")
-    if meta.get("format") != CHECKPOINT_FORMAT:
-        refuse(f"checkpoint format {meta.get('format')}, this script reads {CHECKPOINT_FORMAT}")
-    if meta["world_size"] != d.world_size:
-        refuse(f"written by {meta['world_size']} ranks, this run has {d.world_size}; resume with the same world size")
-    now = dataclasses.asdict(args)  # rows as dicts, as saved
-    changed = [k for k in [*meta["args"], *(k for k in now if k not in meta["args"])]  # in field order
-               if k not in RESUMABLE_CHANGES and meta["args"].get(k) != now.get(k)]
-    if changed:
-        k = changed[0]
-        refuse(f"--{k} was {meta['args'].get(k)!r}, now {now.get(k)!r} ({len(changed)} field(s) differ)")
-    model.load_state_dict(meta["model"])
-    try:
-        opt.load_state_dict(mine["optimizer"])
-    except ValueError as e:
-        refuse(str(e))
-    loader.load_state_dict(meta["loader"])
-    torch.set_rng_state(mine["rng"].cpu())
-    for name, p in model.named_parameters():
-        p.grad = mine["grads"].get(name)
-    return meta["step"]
 
 
 @torch.no_grad()
@@ -3937,20 +3484,6 @@ def compile_model(model: nn.Module):
     limit to 64 for the same reason: every schedule variant is a graph of its own."""
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     return torch.compile(model, dynamic=False, fullgraph=True)
-
-
-def generate(model: "GPT", prompt: str, new_tokens: int, device: torch.device, seed: int = 0) -> str:
-    """Sample a continuation (top-k 40, temperature 0.8) with the offline GPT-2 tokenizer."""
-    enc = gpt2_encoding()
-    tokens = [BOS_ID] + enc.encode_ordinary(prompt)
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for _ in range(new_tokens):
-            b = make_batch(np.asarray(tokens + [0], dtype=np.uint16), model.args.bigram_vocab_size).to(device)
-            logits = model.logits(b.inputs, b.cu_seqlens, b.bigram_ids)[-1, :model.args.vocab_size].float().cpu()
-            top = torch.topk(logits / 0.8, 40)
-            tokens.append(int(top.indices[torch.multinomial(torch.softmax(top.values, -1), 1, generator=gen)]))
-    return enc.decode(tokens[1:])
 
 
 def train(args: Hyperparameters, d: DistInfo) -> float:
@@ -4342,8 +3875,6 @@ def _gather_shards(shard: torch.Tensor, dim: int, group) -> torch.Tensor:
     return torch.cat(parts, dim=dim)
 
 
-
-
 def _tp_layout(shard: torch.Tensor, mode: str, shard_dim: int, group) -> tuple[int, int, int, int]:
     """(dim, world size, rows, cols) of the matrix a shard belongs to; blockwise treats the shard as the matrix."""
     if mode not in TP_MODES:
@@ -4420,6 +3951,487 @@ def tensor_parallel_normuon_update(grad, momentum_buf, second_moment, param, man
         O = tensor_parallel_orthogonalize(g, "distributed", shard_dim, group, dtype=dtype)
         O = _split_variance_reduction(O, second_moment, beta2, dim, rows, cols, group)
     _cautious_step(O.float(), param, mantissa, lr * matrix_lr, decay)
+
+
+# ---- Gram Newton-Schulz and the measured "auto" choice (alternatives to polar_express) -------
+
+# Gram Newton-Schulz: the iteration on the Gram matrix of Dao-AILab/gram-newton-schulz, with the
+# polynomials of polar_express.
+
+def _normalized_bank(G: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """G / (||G||_F * 1.02 + 1e-6) per matrix, as a 3-D (batch, m, n) tensor of `dtype`.
+
+    The norm is taken in fp32 whatever G's dtype: a bf16 norm of a large matrix is too coarse to
+    keep the spectral norm safely below 1.
+    """
+    G3 = _as_bank(G)
+    norm = G3.float().norm(dim=(-2, -1), keepdim=True)
+    return (G3.float() / (norm * 1.02 + 1e-6)).to(dtype)
+
+
+def gram_newton_schulz(G: torch.Tensor, coeffs=POLAR_EXPRESS_COEFFS, restart_after: int = 2,
+                       dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """The same polynomial iteration, run on the small Gram matrix instead of the full matrix.
+
+    Every iterate has the form X_k = Q_k X_0 (wide case; tall matrices are transposed views), so it
+    suffices to track the s x s left factor Q and the Gram matrix R = X_k X_k^T:
+        Z = a I + b R + c R^2,   Q <- Z Q,   R <- Z R Z.
+    The long dimension is touched only to form R, at the restart and at the end (X = Q X_0). For a
+    3072 x 768 MLP matrix that is ~30% fewer FLOPs than Polar Express. Errors in the accumulated Q
+    grow fastest during the first, steep iterations, so after `restart_after` iterations X is formed
+    explicitly and R recomputed from it. The Gram work runs in fp16 (all entries are bounded by a
+    few units; fp16 keeps 3 more mantissa bits than bf16); the result is bf16 with G's shape.
+    dtype=torch.float32 runs everything in fp32 and returns fp32 (the CPU fp32 mode).
+    """
+    X = _normalized_bank(G, torch.float16 if dtype == torch.bfloat16 else dtype)
+    tall = X.size(-2) > X.size(-1)
+    if tall:
+        X = X.mT.contiguous()
+    s = X.size(-2)
+    eye = torch.eye(s, dtype=X.dtype, device=X.device)
+    R = _gram_of(X, left=True)
+    Q = None
+    last = len(coeffs) - 1
+    for i, (a, b, c) in enumerate(coeffs):
+        if i == restart_after and Q is not None:
+            X = torch.bmm(Q, X)
+            R = _gram_of(X, left=True)
+            Q = None
+        Z = _poly_of_gram(R, b, c) + a * eye
+        Q = Z if Q is None else torch.bmm(Z, Q)
+        if i < last:
+            R = torch.bmm(torch.bmm(Z, R), Z)
+    X = torch.bmm(Q, X)
+    if tall:
+        X = X.mT
+    return X.to(dtype).reshape(G.shape)
+
+
+# Measured choice of "auto", per GPU: (rows, cols) of a bank's matrices -> (Polar Express ms, Gram
+# Newton-Schulz ms) for one rank's shard. Only repeatable measurements are listed: on one H100 80GB HBM3
+# (tests/bench_optimizer.py, torch 2.11, 2026-11-24) the 768 x 768 banks gave 1.25 and 2.45 ms for the
+# same Polar Express call in one run; on one H200 (the GPU check, 2026-11-26) every bank took 1.05 to
+# 1.28 ms either way (launch-bound), and 3 and 24 matrices of 3072 x 768 favoured opposite ones, so none
+# is listed. The rest follow the FLOP count. The GPU check's kernel-choice check times every bank again.
+ORTHOGONALIZER_MS = {"H100": {(3072, 768): (1.971, 1.218)}, "H200": {}}
+
+
+def auto_orthogonalizer(rows: int, cols: int, gpu_name: str = "") -> str:
+    """The name "auto" runs for (rows, cols) matrices: the faster measured one on a GPU whose table has
+    the shape, else the one with fewer FLOPs (orthogonalization_flops: Gram Newton-Schulz once the long
+    side is at least twice the short one)."""
+    times = triton_kernels.measured_table(ORTHOGONALIZER_MS, gpu_name).get((rows, cols))
+    if times is not None:
+        return "polar_express" if times[0] <= times[1] else "gram_newton_schulz"
+    return "gram_newton_schulz" if max(rows, cols) >= 2 * min(rows, cols) else "polar_express"
+
+
+def orthogonalize_auto(G: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """Per bank shape, Gram Newton-Schulz or Polar Express (auto_orthogonalizer).
+
+    Per matrix with short side s and long side L, Polar Express costs ~20 s^2 L + 10 s^3 FLOPs
+    and the Gram form ~8 s^2 L + 32 s^3: the Gram form wins once L > ~1.8 s (the 3072 x 768 MLP
+    bank: -29%) and loses on square matrices (attention banks: +33%).
+    """
+    m, n = G.shape[-2:]
+    name = auto_orthogonalizer(m, n, triton_kernels.gpu_name_of(G))
+    return (gram_newton_schulz if name == "gram_newton_schulz" else polar_express)(G, dtype=dtype)
+
+
+ORTHOGONALIZERS.update(gram_newton_schulz=gram_newton_schulz, auto=orthogonalize_auto)
+
+
+def orthogonalization_flops(rows: int, cols: int, orthogonalizer="polar_express") -> int:
+    """FLOPs to orthogonalize one rows x cols matrix, counted like torch's FlopCounterMode (2 per
+    multiply-add, symmetric products counted dense). With s the short side and L the long one:
+    Polar Express 5 x (4 s^2 L + 2 s^3); Gram Newton-Schulz 8 s^2 L + 32 s^3 (module docstrings).
+    orthogonalizer: a name, one of the functions (or a functools.partial of one); anything else is
+    costed as Polar Express. Balanced ownership evens out these counts over the ranks."""
+    fn = getattr(orthogonalizer, "func", orthogonalizer)
+    name = next((k for k, f in ORTHOGONALIZERS.items() if fn is f or fn == k), "polar_express")
+    s, L = min(rows, cols), max(rows, cols)
+    if name == "auto":
+        name = auto_orthogonalizer(rows, cols)
+    if name == "gram_newton_schulz":
+        return 8 * s * s * L + 32 * s ** 3
+    return len(POLAR_EXPRESS_COEFFS) * (4 * s * s * L + 2 * s ** 3)
+
+
+# ---- Checkpoints and signals (a speedrun saves none) -----------------------------------------
+
+def save_checkpoint(path: str, step: int, model: nn.Module, opt: NorMuonAdam, loader: DocumentLoader,
+                    args: Hyperparameters, d: DistInfo) -> None:
+    """A directory written whole or not at all: every rank writes its files into path.tmp, rank 0
+    renames it to path once all have finished."""
+    tmp = path + ".tmp"
+    if d.is_master:
+        if os.path.exists(tmp):
+            shutil.rmtree(tmp)
+        os.makedirs(tmp)
+    if dist.is_initialized():
+        dist.barrier()
+    # Adam gradients accumulate over even steps: this rank's pending ones are part of the state too.
+    pending = {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
+    torch.save({"optimizer": opt.state_dict(), "rng": torch.get_rng_state(), "grads": pending},
+               os.path.join(tmp, f"rank{d.rank:03d}.pt"))
+    if d.is_master:
+        torch.save({"format": CHECKPOINT_FORMAT, "step": step, "world_size": d.world_size,
+                    "args": dataclasses.asdict(args), "model": model.state_dict(), "loader": loader.state_dict()},
+                   os.path.join(tmp, "model.pt"))
+    if dist.is_initialized():
+        dist.barrier()
+    if d.is_master:
+        if os.path.exists(path):
+            shutil.rmtree(path)
+        os.replace(tmp, path)
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def whole_checkpoints(run_dir: str) -> list[tuple[int, str]]:
+    """(step, path) of every whole checkpoint of a run (its step_N directories), oldest first; one still
+    being written (step_N.tmp) and any other file are not checkpoints."""
+    return sorted((int(e[5:]), os.path.join(run_dir, e)) for e in os.listdir(run_dir)
+                  if e.startswith("step_") and e[5:].isdecimal())
+
+
+def prune_checkpoints(run_dir: str, keep: int) -> None:
+    """Delete all but the newest `keep` whole checkpoints of a run, so that frequent checkpoints of a long
+    run take bounded disk."""
+    for _, path in whole_checkpoints(run_dir)[:-keep]:
+        shutil.rmtree(path)
+
+
+class StopOnSignal:
+    """While enabled (a run that checkpoints, in the main thread), SIGINT (Ctrl-C) and SIGTERM (kill, a
+    scheduler's preemption notice, torchrun passing either on) do not stop the process: they set `signum`,
+    and the run saves where it is and exits; a second signal stops at once. Every rank must stop after the
+    same step to write one checkpoint, so with several ranks each step's requests are combined (a
+    one-element all-reduce, MAX) and read a step later through a page-locked host copy and an event: the
+    host waits at most for the end of step - 2, with step - 1 still queued behind it, so the device never
+    runs dry (a plain .item() would wait for everything queued). The caller's handlers are back on exit."""
+
+    def __init__(self, enabled: bool, world_size: int = 1, device: torch.device = torch.device("cpu")):
+        self.enabled = enabled and threading.current_thread() is threading.main_thread()
+        self.signum = 0
+        self.shared = self.host = self.done = None
+        if world_size > 1 and self.enabled:  # one slot per step parity
+            cuda = device.type == "cuda"
+            self.shared = [torch.zeros(1, device=device) for _ in range(2)]
+            self.host = [torch.zeros(1, pin_memory=cuda) for _ in range(2)]
+            self.done = [torch.cuda.Event() for _ in range(2)] if cuda else None
+
+    def __enter__(self) -> StopOnSignal:
+        if self.enabled:
+            self.previous = {s: signal.signal(s, self.request) for s in (signal.SIGINT, signal.SIGTERM)}
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.enabled:
+            for s, handler in self.previous.items():
+                signal.signal(s, handler)
+
+    def request(self, signum, frame) -> None:
+        if self.signum:
+            raise KeyboardInterrupt
+        self.signum = signum
+        print(f"  {signal.Signals(signum).name}: stopping once this step's state is saved (again: at once)",
+              file=sys.stderr, flush=True)
+
+    def share(self, step: int) -> None:
+        """After step `step`: this rank's request joins every rank's (queued, not waited for)."""
+        if self.shared is not None:
+            i = step % 2
+            self.shared[i].fill_(self.signum)
+            dist.all_reduce(self.shared[i], op=dist.ReduceOp.MAX)
+            self.host[i].copy_(self.shared[i], non_blocking=True)  # lands after the all-reduce, in stream order
+            if self.done is not None:
+                self.done[i].record()
+
+    def agreed(self, step: int) -> int:
+        """The signal every rank stops for before step `step` (0: none): this rank's own with one rank, with
+        several the combined requests of step - 2 (shared before the one in flight)."""
+        if self.shared is None:
+            return self.signum
+        i = step % 2
+        if self.done is not None:
+            self.done[i].synchronize()  # the end of step - 2: step - 1 is queued behind it
+        return int(self.host[i])
+
+
+def load_checkpoint(path: str, model: nn.Module, opt: NorMuonAdam, loader: DocumentLoader,
+                    args: Hyperparameters, d: DistInfo) -> int:
+    """Restore everything a step depends on; returns the step to continue from. Refuses a checkpoint of
+    another configuration or world size with a one-line reason."""
+    def refuse(why):
+        raise SystemExit(f"error: cannot resume from {path}: {why}")
+
+    try:
+        meta = torch.load(os.path.join(path, "model.pt"), map_location=d.device, weights_only=False)
+        mine = torch.load(os.path.join(path, f"rank{d.rank:03d}.pt"), map_location=d.device, weights_only=False)
+    except FileNotFoundError as e:
+        refuse(f"missing {os.path.basename(e.filename)} (not a checkpoint directory, or an unfinished one)")
+    except Exception as e:  # torch.load raises many types for a damaged file
+        refuse(f"unreadable checkpoint file ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})")
+    if meta.get("format") != CHECKPOINT_FORMAT:
+        refuse(f"checkpoint format {meta.get('format')}, this script reads {CHECKPOINT_FORMAT}")
+    if meta["world_size"] != d.world_size:
+        refuse(f"written by {meta['world_size']} ranks, this run has {d.world_size}; resume with the same world size")
+    now = dataclasses.asdict(args)  # rows as dicts, as saved
+    changed = [k for k in [*meta["args"], *(k for k in now if k not in meta["args"])]  # in field order
+               if k not in RESUMABLE_CHANGES and meta["args"].get(k) != now.get(k)]
+    if changed:
+        k = changed[0]
+        refuse(f"--{k} was {meta['args'].get(k)!r}, now {now.get(k)!r} ({len(changed)} field(s) differ)")
+    model.load_state_dict(meta["model"])
+    try:
+        opt.load_state_dict(mine["optimizer"])
+    except ValueError as e:
+        refuse(str(e))
+    loader.load_state_dict(meta["loader"])
+    torch.set_rng_state(mine["rng"].cpu())
+    for name, p in model.named_parameters():
+        p.grad = mine["grads"].get(name)
+    return meta["step"]
+
+
+# ---- Sampling, shard writing, CPU memory -----------------------------------------------------
+
+def generate(model: "GPT", prompt: str, new_tokens: int, device: torch.device, seed: int = 0) -> str:
+    """Sample a continuation (top-k 40, temperature 0.8) with the offline GPT-2 tokenizer."""
+    enc = gpt2_encoding()
+    tokens = [BOS_ID] + enc.encode_ordinary(prompt)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for _ in range(new_tokens):
+            b = make_batch(np.asarray(tokens + [0], dtype=np.uint16), model.args.bigram_vocab_size).to(device)
+            logits = model.logits(b.inputs, b.cu_seqlens, b.bigram_ids)[-1, :model.args.vocab_size].float().cpu()
+            top = torch.topk(logits / 0.8, 40)
+            tokens.append(int(top.indices[torch.multinomial(torch.softmax(top.values, -1), 1, generator=gen)]))
+    return enc.decode(tokens[1:])
+
+
+def write_shard(path: str, tokens) -> None:
+    """Write tokens (any int sequence < 2**16) atomically: a temporary file renamed into place."""
+    tokens = np.asarray(tokens)
+    if tokens.size and (tokens.min() < 0 or tokens.max() >= 2**16):
+        raise ValueError(f"{path}: token ids must fit in uint16 (got range {tokens.min()}..{tokens.max()})")
+    header = np.zeros(SHARD_HEADER_INTS, dtype="<i4")
+    header[0], header[1], header[2] = SHARD_MAGIC, SHARD_VERSION, tokens.size
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "wb") as f:
+        f.write(header.tobytes())
+        f.write(tokens.astype("<u2").tobytes())
+    os.replace(tmp, path)
+
+
+def keep_freed_memory() -> bool:
+    """CPU training: tell glibc to keep freed memory in the process heap. By default it maps every large
+    block (logits, their gradient: hundreds of MB a step) afresh and returns it on free, so each step
+    page-faults them in again; a small GPT with an unfused full-vocabulary head ran 1.7x faster with it
+    (0.60 against 1.01 s a step). mallopt(M_MMAP_MAX, 0), and M_TRIM_THRESHOLD at the largest value mallopt's
+    int takes (2 GiB of free heap top kept), as the environment's MALLOC_MMAP_MAX_=0 and
+    MALLOC_TRIM_THRESHOLD_ would set at start-up; values the user set there are left alone. False where
+    the C library has no mallopt (not glibc) or the setting was the user's."""
+    if "MALLOC_MMAP_MAX_" in os.environ or "MALLOC_TRIM_THRESHOLD_" in os.environ:
+        return False
+    try:
+        import ctypes
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return False
+    mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
+    M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4  # glibc's <malloc.h>
+    return bool(mallopt(M_MMAP_MAX, 0)) and bool(mallopt(M_TRIM_THRESHOLD, 2**31 - 1))
+
+
+# ---- Flag parsing and validation -------------------------------------------------------------
+
+def _parse_value(name: str, text: str, default):
+    """Parse a command-line value into the type of the field's default."""
+    try:
+        if isinstance(default, bool):
+            if text.lower() in ("1", "true", "yes", "on"):
+                return True
+            if text.lower() in ("0", "false", "no", "off"):
+                return False
+            raise ValueError
+        if isinstance(default, tuple):
+            import ast
+            value = ast.literal_eval(text)
+            value = tuple(value) if isinstance(value, (list, tuple)) else (value,)
+            return tuple(tuple(v) if isinstance(v, list) else v for v in value)
+        return type(default)(text)
+    except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
+        kind = "true/false" if isinstance(default, bool) else type(default).__name__
+        raise SystemExit(f"error: --{name} {text!r} is not a valid {kind} (default: {default!r})")
+
+
+def parse_args(argv: list[str] | None = None) -> Hyperparameters:
+    """`--preset NAME`, then `--field value` for any Hyperparameters field, `--stage_<column>` with one
+    value per stage row, `--layers` as words, and `--ablate` names (applied last)."""
+    defaults = Hyperparameters()
+    parser = argparse.ArgumentParser(
+        description="Speedrun GPT training. Any hyperparameter can be overridden: --field value.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--preset", default="speedrun", choices=sorted(PRESETS),
+                        help="base configuration the overrides apply to")
+    for f in dataclasses.fields(Hyperparameters):
+        if f.name not in _ROW_FIELDS:
+            parser.add_argument(f"--{f.name}", default=None, metavar=type(getattr(defaults, f.name)).__name__.upper(),
+                                help=f"(speedrun default: {getattr(defaults, f.name)!r})")
+    for name in _STAGE_COLUMNS:
+        parser.add_argument(f"--stage_{name}", default=None, metavar="TUPLE",
+                            help=f"one value per stage row, extension last (speedrun: "
+                                 f"{tuple(getattr(r, name) for r in STAGES)!r})")
+    parser.add_argument("--layers", default=None, metavar="TUPLE",
+                        help=f"one string of words per layer; words: {', '.join(LAYER_WORDS)}")
+    parser.add_argument("--ablate", default="", metavar="NAMES",
+                        help=f"comma-separated components to switch off: {', '.join(ABLATIONS)}")
+    ns, unknown = parser.parse_known_args(argv)
+    if unknown:
+        raise SystemExit(f"error: unknown argument {unknown[0]!r}; `python train_gpt.py --help` lists every field")
+    args = dataclasses.replace(defaults, **PRESETS[ns.preset])
+    overrides = {}
+    for f in dataclasses.fields(Hyperparameters):
+        text = getattr(ns, f.name, None) if f.name not in _ROW_FIELDS else None
+        if text is not None:
+            overrides[f.name] = _parse_value(f.name, text, getattr(args, f.name))
+    columns = {name: _parse_value(f"stage_{name}", getattr(ns, f"stage_{name}"), ())
+               for name in _STAGE_COLUMNS if getattr(ns, f"stage_{name}") is not None}
+    try:
+        if columns:
+            overrides["stages"] = restaged(args.stages, **columns)
+        if ns.layers is not None:
+            overrides["layers"] = layers_from_words(_parse_value("layers", ns.layers, ()))
+        return ablated(dataclasses.replace(args, **overrides), [n for n in ns.ablate.split(",") if n.strip()])
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
+
+
+def check_args(args: Hyperparameters, world_size: int) -> None:
+    """Every flag and shard checked at start-up, before the process group, model, loader or log:
+    a bad one stops the run with one line naming it (SystemExit), never a traceback from later on."""
+    for f in dataclasses.fields(Hyperparameters):
+        allowed, value = f.metadata.get("allowed"), getattr(args, f.name)
+        if allowed and not allowed.allows(value):
+            raise SystemExit(f"error: --{f.name} {value!r} must be {allowed}")
+    for name, choices in (("matrix_optimizer", MATRIX_OPTIMIZERS), ("orthogonalizer", sorted(ORTHOGONALIZERS)),
+                          ("cpu_dtype", ("auto", *CPU_DTYPES)), ("bank_ownership", OWNERSHIPS),
+                          ("attention_kernel", ("auto", *GPU_ATTENTION_KERNELS))):
+        if getattr(args, name) not in choices:
+            raise SystemExit(f"error: --{name} {getattr(args, name)!r} is not one of {', '.join(choices)}")
+    if args.val_tokens % min(args.val_seq_len, args.val_tokens):
+        raise SystemExit(f"error: --val_tokens {args.val_tokens} must be a multiple of --val_seq_len {args.val_seq_len}")
+    try:
+        check_stages(args.stages)
+        _check_model_args(args, world_size)
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
+    check_batch_split(args, world_size)
+    tokens = {"train": 0, "val": 0}
+    for what in tokens:  # headers only (size and magic): the loaders read them after the log is open
+        for path in find_shards(getattr(args, f"{what}_files"), what):
+            try:
+                tokens[what] += read_shard_header(path)
+            except ShardError as e:
+                raise SystemExit(f"error: {e}") from None
+    if tokens["val"] < args.val_tokens + 1:  # validation_batches' own check, before the log
+        raise SystemExit(f"error: --val_tokens {args.val_tokens} needs {args.val_tokens + 1} tokens but the val shards"
+                         f" {args.val_files!r} hold {tokens['val']}; lower --val_tokens")
+
+
+def check_stages(stages) -> None:
+    """One-line ValueErrors naming the flag: every column in range, the shares, one extension row last."""
+    if not isinstance(stages, tuple) or len(stages) < 2 or not all(isinstance(r, Stage) for r in stages):
+        raise ValueError("--stages must be a tuple of >= 2 Stage rows (scheduled stages, then the extension)")
+    for f in dataclasses.fields(Stage):
+        allowed = f.metadata.get("allowed")
+        column = tuple(getattr(r, f.name) for r in stages)
+        if allowed and not allowed.column(len(stages)).allows(column):
+            raise ValueError(f"--stage_{f.name} {column!r} must be {allowed.column(len(stages))}")
+    shares = [r.share for r in stages]
+    if shares[-1] is not None or any(not isinstance(s, (int, float)) or isinstance(s, bool) or not 0 < s <= 1
+                                     for s in shares[:-1]):
+        raise ValueError(f"--stage_share {tuple(shares)!r}: scheduled stages need shares in (0, 1] and the last"
+                         " row (the extension) None")
+    if abs(sum(shares[:-1]) - 1) > 1e-9:
+        raise ValueError(f"--stage_share {tuple(shares)!r}: the scheduled stages' shares must add up to 1")
+    if len({len(r.mtp_start) for r in stages} | {len(r.mtp_end) for r in stages}) != 1:
+        raise ValueError("--stage_mtp_start and --stage_mtp_end must give the same number (>= 1) of weights")
+
+
+def check_layers(layers) -> None:
+    """One-line ValueErrors naming --layers and the row: a table the model can build."""
+    if not isinstance(layers, tuple) or not layers or not all(isinstance(r, Layer) for r in layers):
+        raise ValueError(f"--layers must be a non-empty tuple of Layer rows, got {layers!r}")
+
+    def fail(i, msg):
+        raise ValueError(f"--layers row {i} ({layers[i]}): {msg}")
+
+    for i, r in enumerate(layers):
+        if r.attention not in ATTENTION_KINDS or r.input not in ("x", "h"):
+            fail(i, f"attention must be one of {', '.join(ATTENTION_KINDS)} and input x or h")
+        if r.attention == "none" and (r.window or r.value_embed or r.xsa or r.gate or r.dc or r.key_offset
+                                      or r.input != "x" or r.mudd):
+            fail(i, "a skip row has no attention, so no window/offset/ve/xsa/gate/dc/from_h/mudd")
+        if r.attention != "none" and r.window not in ("short", "long"):
+            fail(i, "an attention row needs a short or long window")
+        if r.attention == "paired" and (r.key_offset or r.xsa or r.dc):
+            fail(i, "paired rows take no offset, xsa or dc")
+
+    def where(role):
+        return [i for i, r in enumerate(layers) if getattr(r, role)]
+
+    for role in ("save_skip", "save_h", "post_gates", "mudd"):
+        if len(where(role)) != 1:
+            raise ValueError(f"--layers: exactly one row must be {role}, got rows {where(role)}")
+    if where("mudd") != [len(layers) - 1]:
+        fail(where("mudd")[0], "the mudd row must be the last layer")
+    if where("post_gates")[0] == 0:
+        fail(0, "post_gates must come after layer 0 (gate 0 covers the layers before it)")
+    for i, r in enumerate(layers):
+        if r.attention == "none" and i <= where("save_skip")[0]:
+            fail(i, "a skip row must come after the save_skip row")
+        if (r.input == "h" or r.mudd) and i <= where("save_h")[0]:
+            fail(i, "from_h and mudd rows must come after the save_h row")
+    if not where("value_embed"):
+        raise ValueError("--layers: at least one row must take a value embedding (the post-loop MUDD mixing reads table 0)")
+
+
+def _check_model_args(args: Hyperparameters, world_size: int) -> None:
+    """One-line ValueErrors naming the flag, before any tensor is allocated."""
+    def fail(msg):
+        raise ValueError(f"model config: {msg}")
+
+    if world_size < 1:
+        fail(f"world_size must be >= 1, got {world_size}")
+    for name in ("model_dim", "num_heads", "head_dim", "mlp_hidden", "window_block_size", "gate_channels",
+                 "mudd_hidden", "dc_window"):
+        if getattr(args, name) < 1:
+            fail(f"--{name} must be >= 1, got {getattr(args, name)}")
+    if args.num_heads * args.head_dim != args.model_dim:
+        fail(f"--model_dim ({args.model_dim}) must equal --num_heads * --head_dim ({args.num_heads}*{args.head_dim});"
+             " value embeddings and MUDD's V are added to V, and the banks hold square attention matrices")
+    if args.head_dim % 4:
+        fail(f"--head_dim must be a multiple of 4 (half of it rotates, in pairs), got {args.head_dim}")
+    if args.padded_vocab_size < args.vocab_size:
+        fail(f"--padded_vocab_size ({args.padded_vocab_size}) must be >= --vocab_size ({args.vocab_size})")
+    if args.bigram_vocab_size < 2:
+        fail(f"--bigram_vocab_size must be >= 2, got {args.bigram_vocab_size}")
+    if args.gate_channels > args.model_dim:
+        fail(f"--gate_channels ({args.gate_channels}) must be <= --model_dim ({args.model_dim})")
+    if args.num_heads % 2:
+        fail(f"--num_heads must be even (Q and K live in the qk_bank as groups of two heads; paired rows"
+             f" put half of the heads in each slot), got {args.num_heads}")
+    if args.gate_channels % 2:
+        fail(f"--gate_channels must be even (value-embedding gates read half from x, half from ve), got {args.gate_channels}")
+    if len(args.windows_init) != 2 or not all(isinstance(w, int) and w >= 1 for w in args.windows_init):
+        fail(f"--windows_init must be (short, long) block counts >= 1, got {args.windows_init!r}")
+    try:
+        check_layers(args.layers)
+    except ValueError as e:
+        fail(str(e))
 
 
 # ----------------------------------------------------------------------------------------------
