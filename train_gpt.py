@@ -41,53 +41,15 @@ import triton_kernels
 # change of recipe is a change of a row, and an ablation a dataclasses.replace over rows (ABLATIONS).
 
 
-@dataclass(frozen=True)
-class FlagRange:
-    """Allowed values of a number: every number in it is in [lo, hi] (hi excluded if hi_open), finite,
-    an int if integer; a tuple value has `shape` (None: any length, the same for siblings)."""
-    lo: float
-    hi: float = math.inf
-    hi_open: bool = False
-    integer: bool = False
-    shape: tuple = ()
-
-    def numbers(self, value, shape=None) -> list | None:
-        """The numbers in value, or None if it is not a number / a tuple of this shape."""
-        shape = self.shape if shape is None else shape
-        if not shape:
-            return [value] if isinstance(value, (int, float)) and not isinstance(value, bool) else None
-        if not isinstance(value, (tuple, list)) or shape[0] not in (None, len(value)):
-            return None
-        parts = [self.numbers(v, shape[1:]) for v in value]
-        if any(p is None for p in parts) or len({len(p) for p in parts}) > 1:
-            return None
-        return [x for p in parts for x in p]
-
-    def allows(self, value) -> bool:
-        nums = self.numbers(value)
-        return nums is not None and all(
-            (isinstance(x, int) or not self.integer and math.isfinite(x))
-            and self.lo <= x and (x < self.hi if self.hi_open else x <= self.hi) for x in nums)
-
-    def column(self, rows: int) -> "FlagRange":
-        """The range of a tuple with one such value per row (a stage column on the command line)."""
-        return dataclasses.replace(self, shape=(rows, *self.shape))
-
-    def __str__(self) -> str:
-        bounds = f">= {self.lo}" if self.hi == math.inf else f"in [{self.lo}, {self.hi}{')' if self.hi_open else ']'}"
-        if not self.shape:
-            return bounds if self.integer else f"a finite number {bounds}"
-        count = "a tuple of" if self.shape == (None,) else " x ".join(str(n or "K") for n in self.shape)
-        return f"{count} {'integers' if self.integer else 'finite numbers'} {bounds}"
+# Allowed values of the numeric knobs, as FlagRange's fields (below the fence, with check_args): lo,
+# hi (included unless hi_open), integer, and the shape of a tuple value.
+_AT_LEAST_0, _AT_LEAST_1 = dict(lo=0, integer=True), dict(lo=1, integer=True)
+_RATE, _FRACTION, _MOMENTUM = dict(lo=0), dict(lo=0, hi=1), dict(lo=0, hi=1, hi_open=True)
+_WINDOWS = dict(lo=1, integer=True, shape=(2,))
 
 
-_AT_LEAST_0, _AT_LEAST_1 = FlagRange(0, integer=True), FlagRange(1, integer=True)
-_RATE, _FRACTION, _MOMENTUM = FlagRange(0), FlagRange(0, 1), FlagRange(0, 1, hi_open=True)
-_WINDOWS = FlagRange(1, integer=True, shape=(2,))
-
-
-def knob(default, allowed: FlagRange | None = None):
-    """A field whose numbers check_args checks against `allowed` (one line naming the flag if not)."""
+def knob(default, allowed: dict | None = None):
+    """A field whose numbers check_args checks against FlagRange(**allowed) (one line naming the flag if not)."""
     return dataclasses.field(default=default, metadata={"allowed": allowed} if allowed else {})
 
 
@@ -104,8 +66,8 @@ class Stage:
     max_doc_len: int = knob(0, _AT_LEAST_1)      # documents are truncated to this many tokens
     windows: tuple = knob((1, 1), _WINDOWS)      # (short, long) attention windows in window_block_size blocks
     lr_mult: float = knob(1.0, _RATE)            # the extension's is the cooldown's floor (0.15)
-    mtp_start: tuple = knob((1.0,), FlagRange(0, shape=(None,)))  # weights of the targets t+1, t+2, t+3
-    mtp_end: tuple = knob((1.0,), FlagRange(0, shape=(None,)))
+    mtp_start: tuple = knob((1.0,), dict(lo=0, shape=(None,)))  # weights of the targets t+1, t+2, t+3
+    mtp_end: tuple = knob((1.0,), dict(lo=0, shape=(None,)))
     prefix_start: float = knob(0.0, _RATE)       # weight of the prefix-token term (record #89)
     prefix_end: float = knob(0.0, _RATE)
 
@@ -120,16 +82,6 @@ STAGES = (  # three equal stages (423, 424, 423 of 1270 steps), then the 15-step
     Stage(None, batch_tokens=393_216, max_doc_len=2048, windows=(6, 13), lr_mult=0.15,
           mtp_start=(1.0, 0.0, 0.0), mtp_end=(1.0, 0.0, 0.0)),
 )
-
-
-def restaged(stages: tuple, **columns) -> tuple:
-    """The rows with whole columns replaced, one value per row: restaged(STAGES, batch_tokens=(...))."""
-    for name, values in columns.items():
-        if len(values) != len(stages):
-            raise ValueError(f"--stage_{name} needs {len(stages)} values (one per stage, extension included),"
-                             f" got {len(values)}")
-    return tuple(dataclasses.replace(row, **{name: values[i] for name, values in columns.items()})
-                 for i, row in enumerate(stages))
 
 
 # -- layers: what each layer does ---------------------------------------------------------------
@@ -171,37 +123,6 @@ LAYERS = (
     Layer("paired", "short", value_embed=True, input="h"),                               # 9
     Layer("plain", "long", value_embed=True, gate=True, dc=True, key_offset=True, input="h", mudd=True),  # 10
 )
-
-# --layers takes the rows as words, one string a row: "attn long offset ve gate dc from_h mudd".
-LAYER_WORDS = {
-    "attn": ("attention", "plain"), "paired": ("attention", "paired"), "skip": ("attention", "none"),
-    "short": ("window", "short"), "long": ("window", "long"), "ve": ("value_embed", True), "xsa": ("xsa", True),
-    "gate": ("gate", True), "dc": ("dc", True), "offset": ("key_offset", True), "from_h": ("input", "h"),
-    "mudd": ("mudd", True), "save_skip": ("save_skip", True), "save_h": ("save_h", True),
-    "post_gates": ("post_gates", True),
-}
-
-
-def layers_from_words(rows) -> tuple:
-    """--layers' strings as Layer rows (check_layers checks them)."""
-    if not isinstance(rows, (tuple, list)) or not rows or not all(isinstance(r, str) for r in rows):
-        raise ValueError(f"--layers must be a non-empty tuple of strings (one row per layer), got {rows!r}")
-    layers = []
-    for i, row in enumerate(rows):
-        unknown = [w for w in row.split() if w not in LAYER_WORDS]
-        if unknown:
-            raise ValueError(f"--layers row {i} ({row!r}): unknown word(s) {unknown}; known: {', '.join(LAYER_WORDS)}")
-        fields = {}
-        for word in row.split():
-            name, value = LAYER_WORDS[word]
-            if name in fields and fields[name] != value:
-                raise ValueError(f"--layers row {i} ({row!r}): more than one {name} ({fields[name]!r}, {value!r})")
-            fields[name] = value
-        if "attention" not in fields:
-            raise ValueError(f"--layers row {i} ({row!r}): needs exactly one of attn, paired, skip")
-        layers.append(Layer(**fields))
-    return tuple(layers)
-
 
 # -- the per-parameter optimizer table (record #89's param_table; ParamConfig's fields) ----------
 
@@ -255,7 +176,7 @@ class Hyperparameters:
     num_heads: int = knob(6, _AT_LEAST_1)
     head_dim: int = knob(128, _AT_LEAST_1)
     mlp_hidden: int = knob(3072, _AT_LEAST_1)
-    bigram_vocab_size: int = knob(377_280, FlagRange(2, integer=True))
+    bigram_vocab_size: int = knob(377_280, dict(lo=2, integer=True))
     gate_channels: int = knob(12, _AT_LEAST_1)      # input channels of the VE and smear gates
     mudd_hidden: int = knob(64, _AT_LEAST_1)        # hidden width of the MUDD gate and layer MLPs
     dc_window: int = knob(112, _AT_LEAST_1)         # DC's own window in tokens (keys t-111 .. t)
@@ -307,7 +228,7 @@ class Hyperparameters:
     backout: bool = True                            # the post-loop MUDD mixing (its h coefficient starts at -0.5)
     mudd: bool = True                               # false: MUDD coefficients are learned constants, not per token
     # run
-    seed: int = knob(0, FlagRange(0, 2**63 - 1, integer=True))
+    seed: int = knob(0, dict(lo=0, hi=2**63 - 1, integer=True))
     run_id: str = ""  # empty: a fresh uuid per run
 
     @property
@@ -315,92 +236,9 @@ class Hyperparameters:
         return len(self.layers)
 
 
-# -- ablations: each switches one component off by editing rows ----------------------------------
-
-def _layers_with(args: Hyperparameters, **fields) -> Hyperparameters:
-    """args with the fields set on every attention row (skip rows have nothing to switch off)."""
-    return dataclasses.replace(args, layers=tuple(
-        row if row.attention == "none" else dataclasses.replace(row, **fields) for row in args.layers))
-
-
-def _fixed_windows(args: Hyperparameters) -> Hyperparameters:
-    """The last scheduled stage's windows from step 0 to the end (final validation too), at the YaRN
-    reference itself: no YaRN step ever."""
-    last = args.stages[-2].windows
-    return dataclasses.replace(args, stages=restaged(args.stages, windows=(last,) * len(args.stages)),
-                               windows_init=last, final_val_windows=last)
-
-
-ABLATIONS = {
-    "xsa": lambda a: _layers_with(a, xsa=False),
-    "attn_gates": lambda a: _layers_with(a, gate=False),
-    "dc": lambda a: _layers_with(a, dc=False),
-    "key_offset": lambda a: _layers_with(a, key_offset=False),
-    "from_h": lambda a: _layers_with(a, input="x"),
-    "paired_heads": lambda a: dataclasses.replace(a, layers=tuple(
-        dataclasses.replace(r, attention="plain") if r.attention == "paired" else r for r in a.layers)),
-    "mtp": lambda a: dataclasses.replace(a, stages=tuple(  # the next-token term only
-        dataclasses.replace(r, mtp_start=r.mtp_start[:1], mtp_end=r.mtp_end[:1]) for r in a.stages)),
-    "prefix_loss": lambda a: dataclasses.replace(a, stages=tuple(
-        dataclasses.replace(r, prefix_start=0.0, prefix_end=0.0) for r in a.stages)),
-    "window_schedule": _fixed_windows,
-}
-
-
-def ablated(args: Hyperparameters, names) -> Hyperparameters:
-    """args with the named ABLATIONS applied in order (--ablate xsa,dc)."""
-    for name in names:
-        if name not in ABLATIONS:
-            raise ValueError(f"--ablate {name!r} is not one of {', '.join(ABLATIONS)}")
-        args = ABLATIONS[name](args)
-    return args
-
-
-# -- presets: "demo" trains on a CPU in minutes, "test" is tiny ----------------------------------
-
-PRESETS: dict[str, dict] = {
-    "speedrun": {},
-    "demo": dict(
-        train_files="data/tinyshakespeare/tinyshakespeare_train_*.bin",
-        val_files="data/tinyshakespeare/tinyshakespeare_val_*.bin",
-        val_tokens=32_768,
-        # width 128: the 50,304-wide LM head is most of a CPU step, and at width 256 an fp32 step (CPUs
-        # without fast bf16) took ~2.3x as long for the same final loss
-        model_dim=128, num_heads=2, head_dim=64, mlp_hidden=512,
-        bigram_vocab_size=20_011,
-        layers=layers_from_words(("paired short", "attn short ve xsa save_skip",
-                                  "attn long offset xsa gate post_gates", "skip save_h", "paired short ve from_h",
-                                  "attn long offset ve gate dc from_h mudd")),
-        mudd_hidden=32, dc_window=56, window_block_size=64,
-        num_iterations=75, extension_iterations=3,
-        stages=restaged(STAGES, batch_tokens=(4_096, 8_192, 12_288, 12_288), max_doc_len=(512, 1024, 1024, 1024)),
-        val_seq_len=1024, val_loss_every=25,
-        # 78 steps give Adam 39 updates: the speedrun's rates (tuned for 1285 steps) leave the embedding
-        # tables undertrained. Measured on this demo at 63 steps: Adam 0.024 / 0.032 / 0.045 -> val 5.15 /
-        # 4.99 / 5.34, NorMuon 0.05 4.99
-        muon_lr=0.035, adam_lr=0.032,
-        compile=False,  # inductor's CPU compile of every graph would take most of the demo's budget
-        sample_tokens=48,
-    ),
-    "test": dict(
-        train_files="data/tinyshakespeare/tinyshakespeare_train_*.bin",
-        val_files="data/tinyshakespeare/tinyshakespeare_val_*.bin",
-        model_dim=64, num_heads=2, head_dim=32, mlp_hidden=256,
-        bigram_vocab_size=4_001,
-        layers=layers_from_words(("paired short save_skip", "attn long offset ve xsa gate post_gates", "skip save_h",
-                                  "attn long offset ve gate dc from_h mudd")),
-        mudd_hidden=16, dc_window=14, window_block_size=16,
-        num_iterations=6, extension_iterations=1, micro_batches=4,
-        stages=restaged(STAGES, batch_tokens=(512, 1024, 1536, 1536), max_doc_len=(64, 128, 128, 128)),
-        val_tokens=2048, val_seq_len=512, val_loss_every=3,
-    ),
-}
-
-
-# -- the command line ---------------------------------------------------------------------------
-
-_STAGE_COLUMNS = [f.name for f in dataclasses.fields(Stage)]
-_ROW_FIELDS = ("stages", "layers")  # set through --stage_<column> and --layers, not whole
+# The presets by name (--preset): "speedrun" is the recipe as it stands; the CPU demo's and the tests'
+# tiny ones sit below the fence.
+PRESETS: dict[str, dict] = {"speedrun": {}}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -546,26 +384,6 @@ def _scaled_matmul(a: torch.Tensor, b: torch.Tensor, scale_a: float | torch.Tens
     return ((a.float() @ b.float()) * (sa * sb)).to(out_dtype)
 
 
-@torch.library.custom_op("speedrun::fp8_mm", mutates_args=())
-def fp8_mm(x: torch.Tensor, w: torch.Tensor, x_s: float, w_s: float, grad_s: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """y = x @ w in float8. x (M, K), w (K, N) stored (in, out). Returns (y bf16, x_f8, w_f8).
-
-    The float8 copies are returned so autograd can save them (half the memory of bf16) and the
-    backward need not quantise again; w_f8 is column-major, the layout cuBLAS wants for it."""
-    x_f8 = _quantize_fp8(x, x_s, torch.float8_e4m3fn)
-    w_f8 = _quantize_fp8(w.T, w_s, torch.float8_e4m3fn).T
-    y = _scaled_matmul(x_f8, w_f8, x_s, w_s, torch.bfloat16, fast_accum=True)
-    return y, x_f8, w_f8
-
-
-@fp8_mm.register_fake
-def _fp8_mm_fake(x, w, x_s, w_s, grad_s):
-    M, K = x.shape
-    N = w.shape[1]
-    return (x.new_empty((M, N), dtype=torch.bfloat16), x.new_empty((M, K), dtype=torch.float8_e4m3fn),
-            w.new_empty((N, K), dtype=torch.float8_e4m3fn).T)
-
-
 def _fp8_transposed(t: torch.Tensor) -> torch.Tensor:
     """t^T as a contiguous copy, through the tiled transpose kernel on CUDA (float8 moved as bytes)."""
     out = torch.empty(t.shape[::-1], dtype=t.dtype, device=t.device)
@@ -583,46 +401,6 @@ def fp8_matmul_grads(g_f8: torch.Tensor, x_f8: torch.Tensor, w_f8: torch.Tensor,
     grad_w = _scaled_matmul(_fp8_transposed(x_f8), _fp8_transposed(g_f8).T, x_s, grad_s, torch.float32,
                             fast_accum=False)
     return grad_x, grad_w
-
-
-@torch.library.custom_op("speedrun::fp8_mm_backward", mutates_args=())
-def fp8_mm_backward(g: torch.Tensor, x_f8: torch.Tensor, w_f8: torch.Tensor, x_s: float, w_s: float,
-                    grad_s: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Gradients of y = x @ w from dy (M, N): dx = dy @ w^T (bf16), dw = x^T @ dy (fp32).
-
-    dy is quantised to e5m2 (wider range, the gradient's scale moves with the loss), then
-    fp8_matmul_grads."""
-    return fp8_matmul_grads(_quantize_fp8(g, grad_s, torch.float8_e5m2), x_f8, w_f8, x_s, w_s, grad_s)
-
-
-@fp8_mm_backward.register_fake
-def _fp8_mm_backward_fake(g, x_f8, w_f8, x_s, w_s, grad_s):
-    return (x_f8.new_empty(x_f8.shape, dtype=torch.bfloat16),
-            w_f8.new_empty(w_f8.shape, dtype=torch.float32))
-
-
-def _fp8_mm_setup_context(ctx, inputs, output):
-    x, w, x_s, w_s, grad_s = inputs
-    _, x_f8, w_f8 = output
-    ctx.mark_non_differentiable(x_f8, w_f8)
-    ctx.save_for_backward(x_f8, w_f8)
-    ctx.scales = (x_s, w_s, grad_s)
-    ctx.dtypes = (x.dtype, w.dtype)
-
-
-def _fp8_mm_autograd(ctx, grad_y, grad_x_f8, grad_w_f8):
-    x_f8, w_f8 = ctx.saved_tensors
-    grad_x, grad_w = fp8_mm_backward(grad_y, x_f8, w_f8, *ctx.scales)
-    return grad_x.to(ctx.dtypes[0]), grad_w.to(ctx.dtypes[1]), None, None, None
-
-
-fp8_mm.register_autograd(_fp8_mm_autograd, setup_context=_fp8_mm_setup_context)
-
-
-def fp8_matmul(x: torch.Tensor, w: torch.Tensor, x_s: float, w_s: float, grad_s: float) -> torch.Tensor:
-    """x (..., K) @ w (K, N) -> (..., N) bf16 through the float8 op (differentiable in x and w)."""
-    y = fp8_mm(x.reshape(-1, x.shape[-1]), w, x_s, w_s, grad_s)[0]
-    return y.view(*x.shape[:-1], w.shape[1])
 
 
 # ---- FP8 LM head with the training loss (record #89) --------------------------------------------
@@ -3305,7 +3083,7 @@ def check_batch_split(args: Hyperparameters, world_size: int) -> int:
 
 
 # ----------------------------------------------------------------------------------------------
-# Training: optimizer wiring, logging, checkpoints, evaluation, the loop
+# Training: optimizer wiring, logging, evaluation, the loop
 # ----------------------------------------------------------------------------------------------
 
 
@@ -3656,14 +3434,32 @@ def train(args: Hyperparameters, d: DistInfo) -> float:
 
 
 # ----------------------------------------------------------------------------------------------
+# main
+# ----------------------------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    check_args(args, int(os.environ.get("WORLD_SIZE", 1)))
+    d = setup_distributed()
+    try:
+        train(args, d)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+# ----------------------------------------------------------------------------------------------
 # What the record does not run
 # ----------------------------------------------------------------------------------------------
 
-# Record #89 runs none of the code below. The sliced Adam update and the CPU dtype choice serve CPU
-# runs only (a GPU trains in bf16, its Adam compiled); balanced ownership replaces the record's
-# padding; QK-Clip is an optional step of the optimizer; tensor-parallel NorMuon splits one matrix over
-# ranks, where NorMuonAdam gives every matrix one owner. They are here so that the record's path above
-# reads without them.
+# Record #89 runs none of the code below; the speedrun above reaches it only through its tables
+# (ORTHOGONALIZERS, PRESETS) and the start-up checks. The sliced Adam update and the CPU dtype choice
+# serve CPU runs only (a GPU trains in bf16, its Adam compiled); balanced ownership replaces the
+# record's padding; QK-Clip is an optional step of the optimizer; tensor-parallel NorMuon splits one
+# matrix over ranks, where NorMuonAdam gives every matrix one owner; Gram Newton-Schulz is the
+# alternative orthogonalizer. Then what a speedrun never calls: checkpoints, sampling, flag parsing and
+# validation, the generic FP8 matmul, the small presets, ablations and the command line's row syntax.
 
 # ---- CPU-only helpers of the optimizer --------------------------------------------------------
 
@@ -4313,7 +4109,7 @@ def check_args(args: Hyperparameters, world_size: int) -> None:
     """Every flag and shard checked at start-up, before the process group, model, loader or log:
     a bad one stops the run with one line naming it (SystemExit), never a traceback from later on."""
     for f in dataclasses.fields(Hyperparameters):
-        allowed, value = f.metadata.get("allowed"), getattr(args, f.name)
+        allowed, value = flag_range(f), getattr(args, f.name)
         if allowed and not allowed.allows(value):
             raise SystemExit(f"error: --{f.name} {value!r} must be {allowed}")
     for name, choices in (("matrix_optimizer", MATRIX_OPTIMIZERS), ("orthogonalizer", sorted(ORTHOGONALIZERS)),
@@ -4346,7 +4142,7 @@ def check_stages(stages) -> None:
     if not isinstance(stages, tuple) or len(stages) < 2 or not all(isinstance(r, Stage) for r in stages):
         raise ValueError("--stages must be a tuple of >= 2 Stage rows (scheduled stages, then the extension)")
     for f in dataclasses.fields(Stage):
-        allowed = f.metadata.get("allowed")
+        allowed = flag_range(f)
         column = tuple(getattr(r, f.name) for r in stages)
         if allowed and not allowed.column(len(stages)).allows(column):
             raise ValueError(f"--stage_{f.name} {column!r} must be {allowed.column(len(stages))}")
@@ -4434,20 +4230,240 @@ def _check_model_args(args: Hyperparameters, world_size: int) -> None:
         fail(str(e))
 
 
-# ----------------------------------------------------------------------------------------------
-# main
-# ----------------------------------------------------------------------------------------------
+# ---- The generic FP8 matmul: any linear layer (the record's FP8 layers have their own ops) ------
+
+@torch.library.custom_op("speedrun::fp8_mm", mutates_args=())
+def fp8_mm(x: torch.Tensor, w: torch.Tensor, x_s: float, w_s: float, grad_s: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """y = x @ w in float8. x (M, K), w (K, N) stored (in, out). Returns (y bf16, x_f8, w_f8).
+
+    The float8 copies are returned so autograd can save them (half the memory of bf16) and the
+    backward need not quantise again; w_f8 is column-major, the layout cuBLAS wants for it."""
+    x_f8 = _quantize_fp8(x, x_s, torch.float8_e4m3fn)
+    w_f8 = _quantize_fp8(w.T, w_s, torch.float8_e4m3fn).T
+    y = _scaled_matmul(x_f8, w_f8, x_s, w_s, torch.bfloat16, fast_accum=True)
+    return y, x_f8, w_f8
 
 
-def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
-    check_args(args, int(os.environ.get("WORLD_SIZE", 1)))
-    d = setup_distributed()
-    try:
-        train(args, d)
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+@fp8_mm.register_fake
+def _fp8_mm_fake(x, w, x_s, w_s, grad_s):
+    M, K = x.shape
+    N = w.shape[1]
+    return (x.new_empty((M, N), dtype=torch.bfloat16), x.new_empty((M, K), dtype=torch.float8_e4m3fn),
+            w.new_empty((N, K), dtype=torch.float8_e4m3fn).T)
+
+
+@torch.library.custom_op("speedrun::fp8_mm_backward", mutates_args=())
+def fp8_mm_backward(g: torch.Tensor, x_f8: torch.Tensor, w_f8: torch.Tensor, x_s: float, w_s: float,
+                    grad_s: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gradients of y = x @ w from dy (M, N): dx = dy @ w^T (bf16), dw = x^T @ dy (fp32).
+
+    dy is quantised to e5m2 (wider range, the gradient's scale moves with the loss), then
+    fp8_matmul_grads."""
+    return fp8_matmul_grads(_quantize_fp8(g, grad_s, torch.float8_e5m2), x_f8, w_f8, x_s, w_s, grad_s)
+
+
+@fp8_mm_backward.register_fake
+def _fp8_mm_backward_fake(g, x_f8, w_f8, x_s, w_s, grad_s):
+    return (x_f8.new_empty(x_f8.shape, dtype=torch.bfloat16),
+            w_f8.new_empty(w_f8.shape, dtype=torch.float32))
+
+
+def _fp8_mm_setup_context(ctx, inputs, output):
+    x, w, x_s, w_s, grad_s = inputs
+    _, x_f8, w_f8 = output
+    ctx.mark_non_differentiable(x_f8, w_f8)
+    ctx.save_for_backward(x_f8, w_f8)
+    ctx.scales = (x_s, w_s, grad_s)
+    ctx.dtypes = (x.dtype, w.dtype)
+
+
+def _fp8_mm_autograd(ctx, grad_y, grad_x_f8, grad_w_f8):
+    x_f8, w_f8 = ctx.saved_tensors
+    grad_x, grad_w = fp8_mm_backward(grad_y, x_f8, w_f8, *ctx.scales)
+    return grad_x.to(ctx.dtypes[0]), grad_w.to(ctx.dtypes[1]), None, None, None
+
+
+fp8_mm.register_autograd(_fp8_mm_autograd, setup_context=_fp8_mm_setup_context)
+
+
+def fp8_matmul(x: torch.Tensor, w: torch.Tensor, x_s: float, w_s: float, grad_s: float) -> torch.Tensor:
+    """x (..., K) @ w (K, N) -> (..., N) bf16 through the float8 op (differentiable in x and w)."""
+    y = fp8_mm(x.reshape(-1, x.shape[-1]), w, x_s, w_s, grad_s)[0]
+    return y.view(*x.shape[:-1], w.shape[1])
+
+
+@dataclass(frozen=True)
+class FlagRange:
+    """Allowed values of a number: every number in it is in [lo, hi] (hi excluded if hi_open), finite,
+    an int if integer; a tuple value has `shape` (None: any length, the same for siblings)."""
+    lo: float
+    hi: float = math.inf
+    hi_open: bool = False
+    integer: bool = False
+    shape: tuple = ()
+
+    def numbers(self, value, shape=None) -> list | None:
+        """The numbers in value, or None if it is not a number / a tuple of this shape."""
+        shape = self.shape if shape is None else shape
+        if not shape:
+            return [value] if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+        if not isinstance(value, (tuple, list)) or shape[0] not in (None, len(value)):
+            return None
+        parts = [self.numbers(v, shape[1:]) for v in value]
+        if any(p is None for p in parts) or len({len(p) for p in parts}) > 1:
+            return None
+        return [x for p in parts for x in p]
+
+    def allows(self, value) -> bool:
+        nums = self.numbers(value)
+        return nums is not None and all(
+            (isinstance(x, int) or not self.integer and math.isfinite(x))
+            and self.lo <= x and (x < self.hi if self.hi_open else x <= self.hi) for x in nums)
+
+    def column(self, rows: int) -> "FlagRange":
+        """The range of a tuple with one such value per row (a stage column on the command line)."""
+        return dataclasses.replace(self, shape=(rows, *self.shape))
+
+    def __str__(self) -> str:
+        bounds = f">= {self.lo}" if self.hi == math.inf else f"in [{self.lo}, {self.hi}{')' if self.hi_open else ']'}"
+        if not self.shape:
+            return bounds if self.integer else f"a finite number {bounds}"
+        count = "a tuple of" if self.shape == (None,) else " x ".join(str(n or "K") for n in self.shape)
+        return f"{count} {'integers' if self.integer else 'finite numbers'} {bounds}"
+
+
+def flag_range(field: dataclasses.Field) -> FlagRange | None:
+    """A knob's allowed values (knob's `allowed` fields), None for a field without a range."""
+    allowed = field.metadata.get("allowed")
+    return FlagRange(**allowed) if allowed else None
+
+
+# ---- Ablations (--ablate): each switches one component off by editing rows -------------------
+
+def _layers_with(args: Hyperparameters, **fields) -> Hyperparameters:
+    """args with the fields set on every attention row (skip rows have nothing to switch off)."""
+    return dataclasses.replace(args, layers=tuple(
+        row if row.attention == "none" else dataclasses.replace(row, **fields) for row in args.layers))
+
+
+def _fixed_windows(args: Hyperparameters) -> Hyperparameters:
+    """The last scheduled stage's windows from step 0 to the end (final validation too), at the YaRN
+    reference itself: no YaRN step ever."""
+    last = args.stages[-2].windows
+    return dataclasses.replace(args, stages=restaged(args.stages, windows=(last,) * len(args.stages)),
+                               windows_init=last, final_val_windows=last)
+
+
+ABLATIONS = {
+    "xsa": lambda a: _layers_with(a, xsa=False),
+    "attn_gates": lambda a: _layers_with(a, gate=False),
+    "dc": lambda a: _layers_with(a, dc=False),
+    "key_offset": lambda a: _layers_with(a, key_offset=False),
+    "from_h": lambda a: _layers_with(a, input="x"),
+    "paired_heads": lambda a: dataclasses.replace(a, layers=tuple(
+        dataclasses.replace(r, attention="plain") if r.attention == "paired" else r for r in a.layers)),
+    "mtp": lambda a: dataclasses.replace(a, stages=tuple(  # the next-token term only
+        dataclasses.replace(r, mtp_start=r.mtp_start[:1], mtp_end=r.mtp_end[:1]) for r in a.stages)),
+    "prefix_loss": lambda a: dataclasses.replace(a, stages=tuple(
+        dataclasses.replace(r, prefix_start=0.0, prefix_end=0.0) for r in a.stages)),
+    "window_schedule": _fixed_windows,
+}
+
+
+def ablated(args: Hyperparameters, names) -> Hyperparameters:
+    """args with the named ABLATIONS applied in order (--ablate xsa,dc)."""
+    for name in names:
+        if name not in ABLATIONS:
+            raise ValueError(f"--ablate {name!r} is not one of {', '.join(ABLATIONS)}")
+        args = ABLATIONS[name](args)
+    return args
+
+
+# ---- The command line: --layers words, --stage_<column> columns ------------------------------
+
+# --layers takes the rows as words, one string a row: "attn long offset ve gate dc from_h mudd".
+LAYER_WORDS = {
+    "attn": ("attention", "plain"), "paired": ("attention", "paired"), "skip": ("attention", "none"),
+    "short": ("window", "short"), "long": ("window", "long"), "ve": ("value_embed", True), "xsa": ("xsa", True),
+    "gate": ("gate", True), "dc": ("dc", True), "offset": ("key_offset", True), "from_h": ("input", "h"),
+    "mudd": ("mudd", True), "save_skip": ("save_skip", True), "save_h": ("save_h", True),
+    "post_gates": ("post_gates", True),
+}
+
+
+def layers_from_words(rows) -> tuple:
+    """--layers' strings as Layer rows (check_layers checks them)."""
+    if not isinstance(rows, (tuple, list)) or not rows or not all(isinstance(r, str) for r in rows):
+        raise ValueError(f"--layers must be a non-empty tuple of strings (one row per layer), got {rows!r}")
+    layers = []
+    for i, row in enumerate(rows):
+        unknown = [w for w in row.split() if w not in LAYER_WORDS]
+        if unknown:
+            raise ValueError(f"--layers row {i} ({row!r}): unknown word(s) {unknown}; known: {', '.join(LAYER_WORDS)}")
+        fields = {}
+        for word in row.split():
+            name, value = LAYER_WORDS[word]
+            if name in fields and fields[name] != value:
+                raise ValueError(f"--layers row {i} ({row!r}): more than one {name} ({fields[name]!r}, {value!r})")
+            fields[name] = value
+        if "attention" not in fields:
+            raise ValueError(f"--layers row {i} ({row!r}): needs exactly one of attn, paired, skip")
+        layers.append(Layer(**fields))
+    return tuple(layers)
+
+
+def restaged(stages: tuple, **columns) -> tuple:
+    """The rows with whole columns replaced, one value per row: restaged(STAGES, batch_tokens=(...))."""
+    for name, values in columns.items():
+        if len(values) != len(stages):
+            raise ValueError(f"--stage_{name} needs {len(stages)} values (one per stage, extension included),"
+                             f" got {len(values)}")
+    return tuple(dataclasses.replace(row, **{name: values[i] for name, values in columns.items()})
+                 for i, row in enumerate(stages))
+
+
+_STAGE_COLUMNS = [f.name for f in dataclasses.fields(Stage)]
+_ROW_FIELDS = ("stages", "layers")  # set through --stage_<column> and --layers, not whole
+
+
+# ---- Presets: "demo" trains on a CPU in minutes, "test" is tiny --------------------------------
+
+PRESETS.update({
+    "demo": dict(
+        train_files="data/tinyshakespeare/tinyshakespeare_train_*.bin",
+        val_files="data/tinyshakespeare/tinyshakespeare_val_*.bin",
+        val_tokens=32_768,
+        # width 128: the 50,304-wide LM head is most of a CPU step, and at width 256 an fp32 step (CPUs
+        # without fast bf16) took ~2.3x as long for the same final loss
+        model_dim=128, num_heads=2, head_dim=64, mlp_hidden=512,
+        bigram_vocab_size=20_011,
+        layers=layers_from_words(("paired short", "attn short ve xsa save_skip",
+                                  "attn long offset xsa gate post_gates", "skip save_h", "paired short ve from_h",
+                                  "attn long offset ve gate dc from_h mudd")),
+        mudd_hidden=32, dc_window=56, window_block_size=64,
+        num_iterations=75, extension_iterations=3,
+        stages=restaged(STAGES, batch_tokens=(4_096, 8_192, 12_288, 12_288), max_doc_len=(512, 1024, 1024, 1024)),
+        val_seq_len=1024, val_loss_every=25,
+        # 78 steps give Adam 39 updates: the speedrun's rates (tuned for 1285 steps) leave the embedding
+        # tables undertrained. Measured on this demo at 63 steps: Adam 0.024 / 0.032 / 0.045 -> val 5.15 /
+        # 4.99 / 5.34, NorMuon 0.05 4.99
+        muon_lr=0.035, adam_lr=0.032,
+        compile=False,  # inductor's CPU compile of every graph would take most of the demo's budget
+        sample_tokens=48,
+    ),
+    "test": dict(
+        train_files="data/tinyshakespeare/tinyshakespeare_train_*.bin",
+        val_files="data/tinyshakespeare/tinyshakespeare_val_*.bin",
+        model_dim=64, num_heads=2, head_dim=32, mlp_hidden=256,
+        bigram_vocab_size=4_001,
+        layers=layers_from_words(("paired short save_skip", "attn long offset ve xsa gate post_gates", "skip save_h",
+                                  "attn long offset ve gate dc from_h mudd")),
+        mudd_hidden=16, dc_window=14, window_block_size=16,
+        num_iterations=6, extension_iterations=1, micro_batches=4,
+        stages=restaged(STAGES, batch_tokens=(512, 1024, 1536, 1536), max_doc_len=(64, 128, 128, 128)),
+        val_tokens=2048, val_seq_len=512, val_loss_every=3,
+    ),
+})
 
 
 if __name__ == "__main__":

@@ -54,7 +54,7 @@ def test_every_numeric_field_has_a_range():
                if isinstance(getattr(defaults, f.name), (int, float, tuple))
                and not isinstance(getattr(defaults, f.name), bool) and f.name not in ("stages", "layers")}
     ranged = {f.name for f in dataclasses.fields(tg.Hyperparameters) if "allowed" in f.metadata}
-    assert numeric == ranged, "give the new field its allowed range: knob(default, FlagRange(...))"
+    assert numeric == ranged, "give the new field its allowed range: knob(default, dict(lo=..., ...))"
     row = tg.STAGES[0]
     numeric = {f.name for f in dataclasses.fields(tg.Stage) if f.name != "share"}  # shares: check_stages
     assert {f.name for f in dataclasses.fields(tg.Stage) if "allowed" in f.metadata} == numeric
