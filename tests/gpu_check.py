@@ -52,39 +52,37 @@ CHECKS: tuple[Check, ...] = (
     Check("triton-symmetric", 60, "XXT, XTX, ba_plus_cAA kernels on the NorMuon banks (64x256x768, 24x768x768, "
           "24x3072x768) in bf16 and fp32 against float64; outputs bitwise symmetric; the public functions (which "
           "may take torch at a listed shape) and Polar Express on CUDA against the CPU path",
-          (K + "_sym_mm_kernel", OP + "xxt", OP + "xtx", OP + "ba_plus_caa", TK + "_cuda_sm_count",
-           TK + "_num_programs", TK + "_check_runnable", TK + "_sym_config", TK + "XXT", TK + "XTX",
-           TK + "ba_plus_cAA", TK + "_runs_kernel", TK + "_gpu_name", TK + "gpu_name_of", TG + "_gram_of", TG + "_poly_of_gram")),
+          (K + "_sym_mm_kernel", OP + "xxt", OP + "xtx", OP + "ba_plus_caa", TK + "XXT", TK + "XTX", TK + "ba_plus_cAA",
+           TK + "gpu_name_of", TG + "polar_express", TG + "gram_newton_schulz")),
     Check("triton-mlp", 60, "relu2_mlp forward and backward (49152 x 768 -> 3072) in bf16 and fp32 against float64",
           (K + "_mm_epilogue_kernel", K + "_grouped_tile", OP + "relu2_mlp_fwd", OP + "relu2_mlp_bwd",
-           TK + "_mm_config", TK + "relu2_mlp", TK + "relu2_mlp_backward")),
+           TK + "relu2_mlp", TK + "relu2_mlp_backward")),
     Check("triton-cross-entropy", 60, "softcapped_ce_mtp (8192 x 50304, 3 MTP weights, the prefix term) loss and the "
           "record's gradient in bf16 and fp32 against the float64 reference and its CPU twin run on the GPU; the "
           "FP8 head's e5m2 gradient against the float64 gradient rounded to e5m2, saturating; the CPU head fused "
           "with its loss, run on the GPU, against the kernel through x @ w",
           (K + "_ce_mtp_kernel", K + "_tanh", K + "_round_to_bf16", K + "_softcap_sigma", OP + "softcapped_ce_mtp_fwd",
-           OP + "softcapped_ce_mtp_rows", OP + "softcapped_ce_mtp_head_rows", TK + "_ce_config", TK + "softcapped_ce_mtp", TK + "softcapped_ce_mtp_e5m2")),
+           OP + "softcapped_ce_mtp_rows", OP + "softcapped_ce_mtp_head_rows", TK + "softcapped_ce_mtp", TK + "softcapped_ce_mtp_e5m2")),
     Check("triton-transpose", 30, "transpose_copy and transpose_add of the LM head (768 x 50304) in bf16 and fp32, "
           "and of float8 operands as bytes, exact",
-          (K + "_transpose_kernel", OP + "transpose_copy", OP + "transpose_add", TK + "_launch_transpose",
-           TK + "transpose_copy", TK + "transpose_add")),
+          (K + "_transpose_kernel", OP + "transpose_copy", OP + "transpose_add", TK + "transpose_copy", TK + "transpose_add")),
     Check("fp8-up", 40, "relu2_fp8_up kernel (49152 x 768 -> 3072, e4m3): with fast accumulation (the record's) "
           "within the bound of a 13-bit running sum of the float64 result; with fp32 promotion within it too and "
           "at most half the fast error against the fp32 reference; the e4m3 copy and the amax, and the partial "
           "maxima the FP8 MLP reduces after all layers (their count, their max equal to the amax)",
-          (K + "_fp8_relu2_kernel", TK + "_fp8_up_config", TK + "relu2_fp8_up_partials",
+          (K + "_fp8_relu2_kernel", TK + "relu2_fp8_up_triton", TK + "relu2_fp8_up_partials",
            TK + "relu2_fp8_up_partial_count")),
     Check("fp8-head", 60, "the FP8 LM head with the loss (16384 x 768 x 50304): loss, e5m2 gradient, dx and dw "
           "through torch._scaled_mm against the emulation; the plain fp8_mm op too",
           (OP + "fp8_mm", OP + "fp8_mm_backward", OP + "fp8_head_loss", OP + "fp8_head_loss_backward",
-           TG + "_native_fp8", TG + "_scaled_matmul")),
+           TG + "fp8_matmul_grads")),
     Check("fp8-mlp", 30, "FP8MLPState / speedrun::fp8_mlp (16384 x 768 -> 3072, 3 layers: scales at offsets 0, 16, "
           "32 bytes) forward and backward against its emulation and float64",
           (OP + "fp8_mlp",)),
     Check("flex-attention", 80, "flex_attention forward and backward through the one compiled flex_attention, with "
           "the record's block masks (causal, window, documents, paired slots), against SDPA with the dense mask; "
           "no host sync in the eager call",
-          (TG + "_runs_compiled_flex", TG + "block_mask_indices")),
+          (TG + "flex_attend", TG + "block_mask_indices")),
     Check("attention-kernels", 150, "per layer kind of the speedrun (plain short, plain long, paired short) at stage "
           "1's and stage 3's micro-batch (16,384 and 49,152 tokens, documents cut at 896 / 2,048): flex_attention "
           "with the loader's host-built block masks against torch's varlen_attn, forward + backward ms each, the "
@@ -99,13 +97,14 @@ CHECKS: tuple[Check, ...] = (
           "test_training_step_never_waits_for_the_gpu (eager), then compiled model and optimizer with FP8 "
           "re-quantisation and the loader's host-built flex masks in pinned staging buffers, with any "
           "recompilation an error",
-          (TG + "hyperparam_tensors", TG + "_adam_update_sliced", TG + "build_optimizer", TG + "copy_from_host_",
+          (TG + "hyperparam_tensors", TG + "update_functions", TG + "build_optimizer", TG + "copy_from_host_",
            TG + "batch_request", TG + "DocumentLoader.__init__", TG + "Batch.stage"), "model"),
     # -- run: NCCL, the script end to end, the kernel choice table ------------------------------------
     Check("normuon-nccl", 60, "NorMuonAdam on a single-rank NCCL group (and 2 ranks where 2 GPUs exist) "
           "against the single-process result; on that group, StopOnSignal's step-late read of the combined "
           "stop requests returns while the previous step's work is still queued, and sees a request a step later",
-          (TG + "setup_distributed", TG + "ShardExchange._plan_sparse", TG + "StopOnSignal.__init__"), "run"),
+          (TG + "setup_distributed", TG + "ShardExchange.declare_rows", TG + "ShardExchange.scatter",
+           TG + "StopOnSignal.__init__"), "run"),
     Check("train-script", 240, "train_gpt.py --preset test --compile true through torchrun on this GPU (FP8, NCCL, "
           "compile warm-up, run log): learns, and compiles nothing after the warm-up",
           (TG + "train", TG + "RunLog.__init__", TG + "cuda_synchronize", TG + "compute_dtype"), "run"),
@@ -120,7 +119,7 @@ CHECKS: tuple[Check, ...] = (
     Check("kernel-tuning", 400, "the loss kernel, the dpre epilogue, the bf16 relu2 forward and the FP8 up-projection "
           "at 16,384 and 49,152 tokens under every tile configuration of MM_SWEEP / CE_SWEEP: committed against the "
           "best (within 10%), every timing for updating the config functions",
-          (K + "_tanh_approx", TK + "_mm_config", TK + "_ce_config"), "tune"),
+          (K + "_tanh_approx", OP + "relu2_mlp_fwd", OP + "softcapped_ce_mtp_fwd", TK + "relu2_fp8_up_triton"), "tune"),
 )
 
 

@@ -1,6 +1,7 @@
 """The GPU check's machinery on a CPU: the coverage scan (every CUDA path has a check), the runner
 (pass, fail, time cap, skip), the report files, the generated shards, the projections, and the
 one-line refusals of `./run.sh gpu-check` without a GPU. The checks themselves need a CUDA GPU."""
+import ast
 import json
 import os
 import subprocess
@@ -28,11 +29,15 @@ def test_every_cuda_path_has_a_check():
     tg = open(os.path.join(ROOT, "train_gpt.py")).read()
     assert len(kernels) == tk.count("\n@triton.jit\n") == 10
     assert len(ops) == tk.count("@torch.library.custom_op(") + tg.count("@torch.library.custom_op(") == 15
-    assert {"cuda:train_gpt.py:_runs_compiled_flex", "cuda:train_gpt.py:_native_fp8", "cuda:train_gpt.py:setup_distributed",
-            "cuda:triton_kernels.py:_num_programs", "cuda:train_gpt.py:Batch.to", "op:speedrun::fp8_head_loss",
+    assert {"cuda:train_gpt.py:flex_attend", "cuda:train_gpt.py:fp8_matmul_grads", "cuda:train_gpt.py:setup_distributed",
+            "cuda:triton_kernels.py:relu2_fp8_up_partial_count", "cuda:train_gpt.py:Batch.to", "op:speedrun::fp8_head_loss",
             "cuda:train_gpt.py:attention_kernels", "cuda:triton_kernels.py:softcapped_ce_mtp_e5m2"} <= paths
     uncovered, stale = C.coverage(G.CHECKS)
     assert uncovered == set() and stale == set()
+    # every private helper's CUDA branch counts for a public function, op or kernel reaching it, so the
+    # checks name no private helper (a rename of one changes no tag)
+    assert C.private_paths(paths) == set()
+    assert not [t for c in G.CHECKS for t in c.covers if t.startswith("cuda:") and C.is_private(t.rsplit(":", 1)[1])]
 
 
 def _with(sources, name, extra):
@@ -57,10 +62,51 @@ def test_a_new_cuda_path_without_a_check_fails_coverage():
 
 def test_a_removed_cuda_path_shows_as_stale():
     src = C.repo_sources()
-    renamed = src["triton_kernels.py"].replace("def _ce_config(", "def _ce_configuration(")
+    renamed = src["triton_kernels.py"].replace("def relu2_fp8_up_partial_count(", "def relu2_fp8_up_partials_count(")
     uncovered, stale = C.coverage(G.CHECKS, sources={**src, "triton_kernels.py": renamed})
-    assert uncovered == {"cuda:triton_kernels.py:_ce_configuration"}
-    assert stale == {"cuda:triton_kernels.py:_ce_config"}
+    assert uncovered == {"cuda:triton_kernels.py:relu2_fp8_up_partials_count"}
+    assert stale == {"cuda:triton_kernels.py:relu2_fp8_up_partial_count"}
+
+
+def covering(sources) -> dict[str, list[str]]:
+    """Each CUDA path of `sources` and the checks that cover it."""
+    return {p: [c.name for c in G.CHECKS if p in c.covers] for p in C.cuda_paths(sources)}
+
+
+def test_renaming_private_helpers_changes_no_tag():
+    """Every private helper of the two files that holds a CUDA branch (_launch_transpose, _ce_config,
+    ShardExchange._plan_sparse, ...) renamed at once, definitions and uses: the same CUDA paths, each
+    covered by the same checks, and every path still covered."""
+    import re
+    src = C.repo_sources()
+    renamed, helpers = {}, []
+    for name, text in src.items():
+        tree = ast.parse(text)
+        for f in ast.walk(tree):
+            if isinstance(f, ast.FunctionDef) and C.is_private(f.name) and any(
+                    C.is_cuda_marker(n) for stmt in f.body for n in ast.walk(stmt)):
+                helpers.append(f.name)
+                text = re.sub(rf"\b{f.name}\b", f.name + "_renamed", text)
+        renamed[name] = text
+    assert len(helpers) >= 15 and {"_launch_transpose", "_ce_config", "_plan_sparse", "_native_fp8"} <= set(helpers)
+    assert all(h + "_renamed" in renamed["train_gpt.py"] + renamed["triton_kernels.py"] for h in helpers)
+    assert covering(renamed) == covering(src)
+    assert C.coverage(G.CHECKS, sources=renamed) == (set(), set())
+
+
+def test_a_private_helpers_cuda_branch_counts_for_what_reaches_it():
+    text = ("def _device_ok(x):\n    return x.is_cuda\n\n"          # reached through a private chain
+            "def _twice(x):\n    return _device_ok(x)\n\n"
+            "def public(x):\n    return _twice(x)\n\n"
+            "handed_on = [_twice]\n\n"                              # a reference at the top level reaches nothing
+            "class Store:\n    def put(self, x):\n        return self._copy(x)\n\n"
+            "    def _copy(self, x):\n        return x.to('cuda')\n\n"
+            "@torch.library.custom_op('speedrun::op', mutates_args=())\n"
+            "def _op_impl(x: Tensor) -> Tensor:\n    return _device_ok(x)\n\n"
+            "def _nobody(x):\n    return torch.cuda.current_stream()\n")
+    paths = C.cuda_paths({"m.py": text})
+    assert paths == {"cuda:m.py:public", "cuda:m.py:Store.put", "op:speedrun::op", "cuda:m.py:_nobody"}
+    assert C.private_paths(paths) == {"cuda:m.py:_nobody"}  # reached by no function: named after itself
 
 
 def test_comments_docstrings_and_cpu_only_code_are_no_cuda_paths():
@@ -375,7 +421,6 @@ def test_calls_into_the_two_modules_bind_to_their_signatures():
     """The first H200 run lost its flex-attention check to a call that no longer matched flex_attend's
     signature (the softmax scale had become an argument). Every call in gpu_check.py of a train_gpt (T.)
     or triton_kernels (tk.) function must name a function that exists and bind to its parameters."""
-    import ast
     import inspect
     import triton_kernels as tk
     modules = {"T": T, "tk": tk}
