@@ -19,8 +19,16 @@ its full traceback (in the report itself) and the rest still run; a run of some 
 groups' results of the same day's report. Exit status: 0 when every check run passed, 1 otherwise, 2 for
 bad usage or no CUDA GPU.
 
-Every check declares what it covers: the @triton.jit kernels, the `torch.library.custom_op`s and
-the functions holding a CUDA-only branch (`cuda_paths` finds them in the source);
+This file is the list of checks: the table CHECKS (name, time cap, what is compared against what
+and within which tolerance, the CUDA paths covered, group) and one function per check,
+check_<name with _>, in the table's order. A new check is one Check row and one function. The
+runner and the report writer are in gpu_check_runner.py (its `main` is this file's command line, and
+each check's process runs this file with --run-one); the coverage scan in gpu_check_coverage.py.
+
+Every check declares what it covers: the @triton.jit kernels ("kernel:"), the custom ops by their
+registered names ("op:speedrun::"), and the public functions of train_gpt.py and triton_kernels.py
+holding a CUDA-only branch ("cuda:<file>:"); a branch in a private helper counts for the public
+functions, ops or kernels that reach it, so no row names a private helper.
 tests/test_gpu_check.py fails when a path is covered by no check.
 
 Imports here are the standard library's only: the list, the coverage scan and the report writer
