@@ -19,8 +19,16 @@ its full traceback (in the report itself) and the rest still run; a run of some 
 groups' results of the same day's report. Exit status: 0 when every check run passed, 1 otherwise, 2 for
 bad usage or no CUDA GPU.
 
-Every check declares what it covers: the @triton.jit kernels, the `torch.library.custom_op`s and
-the functions holding a CUDA-only branch (`cuda_paths` finds them in the source);
+This file is the list of checks: the table CHECKS (name, time cap, what is compared against what
+and within which tolerance, the CUDA paths covered, group) and one function per check,
+check_<name with _>, in the table's order. A new check is one Check row and one function. The
+runner and the report writer are in gpu_check_runner.py (its `main` is this file's command line, and
+each check's process runs this file with --run-one); the coverage scan in gpu_check_coverage.py.
+
+Every check declares what it covers: the @triton.jit kernels ("kernel:"), the custom ops by their
+registered names ("op:speedrun::"), and the public functions of train_gpt.py and triton_kernels.py
+holding a CUDA-only branch ("cuda:<file>:"); a branch in a private helper counts for the public
+functions, ops or kernels that reach it, so no row names a private helper.
 tests/test_gpu_check.py fails when a path is covered by no check.
 
 Imports here are the standard library's only: the list, the coverage scan and the report writer
@@ -28,47 +36,21 @@ run on any Python; torch is imported by the checks themselves.
 """
 from __future__ import annotations
 
-import argparse
-import ast
-import datetime
 import json
 import os
-import platform
 import re
 import subprocess
 import sys
 import tempfile
 import time
-import traceback
-from dataclasses import dataclass
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TESTS = os.path.join(REPO, "tests")
-# run as a script (run.sh gpu-check) sys.path starts with tests/: train_gpt and the test helpers import from here
-sys.path[:0] = [p for p in (REPO, TESTS) if p not in sys.path]
-SOURCES = ("train_gpt.py", "triton_kernels.py")
-RECORDS = os.path.join(REPO, "records", "gpu_check")
-SHARD_DIR = os.path.join(REPO, ".cache", "gpu_check_shards")  # ignored (.gitignore: .cache/)
-CACHE_DIRS = {"TORCHINDUCTOR_CACHE_DIR": os.path.join(REPO, ".cache", "inductor"),
-              "TRITON_CACHE_DIR": os.path.join(REPO, ".cache", "triton")}
-GROUPS = ("kernels", "model", "run", "speedrun", "tune")
-GROUP_LIMIT_S = 500.0   # no check of a group starts later than this; caps are cut to fit (9 minutes a group)
-GPUS_PROJECTED = 8      # the record's machine
-
+# tests/ is on sys.path (run as a script it comes first); the runner puts the repository there too
+from gpu_check_runner import (GPUS_PROJECTED, REPO, SHARD_DIR, TESTS, Check, Result, check_env, last_error_line,
+                              main, mfu, project)
 
 # ----------------------------------------------------------------------------------------------
 # The checks: name, time cap, what each proves, what it covers
 # ----------------------------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class Check:
-    name: str
-    cap_s: float
-    what: str
-    covers: tuple[str, ...] = ()
-    group: str = "kernels"
-    fn: str = ""  # function name in this module; default check_<name with _>
-
 
 K, OP = "kernel:", "op:speedrun::"
 TK, TG = "cuda:triton_kernels.py:", "cuda:train_gpt.py:"
@@ -78,39 +60,37 @@ CHECKS: tuple[Check, ...] = (
     Check("triton-symmetric", 60, "XXT, XTX, ba_plus_cAA kernels on the NorMuon banks (64x256x768, 24x768x768, "
           "24x3072x768) in bf16 and fp32 against float64; outputs bitwise symmetric; the public functions (which "
           "may take torch at a listed shape) and Polar Express on CUDA against the CPU path",
-          (K + "_sym_mm_kernel", OP + "xxt", OP + "xtx", OP + "ba_plus_caa", TK + "_cuda_sm_count",
-           TK + "_num_programs", TK + "_check_runnable", TK + "_sym_config", TK + "XXT", TK + "XTX",
-           TK + "ba_plus_cAA", TK + "_runs_kernel", TK + "_gpu_name", TK + "gpu_name_of", TG + "_gram_of", TG + "_poly_of_gram")),
+          (K + "_sym_mm_kernel", OP + "xxt", OP + "xtx", OP + "ba_plus_caa", TK + "XXT", TK + "XTX", TK + "ba_plus_cAA",
+           TK + "gpu_name_of", TG + "polar_express", TG + "gram_newton_schulz")),
     Check("triton-mlp", 60, "relu2_mlp forward and backward (49152 x 768 -> 3072) in bf16 and fp32 against float64",
           (K + "_mm_epilogue_kernel", K + "_grouped_tile", OP + "relu2_mlp_fwd", OP + "relu2_mlp_bwd",
-           TK + "_mm_config", TK + "relu2_mlp", TK + "relu2_mlp_backward")),
+           TK + "relu2_mlp", TK + "relu2_mlp_backward")),
     Check("triton-cross-entropy", 60, "softcapped_ce_mtp (8192 x 50304, 3 MTP weights, the prefix term) loss and the "
           "record's gradient in bf16 and fp32 against the float64 reference and its CPU twin run on the GPU; the "
           "FP8 head's e5m2 gradient against the float64 gradient rounded to e5m2, saturating; the CPU head fused "
           "with its loss, run on the GPU, against the kernel through x @ w",
           (K + "_ce_mtp_kernel", K + "_tanh", K + "_round_to_bf16", K + "_softcap_sigma", OP + "softcapped_ce_mtp_fwd",
-           OP + "softcapped_ce_mtp_rows", OP + "softcapped_ce_mtp_head_rows", TK + "_ce_config", TK + "softcapped_ce_mtp", TK + "softcapped_ce_mtp_e5m2")),
+           OP + "softcapped_ce_mtp_rows", OP + "softcapped_ce_mtp_head_rows", TK + "softcapped_ce_mtp", TK + "softcapped_ce_mtp_e5m2")),
     Check("triton-transpose", 30, "transpose_copy and transpose_add of the LM head (768 x 50304) in bf16 and fp32, "
           "and of float8 operands as bytes, exact",
-          (K + "_transpose_kernel", OP + "transpose_copy", OP + "transpose_add", TK + "_launch_transpose",
-           TK + "transpose_copy", TK + "transpose_add")),
+          (K + "_transpose_kernel", OP + "transpose_copy", OP + "transpose_add", TK + "transpose_copy", TK + "transpose_add")),
     Check("fp8-up", 40, "relu2_fp8_up kernel (49152 x 768 -> 3072, e4m3): with fast accumulation (the record's) "
           "within the bound of a 13-bit running sum of the float64 result; with fp32 promotion within it too and "
           "at most half the fast error against the fp32 reference; the e4m3 copy and the amax, and the partial "
           "maxima the FP8 MLP reduces after all layers (their count, their max equal to the amax)",
-          (K + "_fp8_relu2_kernel", TK + "_fp8_up_config", TK + "relu2_fp8_up_partials",
+          (K + "_fp8_relu2_kernel", TK + "relu2_fp8_up_triton", TK + "relu2_fp8_up_partials",
            TK + "relu2_fp8_up_partial_count")),
     Check("fp8-head", 60, "the FP8 LM head with the loss (16384 x 768 x 50304): loss, e5m2 gradient, dx and dw "
           "through torch._scaled_mm against the emulation; the plain fp8_mm op too",
           (OP + "fp8_mm", OP + "fp8_mm_backward", OP + "fp8_head_loss", OP + "fp8_head_loss_backward",
-           TG + "_native_fp8", TG + "_scaled_matmul")),
+           TG + "fp8_matmul_grads")),
     Check("fp8-mlp", 30, "FP8MLPState / speedrun::fp8_mlp (16384 x 768 -> 3072, 3 layers: scales at offsets 0, 16, "
           "32 bytes) forward and backward against its emulation and float64",
           (OP + "fp8_mlp",)),
     Check("flex-attention", 80, "flex_attention forward and backward through the one compiled flex_attention, with "
           "the record's block masks (causal, window, documents, paired slots), against SDPA with the dense mask; "
           "no host sync in the eager call",
-          (TG + "_runs_compiled_flex", TG + "block_mask_indices")),
+          (TG + "flex_attend", TG + "block_mask_indices")),
     Check("attention-kernels", 150, "per layer kind of the speedrun (plain short, plain long, paired short) at stage "
           "1's and stage 3's micro-batch (16,384 and 49,152 tokens, documents cut at 896 / 2,048): flex_attention "
           "with the loader's host-built block masks against torch's varlen_attn, forward + backward ms each, the "
@@ -125,13 +105,14 @@ CHECKS: tuple[Check, ...] = (
           "test_training_step_never_waits_for_the_gpu (eager), then compiled model and optimizer with FP8 "
           "re-quantisation and the loader's host-built flex masks in pinned staging buffers, with any "
           "recompilation an error",
-          (TG + "hyperparam_tensors", TG + "_adam_update_sliced", TG + "build_optimizer", TG + "copy_from_host_",
+          (TG + "hyperparam_tensors", TG + "update_functions", TG + "build_optimizer", TG + "copy_from_host_",
            TG + "batch_request", TG + "DocumentLoader.__init__", TG + "Batch.stage"), "model"),
     # -- run: NCCL, the script end to end, the kernel choice table ------------------------------------
     Check("normuon-nccl", 60, "NorMuonAdam on a single-rank NCCL group (and 2 ranks where 2 GPUs exist) "
           "against the single-process result; on that group, StopOnSignal's step-late read of the combined "
           "stop requests returns while the previous step's work is still queued, and sees a request a step later",
-          (TG + "setup_distributed", TG + "ShardExchange._plan_sparse", TG + "StopOnSignal.__init__"), "run"),
+          (TG + "setup_distributed", TG + "ShardExchange.declare_rows", TG + "ShardExchange.scatter",
+           TG + "StopOnSignal.__init__"), "run"),
     Check("train-script", 240, "train_gpt.py --preset test --compile true through torchrun on this GPU (FP8, NCCL, "
           "compile warm-up, run log): learns, and compiles nothing after the warm-up",
           (TG + "train", TG + "RunLog.__init__", TG + "cuda_synchronize", TG + "compute_dtype"), "run"),
@@ -146,409 +127,13 @@ CHECKS: tuple[Check, ...] = (
     Check("kernel-tuning", 400, "the loss kernel, the dpre epilogue, the bf16 relu2 forward and the FP8 up-projection "
           "at 16,384 and 49,152 tokens under every tile configuration of MM_SWEEP / CE_SWEEP: committed against the "
           "best (within 10%), every timing for updating the config functions",
-          (K + "_tanh_approx", TK + "_mm_config", TK + "_ce_config"), "tune"),
+          (K + "_tanh_approx", OP + "relu2_mlp_fwd", OP + "softcapped_ce_mtp_fwd", TK + "relu2_fp8_up_triton"), "tune"),
 )
 
 
 def check_function(check: Check):
     return globals()[check.fn or "check_" + check.name.replace("-", "_")]
 
-
-# ----------------------------------------------------------------------------------------------
-# Coverage: every CUDA path in the two modules
-# ----------------------------------------------------------------------------------------------
-
-def _qualnames(tree: ast.Module) -> list[tuple[int, int, str]]:
-    """(first line, last line, qualified name) of every function, outer ones first."""
-    spans = []
-
-    def walk(node, prefix):
-        for child in ast.iter_child_nodes(node):
-            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-                name = prefix + child.name
-                if not isinstance(child, ast.ClassDef):
-                    spans.append((child.lineno, child.end_lineno, name))
-                walk(child, name + ".")
-            else:
-                walk(child, prefix)
-    walk(tree, "")
-    return spans
-
-
-def _is_cuda_marker(node: ast.AST) -> bool:
-    """x.is_cuda, torch.cuda.*, a "cuda..." string (device.type == "cuda", "cuda:nccl"), a comparison
-    with "cpu", and calls of _native_fp8 or flex_attention: the ways the two modules branch to GPU-only code."""
-    if isinstance(node, ast.Attribute):
-        if node.attr == "is_cuda":
-            return True
-        if node.attr == "cuda" and isinstance(node.value, ast.Name) and node.value.id == "torch":
-            return True
-    if isinstance(node, ast.Constant) and isinstance(node.value, str) and re.fullmatch(r"cuda(:.*)?", node.value):
-        return True
-    if isinstance(node, ast.Compare) and any(isinstance(c, ast.Constant) and c.value == "cpu"
-                                             for c in (node.left, *node.comparators)):
-        return True  # device.type == "cpu" / != "cpu": the other side of the branch is the GPU's
-    if isinstance(node, ast.Call):
-        f = node.func
-        name = f.id if isinstance(f, ast.Name) else f.attr if isinstance(f, ast.Attribute) else ""
-        return name in ("_native_fp8", "flex_attention")
-    return False
-
-
-def cuda_paths(sources: dict[str, str]) -> set[str]:
-    """Every CUDA path of the given {file name: source}: "kernel:<name>" per @triton.jit function,
-    "op:<namespace::name>" per torch.library.custom_op, "cuda:<file>:<function>" per function (the
-    innermost one) holding a CUDA marker (_is_cuda_marker); "<module>" for top-level code."""
-    found = set()
-    for fname, text in sources.items():
-        tree = ast.parse(text)
-        spans = _qualnames(tree)
-        for node in ast.walk(tree):
-            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                for dec in node.decorator_list:
-                    target = dec.func if isinstance(dec, ast.Call) else dec
-                    dotted = ast.unparse(target)
-                    if dotted in ("triton.jit", "jit"):
-                        found.add(K + node.name)
-                    if dotted.endswith("custom_op") and isinstance(dec, ast.Call) and dec.args:
-                        found.add("op:" + ast.literal_eval(dec.args[0]))
-            if _is_cuda_marker(node):
-                inner = [s for s in spans if s[0] <= node.lineno <= s[1]]
-                name = max(inner, key=lambda s: s[0])[2] if inner else "<module>"
-                found.add(f"cuda:{fname}:{name}")
-    return found
-
-
-def repo_sources() -> dict[str, str]:
-    return {name: open(os.path.join(REPO, name), encoding="utf-8").read() for name in SOURCES}
-
-
-def coverage(checks=CHECKS, sources=None) -> tuple[set[str], set[str]]:
-    """(CUDA paths no check covers, covered names that are no CUDA path: renamed or removed)."""
-    paths = cuda_paths(sources if sources is not None else repo_sources())
-    covered = {c for check in checks for c in check.covers}
-    return paths - covered, covered - paths
-
-
-# ----------------------------------------------------------------------------------------------
-# Generated shards, projections, the report
-# ----------------------------------------------------------------------------------------------
-
-def make_shards(directory: str, num_shards: int = 2, tokens_per_shard: int = 4_000_000, seed: int = 0,
-                mean_doc_len: int = 1000, vocab: int = 50257) -> list[str]:
-    """Random-token training shards in the repo's format (train_gpt.write_shard): documents of
-    geometric lengths (mean mean_doc_len, at least 2 tokens), each starting with BOS. Returns the paths
-    (fineweb_train_<i>.bin); shards already there with the right size are kept."""
-    import numpy as np
-    import train_gpt as T
-    os.makedirs(directory, exist_ok=True)
-    rng = np.random.default_rng(seed)
-    paths = []
-    for i in range(num_shards):
-        path = os.path.join(directory, f"fineweb_train_{i:06d}.bin")
-        paths.append(path)
-        if os.path.exists(path) and os.path.getsize(path) == T.SHARD_HEADER_BYTES + 2 * tokens_per_shard:
-            continue
-        tokens = rng.integers(0, T.BOS_ID, tokens_per_shard, dtype=np.int64)  # never BOS inside a document
-        lengths = np.maximum(rng.geometric(1.0 / mean_doc_len, tokens_per_shard // 2 + 1), 2)
-        starts = np.cumsum(lengths) - lengths
-        tokens[starts[starts < tokens_per_shard]] = T.BOS_ID
-        T.write_shard(path, tokens)
-    return paths
-
-
-def project(stages: list[dict], gpus: int = GPUS_PROJECTED) -> dict:
-    """Training time of the whole schedule from measured stages (steps x ms/step, validation excluded):
-    on this GPU, and on `gpus` GPUs with the same per-GPU speed, where each GPU does 1/gpus of a step's
-    micro-batches (accumulation 8 -> 8/gpus) and communication costs nothing, so a lower bound. Where
-    every stage has its optimizer split (step_timing.optimizer_split), also the time with the
-    micro-batches split `gpus` ways and the optimizer step not split at all (its launches, and the
-    per-bank work of a launch-bound step, do not shrink with the shard): `gpus_optimizer_whole_s`."""
-    this = sum(s["steps"] * s["ms"] for s in stages) / 1000
-    out = {"this_gpu_s": this, f"{gpus}_gpus_s": this / gpus, "steps": sum(s["steps"] for s in stages)}
-    if stages and all("optimizer_ms" in s for s in stages):
-        out[f"{gpus}_gpus_optimizer_whole_s"] = sum(
-            s["steps"] * (s["ms"] - s["optimizer_ms"]) / gpus + s["steps"] * s["optimizer_ms"] for s in stages) / 1000
-    return out
-
-
-def mfu(flops_per_token: float, tokens_per_s: float, peak_tflops: float | None) -> float | None:
-    return None if not peak_tflops else flops_per_token * tokens_per_s / (peak_tflops * 1e12)
-
-
-def atomic_write(path: str, text: str) -> None:
-    """Write through a temporary file in the same folder and rename it into place: a reader (or a run
-    killed half-way) never sees a half-written file."""
-    folder = os.path.dirname(path) or "."
-    os.makedirs(folder, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
-
-
-def slug(text: str) -> str:
-    return re.sub(r"[^a-z0-9.]+", "-", text.lower()).strip("-") or "gpu"
-
-
-def report_paths(info: dict, folder: str = RECORDS) -> tuple[str, str]:
-    base = os.path.join(folder, f"{info['date']}_{slug(info['gpu'])}")
-    return base + ".md", base + ".json"
-
-
-def _fmt(x, spec: str, none: str = "-") -> str:
-    return none if x is None else format(x, spec)
-
-
-def render_markdown(report: dict) -> str:
-    info, results = report["info"], report["checks"]
-    passed = sum(r["status"] == "pass" for r in results)
-    lines = [
-        f"# GPU check, {info['date']}: {info['gpu']}",
-        "",
-        f"- GPU: {info['gpu']} (compute capability {info['capability']}, {info['sms']} SMs, "
-        f"{info['memory_gib']:.1f} GiB), {info['gpu_count']} GPU(s) visible",
-        f"- driver {info['driver']}, CUDA {info['cuda']}",
-        f"- torch {info['torch']}, triton {info['triton']}, Python {info['python']}",
-        *([f"- host: {info['host']}"] if info.get("host") else []),
-        f"- code: commit {info['commit']}" + ("" if len({r.get('commit', info['commit']) for r in results}) == 1
-                                             else " (the commit of each check in its row)"),
-        f"- result: {passed} of {len(results)} checks passed in {report['total_s']:.0f} s",
-        "",
-        "| check | group | result | seconds | figures |",
-        "| --- | --- | --- | --- | --- |",
-    ]
-    for r in results:
-        figures = r.get("summary") or ""
-        if r["status"] != "pass" and r.get("error"):
-            figures = (figures + "; " if figures else "") + r["error"]
-        if r.get("commit", info["commit"]) != info["commit"]:
-            figures += f" (commit {r['commit']})"
-        lines.append(f"| {r['name']} | {r.get('group', '-')} | {r['status']} | {r['seconds']:.1f} | "
-                     f"{figures.replace('|', '/')} |")
-    timing = next((r for r in results if r["name"] == "speedrun-timing" and r.get("data", {}).get("stages")), None)
-    if timing:
-        t = timing["data"]
-        lines += ["", "## Speedrun preset on this GPU", "",
-                  f"{t['world_size']} GPU, accumulation {t['accumulation']}, {t['warmup']} warm-up + {t['steps']} "
-                  f"timed steps per stage; MFU against {_fmt(t['peak_tflops'], '.1f', 'unknown')} TFLOP/s dense bf16.",
-                  "", "| stage | steps | batch tokens | warm-up s (compile) | ms/step | host ms | optimizer ms | "
-                  "tokens/s | GFLOP/token | MFU |",
-                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
-        for s in t["stages"]:
-            lines.append(f"| {s['stage']} | {s['steps']} | {s['batch']:,} | {s['warmup_s']:.1f} | {s['ms']:.1f} | "
-                         f"{_fmt(s.get('host_ms'), '.1f')} | {_fmt(s.get('optimizer_ms'), '.1f')} | {s['tokens_per_s']:,.0f} | {s['flops_per_token'] / 1e9:.3f} | "
-                         f"{_fmt(s.get('mfu') and 100 * s['mfu'], '.1f')}{'%' if s.get('mfu') else ''} |")
-        p = t.get("projection")
-        if p:
-            lines += ["", f"- stages measured: {len(t['stages'])} of {t['stages_total']}"
-                      + ("" if len(t["stages"]) == t["stages_total"] else " (projection covers those only)"),
-                      f"- compile and warm-up: {sum(s['warmup_s'] for s in t['stages']):.0f} s",
-                      f"- projected training time, {p['steps']} steps: {p['this_gpu_s']:.0f} s on this GPU, "
-                      f"{p[f'{GPUS_PROJECTED}_gpus_s']:.1f} s on {GPUS_PROJECTED} such GPUs (no communication counted)"
-                      + (f"; {p[f'{GPUS_PROJECTED}_gpus_optimizer_whole_s']:.1f} s if the optimizer step does not "
-                         "shrink at all (its time measured with the device synchronised around it)"
-                         if f"{GPUS_PROJECTED}_gpus_optimizer_whole_s" in p else "")]
-        if t.get("peak_allocated_gib") is not None:
-            lines.append(f"- peak memory: {t['peak_allocated_gib']:.2f} GiB allocated, "
-                         f"{t['peak_reserved_gib']:.2f} GiB reserved")
-        if t.get("compiles"):
-            c = t["compiles"]
-            lines.append(f"- torch.compile: {c['graphs_warmup']} graphs compiled in the warm-up steps, "
-                         f"{c['graphs_timed']} in the timed steps (recompiles), {c['graph_breaks']} graph breaks")
-    prof = next((r["data"]["profile"] for r in results if r.get("data", {}).get("profile")), None)
-    if prof:
-        lines += ["", f"## Profile: {prof['what']}", "",
-                  f"{prof['steps']} steps, {prof['step_ms']:.1f} ms/step wall, GPU busy {100 * prof['busy']:.1f}% "
-                  f"(union of kernel intervals / wall time); {prof['kernels_per_step']:.0f} kernels and "
-                  f"{prof['ops_per_step']:.0f} aten ops per step.", "",
-                  "| kernel | ms/step | calls/step |", "| --- | --- | --- |"]
-        lines += [f"| {name[:90].replace('|', '/')} | {ms:.3f} | {calls:.1f} |" for name, ms, calls in prof["top_kernels"]]
-        lines += ["", "| host op | calls/step | host ms/step |", "| --- | --- | --- |"]
-        lines += [f"| {name} | {calls:.1f} | {ms:.3f} |" for name, calls, ms in prof["top_ops"]]
-        if prof.get("top_self"):
-            lines += ["", "| host time spent in (self) | calls/step | self ms/step |", "| --- | --- | --- |"]
-            lines += [f"| {name[:90].replace('|', '/')} | {calls:.1f} | {ms:.3f} |" for name, calls, ms in prof["top_self"]]
-    failures = [r for r in results if r["status"] in ("fail", "timeout") and r.get("traceback")]
-    if failures:
-        fence = "`" * 3
-        lines += ["", "## Failures"]
-        for r in failures:
-            lines += ["", f"### {r['name']} ({r['status']})", "", fence, r["traceback"].replace(fence, "'" * 3), fence]
-    return "\n".join(lines) + "\n"
-
-
-def merge_reports(old: dict | None, new: dict) -> dict:
-    """The day's report after `new`: its checks replace the same checks of `old` (same GPU), the other
-    checks of `old` stay (each row keeps the commit it ran on); rows in CHECKS order."""
-    if not old or old.get("info", {}).get("gpu") != new["info"]["gpu"]:
-        return new
-    rows = {r["name"]: r for r in old.get("checks", [])}
-    rows.update({r["name"]: r for r in new["checks"]})
-    order = {c.name: i for i, c in enumerate(CHECKS)}
-    merged = sorted(rows.values(), key=lambda r: order.get(r["name"], len(order)))
-    return dict(info=new["info"], checks=merged, total_s=sum(r["seconds"] for r in merged))
-
-
-def write_report(report: dict, folder: str = RECORDS, merge: bool = False) -> tuple[str, str]:
-    """Write report (merged into the same day's report of this GPU when merge) as .json and .md."""
-    md, js = report_paths(report["info"], folder)
-    if merge and os.path.exists(js):
-        with open(js) as f:
-            report = merge_reports(json.load(f), report)
-    atomic_write(js, json.dumps(report, indent=1, sort_keys=True) + "\n")
-    atomic_write(md, render_markdown(report))
-    return md, js
-
-
-def machine_info() -> dict:
-    import torch
-    import triton
-    props = torch.cuda.get_device_properties(0)
-    try:
-        driver = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                                capture_output=True, text=True, timeout=30).stdout.split("\n")[0].strip() or "unknown"
-    except (OSError, subprocess.SubprocessError):
-        driver = "unknown (no nvidia-smi)"
-    # GPU_CHECK_COMMIT names the commit of a tree copied to the GPU machine, whose .git (if any) may
-    # be stale; otherwise git says it.
-    commit = os.environ.get("GPU_CHECK_COMMIT", "")
-    try:
-        commit = commit or subprocess.run(["git", "describe", "--always", "--dirty"], cwd=REPO,
-                                          capture_output=True, text=True, timeout=30).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        pass
-    commit = commit or "unknown"
-    return dict(date=datetime.date.today().isoformat(), gpu=props.name, capability=f"{props.major}.{props.minor}",
-                sms=props.multi_processor_count, memory_gib=props.total_memory / 2**30,
-                gpu_count=torch.cuda.device_count(), driver=driver, cuda=torch.version.cuda, torch=torch.__version__,
-                triton=triton.__version__, python=platform.python_version(), commit=commit, host=host_cpu())
-
-
-def host_cpu() -> str:
-    """The host's processor and CPU count: the host launches every kernel, so its speed is part of a
-    step's time where the GPU waits on it (small micro-batches), and differs between machines of one kind."""
-    import train_gpt as T
-    return f"{T.cpu_model()}, {os.cpu_count()} CPUs"
-
-
-# ----------------------------------------------------------------------------------------------
-# Running: one process per check, with a time cap
-# ----------------------------------------------------------------------------------------------
-
-def default_command(check: Check, result_path: str) -> list[str]:
-    return [sys.executable, os.path.abspath(__file__), "--run-one", check.name, "--result", result_path]
-
-
-def _last_error_line(text: str) -> str:
-    lines = [ln.strip() for ln in text.strip().splitlines() if ln.strip()]
-    errors = [ln for ln in lines if re.match(r"^[\w.]*(Error|Exception|Interrupt)\b|^\w+\.\w+Error", ln)]
-    return (errors or lines or ["no output"])[-1][:400]
-
-
-TRACEBACK_CHARS = 12_000  # of a failing check's output kept in the report: its last traceback, whole
-
-
-def last_traceback(text: str) -> str:
-    """The last Python traceback in a check's output, from its "Traceback" line to the end (the error
-    and anything printed after it), paths shortened to the repository and site-packages; at most
-    TRACEBACK_CHARS, cut in the middle (the first frames and the error are what a fix needs)."""
-    start = text.rfind("Traceback (most recent call last):")
-    tb = text[start:] if start >= 0 else text[-TRACEBACK_CHARS:]
-    tb = re.sub(r'File "[^"]*?/(site-packages|dist-packages)/', r'File "\1/', tb.replace(REPO + os.sep, ""))
-    if len(tb) > TRACEBACK_CHARS:
-        half = TRACEBACK_CHARS // 2
-        tb = tb[:half] + f"\n... ({len(tb) - TRACEBACK_CHARS} characters left out) ...\n" + tb[-half:]
-    return tb.strip()
-
-
-def check_env() -> dict:
-    """The environment of a check's process: the shared compile caches (unless the caller set its own)."""
-    env = dict(os.environ)
-    for name, path in CACHE_DIRS.items():
-        env.setdefault(name, path)
-    return env
-
-
-def run_checks(checks, command=default_command, total_limit_s: float = GROUP_LIMIT_S, log=print,
-               log_dir: str | None = None) -> list[dict]:
-    """Run each check in its own process, capped at min(its cap, time left of total_limit_s); a check
-    with under 5 s left is skipped. Returns one dict per check: name, status (pass / fail / timeout /
-    skipped), seconds, summary, error, traceback (a failure's whole last traceback, or the output's
-    end for a timeout), data (what the check wrote, even when it did not finish)."""
-    start = time.monotonic()
-    results = []
-    with tempfile.TemporaryDirectory() as tmp:
-        for check in checks:
-            left = total_limit_s - (time.monotonic() - start)
-            r = dict(name=check.name, status="skipped", seconds=0.0, summary="", error="", traceback="", data={})
-            if left < 5:
-                r["error"] = f"not started: the {total_limit_s:.0f} s limit of its group was reached"
-                results.append(r)
-                log(f"{check.name:22s} skipped")
-                continue
-            cap = min(check.cap_s, left)
-            result_path = os.path.join(tmp, check.name + ".json")
-            out_path = os.path.join(log_dir or tmp, check.name + ".log")
-            t0 = time.monotonic()
-            with open(out_path, "w") as out:
-                proc = subprocess.Popen(command(check, result_path), stdout=out, stderr=subprocess.STDOUT,
-                                        cwd=REPO, start_new_session=True, env=check_env())
-                try:
-                    code = proc.wait(timeout=cap)
-                except subprocess.TimeoutExpired:
-                    os.killpg(proc.pid, 9)  # the check and whatever it started (torchrun workers)
-                    proc.wait()
-                    code = None
-            r["seconds"] = time.monotonic() - t0
-            if os.path.exists(result_path):
-                with open(result_path) as f:
-                    r["data"] = json.load(f)
-                r["summary"] = r["data"].pop("summary", "")
-            output = open(out_path, errors="replace").read()
-            if code is None:
-                r["status"], r["error"] = "timeout", f"stopped at its {cap:.0f} s cap"
-                r["traceback"] = output[-TRACEBACK_CHARS // 4:].strip()
-            elif code == 0:
-                r["status"] = "pass"
-            else:
-                r["status"], r["error"] = "fail", _last_error_line(output)
-                r["traceback"] = last_traceback(output)
-            results.append(r)
-            log(f"{check.name:22s} {r['status']:8s} {r['seconds']:6.1f} s  {r['summary']}"
-                + (f"  [{r['error']}]" if r["error"] else ""))
-    return results
-
-
-class Result:
-    """What a check hands back: figures (JSON) saved after every set(), so a check stopped at its
-    cap still reports what it measured; `summary` is the report's one-line figures."""
-
-    def __init__(self, path: str | None):
-        self.path, self.data = path, {}
-
-    def set(self, **kw) -> None:
-        self.data.update(kw)
-        if self.path:
-            atomic_write(self.path, json.dumps(self.data, default=float))
-
-
-def run_one(name: str, result_path: str | None) -> int:
-    check = next((c for c in CHECKS if c.name == name), None)
-    if check is None:
-        print(f"gpu_check: no check named {name!r}; --dry-run lists them", file=sys.stderr)
-        return 2
-    res = Result(result_path)
-    try:
-        check_function(check)(res)
-    except Exception:
-        traceback.print_exc()
-        return 1
-    return 0
 
 
 # ----------------------------------------------------------------------------------------------
@@ -582,6 +167,7 @@ TOL = {"bf16": 1e-2, "fp32": 1e-4}
 def _dtypes():
     import torch
     return (("bf16", torch.bfloat16), ("fp32", torch.float32))
+
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1302,7 +888,7 @@ def check_train_script(res: Result) -> None:
         log_path = os.path.join(tmp, "gpu_check.txt")
         log = open(log_path).read() if os.path.exists(log_path) else ""
     print(r.stdout[-3000:], r.stderr[-6000:], sep="\n")
-    require(r.returncode == 0, f"train_gpt.py exited with {r.returncode}: {_last_error_line(r.stderr)}")
+    require(r.returncode == 0, f"train_gpt.py exited with {r.returncode}: {last_error_line(r.stderr)}")
     vals = parse_val_losses(log)
     hardware = re.search(r"^hardware: .*$", log, re.M)
     res.set(val_losses=vals, summary=f"val loss {vals[0]:.3f} -> {vals[-1]:.3f} over {len(vals)} validations; "
@@ -1359,6 +945,81 @@ def check_kernel_choice(res: Result) -> None:
     res.set(summary=f"torch faster at {len(torch_faster)} of {len(rows)} shapes ({', '.join(torch_faster) or 'none'}); "
             "auto: " + ", ".join(f"{'x'.join(map(str, o['shape']))} {o['auto_pick']} (faster: {o['faster']})" for o in ortho))
     require(not wrong, "the committed tables pick the slower one: " + "; ".join(wrong))
+
+
+def make_shards(directory: str, num_shards: int = 2, tokens_per_shard: int = 4_000_000, seed: int = 0,
+                mean_doc_len: int = 1000, vocab: int = 50257) -> list[str]:
+    """Random-token training shards in the repo's format (train_gpt.write_shard): documents of
+    geometric lengths (mean mean_doc_len, at least 2 tokens), each starting with BOS. Returns the paths
+    (fineweb_train_<i>.bin); shards already there with the right size are kept."""
+    import numpy as np
+    import train_gpt as T
+    os.makedirs(directory, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    paths = []
+    for i in range(num_shards):
+        path = os.path.join(directory, f"fineweb_train_{i:06d}.bin")
+        paths.append(path)
+        if os.path.exists(path) and os.path.getsize(path) == T.SHARD_HEADER_BYTES + 2 * tokens_per_shard:
+            continue
+        tokens = rng.integers(0, T.BOS_ID, tokens_per_shard, dtype=np.int64)  # never BOS inside a document
+        lengths = np.maximum(rng.geometric(1.0 / mean_doc_len, tokens_per_shard // 2 + 1), 2)
+        starts = np.cumsum(lengths) - lengths
+        tokens[starts[starts < tokens_per_shard]] = T.BOS_ID
+        T.write_shard(path, tokens)
+    return paths
+
+
+
+def check_speedrun_timing(res: Result) -> None:
+    import torch
+    import train_gpt as T
+    sys.path.insert(0, os.path.join(TESTS, "benchmarks"))
+    import step_timing
+    make_shards(SHARD_DIR)
+    args = T.parse_args(["--preset", "speedrun", "--train_files", os.path.join(SHARD_DIR, "fineweb_train_*.bin")])
+    d = T.setup_distributed()
+    peak = step_timing.peak_tflops(d.device, None)
+    warmup, steps = 2, 4
+    stages_total = len(step_timing.stage_table(args))
+    stages = []
+    compiles = {"graphs_warmup": 0, "graphs_timed": 0, "graph_breaks": 0}
+
+    def publish(profile=None):
+        data = dict(world_size=d.world_size, accumulation=T.check_batch_split(args, d.world_size), warmup=warmup,
+                    steps=steps, peak_tflops=peak, stages=stages, stages_total=stages_total, compiles=compiles,
+                    peak_allocated_gib=torch.cuda.max_memory_allocated() / 2**30,
+                    peak_reserved_gib=torch.cuda.max_memory_reserved() / 2**30)
+        if profile:
+            data["profile"] = profile
+        if stages:
+            data["projection"] = project(stages)
+            p = data["projection"]
+            data["summary"] = (f"{len(stages)} of {stages_total} stages; "
+                               + ", ".join(f"{s['stage']} {s['ms']:.0f} ms/step" for s in stages)
+                               + f"; projected {p['this_gpu_s']:.0f} s on this GPU, "
+                               f"{p[f'{GPUS_PROJECTED}_gpus_s']:.0f} s on {GPUS_PROJECTED}; "
+                               f"{compiles['graphs_timed']} recompiles in timed steps")
+        res.set(**data)
+
+    def on_stage(r):
+        r["mfu"] = mfu(r["flops_per_token"], r["tokens_per_s"], peak)
+        for key in compiles:
+            compiles[key] += r.pop(key, 0)
+        stages.append(r)
+        publish(r.pop("profile", None) or res.data.get("profile"))
+
+    publish()
+    step_timing.run(dataclasses_replace(args, compile=True), d, steps, warmup, peak, on_stage=on_stage,
+                    profile_stage="stage 1", profile_steps=2)
+    require(len(stages) == stages_total, f"{len(stages)} of {stages_total} stages timed")
+    require(compiles["graphs_timed"] == 0 and compiles["graph_breaks"] == 0,
+            f"compiles in the timed steps: {compiles}")
+
+
+def dataclasses_replace(obj, **kw):
+    import dataclasses
+    return dataclasses.replace(obj, **kw)
 
 
 # Tile configurations the kernel-tuning sweep times (the usual Hopper GEMM tiles around the committed
@@ -1455,148 +1116,5 @@ def check_kernel_tuning(res: Result) -> None:
     require(not slow, "committed tiles more than 10% slower than the best: " + "; ".join(slow))
 
 
-def check_speedrun_timing(res: Result) -> None:
-    import torch
-    import train_gpt as T
-    sys.path.insert(0, os.path.join(TESTS, "benchmarks"))
-    import step_timing
-    make_shards(SHARD_DIR)
-    args = T.parse_args(["--preset", "speedrun", "--train_files", os.path.join(SHARD_DIR, "fineweb_train_*.bin")])
-    d = T.setup_distributed()
-    peak = step_timing.peak_tflops(d.device, None)
-    warmup, steps = 2, 4
-    stages_total = len(step_timing.stage_table(args))
-    stages = []
-    compiles = {"graphs_warmup": 0, "graphs_timed": 0, "graph_breaks": 0}
-
-    def publish(profile=None):
-        data = dict(world_size=d.world_size, accumulation=T.check_batch_split(args, d.world_size), warmup=warmup,
-                    steps=steps, peak_tflops=peak, stages=stages, stages_total=stages_total, compiles=compiles,
-                    peak_allocated_gib=torch.cuda.max_memory_allocated() / 2**30,
-                    peak_reserved_gib=torch.cuda.max_memory_reserved() / 2**30)
-        if profile:
-            data["profile"] = profile
-        if stages:
-            data["projection"] = project(stages)
-            p = data["projection"]
-            data["summary"] = (f"{len(stages)} of {stages_total} stages; "
-                               + ", ".join(f"{s['stage']} {s['ms']:.0f} ms/step" for s in stages)
-                               + f"; projected {p['this_gpu_s']:.0f} s on this GPU, "
-                               f"{p[f'{GPUS_PROJECTED}_gpus_s']:.0f} s on {GPUS_PROJECTED}; "
-                               f"{compiles['graphs_timed']} recompiles in timed steps")
-        res.set(**data)
-
-    def on_stage(r):
-        r["mfu"] = mfu(r["flops_per_token"], r["tokens_per_s"], peak)
-        for key in compiles:
-            compiles[key] += r.pop(key, 0)
-        stages.append(r)
-        publish(r.pop("profile", None) or res.data.get("profile"))
-
-    publish()
-    step_timing.run(dataclasses_replace(args, compile=True), d, steps, warmup, peak, on_stage=on_stage,
-                    profile_stage="stage 1", profile_steps=2)
-    require(len(stages) == stages_total, f"{len(stages)} of {stages_total} stages timed")
-    require(compiles["graphs_timed"] == 0 and compiles["graph_breaks"] == 0,
-            f"compiles in the timed steps: {compiles}")
-
-
-def dataclasses_replace(obj, **kw):
-    import dataclasses
-    return dataclasses.replace(obj, **kw)
-
-
-# ----------------------------------------------------------------------------------------------
-# Command line
-# ----------------------------------------------------------------------------------------------
-
-def dry_run(checks) -> int:
-    print(f"{len(checks)} checks in groups {', '.join(GROUPS)} (each check in its own process; a group stops "
-          f"starting checks after {GROUP_LIMIT_S:.0f} s):")
-    for group in GROUPS:
-        mine = [c for c in checks if c.group == group]
-        if mine:
-            print(f"group {group}: caps add up to {sum(c.cap_s for c in mine):.0f} s")
-        for c in mine:
-            print(f"  {c.name:22s} cap {c.cap_s:4.0f} s  {c.what}")
-            if c.covers:
-                print(f"  {'':22s}   covers: {', '.join(c.covers)}")
-    uncovered, stale = coverage()
-    print(f"CUDA paths found in {' and '.join(SOURCES)}: {len(cuda_paths(repo_sources()))}; "
-          f"not covered by any check: {', '.join(sorted(uncovered)) or 'none'}")
-    if stale:
-        print(f"covered names that are no longer CUDA paths: {', '.join(sorted(stale))}")
-    return 0 if not uncovered and not stale else 1
-
-
-def no_gpu_reason() -> str | None:
-    """One line saying why this machine cannot run the check, or None."""
-    try:
-        import torch
-    except ImportError:
-        return f"{sys.executable} has no torch; run it with PYTHON=/path/to/python that has torch >= 2.11"
-    if not torch.cuda.is_available():
-        return f"no CUDA GPU visible to torch {torch.__version__} (torch.cuda.is_available() is False); run it on a machine with one"
-    return None
-
-
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--dry-run", action="store_true", help="list the checks and their coverage; needs no GPU")
-    ap.add_argument("--only", default="", help="comma-separated check names")
-    ap.add_argument("--group", default="", help=f"comma-separated groups ({', '.join(GROUPS)}); default: all")
-    ap.add_argument("--out", default=RECORDS, help="folder of the report (default records/gpu_check)")
-    ap.add_argument("--budget", type=float, default=None,
-                    help="seconds for the whole run: no check starts later, caps are cut to fit, and the report "
-                         "is written after each group (for a GPU lease shorter than the groups together)")
-    ap.add_argument("--run-one", default="", help=argparse.SUPPRESS)
-    ap.add_argument("--result", default=None, help=argparse.SUPPRESS)
-    a = ap.parse_args(argv)
-    if a.run_one:
-        return run_one(a.run_one, a.result)
-    checks = list(CHECKS)
-    if a.only:
-        names = [n.strip() for n in a.only.split(",") if n.strip()]
-        unknown = [n for n in names if n not in {c.name for c in CHECKS}]
-        if unknown:
-            print(f"gpu-check: unknown check(s) {', '.join(unknown)}; known: {', '.join(c.name for c in CHECKS)}",
-                  file=sys.stderr)
-            return 2
-        checks = [c for c in CHECKS if c.name in names]
-    if a.group:
-        groups = [g.strip() for g in a.group.split(",") if g.strip()]
-        unknown = [g for g in groups if g not in GROUPS]
-        if unknown:
-            print(f"gpu-check: unknown group(s) {', '.join(unknown)}; known: {', '.join(GROUPS)}", file=sys.stderr)
-            return 2
-        checks = [c for c in checks if c.group in groups]
-    if a.dry_run:
-        return dry_run(checks)
-    reason = no_gpu_reason()
-    if reason:
-        print(f"gpu-check: {reason}", file=sys.stderr)
-        return 2
-    info = machine_info()
-    print(f"gpu-check: {info['gpu']}, driver {info['driver']}, torch {info['torch']}, triton {info['triton']}", flush=True)
-    start = time.monotonic()
-    logs = os.path.join(REPO, ".cache", "gpu_check_logs")
-    os.makedirs(logs, exist_ok=True)
-    results = []
-    for group in GROUPS:  # each group under its own time limit (one GPU lease of 10 minutes)
-        mine = [c for c in checks if c.group == group]
-        if not mine:
-            continue
-        limit = GROUP_LIMIT_S
-        if a.budget is not None:
-            limit = min(limit, a.budget - (time.monotonic() - start))
-        for r in run_checks(mine, total_limit_s=limit, log=lambda line: print(line, flush=True), log_dir=logs):
-            results.append(dict(r, group=group, commit=info["commit"]))
-        # Written after every group, so that a lease ending mid-run keeps the groups already done.
-        report = dict(info=info, checks=results, total_s=time.monotonic() - start)
-        md, js = write_report(report, a.out, merge=True)
-    print(f"report: {os.path.relpath(md, REPO)} and {os.path.relpath(js, REPO)}; check logs in {os.path.relpath(logs, REPO)}/")
-    return 0 if all(r["status"] == "pass" for r in results) else 1
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(CHECKS, check_function, __doc__))

@@ -1,6 +1,7 @@
 """The GPU check's machinery on a CPU: the coverage scan (every CUDA path has a check), the runner
 (pass, fail, time cap, skip), the report files, the generated shards, the projections, and the
 one-line refusals of `./run.sh gpu-check` without a GPU. The checks themselves need a CUDA GPU."""
+import ast
 import json
 import os
 import subprocess
@@ -11,14 +12,16 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tests"))
-import gpu_check as G  # noqa: E402
+import gpu_check as G  # noqa: E402  (the checks)
+import gpu_check_coverage as C  # noqa: E402  (the coverage scan)
+import gpu_check_runner as R  # noqa: E402  (the runner and the report writer)
 import train_gpt as T  # noqa: E402
 
 
 # ---- coverage ------------------------------------------------------------------------------------
 
 def test_every_cuda_path_has_a_check():
-    paths = G.cuda_paths(G.repo_sources())
+    paths = C.cuda_paths(C.repo_sources())
     kernels = {p for p in paths if p.startswith("kernel:")}
     ops = {p for p in paths if p.startswith("op:")}
     # counted independently: the decorators as text
@@ -26,11 +29,15 @@ def test_every_cuda_path_has_a_check():
     tg = open(os.path.join(ROOT, "train_gpt.py")).read()
     assert len(kernels) == tk.count("\n@triton.jit\n") == 10
     assert len(ops) == tk.count("@torch.library.custom_op(") + tg.count("@torch.library.custom_op(") == 15
-    assert {"cuda:train_gpt.py:_runs_compiled_flex", "cuda:train_gpt.py:_native_fp8", "cuda:train_gpt.py:setup_distributed",
-            "cuda:triton_kernels.py:_num_programs", "cuda:train_gpt.py:Batch.to", "op:speedrun::fp8_head_loss",
+    assert {"cuda:train_gpt.py:flex_attend", "cuda:train_gpt.py:fp8_matmul_grads", "cuda:train_gpt.py:setup_distributed",
+            "cuda:triton_kernels.py:relu2_fp8_up_partial_count", "cuda:train_gpt.py:Batch.to", "op:speedrun::fp8_head_loss",
             "cuda:train_gpt.py:attention_kernels", "cuda:triton_kernels.py:softcapped_ce_mtp_e5m2"} <= paths
-    uncovered, stale = G.coverage()
+    uncovered, stale = C.coverage(G.CHECKS)
     assert uncovered == set() and stale == set()
+    # every private helper's CUDA branch counts for a public function, op or kernel reaching it, so the
+    # checks name no private helper (a rename of one changes no tag)
+    assert C.private_paths(paths) == set()
+    assert not [t for c in G.CHECKS for t in c.covers if t.startswith("cuda:") and C.is_private(t.rsplit(":", 1)[1])]
 
 
 def _with(sources, name, extra):
@@ -38,7 +45,7 @@ def _with(sources, name, extra):
 
 
 def test_a_new_cuda_path_without_a_check_fails_coverage():
-    src = G.repo_sources()
+    src = C.repo_sources()
     cases = {
         "\n\ndef new_path(x):\n    if x.is_cuda:\n        return x\n": "cuda:train_gpt.py:new_path",
         "\n\nclass A:\n    def f(self, d):\n        return d.type != 'cpu'\n": "cuda:train_gpt.py:A.f",
@@ -49,38 +56,79 @@ def test_a_new_cuda_path_without_a_check_fails_coverage():
         "    return x\n": "op:speedrun::new_op",
     }
     for extra, want in cases.items():
-        uncovered, stale = G.coverage(sources=_with(src, "train_gpt.py", extra))
+        uncovered, stale = C.coverage(G.CHECKS, sources=_with(src, "train_gpt.py", extra))
         assert uncovered == {want} and stale == set(), (extra, uncovered)
 
 
 def test_a_removed_cuda_path_shows_as_stale():
-    src = G.repo_sources()
-    renamed = src["triton_kernels.py"].replace("def _ce_config(", "def _ce_configuration(")
-    uncovered, stale = G.coverage(sources={**src, "triton_kernels.py": renamed})
-    assert uncovered == {"cuda:triton_kernels.py:_ce_configuration"}
-    assert stale == {"cuda:triton_kernels.py:_ce_config"}
+    src = C.repo_sources()
+    renamed = src["triton_kernels.py"].replace("def relu2_fp8_up_partial_count(", "def relu2_fp8_up_partials_count(")
+    uncovered, stale = C.coverage(G.CHECKS, sources={**src, "triton_kernels.py": renamed})
+    assert uncovered == {"cuda:triton_kernels.py:relu2_fp8_up_partials_count"}
+    assert stale == {"cuda:triton_kernels.py:relu2_fp8_up_partial_count"}
+
+
+def covering(sources) -> dict[str, list[str]]:
+    """Each CUDA path of `sources` and the checks that cover it."""
+    return {p: [c.name for c in G.CHECKS if p in c.covers] for p in C.cuda_paths(sources)}
+
+
+def test_renaming_private_helpers_changes_no_tag():
+    """Every private helper of the two files that holds a CUDA branch (_launch_transpose, _ce_config,
+    ShardExchange._plan_sparse, ...) renamed at once, definitions and uses: the same CUDA paths, each
+    covered by the same checks, and every path still covered."""
+    import re
+    src = C.repo_sources()
+    renamed, helpers = {}, []
+    for name, text in src.items():
+        tree = ast.parse(text)
+        for f in ast.walk(tree):
+            if isinstance(f, ast.FunctionDef) and C.is_private(f.name) and any(
+                    C.is_cuda_marker(n) for stmt in f.body for n in ast.walk(stmt)):
+                helpers.append(f.name)
+                text = re.sub(rf"\b{f.name}\b", f.name + "_renamed", text)
+        renamed[name] = text
+    assert len(helpers) >= 15 and {"_launch_transpose", "_ce_config", "_plan_sparse", "_native_fp8"} <= set(helpers)
+    assert all(h + "_renamed" in renamed["train_gpt.py"] + renamed["triton_kernels.py"] for h in helpers)
+    assert covering(renamed) == covering(src)
+    assert C.coverage(G.CHECKS, sources=renamed) == (set(), set())
+
+
+def test_a_private_helpers_cuda_branch_counts_for_what_reaches_it():
+    text = ("def _device_ok(x):\n    return x.is_cuda\n\n"          # reached through a private chain
+            "def _twice(x):\n    return _device_ok(x)\n\n"
+            "def public(x):\n    return _twice(x)\n\n"
+            "handed_on = [_twice]\n\n"                              # a reference at the top level reaches nothing
+            "class Store:\n    def put(self, x):\n        return self._copy(x)\n\n"
+            "    def _copy(self, x):\n        return x.to('cuda')\n\n"
+            "@torch.library.custom_op('speedrun::op', mutates_args=())\n"
+            "def _op_impl(x: Tensor) -> Tensor:\n    return _device_ok(x)\n\n"
+            "def _nobody(x):\n    return torch.cuda.current_stream()\n")
+    paths = C.cuda_paths({"m.py": text})
+    assert paths == {"cuda:m.py:public", "cuda:m.py:Store.put", "op:speedrun::op", "cuda:m.py:_nobody"}
+    assert C.private_paths(paths) == {"cuda:m.py:_nobody"}  # reached by no function: named after itself
 
 
 def test_comments_docstrings_and_cpu_only_code_are_no_cuda_paths():
     text = ('def f(x):\n    """Mentions torch.cuda.synchronize and x.is_cuda in prose."""\n'
             '    # if x.is_cuda: a comment\n    return torch.device("cpu")\n')
-    assert G.cuda_paths({"m.py": text}) == set()
-    assert G.cuda_paths({"m.py": text + "y = torch.cuda.is_available()\n"}) == {"cuda:m.py:<module>"}
+    assert C.cuda_paths({"m.py": text}) == set()
+    assert C.cuda_paths({"m.py": text + "y = torch.cuda.is_available()\n"}) == {"cuda:m.py:<module>"}
 
 
 def test_every_check_has_its_function_and_each_group_fits_in_nine_minutes():
     names = [c.name for c in G.CHECKS]
     assert len(names) == len(set(names)) == 16
     for c in G.CHECKS:
-        assert callable(G.check_function(c)) and c.cap_s > 0 and c.what and c.group in G.GROUPS
-    for group in G.GROUPS:
+        assert callable(G.check_function(c)) and c.cap_s > 0 and c.what and c.group in R.GROUPS
+    for group in R.GROUPS:
         caps = [c.cap_s for c in G.CHECKS if c.group == group]
         assert caps, group
         # no check of a group starts after GROUP_LIMIT_S and none runs past it: a group ends within
         # 9 minutes, 40 s of which are left for start-up and the report (a GPU lease is 10 minutes a call)
-        assert min(sum(caps), G.GROUP_LIMIT_S) + 40 <= 9 * 60, group
+        assert min(sum(caps), R.GROUP_LIMIT_S) + 40 <= 9 * 60, group
     # the checks' order follows the groups' (a run of every group reports them in this order)
-    assert [c.group for c in G.CHECKS] == sorted((c.group for c in G.CHECKS), key=G.GROUPS.index)
+    assert [c.group for c in G.CHECKS] == sorted((c.group for c in G.CHECKS), key=R.GROUPS.index)
 
 
 def test_val_losses_are_read_from_record_lines_only():
@@ -95,7 +143,7 @@ def test_val_losses_are_read_from_record_lines_only():
 def test_check_processes_share_the_repositorys_compile_caches(monkeypatch):
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
     monkeypatch.setenv("TRITON_CACHE_DIR", "/elsewhere")
-    env = G.check_env()
+    env = R.check_env()
     assert env["TORCHINDUCTOR_CACHE_DIR"] == os.path.join(ROOT, ".cache", "inductor")
     assert env["TRITON_CACHE_DIR"] == "/elsewhere"  # the caller's own choice is kept
 
@@ -105,13 +153,13 @@ def test_last_traceback_is_whole_and_shortened():
            f"Traceback (most recent call last):\n  File \"{ROOT}/train_gpt.py\", line 10, in f\n"
            '  File "/usr/lib/python3.12/site-packages/torch/_ops.py", line 3, in g\n'
            "RuntimeError: CUDA error: CUBLAS_STATUS_NOT_SUPPORTED\nexit note\n")
-    tb = G.last_traceback(out)
+    tb = R.last_traceback(out)
     assert tb.startswith("Traceback (most recent call last):\n  File \"train_gpt.py\", line 10")
     assert 'File "site-packages/torch/_ops.py"' in tb and tb.endswith("CUBLAS_STATUS_NOT_SUPPORTED\nexit note")
     assert "first" not in tb
     long = "Traceback (most recent call last):\n" + "x" * 50_000 + "\nValueError: end"
-    cut = G.last_traceback(long)
-    assert len(cut) < G.TRACEBACK_CHARS + 100 and cut.endswith("ValueError: end") and "characters left out" in cut
+    cut = R.last_traceback(long)
+    assert len(cut) < R.TRACEBACK_CHARS + 100 and cut.endswith("ValueError: end") and "characters left out" in cut
 
 
 # ---- the runner ------------------------------------------------------------------------------------
@@ -127,8 +175,8 @@ FAKE = {  # check name -> what its process does
 
 
 def fake_command(check, result_path):
-    code = (f"import sys; sys.path.insert(0, {os.path.join(ROOT, 'tests')!r}); import gpu_check as G; "
-            f"R = G.Result({result_path!r}); " + FAKE[check.name])
+    code = (f"import sys; sys.path.insert(0, {os.path.join(ROOT, 'tests')!r}); import gpu_check_runner as runner; "
+            f"R = runner.Result({result_path!r}); " + FAKE[check.name])
     return [sys.executable, "-c", code]
 
 
@@ -147,12 +195,12 @@ def alive(pid: int) -> bool:
 
 
 def test_runner_reports_pass_fail_cap_and_skip(tmp_path):
-    checks = [G.Check("good", 20, "-"), G.Check("bad", 20, "-"), G.Check("slow", 2.0, "-"), G.Check("later", 20, "-")]
+    checks = [R.Check("good", 20, "-"), R.Check("bad", 20, "-"), R.Check("slow", 2.0, "-"), R.Check("later", 20, "-")]
     lines = []
     # the limit leaves time for three processes but not the fourth: "later" is never started
     import time
     t = time.monotonic()
-    results = G.run_checks(checks, command=fake_command, total_limit_s=7.0, log=lines.append, log_dir=str(tmp_path))
+    results = R.run_checks(checks, command=fake_command, total_limit_s=7.0, log=lines.append, log_dir=str(tmp_path))
     took = time.monotonic() - t
     by = {r["name"]: r for r in results}
     assert [r["name"] for r in results] == ["good", "bad", "slow", "later"]
@@ -171,9 +219,20 @@ def test_runner_reports_pass_fail_cap_and_skip(tmp_path):
     assert "relative error 3.1e-02" in (tmp_path / "bad.log").read_text()
 
 
+def test_a_checks_process_runs_its_function_from_the_entry_point(tmp_path, monkeypatch):
+    """The runner starts each check as `python tests/gpu_check.py --run-one NAME`: the entry point finds
+    the check in its table and runs its function (here on no GPU, so the function fails inside)."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    check = next(c for c in G.CHECKS if c.name == "triton-transpose")
+    assert R.default_command(check, "r.json")[1:] == [G.__file__, "--run-one", "triton-transpose", "--result", "r.json"]
+    (r,) = R.run_checks([check], total_limit_s=120, log=lambda line: None, log_dir=str(tmp_path))
+    assert r["status"] == "fail" and 'File "tests/gpu_check.py"' in r["traceback"], r
+    assert "in check_triton_transpose" in r["traceback"]
+
+
 def test_result_is_on_disk_after_every_set(tmp_path):
     path = tmp_path / "r.json"
-    r = G.Result(str(path))
+    r = R.Result(str(path))
     r.set(a=1)
     assert json.loads(path.read_text()) == {"a": 1}
     r.set(b=[2.5])
@@ -194,23 +253,23 @@ STAGES = [dict(stage="stage 1", steps=423, batch=131072, warmup_s=80.0, ms=400.0
 
 
 def test_projection_arithmetic():
-    p = G.project(STAGES)
+    p = R.project(STAGES)
     assert p["steps"] == 847
     assert p["this_gpu_s"] == pytest.approx((423 * 400 + 424 * 800) / 1000)  # 508.4 s
     assert p["8_gpus_s"] == pytest.approx(508.4 / 8)
-    assert G.project(STAGES, gpus=4)["4_gpus_s"] == pytest.approx(127.1)
+    assert R.project(STAGES, gpus=4)["4_gpus_s"] == pytest.approx(127.1)
     # the optimizer step kept whole on each GPU, the micro-batches split 8 ways
     assert p["8_gpus_optimizer_whole_s"] == pytest.approx((423 * (360 / 8 + 40) + 424 * (752 / 8 + 48)) / 1000)
     older = [{k: v for k, v in st.items() if k not in ("optimizer_ms", "rest_ms")} for st in STAGES]
-    assert "8_gpus_optimizer_whole_s" not in G.project(older)  # a report from before the split
+    assert "8_gpus_optimizer_whole_s" not in R.project(older)  # a report from before the split
     # MFU: FLOPs per token x tokens/s over the peak
-    assert G.mfu(1.0e9, 327680.0, 989.4) == pytest.approx(327680e9 / 989.4e12)
-    assert G.mfu(1.0e9, 327680.0, None) is None
+    assert R.mfu(1.0e9, 327680.0, 989.4) == pytest.approx(327680e9 / 989.4e12)
+    assert R.mfu(1.0e9, 327680.0, None) is None
 
 
 def report(tmp_path):
     timing = dict(world_size=1, accumulation=8, warmup=2, steps=4, peak_tflops=989.4, stages=STAGES, stages_total=4,
-                  projection=G.project(STAGES), peak_allocated_gib=41.5, peak_reserved_gib=52.25)
+                  projection=R.project(STAGES), peak_allocated_gib=41.5, peak_reserved_gib=52.25)
     timing["compiles"] = dict(graphs_warmup=9, graphs_timed=0, graph_breaks=0)
     timing["profile"] = dict(what="stage 1, rank 0", steps=2, step_ms=1030.0, busy=0.452, kernels_per_step=4200.0,
                              ops_per_step=9100.0, top_kernels=[["ce_kernel", 25.6, 8.0]], top_ops=[["aten::mm", 1000.0, 12.5]],
@@ -226,7 +285,7 @@ def report(tmp_path):
 
 
 def test_report_files_name_the_machine_and_hold_the_figures(tmp_path):
-    md, js = G.write_report(report(tmp_path), str(tmp_path))
+    md, js = R.write_report(report(tmp_path), str(tmp_path))
     assert os.path.basename(md) == "2026-11-24_nvidia-h100-80gb-hbm3.md"
     assert os.path.basename(js) == "2026-11-24_nvidia-h100-80gb-hbm3.json"
     assert sorted(os.listdir(tmp_path)) == [os.path.basename(js), os.path.basename(md)]  # no temporary left
@@ -264,11 +323,12 @@ def test_a_group_run_keeps_the_days_other_results(tmp_path):
     first = report(tmp_path)
     for r in first["checks"]:
         r["commit"] = "abc1234"
-    G.write_report(first, str(tmp_path), merge=True)
+    order = [c.name for c in G.CHECKS]  # the table's, as the command line passes it
+    R.write_report(first, str(tmp_path), merge=True, order=order)
     again = dict(info=dict(INFO, commit="def5678"), total_s=20.0,
                  checks=[dict(name="fp8-up", group="kernels", status="pass", seconds=20.0, summary="fixed", error="",
                               traceback="", data={}, commit="def5678")])
-    md, js = G.write_report(again, str(tmp_path), merge=True)
+    md, js = R.write_report(again, str(tmp_path), merge=True, order=order)
     merged = json.loads(open(js).read())
     assert [r["name"] for r in merged["checks"]] == ["triton-mlp", "fp8-up", "speedrun-timing"]
     assert {r["name"]: r["commit"] for r in merged["checks"]} == {"triton-mlp": "abc1234", "fp8-up": "def5678",
@@ -280,13 +340,13 @@ def test_a_group_run_keeps_the_days_other_results(tmp_path):
 
 def test_report_writing_is_atomic(tmp_path, monkeypatch):
     path = tmp_path / "r.md"
-    G.atomic_write(str(path), "old\n")
+    R.atomic_write(str(path), "old\n")
 
     def broken_replace(src, dst):
         raise OSError("disk full")
-    monkeypatch.setattr(G.os, "replace", broken_replace)
+    monkeypatch.setattr(R.os, "replace", broken_replace)
     with pytest.raises(OSError):
-        G.atomic_write(str(path), "new, half-written\n")
+        R.atomic_write(str(path), "new, half-written\n")
     assert path.read_text() == "old\n" and os.listdir(tmp_path) == ["r.md"]
 
 
@@ -334,7 +394,7 @@ def test_dry_run_lists_every_check_on_any_python():
     assert r.returncode == 0, r.stderr
     listed = [line.split()[0] for line in r.stdout.splitlines() if " cap " in line]
     assert listed == [c.name for c in G.CHECKS]
-    assert [line.split()[1].rstrip(":") for line in r.stdout.splitlines() if line.startswith("group ")] == list(G.GROUPS)
+    assert [line.split()[1].rstrip(":") for line in r.stdout.splitlines() if line.startswith("group ")] == list(R.GROUPS)
     assert "not covered by any check: none" in r.stdout
 
 
@@ -361,7 +421,6 @@ def test_calls_into_the_two_modules_bind_to_their_signatures():
     """The first H200 run lost its flex-attention check to a call that no longer matched flex_attend's
     signature (the softmax scale had become an argument). Every call in gpu_check.py of a train_gpt (T.)
     or triton_kernels (tk.) function must name a function that exists and bind to its parameters."""
-    import ast
     import inspect
     import triton_kernels as tk
     modules = {"T": T, "tk": tk}
@@ -441,8 +500,8 @@ def test_optimizer_split_times_the_step_and_restores_it(monkeypatch):
 def test_host_cpu_names_the_processor_when_run_as_a_script(tmp_path):
     """run.sh runs `python tests/gpu_check.py`, so sys.path starts with tests/, not the repository: the
     report's host line (train_gpt.cpu_model) must import from there, from any working directory."""
-    code = (f"import sys; sys.path[0] = {os.path.join(ROOT, 'tests')!r}; import gpu_check; "
-            "print(gpu_check.host_cpu())")
+    code = (f"import sys; sys.path[0] = {os.path.join(ROOT, 'tests')!r}; import gpu_check, gpu_check_runner; "
+            "print(gpu_check_runner.host_cpu())")
     r = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.strip() == f"{T.cpu_model()}, {os.cpu_count()} CPUs"
