@@ -1842,15 +1842,6 @@ def attention_mask_mod(doc_ids: torch.Tensor, window, pos_div: int = 1):
     return mask_mod
 
 
-def dense_attention_mask(doc_ids: torch.Tensor, window, pos_div: int = 1) -> torch.Tensor:
-    """(n, n) boolean mask from attention_mask_mod, n = T * pos_div (for SDPA on the CPU)."""
-    idx = torch.arange(doc_ids.numel() * pos_div, device=doc_ids.device)
-    return attention_mask_mod(doc_ids, window, pos_div)(0, 0, idx[:, None], idx[None, :])
-
-
-CPU_ATTENTION_CHUNK = 256  # query slots per band of the CPU attention
-
-
 def banded_attention_mask(doc_ids: torch.Tensor, window, pos_div: int, chunk: int, span: int) -> torch.Tensor:
     """attention_mask_mod restricted to bands, for banded_attention: (n/chunk, 1, chunk, chunk + span).
 
@@ -1867,32 +1858,6 @@ def _bands(t: torch.Tensor, chunk: int, span: int) -> torch.Tensor:
     """(n, F) -> (n/chunk, chunk + span, F): band c = rows [c*chunk - span, (c+1)*chunk) of the
     zero-left-padded t, as overlapping views."""
     return F.pad(t, (0, 0, span, 0)).unfold(0, chunk + span, chunk).transpose(1, 2)
-
-
-def banded_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, span: int,
-                     scale: float = 1.0) -> torch.Tensor:
-    """SDPA of (1, H, n, hd) q, k, v under a sliding-window mask, in O(n * (chunk + span)) instead of O(n^2).
-
-    Exact when no query slot sees a key slot more than `span` slots back: each band of `chunk` queries
-    attends to its own keys and the `span` before them, with the mask of banded_attention_mask
-    (chunk = mask.shape[2])."""
-    _, H, n, hd = q.shape
-    chunk = mask.shape[2]
-
-    def bands(t):  # (1, H, n, hd) -> (n/chunk, H, chunk + span, hd), overlapping views of the left-padded keys
-        return F.pad(t, (0, 0, span, 0)).unfold(2, chunk + span, chunk)[0].permute(1, 0, 3, 2)
-
-    qb = q[0].view(H, n // chunk, chunk, hd).transpose(0, 1)
-    y = F.scaled_dot_product_attention(qb, bands(k), bands(v), attn_mask=mask, scale=scale)
-    return y.transpose(0, 1).reshape(1, H, n, hd)
-
-
-def attention_band(n: int, span: int) -> int:
-    """Chunk for banded_attention of n slots with this span, or 0 where dense attention is as cheap."""
-    for chunk in (CPU_ATTENTION_CHUNK, CPU_ATTENTION_CHUNK // 2, CPU_ATTENTION_CHUNK // 4):
-        if n % chunk == 0 and chunk + span < n // 2:
-            return chunk
-    return 0
 
 
 class BlockMaskIndices(NamedTuple):
@@ -2022,16 +1987,6 @@ def attention_kernels(args: "Hyperparameters", device: torch.device) -> dict[tup
     return {kind: table.get(kind, "flex") for kind in kinds}
 
 
-class SDPAMask(NamedTuple):
-    """The CPU attention's mask of one layer kind: banded_attention_mask's bands (chunk > 0) or a dense
-    (n, n) mask (chunk 0); span = the window in slots (a Python int: band shapes depend on it).
-    fp32: attend in fp32 (the GPU check's independent reference)."""
-    mask: torch.Tensor
-    span: int
-    chunk: int
-    fp32: bool = False
-
-
 class VarlenMask(NamedTuple):
     """torch's varlen_attn arguments for one layer kind (FA-style variable-length attention, the
     record's FA3 call): document starts in slots (cu_seqlens, doubled on paired rows; the padding
@@ -2042,23 +1997,24 @@ class VarlenMask(NamedTuple):
     window: int
 
 
-ATTENTION_KERNELS = ("flex", "varlen", "sdpa", "sdpa_fp32")
+def flex_mask(doc_ids: torch.Tensor, window: torch.Tensor, span: int, pos_div: int) -> BlockMask:
+    """flex_attention's BlockMask of one layer kind, its block indices built here (block_mask_indices)."""
+    return block_attention_mask(doc_ids, window, pos_div, indices=block_mask_indices(doc_ids, span, pos_div))
 
 
-def attention_mask(doc_ids: torch.Tensor, window: torch.Tensor, span: int, pos_div: int,
-                   kernel: str) -> BlockMask | SDPAMask:
-    """One layer kind's mask for the attention kernel that will run: a BlockMask for flex_attention
-    (CUDA), an SDPAMask for torch's SDPA (CPU; "sdpa_fp32" computes in fp32). window is a 0-d int
-    tensor (what the block mask's mask_mod reads), span the same window as a Python int."""
-    if kernel not in ATTENTION_KERNELS:
-        raise ValueError(f"attention: kernel={kernel!r}; choose one of {', '.join(ATTENTION_KERNELS)}")
-    if kernel == "flex":
-        return block_attention_mask(doc_ids, window, pos_div, indices=block_mask_indices(doc_ids, span, pos_div))
+# The kernels that attend from document ids, by name: one layer kind's mask from (doc_ids, window as
+# a 0-d int tensor, the same window as a Python int, slots per token). varlen attends from document
+# starts instead (GPT.attention_masks); the CPU's SDPA ("sdpa", "sdpa_fp32") adds itself below the fence.
+ATTENTION_MASKS = {"flex": flex_mask}
+
+
+def attention_mask(doc_ids: torch.Tensor, window: torch.Tensor, span: int, pos_div: int, kernel: str):
+    """One layer kind's mask for the attention kernel that will run (ATTENTION_MASKS)."""
     if kernel == "varlen":
         raise ValueError("attention: varlen attention takes document starts, not ids: GPT.attention_masks builds it")
-    chunk = attention_band(doc_ids.numel() * pos_div, span)
-    mask = banded_attention_mask(doc_ids, window, pos_div, chunk, span) if chunk else dense_attention_mask(doc_ids, window, pos_div)
-    return SDPAMask(mask, span, chunk, kernel == "sdpa_fp32")
+    if kernel not in ATTENTION_MASKS:
+        raise ValueError(f"attention: kernel={kernel!r}; choose one of {', '.join(['varlen', *ATTENTION_MASKS])}")
+    return ATTENTION_MASKS[kernel](doc_ids, window, span, pos_div)
 
 
 @functools.lru_cache(maxsize=None)
@@ -2093,6 +2049,33 @@ def varlen_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Varle
     from torch.nn.attention.varlen import varlen_attn
     return varlen_attn(q, k, v, mask.cu_seqlens, mask.cu_seqlens, mask.max_seqlen, mask.max_seqlen,
                        scale=scale, window_size=(mask.window, 0))
+
+
+def as_slots(t: torch.Tensor, r: int) -> torch.Tensor:
+    """(T, H, hd) -> (1, H/r, r*T, hd): r slots per token, each holding H/r of its heads."""
+    T, H, hd = t.shape
+    return t.reshape(r * T, H // r, hd).transpose(0, 1).unsqueeze(0)
+
+
+def from_slots(y: torch.Tensor, T: int) -> torch.Tensor:
+    """as_slots undone: (1, H/r, r*T, hd) -> (T, H, hd)."""
+    return y[0].transpose(0, 1).reshape(T, -1, y.shape[-1])
+
+
+def flex_attend_tokens(q, k, v, mask: BlockMask, r: int, scale: torch.Tensor, scale_value: float) -> torch.Tensor:
+    """flex_attend of (T, H, hd) q, k, v at r slots per token, the scale a 0-d fp32 tensor."""
+    return from_slots(flex_attend(as_slots(q, r), as_slots(k, r), as_slots(v, r), mask, scale), q.shape[0])
+
+
+def varlen_attend_tokens(q, k, v, mask: VarlenMask, r: int, scale: torch.Tensor, scale_value: float) -> torch.Tensor:
+    """varlen_attend of (T, H, hd) q, k, v at r slots per token, the fp32 scale as a number (FA3's
+    softmax_scale in the record)."""
+    T, H, hd = q.shape
+    return varlen_attend(*(t.reshape(r * T, H // r, hd) for t in (q, k, v)), mask, scale_value).reshape(T, H, hd)
+
+
+# How each kernel attends, by the type of its mask; the CPU's SDPAMask adds itself below the fence.
+ATTEND = {BlockMask: flex_attend_tokens, VarlenMask: varlen_attend_tokens}
 
 
 # -- rotary embeddings and YaRN -------------------------------------------------------------------
@@ -2383,7 +2366,7 @@ class GPT(nn.Module):
     def attention_masks(self, cu_seqlens: torch.Tensor, num_tokens: int, kernel: str | None = None,
                         max_doc_len: int | None = None, prebuilt: tuple | None = None) -> dict:
         """The mask of every attention kind the table uses, {(long window, slots per token): mask}, for
-        one packed sequence at the current windows. kernel: every kind's ATTENTION_KERNELS entry, or
+        one packed sequence at the current windows. kernel: every kind's ATTENTION_MASKS entry, or
         None for attention_kernels() (SDPA on CPUs, flex or varlen per kind on CUDA). max_doc_len: the
         longest document (varlen's launch grid; default num_tokens). prebuilt: (doc_ids,
         {kind: BlockMaskIndices}) built by the loader, used for those kinds (batch_masks).
@@ -2425,31 +2408,11 @@ class GPT(nn.Module):
         return self.attention_masks(batch.cu_seqlens, batch.inputs.numel(), max_doc_len=batch.max_doc_len,
                                     prebuilt=prebuilt)
 
-    def _attend(self, q, k, v, mask: BlockMask | SDPAMask, paired: bool) -> torch.Tensor:
-        """Masked softmax attention of (T, H, hd) q, k, v at the current fp32 softmax scale. Paired:
-        (T, H, hd) is viewed as (2T, H/2, hd), so slot 2t holds heads 0..H/2-1 of token t and slot 2t+1
-        the others; head j attends over the stream of heads j and j + H/2 (record #89's paired heads).
-        The kernel follows the mask: flex_attention for a BlockMask, SDPA (banded where that saves
-        work) for an SDPAMask."""
-        T, H, hd = q.shape
-        r = 2 if paired else 1
-
-        def to_seq(t):  # (T, H, hd) -> (1, H/r, r*T, hd)
-            return t.reshape(r * T, H // r, hd).transpose(0, 1).unsqueeze(0)
-
-        if isinstance(mask, VarlenMask):  # the fp32 scale as a number, as FA3's softmax_scale in the record
-            y = varlen_attend(*(t.reshape(r * T, H // r, hd) for t in (q, k, v)), mask, self.attn_scale_value)
-            return y.reshape(T, H, hd)
-        if isinstance(mask, BlockMask):
-            y = flex_attend(to_seq(q), to_seq(k), to_seq(v), mask, self.attn_scale)
-        else:  # SDPA takes the scale as a number: the same fp32 value, kept as a float by set_windows
-            qs, ks, vs = (to_seq(t.float() if mask.fp32 else t) for t in (q, k, v))
-            if mask.chunk:
-                y = banded_attention(qs, ks, vs, mask.mask, mask.span, scale=self.attn_scale_value)
-            else:
-                y = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask.mask, scale=self.attn_scale_value)
-            y = y.to(q.dtype)
-        return y[0].transpose(0, 1).reshape(T, H, hd)
+    def _attend(self, q, k, v, mask, paired: bool) -> torch.Tensor:
+        """Masked softmax attention of (T, H, hd) q, k, v at the current fp32 softmax scale, by the kernel
+        of the mask's type (ATTEND). Paired: slot 2t holds heads 0..H/2-1 of token t and slot 2t+1 the
+        others; head j attends over the stream of heads j and j + H/2 (record #89's paired heads)."""
+        return ATTEND[type(mask)](q, k, v, mask, 2 if paired else 1, self.attn_scale, self.attn_scale_value)
 
     def _attention(self, i, xn, ve, ve_gate, aux_v, doc, rope, masks, coef, w) -> torch.Tensor:
         """Layer i's attention sublayer on the normed input xn (T, D); ve (T, D) or None is this row's
@@ -4464,6 +4427,75 @@ PRESETS.update({
         val_tokens=2048, val_seq_len=512, val_loss_every=3,
     ),
 })
+
+
+# ---- The CPU's attention: SDPA, banded where that saves work ---------------------------------
+
+def dense_attention_mask(doc_ids: torch.Tensor, window, pos_div: int = 1) -> torch.Tensor:
+    """(n, n) boolean mask from attention_mask_mod, n = T * pos_div (for SDPA on the CPU)."""
+    idx = torch.arange(doc_ids.numel() * pos_div, device=doc_ids.device)
+    return attention_mask_mod(doc_ids, window, pos_div)(0, 0, idx[:, None], idx[None, :])
+
+
+CPU_ATTENTION_CHUNK = 256  # query slots per band of the CPU attention
+
+
+def banded_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, span: int,
+                     scale: float = 1.0) -> torch.Tensor:
+    """SDPA of (1, H, n, hd) q, k, v under a sliding-window mask, in O(n * (chunk + span)) instead of O(n^2).
+
+    Exact when no query slot sees a key slot more than `span` slots back: each band of `chunk` queries
+    attends to its own keys and the `span` before them, with the mask of banded_attention_mask
+    (chunk = mask.shape[2])."""
+    _, H, n, hd = q.shape
+    chunk = mask.shape[2]
+
+    def bands(t):  # (1, H, n, hd) -> (n/chunk, H, chunk + span, hd), overlapping views of the left-padded keys
+        return F.pad(t, (0, 0, span, 0)).unfold(2, chunk + span, chunk)[0].permute(1, 0, 3, 2)
+
+    qb = q[0].view(H, n // chunk, chunk, hd).transpose(0, 1)
+    y = F.scaled_dot_product_attention(qb, bands(k), bands(v), attn_mask=mask, scale=scale)
+    return y.transpose(0, 1).reshape(1, H, n, hd)
+
+
+def attention_band(n: int, span: int) -> int:
+    """Chunk for banded_attention of n slots with this span, or 0 where dense attention is as cheap."""
+    for chunk in (CPU_ATTENTION_CHUNK, CPU_ATTENTION_CHUNK // 2, CPU_ATTENTION_CHUNK // 4):
+        if n % chunk == 0 and chunk + span < n // 2:
+            return chunk
+    return 0
+
+
+class SDPAMask(NamedTuple):
+    """The CPU attention's mask of one layer kind: banded_attention_mask's bands (chunk > 0) or a dense
+    (n, n) mask (chunk 0); span = the window in slots (a Python int: band shapes depend on it).
+    fp32: attend in fp32 (the GPU check's independent reference)."""
+    mask: torch.Tensor
+    span: int
+    chunk: int
+    fp32: bool = False
+
+
+def sdpa_mask(doc_ids: torch.Tensor, window: torch.Tensor, span: int, pos_div: int, fp32: bool = False) -> SDPAMask:
+    """The SDPA kernel's mask of one layer kind: bands where attention_band finds them, else dense."""
+    chunk = attention_band(doc_ids.numel() * pos_div, span)
+    mask = banded_attention_mask(doc_ids, window, pos_div, chunk, span) if chunk else dense_attention_mask(doc_ids, window, pos_div)
+    return SDPAMask(mask, span, chunk, fp32)
+
+
+def sdpa_attend_tokens(q, k, v, mask: SDPAMask, r: int, scale: torch.Tensor, scale_value: float) -> torch.Tensor:
+    """SDPA of (T, H, hd) q, k, v at r slots per token (banded where the mask is), the scale as a number:
+    the same fp32 value, kept as a float by GPT.set_windows; in fp32 for the fp32 reference."""
+    qs, ks, vs = (as_slots(t.float() if mask.fp32 else t, r) for t in (q, k, v))
+    if mask.chunk:
+        y = banded_attention(qs, ks, vs, mask.mask, mask.span, scale=scale_value)
+    else:
+        y = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask.mask, scale=scale_value)
+    return from_slots(y.to(q.dtype), q.shape[0])
+
+
+ATTENTION_MASKS.update(sdpa=sdpa_mask, sdpa_fp32=functools.partial(sdpa_mask, fp32=True))
+ATTEND[SDPAMask] = sdpa_attend_tokens
 
 
 if __name__ == "__main__":
