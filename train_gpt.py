@@ -128,6 +128,8 @@ LAYERS = (
 
 GATE_BETAS, LAMBDA_BETAS, EMBED_BETAS, TABLE_BETAS = (0.9, 0.99), (0.9, 0.95), (0.5, 0.95), (0.75, 0.95)
 MLP_DOWN_LR_MUL = 2.0  # the MLP bank's down-projections (odd entries, padding included) step at 2x
+NORMUON_BETA2 = 0.9    # NorMuon's second-moment decay (the neuron-wise variance, arXiv 2510.05491)
+ADAM_EPS = 1e-10
 PARAM_TABLE = {
     "qk_bank": dict(optimizer="normuon", comms="sharded"),
     "vo_bank": dict(optimizer="normuon", comms="sharded"),
@@ -3050,48 +3052,31 @@ def check_batch_split(args: Hyperparameters, world_size: int) -> int:
 # ----------------------------------------------------------------------------------------------
 
 
-MATRIX_OPTIMIZERS = ("normuon", "muon", "adamw")
-# matrix_optimizer='adamw' runs the banks through the recipe's Adam (cautious decay) on every step, at
-# AdamW-like settings: adamw_bank_lr_mul x the embeddings' learning rate (a quarter, 0.002, by default;
-# hidden matrices want much smaller Adam steps than embedding rows) and decoupled decay of 0.1 x lr.
-ADAMW_BANK_DECAY = 0.1
-ADAMW_BANK_BETAS = (0.9, 0.95)
+# Changes of the per-label configs that the ablation flags make (--matrix_optimizer, the component
+# switches), each (args, configs) -> configs: they sit below the fence, and the record's flags change
+# nothing. NORMUON_BETA2_OF likewise gives each --matrix_optimizer its NorMuon beta2.
+CONFIG_CHANGES: list = []
+NORMUON_BETA2_OF = {"normuon": NORMUON_BETA2}
 
 
 def optimizer_configs(args: Hyperparameters, model: "GPT") -> dict[str, ParamConfig]:
-    """Per-label optimizer settings: PARAM_TABLE's rows (NorMuon for the banks, Adam for the rest).
-
-    Ablations: --matrix_optimizer adamw moves the banks to Adam; parameters of a switched-off
-    component get lr and decay multipliers of 0 (they receive no gradient and must not drift)."""
-    if args.matrix_optimizer not in MATRIX_OPTIMIZERS:
-        raise ValueError(f"--matrix_optimizer {args.matrix_optimizer!r} is not one of {', '.join(MATRIX_OPTIMIZERS)}")
+    """Per-label optimizer settings: PARAM_TABLE's rows (NorMuon for the banks, Adam for the rest),
+    then CONFIG_CHANGES."""
     configs = {label: ParamConfig(**row) for label, row in PARAM_TABLE.items()}
     # every odd entry of the MLP bank: the down-projections (c_proj), and the record's padding
     configs["mlp_bank"] = dataclasses.replace(configs["mlp_bank"], matrix_lr_mul=tuple(
         MLP_DOWN_LR_MUL if i % 2 else 1.0 for i in range(len(model.bank_roles["mlp_bank"]))))
-    if args.matrix_optimizer == "adamw":
-        # Adam's decay is (lr * lr_mul)^2 * adam_wd * wd_mul: pick wd_mul so that it equals
-        # ADAMW_BANK_DECAY times the bank's learning rate at the base lr.
-        bank_lr = args.adam_lr * args.adamw_bank_lr_mul
-        wd_mul = ADAMW_BANK_DECAY / (bank_lr * args.adam_wd) if bank_lr * args.adam_wd > 0 else 0.0
-        for label in ("qk_bank", "vo_bank", "mlp_bank"):  # muon differs from normuon only in beta2 (build_optimizer)
-            configs[label] = ParamConfig("adam", "sharded", lr_mul=args.adamw_bank_lr_mul, wd_mul=wd_mul,
-                                         betas=ADAMW_BANK_BETAS, every_step=True)
-    switched_off = {"value_embeds": not args.value_embeds, "ve_gate_bank": not args.value_embeds,
-                    "bigram_embed": not args.bigram_embed, "smear_gate": not args.smear,
-                    **{label: not args.mudd for label in ("mudd_w1", "mudd_w2", "mudd_gate_w1", "mudd_gate_w2")}}
-    for label, off in switched_off.items():
-        if off:
-            configs[label] = dataclasses.replace(configs[label], lr_mul=0.0, wd_mul=0.0)
+    for change in CONFIG_CHANGES:
+        configs = change(args, configs)
     return configs
 
 
 def build_optimizer(args: Hyperparameters, model: "GPT", device: torch.device) -> NorMuonAdam:
-    # Plain Muon is NorMuon with beta2 = 1: the second moment never leaves its zero start, so the
-    # per-neuron scale is one constant that the Frobenius renormalisation cancels exactly.
-    beta2 = 1.0 if args.matrix_optimizer == "muon" else 0.9
+    if args.matrix_optimizer not in NORMUON_BETA2_OF:
+        raise ValueError(f"--matrix_optimizer {args.matrix_optimizer!r} is not one of {', '.join(NORMUON_BETA2_OF)}")
     return NorMuonAdam(model.params_by_label(), optimizer_configs(args, model),
-                       scatter_order=SCATTER_ORDER, work_order=WORK_ORDER, normuon_beta2=beta2,
+                       scatter_order=SCATTER_ORDER, work_order=WORK_ORDER,
+                       normuon_beta2=NORMUON_BETA2_OF[args.matrix_optimizer], adam_eps=ADAM_EPS,
                        normuon_lr=args.muon_lr, normuon_wd=args.muon_wd, adam_lr=args.adam_lr, adam_wd=args.adam_wd,
                        orthogonalizer=functools.partial(ORTHOGONALIZERS[args.orthogonalizer], dtype=model.qk_bank.dtype),
                        tied=("embed", "lm_head"), ownership=args.bank_ownership,
@@ -4496,6 +4481,45 @@ def sdpa_attend_tokens(q, k, v, mask: SDPAMask, r: int, scale: torch.Tensor, sca
 
 ATTENTION_MASKS.update(sdpa=sdpa_mask, sdpa_fp32=functools.partial(sdpa_mask, fp32=True))
 ATTEND[SDPAMask] = sdpa_attend_tokens
+
+
+# ---- Ablations of the optimizer: the banks' optimizer, switched-off components ---------------
+
+# matrix_optimizer='adamw' runs the banks through the recipe's Adam (cautious decay) on every step, at
+# AdamW-like settings: adamw_bank_lr_mul x the embeddings' learning rate (a quarter, 0.002, by default;
+# hidden matrices want much smaller Adam steps than embedding rows) and decoupled decay of 0.1 x lr.
+ADAMW_BANK_DECAY = 0.1
+ADAMW_BANK_BETAS = (0.9, 0.95)
+# Plain Muon is NorMuon with beta2 = 1: the second moment never leaves its zero start, so the
+# per-neuron scale is one constant that the Frobenius renormalisation cancels exactly.
+NORMUON_BETA2_OF.update(muon=1.0, adamw=NORMUON_BETA2)
+MATRIX_OPTIMIZERS = tuple(NORMUON_BETA2_OF)
+
+
+def adamw_bank_configs(args: Hyperparameters, configs: dict[str, ParamConfig]) -> dict[str, ParamConfig]:
+    """--matrix_optimizer adamw: the banks move to Adam, stepping on every step."""
+    if args.matrix_optimizer != "adamw":
+        return configs
+    # Adam's decay is (lr * lr_mul)^2 * adam_wd * wd_mul: pick wd_mul so that it equals
+    # ADAMW_BANK_DECAY times the bank's learning rate at the base lr.
+    bank_lr = args.adam_lr * args.adamw_bank_lr_mul
+    wd_mul = ADAMW_BANK_DECAY / (bank_lr * args.adam_wd) if bank_lr * args.adam_wd > 0 else 0.0
+    return {**configs, **{label: ParamConfig("adam", "sharded", lr_mul=args.adamw_bank_lr_mul, wd_mul=wd_mul,
+                                             betas=ADAMW_BANK_BETAS, every_step=True)
+                          for label in ("qk_bank", "vo_bank", "mlp_bank")}}
+
+
+def switched_off_configs(args: Hyperparameters, configs: dict[str, ParamConfig]) -> dict[str, ParamConfig]:
+    """Parameters of a switched-off component get lr and decay multipliers of 0 (they receive no
+    gradient and must not drift)."""
+    off = {"value_embeds": not args.value_embeds, "ve_gate_bank": not args.value_embeds,
+           "bigram_embed": not args.bigram_embed, "smear_gate": not args.smear,
+           **{label: not args.mudd for label in ("mudd_w1", "mudd_w2", "mudd_gate_w1", "mudd_gate_w2")}}
+    return {label: dataclasses.replace(cfg, lr_mul=0.0, wd_mul=0.0) if off.get(label) else cfg
+            for label, cfg in configs.items()}
+
+
+CONFIG_CHANGES.extend([adamw_bank_configs, switched_off_configs])
 
 
 if __name__ == "__main__":
