@@ -243,6 +243,50 @@ class Hyperparameters:
 PRESETS: dict[str, dict] = {"speedrun": {}}
 
 
+# -- recipe constants: FP8 scales, Polar Express, MUDD biases, initial values -----------------
+
+# FP8 (record #89): the LM head's static scales, and the FP8 MLPs' delayed-scale headroom (FP8 sections)
+FP8_HEAD_X_SCALE = 100 / 448      # activations (rms-normed, |x| rarely above ~100)
+FP8_HEAD_W_SCALE = 1.6 / 448      # head weights
+FP8_HEAD_GRAD_SCALE = 0.75 / 448  # gradient of the summed loss, multiplied by the loss scale at run time
+FP8_ACT_HEADROOM = 1.80           # post may grow this much over the previous forward's amax before clipping
+FP8_DOWN_W_HEADROOM = 1.12        # W2 may grow this much over one optimizer step before clipping
+FP8_BOOTSTRAP_STEPS = 16          # optimizer steps 0..15 quantise W2 with its current amax
+
+# Polar Express's five iterations (a, b, c) of p(x) = a x + b x^3 + c x^5 (arXiv 2505.16932)
+POLAR_EXPRESS_COEFFS: tuple[tuple[float, float, float], ...] = (
+    (8.156554524902461, -22.48329292557795, 15.878769915207462),
+    (4.042929935166739, -2.808917465908714, 0.5000178451051316),
+    (3.8916678022926607, -2.772484153217685, 0.5060648178503393),
+    (3.285753657755655, -2.3681294933425376, 0.46449024233003106),
+    (2.3465413258596377, -1.7097828382687081, 0.42323551169305323),
+)
+
+BIGRAM_SIGN_ROWS = 8192  # rows of the +-1 table the bigram embedding is multiplied by
+MUDD_LAYER_SCALE = 0.1   # fixed output scale of the MUDD layer MLPs (biases are stored x10)
+# MUDD layer MLP outputs, in the record's order, and their biases before the x0.1 scale (the record's;
+# MUDD, arXiv 2502.12170). Layer 0 runs at the mudd row: V from cache0 / h / x, x from cache0 / h / x
+# (x's coefficient is 1 + x_gain), the VE gates of the two head halves, the attention sublayer's resid,
+# output and x0 weights, the bigram gate, the MLP sublayer's resid and output weights. Layer 1 runs
+# after the loop: cache0, h (the backout, -0.5 at init), the mudd row's input, ve0, the skip source.
+MUDD_LAYER_NAMES = (
+    ("v_cache0", "v_h", "v_x", "x_cache0", "x_h", "x_gain", "ve_gate_first_half", "ve_gate_second_half",
+     "resid_attn", "post_attn", "x0", "bigram", "resid_mlp", "post_mlp"),
+    ("cache0", "h", "mudd_input", "ve0", "skip_source"),
+)
+MUDD_LAYER_OUTPUTS = tuple(len(names) for names in MUDD_LAYER_NAMES)  # (14, 5)
+MUDD_LAYER_BIASES = ({"ve_gate_first_half": 20.0, "ve_gate_second_half": 20.0, "resid_attn": 10 * math.sqrt(1.1),
+                      "post_attn": 10.0, "bigram": 0.5, "resid_mlp": 10 * math.sqrt(1.1), "post_mlp": 10.0},
+                     {"h": -5.0})
+# MUDD gate outputs' biases before the gate scale (0.1 at init): output gates start at 0.25, bigram
+# gates 0.05, the skip gate 0.5, DC's w1 1.0; everything else 0.
+MUDD_GATE_BIASES = {"gate": 2.5, "bigram": 0.5, "skip": 5.0, "dc_w1": 10.0}
+# Initial values (the record's; GPT.reset_parameters): the projections' uniform std x sqrt(D), the
+# tables' normal stds, the lambdas and the MUDD gates' scale.
+INIT = dict(projection_std=0.5, lm_head_std=0.005, value_embed_std=0.01, qkv_lambda=0.5, o_lambda=1.0,
+            skip_lambda=-1.5, resid_lambda=math.sqrt(1.1), post_lambda=1.0, mudd_gate_scale=0.1)
+
+
 # ----------------------------------------------------------------------------------------------
 # Distributed setup
 # ----------------------------------------------------------------------------------------------
@@ -313,10 +357,6 @@ def copy_from_host_(dst: torch.Tensor, src: torch.Tensor) -> None:
 # here; the loss kernel's e5m2 gradient saturates); dequantised value = q * scale. Forward products
 # use cuBLAS's fast accumulation; the two backward products (sums over 50,304 logits for dx and over
 # every token for dw) do not, as in record #89.
-
-FP8_HEAD_X_SCALE = 100 / 448     # activations (rms-normed, |x| rarely above ~100)
-FP8_HEAD_W_SCALE = 1.6 / 448     # head weights
-FP8_HEAD_GRAD_SCALE = 0.75 / 448  # gradient of the summed loss, multiplied by the loss scale at run time
 
 _FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 SCALE_ALIGN_BYTES = 16  # cuBLASLt reads scale pointers as 16-byte aligned: offsets 4, 8, 12 fail on H100
@@ -505,9 +545,6 @@ fp8_head_loss.register_autograd(_fp8_head_loss_autograd, setup_context=_fp8_head
 #                one-step-old amax is far too small while it grows).
 # The backward is bf16 from the saved post and the bf16 weights (triton_kernels.relu2_mlp_backward).
 
-FP8_ACT_HEADROOM = 1.80       # post may grow this much over the previous forward's amax before clipping
-FP8_DOWN_W_HEADROOM = 1.12    # W2 may grow this much over one optimizer step before clipping
-FP8_BOOTSTRAP_STEPS = 16      # optimizer steps 0..15 quantise W2 with its current amax
 FP8_SCALE_FLOOR = 1e-12       # an all-zero tensor (W2 at init) still gets a finite scale
 E4M3_MAX = triton_kernels.E4M3_MAX
 
@@ -640,17 +677,10 @@ class FP8MLPState(nn.Module):
 # Polar Express: Amsel, Persson, Musco, Gower, arXiv 2505.16932 (Gram Newton-Schulz, an alternative,
 # sits below the fence). It maps a gradient-like G (..., m, n) to an approximation of its polar factor
 # U V^T (G = U S V^T), in bf16, batched over the leading dims (a bank of matrices). Each iteration applies
-# the odd polynomial p(x) = a x + b x^3 + c x^5 to the singular values; the Polar Express coefficients
-# below are tuned so that five iterations take every singular value in roughly [1e-3, 1] into a
-# narrow band around 1. Dividing by ||G||_F * 1.02 first guarantees the spectral norm is < 1.
-
-POLAR_EXPRESS_COEFFS: tuple[tuple[float, float, float], ...] = (
-    (8.156554524902461, -22.48329292557795, 15.878769915207462),
-    (4.042929935166739, -2.808917465908714, 0.5000178451051316),
-    (3.8916678022926607, -2.772484153217685, 0.5060648178503393),
-    (3.285753657755655, -2.3681294933425376, 0.46449024233003106),
-    (2.3465413258596377, -1.7097828382687081, 0.42323551169305323),
-)
+# the odd polynomial p(x) = a x + b x^3 + c x^5 to the singular values; the coefficients
+# (POLAR_EXPRESS_COEFFS, with the recipe) are tuned so that five iterations take every singular value
+# in roughly [1e-3, 1] into a narrow band around 1. Dividing by ||G||_F * 1.02 first guarantees the
+# spectral norm is < 1.
 
 
 def _as_bank(G: torch.Tensor) -> torch.Tensor:
@@ -1723,25 +1753,6 @@ class NorMuonAdam:
 FLEX_BLOCK_SIZE = 128  # block-sparsity granularity of the GPU attention kernel
 EVAL_CHUNK_TOKENS = 8192  # evaluation computes logits and cross-entropy this many tokens at a time
 RMS_NORM_EPS = torch.finfo(torch.float32).eps  # F.rms_norm's own default for bf16 inputs (the record's)
-BIGRAM_SIGN_ROWS = 8192  # rows of the +-1 table the bigram embedding is multiplied by
-MUDD_LAYER_SCALE = 0.1   # fixed output scale of the MUDD layer MLPs (biases are stored x10)
-# MUDD layer MLP outputs, in the record's order, and their biases before the x0.1 scale (the record's;
-# MUDD, arXiv 2502.12170). Layer 0 runs at the mudd row: V from cache0 / h / x, x from cache0 / h / x
-# (x's coefficient is 1 + x_gain), the VE gates of the two head halves, the attention sublayer's resid,
-# output and x0 weights, the bigram gate, the MLP sublayer's resid and output weights. Layer 1 runs
-# after the loop: cache0, h (the backout, -0.5 at init), the mudd row's input, ve0, the skip source.
-MUDD_LAYER_NAMES = (
-    ("v_cache0", "v_h", "v_x", "x_cache0", "x_h", "x_gain", "ve_gate_first_half", "ve_gate_second_half",
-     "resid_attn", "post_attn", "x0", "bigram", "resid_mlp", "post_mlp"),
-    ("cache0", "h", "mudd_input", "ve0", "skip_source"),
-)
-MUDD_LAYER_OUTPUTS = tuple(len(names) for names in MUDD_LAYER_NAMES)  # (14, 5)
-MUDD_LAYER_BIASES = ({"ve_gate_first_half": 20.0, "ve_gate_second_half": 20.0, "resid_attn": 10 * math.sqrt(1.1),
-                      "post_attn": 10.0, "bigram": 0.5, "resid_mlp": 10 * math.sqrt(1.1), "post_mlp": 10.0},
-                     {"h": -5.0})
-# MUDD gate outputs' biases before the gate scale (0.1 at init): output gates start at 0.25, bigram
-# gates 0.05, the skip gate 0.5, DC's w1 1.0; everything else 0.
-MUDD_GATE_BIASES = {"gate": 2.5, "bigram": 0.5, "skip": 5.0, "dc_w1": 10.0}
 DC_CHUNK = 128  # query tokens per band of the DC term
 
 
@@ -2279,7 +2290,7 @@ class GPT(nn.Module):
     @torch.no_grad()
     def reset_parameters(self) -> None:
         L, D = self.args.num_layers, self.args.model_dim
-        bound = math.sqrt(3) * 0.5 / math.sqrt(D)  # uniform with std 0.5/sqrt(D): 1/32 at D = 768
+        bound = math.sqrt(3) * INIT["projection_std"] / math.sqrt(D)  # uniform, std 0.5/sqrt(D): 1/32 at D = 768
 
         def fp32_draw(t, fill):  # drawn in fp32, then cast (the record's order for the banks), so a bf16
             t.copy_(fill(torch.empty(t.shape, dtype=torch.float32, device=t.device)))  # and an fp32 model match
@@ -2292,17 +2303,17 @@ class GPT(nn.Module):
         uniform_(self.qk_bank[: self.args.num_heads * len(self.attn_layers)])  # H/2 Q + H/2 K groups per layer
         uniform_(self.vo_bank[: 2 * len(self.attn_layers)])  # V and the output projections alike (the record's)
         uniform_(self.mlp_bank[0::2])  # up (a padding up-projection too); down stays zero
-        fp32_draw(self.lm_head, lambda x: x.normal_(0.0, 0.005))
+        fp32_draw(self.lm_head, lambda x: x.normal_(0.0, INIT["lm_head_std"]))
         self.embed.copy_(self.lm_head.T)
-        fp32_draw(self.value_embeds, lambda x: x.normal_(0.0, 1.0).mul_(0.01))
+        fp32_draw(self.value_embeds, lambda x: x.normal_(0.0, 1.0).mul_(INIT["value_embed_std"]))
         self.bigram_embed.zero_()
         s = self.scalars
         s.zero_()
-        s[0: 2 * L: 2] = 0.5   # qkv lambdas (q and k are normed next, so in effect v's scale)
-        s[1: 2 * L: 2] = 1.0   # o lambdas
-        s[2 * L + 1] = -1.5    # skip lambda (sigmoid 0.18); smear lambda s[2L] = 0: smear starts off
-        self.resid_lambdas.fill_(math.sqrt(1.1))
-        self.post_lambdas.fill_(1.0)
+        s[0: 2 * L: 2] = INIT["qkv_lambda"]  # q and k are normed next, so in effect v's scale
+        s[1: 2 * L: 2] = INIT["o_lambda"]
+        s[2 * L + 1] = INIT["skip_lambda"]   # sigmoid 0.18; smear lambda s[2L] = 0: smear starts off
+        self.resid_lambdas.fill_(INIT["resid_lambda"])
+        self.post_lambdas.fill_(INIT["post_lambda"])
         self.smear_gate.zero_()
         self.ve_gate_bank.zero_()
         for w1 in (self.mudd_w1, self.mudd_gate_w1):  # nn.Linear's default init: U(+-1/sqrt(fan_in))
@@ -2315,7 +2326,7 @@ class GPT(nn.Module):
         for k, layout in enumerate(self.gate_layout):
             for (kind, _), (start, width) in layout.items():
                 self.mudd_gate_b2[k, start: start + width] = MUDD_GATE_BIASES.get(kind, 0.0)
-        self._mudd_gate_scale.fill_(0.1)
+        self._mudd_gate_scale.fill_(INIT["mudd_gate_scale"])
         fp32_draw(self.bigram_sign_table, lambda x: x.normal_().sign_())
 
     @torch.no_grad()
@@ -3142,15 +3153,6 @@ class Progress:
             print(text, flush=True)
 
 
-CHECKPOINT_FORMAT = 5  # 3: the record-#89 model (layer table, MUDD, FP8 MLP state); 4: FP8 scales in 16-byte
-#                        slots; 5: the stage and layer rows in the saved settings
-
-
-# Fields that may differ between a checkpoint and the run resuming from it.
-RESUMABLE_CHANGES = {"resume", "save_every", "keep_checkpoints", "val_loss_every", "log_dir", "checkpoint_dir",
-                     "run_id", "compile"}
-
-
 @torch.no_grad()
 def evaluate(model_fn, batches: list[Batch], device: torch.device) -> float:
     """Mean next-token cross-entropy over every validation token (all ranks' sequences together)."""
@@ -3802,6 +3804,15 @@ def orthogonalization_flops(rows: int, cols: int, orthogonalizer="polar_express"
 
 
 # ---- Checkpoints and signals (a speedrun saves none) -----------------------------------------
+
+CHECKPOINT_FORMAT = 5  # 3: the record-#89 model (layer table, MUDD, FP8 MLP state); 4: FP8 scales in 16-byte
+#                        slots; 5: the stage and layer rows in the saved settings
+
+
+# Fields that may differ between a checkpoint and the run resuming from it.
+RESUMABLE_CHANGES = {"resume", "save_every", "keep_checkpoints", "val_loss_every", "log_dir", "checkpoint_dir",
+                     "run_id", "compile"}
+
 
 def save_checkpoint(path: str, step: int, model: nn.Module, opt: NorMuonAdam, loader: DocumentLoader,
                     args: Hyperparameters, d: DistInfo) -> None:
