@@ -193,3 +193,28 @@ def test_train_through_step_graphs_equals_train_step(tmp_path, monkeypatch):
     assert "cuda graphs: 0 step shapes captured in the warm-up" in log
     assert all(torch.equal(a, b) for a, b in zip(plain, static)), (plain, static)
     assert val_static == val_plain
+
+
+@pytest.mark.slow
+def test_compiled_step_through_static_buffers_equals_train_step(tmp_path):
+    """The same through torch.compile (aot_eager: dynamo and AOTAutograd as on a GPU, no inductor) over
+    two stages: the static buffers' views (micro-batches at offsets into one buffer) compile to no
+    graph of their own, and each step is train_step's to the bit."""
+    args = tg.parse_args(["--preset", "test", "--micro_batches", "2", "--stage_batch_tokens", "(256, 512, 512, 512)"])
+    pattern = make_corpus(tmp_path)
+    (model_a, opt_a, loader_a, mtp_a, prefix_a), (model_b, opt_b, loader_b, mtp_b, prefix_b) = (
+        replica(args, pattern), replica(args, pattern))
+    torch._dynamo.reset()
+    fn_a, fn_b = (torch.compile(m, backend="aot_eager", fullgraph=True, dynamic=False) for m in (model_a, model_b))
+    scale = tg.grad_scale_for(args, 1)
+    graphs = tg.StepGraphs(model_b, fn_b, opt_b, mtp_b, prefix_b, scale, CPU)
+    for step in range(4):  # stage 1 (steps 0, 1), stage 2 (2, 3)
+        plan = tg.plan_step(args, step)
+        request = tg.batch_request(args, plan, 2, CPU)
+        model_a.set_windows(*plan.windows)
+        model_b.set_windows(*plan.windows)
+        loss_a = tg.train_step(fn_a, opt_a, loader_a.next_step(*request), plan, mtp_a, prefix_a, scale, CPU)
+        loss_b = graphs.step(loader_b.next_step(*request), plan, tg.step_graph_key(plan, request, 2))
+        assert torch.equal(loss_a, loss_b), step
+        assert all(torch.equal(pa, pb) for pa, pb in zip(model_a.parameters(), model_b.parameters())), step
+    assert tg.compile_counts()["graph_breaks"] == 0
