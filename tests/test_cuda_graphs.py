@@ -218,3 +218,19 @@ def test_compiled_step_through_static_buffers_equals_train_step(tmp_path):
         assert torch.equal(loss_a, loss_b), step
         assert all(torch.equal(pa, pb) for pa, pb in zip(model_a.parameters(), model_b.parameters())), step
     assert tg.compile_counts()["graph_breaks"] == 0
+
+
+def test_replay_check_is_bitwise_where_uncaptured_runs_agree():
+    """The warm-up's check of a replay: equal bits pass; a tensor two uncaptured runs reproduce must
+    match bit for bit; one they do not (atomic adds) may differ by up to 4x their spread; float8
+    buffers compare as bytes."""
+    x = torch.arange(6, dtype=torch.float32)
+    f8 = torch.full((4,), 2.0).to(torch.float8_e4m3fn)
+    ref = {"loss": torch.tensor(3.0), "grad": x, "scale": f8}
+    assert tg.replay_mismatch({k: v.clone() for k, v in ref.items()}, ref, ref) == ""
+    off = {**ref, "grad": x + 1e-3}
+    assert "grad differs" in tg.replay_mismatch(off, ref, ref)
+    noisy = {**ref, "grad": x + 1e-3}
+    assert tg.replay_mismatch(off, ref, noisy) == ""  # within the uncaptured runs' own spread
+    assert "grad differs" in tg.replay_mismatch({**ref, "grad": x + 5e-3}, ref, noisy)
+    assert "scale differs" in tg.replay_mismatch({**ref, "scale": torch.full((4,), 4.0).to(torch.float8_e4m3fn)}, ref, ref)
