@@ -216,6 +216,8 @@ class Hyperparameters:
     checkpoint_dir: str = "checkpoints"
     resume: str = ""                                # checkpoint directory to continue from
     compile: bool = True
+    cuda_graphs: bool = True                        # CUDA with --compile true: every step's forward+backward replayed
+                                                    # as a CUDA graph (StepGraphs); the same numbers, fewer launches
     cpu_dtype: str = "auto"                         # CPU only: bf16 | fp32 | auto (the faster, timed at start-up; a resumed run: its checkpoint's)
     sample_tokens: int = knob(0, _AT_LEAST_0)       # after training, print a sampled continuation this long
     # component switches outside the rows (ABLATIONS edits rows for the others). A switched-off
@@ -2761,11 +2763,17 @@ class Batch:
                            for key in sorted(self.block_masks)}
         return Batch(inputs, targets, cu_seqlens, bigram_ids, self.mask_spec, doc_ids, block_masks, self.max_doc_len)
 
-    def stage(self) -> "Batch":
+    def staged_bytes(self) -> int:
+        """Bytes of the staged buffer (a multiple of STAGE_ALIGN)."""
+        return sum(map(_staged_bytes, self.tensors()))
+
+    def stage(self, into: torch.Tensor | None = None) -> "Batch":
         """The batch with all its tensors packed into one pinned host buffer: to(device) is then one
-        copy. Runs in the loader's thread on CUDA runs (a pinned allocation, STAGE_ALIGN-aligned views)."""
+        copy. Runs in the loader's thread on CUDA runs (a pinned allocation, STAGE_ALIGN-aligned views).
+        into: a uint8 buffer of staged_bytes() to pack into instead (stage_step: a slice of the step's)."""
         tensors = self.tensors()
-        staged = torch.empty(sum(map(_staged_bytes, tensors)), dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+        staged = into if into is not None else torch.empty(self.staged_bytes(), dtype=torch.uint8,
+                                                           pin_memory=torch.cuda.is_available())
         for view, t in zip(self.unstage(staged).tensors(), tensors):
             view.copy_(t)
         return dataclasses.replace(self, staged=staged)
@@ -2780,7 +2788,8 @@ class Batch:
             strides = [1] * t.dim()
             for d in range(t.dim() - 2, -1, -1):
                 strides[d] = strides[d + 1] * t.shape[d + 1]
-            views.append(typed[t.dtype].as_strided(t.shape, strides, start // t.element_size()))
+            base = typed[t.dtype]  # as_strided counts from the storage's start: a slice's own offset first
+            views.append(base.as_strided(t.shape, strides, base.storage_offset() + start // t.element_size()))
             start += _staged_bytes(t)
         return self.with_tensors(views)
 
@@ -2794,6 +2803,29 @@ class Batch:
 
 
 STAGE_ALIGN = 128  # bytes between tensors of a staged batch: inductor, cuBLAS and Triton assume 16-byte aligned inputs
+
+
+def stage_step(batches: list[Batch]) -> list[Batch]:
+    """A step's micro-batches staged into consecutive slices of one pinned buffer (each batch's own
+    layout, STAGE_ALIGN-aligned): each batch still copies alone (Batch.to), and StepGraphs copies the
+    whole step at once (step_buffer)."""
+    sizes = [b.staged_bytes() for b in batches]
+    joint = torch.empty(sum(sizes), dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+    starts = np.cumsum([0, *sizes])
+    return [b.stage(joint[a:a + n]) for b, a, n in zip(batches, starts.tolist(), sizes)]
+
+
+def step_buffer(batches: list[Batch]) -> torch.Tensor:
+    """The staged bytes of a step's micro-batches as one host buffer: the loader's joint buffer
+    itself when the batches are consecutive slices of one (stage_step), else a packed copy."""
+    bufs = [b.staged if b.staged is not None else b.stage().staged for b in batches]
+    first, total = bufs[0], sum(buf.numel() for buf in bufs)
+    at = first.data_ptr()
+    for buf in bufs:
+        if buf.untyped_storage().data_ptr() != first.untyped_storage().data_ptr() or buf.data_ptr() != at:
+            return torch.cat(bufs)
+        at += buf.numel()
+    return first.as_strided((total,), (1,), first.storage_offset())
 
 
 def _staged_bytes(t: torch.Tensor) -> int:
@@ -2847,7 +2879,7 @@ class DocumentLoader:
         from concurrent.futures import ThreadPoolExecutor
         self.files = find_shards(pattern, "train")
         self.bigram_vocab_size, self.rank, self.world_size = bigram_vocab_size, rank, world_size
-        self.stage = device is not None and device.type == "cuda"  # pack each batch into pinned memory
+        self.stage = device is not None and device.type == "cuda"  # pack each step's batches into one pinned buffer
         self._pool = ThreadPoolExecutor(max_workers=1)   # shard reads
         self._steps = ThreadPoolExecutor(max_workers=1)  # look-ahead steps (they wait on shard reads)
         self._ahead = None  # (key, future) of the step look_ahead() is building
@@ -2886,9 +2918,8 @@ class DocumentLoader:
                 pieces.append(tokens[:min(max_doc_len, need)])
                 need -= len(pieces[-1])
             if g % self.world_size == self.rank:
-                batch = make_batch(np.concatenate(pieces), self.bigram_vocab_size, mask_spec, max_doc_len)
-                mine.append(batch.stage() if self.stage else batch)
-        return mine, (shard, doc)
+                mine.append(make_batch(np.concatenate(pieces), self.bigram_vocab_size, mask_spec, max_doc_len))
+        return (stage_step(mine) if self.stage else mine), (shard, doc)
 
     def _settle(self):
         """Wait for the look-ahead in flight (it reads shards), and take it: (key, (batches, position))."""
@@ -3200,6 +3231,192 @@ def train_step(model_fn, opt: NorMuonAdam, batches: list[Batch], plan: StepPlan,
     return loss
 
 
+def use_cuda_graphs(args: Hyperparameters, device: torch.device) -> bool:
+    """Whether train() runs its steps through StepGraphs with capture: --cuda_graphs on a CUDA device
+    with --compile true. Anywhere else the flag changes nothing: train_step runs, as with it false."""
+    return bool(args.cuda_graphs and args.compile and device.type == "cuda")
+
+
+def step_graph_key(plan: StepPlan, request: tuple, micro_batches: int) -> tuple:
+    """Everything a step's captured forward+backward depends on beyond the values in its buffers: the
+    windows (Python numbers in the graph: the varlen band, the compiled graph's guards), the loader
+    request's tokens per micro-batch, max document length and mask spec (which fix every staged
+    tensor's shape) and this rank's number of micro-batches. Adam parity and the untie are not in it:
+    they change only the optimizer step, which runs after the replay on the same static gradients."""
+    tokens, max_doc_len, _, spec = request
+    return (tuple(plan.windows), tokens, max_doc_len, micro_batches, spec)
+
+
+def _comparable(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.uint8) if t.dtype in _FP8_DTYPES else t  # torch.equal of float8 tensors: as bytes
+
+
+def _wide(t: torch.Tensor) -> torch.Tensor:
+    return (t.float() if t.dtype in _FP8_DTYPES else t).double()
+
+
+def replay_mismatch(got: dict, ref: dict, again: dict) -> str:
+    """'' when a replay's results `got` are the uncaptured step's `ref`: bit-identical wherever two
+    uncaptured runs (ref, again) are, elsewhere (atomic adds of an embedding backward) no further
+    from ref than 4x what separates the two runs. Otherwise which tensor differs, and by how much."""
+    for name, want in ref.items():
+        have = got[name]
+        if torch.equal(_comparable(have), _comparable(want)):
+            continue
+        noise = float((_wide(again[name]) - _wide(want)).abs().max())
+        off = float((_wide(have) - _wide(want)).abs().max())
+        if not noise or not off <= 4 * noise:
+            return f"{name} differs from the uncaptured step's by {off:.3g} (two uncaptured runs: by {noise:.3g})"
+    return ""
+
+
+@dataclass
+class _StepBuffers:
+    input: torch.Tensor    # the whole step's staged bytes on the device (uint8)
+    batches: list          # each micro-batch's tensors as views of `input`
+    loss: torch.Tensor     # 0-D fp32: the step's summed loss, written by the forward+backward
+    graph: object = None   # torch.cuda.CUDAGraph of the forward+backward, once captured and checked
+
+
+class StepGraphs:
+    """train_step through static buffers, its forward+backward replayed as one CUDA graph per shape key
+    (step_graph_key), as record #92 of modded-nanogpt captures its steps: on one GPU the step is
+    host-bound, and a replay launches the whole forward+backward of every micro-batch at once.
+
+    Per key: a device buffer for the step's staged micro-batches, filled by one host-to-device copy
+    per step from the loader's joint pinned buffer (stage_step), the batches as views of it, and a
+    static loss. Every parameter's .grad is a static tensor that the backward accumulates into in
+    place: gradients the optimizer consumes (it sets them to None) are zeroed in place before the next
+    step (_bind_grads), so Adam gradients of even steps accumulate exactly as they do in train_step
+    (0 + g is g). The graphs share one memory pool: nothing in it outlives a replay.
+
+    Not captured: the optimizer step. Its hyperparameter rows are built on the host every step (Adam's
+    bias correction counts steps), the sparse bigram exchange sends a data-dependent number of rows,
+    several ranks reduce over NCCL, and load_state_dict and untie replace its state tensors, which a
+    graph would keep reading. It runs after the replay as in train_step, and launches the gradient
+    reductions itself: the hooks of reductions_on_backward run host code a replay would skip, so
+    with several ranks the reductions no longer overlap the last backward (the same results).
+
+    capture=False (CPUs, --cuda_graphs false tests) runs the same code on the same buffers without
+    graphs: a step equals train_step's to the bit, which is what the CPU tests check."""
+
+    def __init__(self, model: nn.Module, model_fn, opt: NorMuonAdam, mtp: torch.Tensor, prefix: torch.Tensor,
+                 grad_scale: float, device: torch.device, capture: bool | None = None):
+        self.model, self.model_fn, self.opt = model, model_fn, opt
+        self.mtp, self.prefix, self.grad_scale, self.device = mtp, prefix, grad_scale, device
+        self.capture = device.type == "cuda" if capture is None else capture
+        self.named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        self.grads = [torch.zeros_like(p) for _, p in self.named]  # the graphs accumulate into these
+        self.buffers: dict[tuple, _StepBuffers] = {}
+        self.pool = None
+        self.failure = ""  # why a capture failed its check (train() then turns graphs off)
+
+    def captured(self) -> int:
+        return sum(e.graph is not None for e in self.buffers.values())
+
+    def _buffers(self, key: tuple, batches: list[Batch]) -> _StepBuffers:
+        entry = self.buffers.get(key)
+        if entry is None:
+            sizes = [b.staged_bytes() for b in batches]
+            buf = torch.empty(sum(sizes), dtype=torch.uint8, device=self.device)
+            starts = np.cumsum([0, *sizes]).tolist()
+            views = [b.unstage(buf[a:a + n]) for b, a, n in zip(batches, starts, sizes)]
+            entry = self.buffers[key] = _StepBuffers(buf, views, torch.zeros((), device=self.device))
+        return entry
+
+    def _bind_grads(self) -> None:
+        """Every parameter's .grad is its static tensor: zeroed where the optimizer consumed it (None),
+        loaded where something else set it (a checkpoint's pending Adam gradients)."""
+        fresh = []
+        for (_, p), g in zip(self.named, self.grads):
+            if p.grad is not g:
+                if p.grad is None:
+                    fresh.append(g)
+                else:
+                    g.copy_(p.grad)
+                p.grad = g
+        if fresh:
+            torch._foreach_zero_(fresh)
+
+    def _forward_backward(self, entry: _StepBuffers) -> None:
+        """train_step's forward and backward of every micro-batch, on the static buffers."""
+        entry.loss.zero_()
+        for b in entry.batches:
+            masks = self.model_fn.batch_masks(b)
+            micro = self.model_fn(b.inputs, b.targets, b.cu_seqlens, b.bigram_ids, mtp_weights=self.mtp,
+                                  loss_scale=self.grad_scale, prefix_weight=self.prefix, masks=masks)
+            micro.backward()
+            entry.loss += micro.detach()
+
+    def _state(self, entry: _StepBuffers) -> dict[str, torch.Tensor]:
+        """What a forward+backward writes: the loss, the gradients, the model's buffers (FP8 scales)."""
+        return {"loss": entry.loss, **{f"grad of {n}": g for (n, _), g in zip(self.named, self.grads)},
+                **dict(self.model.named_buffers())}
+
+    def _capture(self, entry: _StepBuffers) -> None:
+        """Capture entry's forward+backward and check a replay against the uncaptured run from the same
+        state (replay_mismatch); raises with the reason if it differs. PyTorch's recipe: warm up on a
+        side stream first (twice here: the two runs show what an uncaptured run reproduces)."""
+        state = self._state(entry)
+        before = {k: t.clone() for k, t in state.items()}
+        runs = []
+        side, main = torch.cuda.Stream(self.device), torch.cuda.current_stream(self.device)
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                for k, t in state.items():
+                    t.copy_(before[k])
+                self._forward_backward(entry)
+                runs.append({k: t.clone() for k, t in state.items()})
+            for k, t in state.items():
+                t.copy_(before[k])
+        main.wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        self.pool = self.pool or torch.cuda.graph_pool_handle()
+        try:
+            # thread_local: the loader's threads may allocate pinned memory meanwhile
+            with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+                self._forward_backward(entry)
+            graph.replay()
+            why = replay_mismatch(state, *runs)
+        except Exception as e:  # a capture that fails is reported, and the step runs uncaptured
+            why = f"capture failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        if why:
+            for k, t in state.items():  # the uncaptured step's result stands
+                t.copy_(runs[0][k])
+            raise RuntimeError(why)
+        entry.graph = graph
+
+    def step(self, batches: list[Batch], plan: StepPlan, key: tuple, capture: bool = False) -> torch.Tensor:
+        """train_step's step on the static buffers of `key`: its forward+backward replayed where
+        captured, captured and checked first when `capture` (the untimed warm-up) and the key has no
+        graph yet, run uncaptured otherwise; then the optimizer step. Returns the summed loss (a new
+        0-D tensor: the static one is overwritten by the next replay)."""
+        for value, dst in ((plan.mtp_weights, self.mtp), (plan.prefix_weight, self.prefix)):
+            copy_from_host_(dst, torch.tensor(value, dtype=torch.float32))
+        for i, b in enumerate(batches):
+            self.opt.prepare_sparse("bigram_embed", b.bigram_ids, launch=plan.do_adam and i == len(batches) - 1)
+        entry = self._buffers(key, batches)
+        host = step_buffer(batches)
+        if host.numel() != entry.input.numel():
+            raise ValueError(f"StepGraphs: the step's batches take {host.numel()} staged bytes, key {key} was made"
+                             f" for {entry.input.numel()}; the key must fix every micro-batch's shapes")
+        self._bind_grads()
+        entry.input.copy_(host, non_blocking=True)  # the step's one host-to-device copy
+        if entry.graph is not None:
+            entry.graph.replay()
+        elif capture and self.capture and not self.failure:
+            try:
+                self._capture(entry)
+            except RuntimeError as e:
+                self.failure = str(e)
+        else:
+            self._forward_backward(entry)
+        loss = entry.loss.clone()
+        self.opt.step(plan.do_adam, lr_scale=plan.lr_mult, momentum=plan.momentum)
+        return loss
+
+
 def compile_counts() -> dict:
     """Graphs torch.compile has made and graph breaks it has met in this process so far."""
     from torch._dynamo.utils import counters
@@ -3255,6 +3472,7 @@ def train(args: Hyperparameters, d: DistInfo) -> float:
 
     grad_scale = grad_scale_for(args, d.world_size)
     windows = None
+    graphs = StepGraphs(model, model_fn, opt, mtp, prefix, grad_scale, d.device) if use_cuda_graphs(args, d.device) else None
 
     def set_windows(w, yarn=None):  # the YaRN update runs only when the windows actually change
         nonlocal windows
@@ -3262,13 +3480,19 @@ def train(args: Hyperparameters, d: DistInfo) -> float:
             model.set_windows(*w, yarn_blocks=yarn)
             windows = (w, yarn)
 
-    def run_step(step):  # one training step, then the untie right after the last tied step (the record's)
+    def run_step(step, warm_up=False):  # one training step, then the untie right after the last tied step (the record's)
         plan = plan_step(args, step)
         set_windows(plan.windows)
-        batches = loader.next_step(*batch_request(args, plan, slots, d.device))
-        if step + 1 < total:  # the next step's batches are built on the loader's thread meanwhile
+        request = batch_request(args, plan, slots, d.device)
+        batches = loader.next_step(*request)
+        # the next step's batches are built on the loader's thread meanwhile (not while a warm-up step may
+        # capture a graph: the warm-up's next step is rarely this one's successor anyway)
+        if step + 1 < total and not (warm_up and graphs is not None):
             loader.look_ahead(*batch_request(args, plan_step(args, step + 1), slots, d.device))
-        loss = train_step(model_fn, opt, batches, plan, mtp, prefix, grad_scale, d.device)
+        if graphs is not None:  # the warm-up captures each key's graph (and checks it against the uncaptured step)
+            loss = graphs.step(batches, plan, step_graph_key(plan, request, accum), capture=warm_up)
+        else:
+            loss = train_step(model_fn, opt, batches, plan, mtp, prefix, grad_scale, d.device)
         if step == untie_step(args):
             opt.untie()
         if fp8:  # after the optimizer step (the record's per-step order), for the next forward
@@ -3286,7 +3510,12 @@ def train(args: Hyperparameters, d: DistInfo) -> float:
         for step in warm:
             set_windows(plan_step(args, step).windows)
             evaluate(model_fn, val_batches[:1], d.device)
-            run_step(step)
+            run_step(step, warm_up=True)
+            if graphs is not None and graphs.failure:  # this step ran uncaptured; so does the run
+                note = f"cuda graphs off for this run: {graphs.failure}"
+                log.write(note)
+                progress.show(note, final=True)
+                graphs = None
         # the final validation's windows: a new graph where a kernel takes the window as a number (varlen)
         set_windows(args.final_val_windows, plan_step(args, total - 1).windows[1])
         evaluate(model_fn, val_batches[:1], d.device)
@@ -3297,6 +3526,9 @@ def train(args: Hyperparameters, d: DistInfo) -> float:
         opt.load_state_dict(saved_opt)
         loader.load_state_dict(saved_loader)
         progress.show(f"compile warm-up: {len(warm)} steps in {time.perf_counter() - t:.0f}s", final=True)
+        if graphs is not None:
+            log.write(f"cuda graphs: {graphs.captured()} step shapes captured in the warm-up, each replay equal "
+                      "to the uncaptured step")
 
     if opt.tied and start_step > untie_step(args):
         raise SystemExit(f"error: checkpoint at step {start_step} is past the untie step but still tied")
@@ -3811,7 +4043,7 @@ CHECKPOINT_FORMAT = 5  # 3: the record-#89 model (layer table, MUDD, FP8 MLP sta
 
 # Fields that may differ between a checkpoint and the run resuming from it.
 RESUMABLE_CHANGES = {"resume", "save_every", "keep_checkpoints", "val_loss_every", "log_dir", "checkpoint_dir",
-                     "run_id", "compile"}
+                     "run_id", "compile", "cuda_graphs"}
 
 
 def save_checkpoint(path: str, step: int, model: nn.Module, opt: NorMuonAdam, loader: DocumentLoader,

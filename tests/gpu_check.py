@@ -107,6 +107,11 @@ CHECKS: tuple[Check, ...] = (
           "recompilation an error",
           (TG + "hyperparam_tensors", TG + "update_functions", TG + "build_optimizer", TG + "copy_from_host_",
            TG + "batch_request", TG + "DocumentLoader.__init__", TG + "Batch.stage"), "model"),
+    Check("cuda-graphs", 300, "the speedrun model compiled, steps 0, 1 (stage 1) and 423, 424 (stage 2) from one state "
+          "through train_step and through StepGraphs (each key captured on its first step and checked against "
+          "the uncaptured step): losses and parameters the same (bitwise where two uncaptured runs are); ms/step "
+          "both ways at both stages",
+          (TG + "use_cuda_graphs", TG + "StepGraphs.__init__", TG + "StepGraphs.step", TG + "stage_step"), "model"),
     # -- run: NCCL, the script end to end, the kernel choice table ------------------------------------
     Check("normuon-nccl", 60, "NorMuonAdam on a single-rank NCCL group (and 2 ranks where 2 GPUs exist) "
           "against the single-process result; on that group, StopOnSignal's step-late read of the combined "
@@ -1114,6 +1119,79 @@ def check_kernel_tuning(res: Result) -> None:
     res.set(kernels=found, summary="; ".join(f"{k}: {f['current_ms']:.3f} ms, best {f['best_ms']:.3f} ({f['best']})"
                                              for k, f in found.items()))
     require(not slow, "committed tiles more than 10% slower than the best: " + "; ".join(slow))
+
+
+def check_cuda_graphs(res: Result) -> None:
+    import torch
+    import train_gpt as T
+    make_shards(SHARD_DIR)
+    args = T.parse_args(["--preset", "speedrun", "--train_files", os.path.join(SHARD_DIR, "fineweb_train_*.bin")])
+    device = torch.device("cuda")
+    require(T.use_cuda_graphs(args, device), "the speedrun preset on CUDA does not use CUDA graphs")
+    torch.manual_seed(0)
+    model = T.GPT(args).to(device)
+    opt = T.build_optimizer(args, model, device)
+    model_fn = T.compile_model(model)
+    model.prefix_table.copy_(T.build_prefix_table(T.gpt2_encoding(), args.padded_vocab_size))
+    model.quantize_fp8(bootstrap=True)
+    accum = T.check_batch_split(args, 1)
+    loader = T.DocumentLoader(args.train_files, args.bigram_vocab_size, device=device)
+    mtp, prefix = torch.zeros(len(args.stages[0].mtp_start), device=device), torch.zeros((), device=device)
+    scale = T.grad_scale_for(args, 1)
+    graphs = T.StepGraphs(model, model_fn, opt, mtp, prefix, scale, device)
+    saved = ({k: v.clone() for k, v in model.state_dict().items()}, opt.state_dict(), loader.state_dict())
+
+    def restore():  # as train() after its warm-up: in place, so the graphs keep their storages
+        model.load_state_dict(saved[0])
+        model.zero_grad(set_to_none=True)
+        opt.load_state_dict(saved[1])
+        loader.load_state_dict(saved[2])
+
+    def run(steps, captured, capture=False):
+        losses = []
+        for i in steps:
+            plan = T.plan_step(args, i)
+            model.set_windows(*plan.windows)
+            request = T.batch_request(args, plan, accum, device)
+            batches = loader.next_step(*request)
+            if captured:
+                loss = graphs.step(batches, plan, T.step_graph_key(plan, request, accum), capture=capture)
+            else:
+                loss = T.train_step(model_fn, opt, batches, plan, mtp, prefix, scale, device)
+            if i == T.untie_step(args):
+                opt.untie()
+            model.quantize_fp8(bootstrap=i < T.FP8_BOOTSTRAP_STEPS)
+            losses.append(loss)
+        torch.cuda.synchronize()
+        return {**{f"loss {s}": x for s, x in zip(steps, losses)},
+                **{n: p.detach().clone() for n, p in model.named_parameters()}}
+
+    steps = [0, 1, 423, 424]
+    t = time.perf_counter()
+    plain = run(steps, False)  # compiles both shapes
+    compile_s = time.perf_counter() - t
+    restore()
+    again = run(steps, False)
+    restore()
+    graphed = run(steps, True, capture=True)
+    require(not graphs.failure, f"capture: {graphs.failure}")
+    require(graphs.captured() == 2, f"{graphs.captured()} keys captured, expected 2")
+    exact = [k for k in plain if torch.equal(graphed[k], plain[k])]
+    reproducible = [k for k in plain if torch.equal(again[k], plain[k])]
+    ms = {}
+    for stage, first in (("stage 1", 2), ("stage 2", 425)):
+        for captured in (False, True):
+            restore()
+            run([first - 2, first - 1] if first > 2 else [0, 1], captured)
+            t = time.perf_counter()
+            run(range(first, first + 8), captured)
+            ms[f"{stage} {'graphs' if captured else 'no graphs'}"] = (time.perf_counter() - t) / 8 * 1000
+    res.set(compile_s=compile_s, ms_per_step=ms, exact=len(exact), reproducible=len(reproducible), compared=len(plain),
+            losses={k: float(v) for k, v in graphed.items() if k.startswith("loss")},
+            summary=f"{len(exact)} of {len(plain)} losses and parameters bitwise equal with graphs ({len(reproducible)} "
+            "between two uncaptured runs); ms/step " + ", ".join(f"{k} {v:.1f}" for k, v in ms.items()))
+    why = T.replay_mismatch(graphed, plain, again)
+    require(not why, f"graphs vs no graphs: {why}")
 
 
 if __name__ == "__main__":
