@@ -66,7 +66,7 @@ def randomized(args, seed=0):
 def loss_of(model, mtp=(1.0, 0.5, 0.25)):
     inputs, targets, cu, bigrams = batch()
     with torch.no_grad():
-        return float(model(inputs, targets, cu, bigrams, mtp_weights=torch.tensor(mtp), loss_scale=1 / 256))
+        return float(model(inputs, targets, cu, bigrams, mtp_weights=torch.tensor(mtp), loss_scale=1 / 256)[0])
 
 
 # ---- model switches: each equals another, independent way of removing the component ---------------
