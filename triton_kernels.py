@@ -983,22 +983,34 @@ def _ce_mtp_kernel(
     normaliser = tl.sum(w, axis=0)     # every MTP weight, even past the end (the record's S_t)
     w_hit = tl.where(tgt >= 0, w, 0.0)  # loss and one-hot terms: only targets that exist
     x_t = tl.load(x_row + tgt, mask=tgt >= 0, other=0.0).to(tl.float32)
-    z_t = 23.0 * _softcap_sigma(x_t, FAST_TANH)
+    s_t = _softcap_sigma(x_t, FAST_TANH)
+    z_t = 23.0 * s_t
     ce_t = lse - z_t                    # each target's cross-entropy; slot 0 is the next token's
     tl.store(loss_ptr + row, tl.sum(w_hit * ce_t, axis=0))
     tl.store(next_token_ptr + row, tl.sum(tl.where(slots == 0, ce_t, 0.0), axis=0))
 
-    # Pass 2: the gradient, scaled by grad_scale and written once in the logits' dtype.
+    # Pass 2: the gradient, scaled by grad_scale and written once in the logits' dtype, without the
+    # one-hot terms (a column that is no target has none: (S p - 0) f = (S p) f, bit for bit) ...
     for v0 in range(0, V, BLOCK_V):
         ok = v0 + cols < V
         x = tl.load(x_row + v0 + cols, mask=ok, other=0.0).to(tl.float32)
         s = _softcap_sigma(x, FAST_TANH)
         p = tl.exp(23.0 * s - lse)
-        hit = tl.sum(tl.where((v0 + cols)[:, None] == tgt[None, :], w_hit[None, :], 0.0), axis=1)
-        g = (normaliser * p - hit) * ((23.0 / 7.5) * grad_scale * s * (1.0 - s))
+        g = (normaliser * p) * ((23.0 / 7.5) * grad_scale * s * (1.0 - s))
         if GRAD_E5M2:
             g = tl.minimum(tl.maximum(g * grad_mul, -57344.0), 57344.0)
         tl.store(g_row + v0 + cols, g.to(grad_ptr.dtype.element_ty), mask=ok)
+    # ... then the row's target columns (at most J_POW2) written again with them. A column's one-hot
+    # weight sums the weights of every slot naming it, in slot order, as a compare-and-sum per element
+    # did: duplicate columns get the same value, whichever slot stores last. The barrier orders these
+    # stores after the loop's stores to the same columns (other threads of the program wrote those).
+    tl.debug_barrier()
+    p_t = tl.exp(23.0 * s_t - lse)
+    hit_t = tl.sum(tl.where(tgt[:, None] == tgt[None, :], w_hit[None, :], 0.0), axis=1)
+    g_t = (normaliser * p_t - hit_t) * ((23.0 / 7.5) * grad_scale * s_t * (1.0 - s_t))
+    if GRAD_E5M2:
+        g_t = tl.minimum(tl.maximum(g_t * grad_mul, -57344.0), 57344.0)
+    tl.store(g_row + tgt, g_t.to(grad_ptr.dtype.element_ty), mask=tgt >= 0)
 
 
 def _ce_config(V: int, device: torch.device) -> dict:

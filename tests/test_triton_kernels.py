@@ -571,6 +571,30 @@ def test_ce_e5m2_gradient_is_the_float64_gradient_scaled_and_rounded(kernel):
     assert (g.float().abs() == 57344).any()  # the second scale saturated
 
 
+@pytest.mark.parametrize("impl", CE_IMPLS)
+@pytest.mark.parametrize("grad_mul", [0.0, 300.0], ids=["fp32", "e5m2"])
+def test_ce_duplicate_target_columns_sum_their_weights(impl, grad_mul):
+    """Rows whose MTP targets and prefix token name the same column (a repeated token): that column's
+    one-hot weight is the sum of all of them (2, 3 or 4 slots), the other columns have none; with
+    weights whose sums round (0.4731 + 0.2917 + 0.1873)."""
+    T, V = 16, 300
+    logits, targets, _, prefix_ids, _ = ce_inputs(T, V, 3, True, seed=7)
+    w, pi = torch.tensor([1.0, 0.4731, 0.2917]), torch.tensor(0.1873)
+    targets[2:9] = 5  # rows 2-6 see column 5 two or three times among their targets
+    prefix_ids[3:6] = 5
+    prefix_ids[10] = targets[10]
+    want_loss, want_grad = ce_record_float64(logits, targets, w, prefix_ids, 0.1873, grad_scale=0.37)
+    if grad_mul:
+        loss, _, g = tk.softcapped_ce_mtp_e5m2(logits, targets, w, prefix_ids, pi, 0.37, 1 / grad_mul,
+                                               kernel=impl() is tk.softcapped_ce_mtp_triton)
+        want = (want_grad * grad_mul).to(torch.float8_e5m2)
+        assert (g.float() != want.float()).double().mean() < 1e-3
+    else:
+        loss, g = run_ce(impl(), logits, targets, w, prefix_ids, pi, 0.37, torch.ones(T))
+        assert_close_rel(g, want_grad, TOL[torch.float32])
+    assert_close_rel(loss, want_loss, TOL[torch.float32])
+
+
 @pytest.mark.parametrize("impl", CE_ALL)
 def test_ce_normaliser_counts_mtp_weights_past_the_end(impl):
     """S_t holds every MTP weight even where t + k >= T. The bracket (S p - hits) of a row sums over
