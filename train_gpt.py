@@ -479,10 +479,11 @@ def _check_fp8_head_args(x: torch.Tensor, w: torch.Tensor, x_f8: torch.Tensor, w
 @torch.library.custom_op("speedrun::fp8_head_loss", mutates_args=())
 def fp8_head_loss(x: torch.Tensor, w: torch.Tensor, x_f8: torch.Tensor, w_f8: torch.Tensor, targets: torch.Tensor,
                   mtp_weights: torch.Tensor, prefix_ids: torch.Tensor | None, prefix_weight: torch.Tensor | None,
-                  x_s: float, w_s: float, grad_s: float, grad_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+                  x_s: float, w_s: float, grad_s: float,
+                  grad_scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-token training loss (T,) fp32 of logits = x_f8 (T, K) @ w_f8 (K, N, column-major) in float8
-    with scales x_s, w_s (triton_kernels.softcapped_ce_mtp's loss), and the loss's gradient dlogits /
-    grad_s in e5m2, which the backward reads. x (T, K) and w (K, N) are the bf16 tensors x_f8 and w_f8
+    with scales x_s, w_s (triton_kernels.softcapped_ce_mtp's loss), the per-token next-token loss (T,)
+    fp32 (no gradient), and the loss's gradient dlogits / grad_s in e5m2, which the backward reads. x (T, K) and w (K, N) are the bf16 tensors x_f8 and w_f8
     were quantised from: the forward reads only their shapes; they are the inputs that receive dx (bf16)
     and dw (fp32 cast to w's dtype). The backward uses the stored gradient whatever gradient reaches
     the loss (the loss kernel's rule): use it as sum(loss) * grad_scale, grad_s = FP8_HEAD_GRAD_SCALE * grad_scale."""
@@ -497,7 +498,8 @@ def _fp8_head_loss_fake(x, w, x_f8, w_f8, targets, mtp_weights, prefix_ids, pref
                         grad_scale):
     _check_fp8_head_args(x, w, x_f8, w_f8)
     (M, _), N = x.shape, w.shape[1]
-    return x.new_empty((M,), dtype=torch.float32), x.new_empty((M, N), dtype=torch.float8_e5m2)
+    return (x.new_empty((M,), dtype=torch.float32), x.new_empty((M,), dtype=torch.float32),
+            x.new_empty((M, N), dtype=torch.float8_e5m2))
 
 
 @torch.library.custom_op("speedrun::fp8_head_loss_backward", mutates_args=())
@@ -514,14 +516,14 @@ def _fp8_head_loss_backward_fake(g_f8, x_f8, w_f8, x_s, w_s, grad_s):
 
 def _fp8_head_loss_setup_context(ctx, inputs, output):
     x, w, x_f8, w_f8, _, _, _, _, x_s, w_s, grad_s, _ = inputs
-    _, g_f8 = output
-    ctx.mark_non_differentiable(g_f8)
+    _, next_token, g_f8 = output
+    ctx.mark_non_differentiable(next_token, g_f8)
     ctx.save_for_backward(x_f8, w_f8, g_f8)
     ctx.scales = (x_s, w_s, grad_s)
     ctx.dtypes = (x.dtype, w.dtype)
 
 
-def _fp8_head_loss_autograd(ctx, _grad_loss, _grad_g):
+def _fp8_head_loss_autograd(ctx, _grad_loss, _grad_next_token, _grad_g):
     x_f8, w_f8, g_f8 = ctx.saved_tensors
     grad_x, grad_w = fp8_head_loss_backward(g_f8, x_f8, w_f8, *ctx.scales)
     return grad_x.to(ctx.dtypes[0]), grad_w.to(ctx.dtypes[1]), *(None,) * 10
@@ -2575,9 +2577,11 @@ class GPT(nn.Module):
 
     def forward(self, input_ids, target_ids, cu_seqlens, bigram_ids, mtp_weights=None, loss_scale: float = 1.0,
                 prefix_weight=None, masks: dict | None = None):
-        """Training (mtp_weights (K,) fp32 given): loss_scale * sum over tokens of the softcapped
-        multi-token CE plus, with prefix_weight (0-D fp32) given, the prefix-token
-        term (record #89's loss); FP8 head and MLPs on capable GPUs. Evaluation (mtp_weights None):
+        """Training (mtp_weights (K,) fp32 given): (objective, next_token), the objective loss_scale * sum
+        over tokens of the softcapped multi-token CE plus, with prefix_weight (0-D fp32) given, the
+        prefix-token term (record #89's loss, to backpropagate), and next_token the sum over tokens of
+        the plain next-token CE of the same logits, evaluation's measure (0-D fp32, no gradient, from
+        the loss kernel's pass); FP8 head and MLPs on capable GPUs. Evaluation (mtp_weights None):
         mean next-token fp32 CE. masks: attention_masks(cu_seqlens, T), required when compiled on CUDA."""
         fp8 = mtp_weights is not None and self.args.fp8 and _native_fp8(input_ids.device)
         x = self.hidden(input_ids, cu_seqlens, bigram_ids, fp8=fp8, masks=masks)
@@ -2601,16 +2605,17 @@ class GPT(nn.Module):
         # (triton_kernels, "Softcapped cross-entropy")
         if self.args.fp8 and _native_fp8(x.device):  # elsewhere the emulation would only cost time
             # x quantised here, in the graph; lm_head's copy as quantize_fp8 made it after the last step
-            loss = fp8_head_loss(x, self.lm_head, fp8_head_input(x), self.lm_head_f8_t.T, targets, mtp_weights,
-                                 prefix_ids, prefix_weight, FP8_HEAD_X_SCALE, FP8_HEAD_W_SCALE,
-                                 FP8_HEAD_GRAD_SCALE * float(loss_scale), float(loss_scale))[0]
+            loss, next_token, _ = fp8_head_loss(
+                x, self.lm_head, fp8_head_input(x), self.lm_head_f8_t.T, targets, mtp_weights, prefix_ids,
+                prefix_weight, FP8_HEAD_X_SCALE, FP8_HEAD_W_SCALE, FP8_HEAD_GRAD_SCALE * float(loss_scale),
+                float(loss_scale))
         elif x.is_cpu:  # the head's matmuls inside the loss's row blocks: no (T, V) tensor in memory
-            loss = triton_kernels.softcapped_ce_mtp_head_rows(x, self.lm_head, targets, mtp_weights, prefix_ids,
-                                                              prefix_weight, grad_scale=loss_scale)
+            loss, next_token = triton_kernels.softcapped_ce_mtp_head_rows(
+                x, self.lm_head, targets, mtp_weights, prefix_ids, prefix_weight, grad_scale=loss_scale, next_token=True)
         else:
-            loss = triton_kernels.softcapped_ce_mtp(x @ self.lm_head, targets, mtp_weights, prefix_ids, prefix_weight,
-                                                    grad_scale=loss_scale)
-        return loss.sum() * loss_scale
+            loss, next_token = triton_kernels.softcapped_ce_mtp(
+                x @ self.lm_head, targets, mtp_weights, prefix_ids, prefix_weight, grad_scale=loss_scale, next_token=True)
+        return loss.sum() * loss_scale, next_token.sum()
 
 
 def count_parameters(args: Hyperparameters, world_size: int = 1) -> dict[str, tuple[int, ...]]:
@@ -3054,6 +3059,23 @@ def plan_step(args: Hyperparameters, step: int) -> StepPlan:
                     lr_mult, momentum, tuple(float(w) for w in mtp), float(prefix), step % 2 == 1)
 
 
+def schedule_tokens(args: Hyperparameters) -> list[int]:
+    """Global tokens trained before each step by the schedule: [0, step 0's batch, steps 0-1's, ...,
+    the whole run's] (total_steps + 1 entries)."""
+    cumulative = [0]
+    for step in range(total_steps(args)):
+        cumulative.append(cumulative[-1] + plan_step(args, step).batch_tokens)
+    return cumulative
+
+
+def eta_seconds(cumulative: list[int], first: int, done: int, elapsed_ms: float) -> float:
+    """Seconds left in the run once steps first..done-1 took elapsed_ms: the time per token so far
+    times the tokens of the steps still to run (schedule_tokens), so a later stage's step of three
+    times the batch counts three times a first-stage step."""
+    trained = cumulative[done] - cumulative[first]
+    return elapsed_ms / 1000 * (cumulative[-1] - cumulative[done]) / max(1, trained)
+
+
 def batch_request(args: Hyperparameters, plan: StepPlan, slots: int, device: torch.device) -> tuple:
     """DocumentLoader.next_step's arguments for a step over `slots` micro-batches: on CUDA the loader
     also builds the step's flex block masks (flex_mask_spec), so no kernel of the step builds them."""
@@ -3210,25 +3232,26 @@ def grad_scale_for(args: Hyperparameters, world_size: int) -> float:
 def train_step(model_fn, opt: NorMuonAdam, batches: list[Batch], plan: StepPlan, mtp: torch.Tensor,
                prefix: torch.Tensor, grad_scale: float, device: torch.device) -> torch.Tensor:
     """Forward and backward of this rank's micro-batches, then one optimizer step. mtp (K,) and prefix
-    (0-D) are device tensors that receive this step's loss weights. Returns this rank's summed training
-    loss times grad_scale (a 0-D tensor; nothing here waits for the GPU)."""
+    (0-D) are device tensors that receive this step's loss weights. Returns this rank's (summed training
+    objective times grad_scale, summed next-token loss), 0-D tensors; nothing here waits for the GPU."""
     for value, dst in ((plan.mtp_weights, mtp), (plan.prefix_weight, prefix)):
         copy_from_host_(dst, torch.tensor(value, dtype=torch.float32))
     for i, b in enumerate(batches):  # the bigram rows to exchange are known before backward: start now
         opt.prepare_sparse("bigram_embed", b.bigram_ids, launch=plan.do_adam and i == len(batches) - 1)
-    loss = torch.zeros((), device=device)
+    loss, next_token = torch.zeros((), device=device), torch.zeros((), device=device)
     for i, b in enumerate(batches):
         b = b.to(device)
         masks = model_fn.batch_masks(b)  # outside the compiled graph; built by the loader when it could
-        micro = model_fn(b.inputs, b.targets, b.cu_seqlens, b.bigram_ids, mtp_weights=mtp, loss_scale=grad_scale,
+        micro, micro_next_token = model_fn(b.inputs, b.targets, b.cu_seqlens, b.bigram_ids, mtp_weights=mtp, loss_scale=grad_scale,
                          prefix_weight=prefix, masks=masks)
         # The last backward launches each gradient's reduction as soon as that gradient is final.
         last = i == len(batches) - 1
         with opt.reductions_on_backward(plan.do_adam) if last else contextlib.nullcontext():
             micro.backward()
         loss += micro.detach()
+        next_token += micro_next_token
     opt.step(plan.do_adam, lr_scale=plan.lr_mult, momentum=plan.momentum)
-    return loss
+    return loss, next_token
 
 
 def use_cuda_graphs(args: Hyperparameters, device: torch.device) -> bool:
@@ -3274,7 +3297,8 @@ def replay_mismatch(got: dict, ref: dict, again: dict) -> str:
 class _StepBuffers:
     input: torch.Tensor    # the whole step's staged bytes on the device (uint8)
     batches: list          # each micro-batch's tensors as views of `input`
-    loss: torch.Tensor     # 0-D fp32: the step's summed loss, written by the forward+backward
+    loss: torch.Tensor     # 0-D fp32: the step's summed objective, written by the forward+backward
+    next_token: torch.Tensor  # 0-D fp32: the step's summed next-token loss
     graph: object = None   # torch.cuda.CUDAGraph of the forward+backward, once captured and checked
 
 
@@ -3321,7 +3345,8 @@ class StepGraphs:
             buf = torch.empty(sum(sizes), dtype=torch.uint8, device=self.device)
             starts = np.cumsum([0, *sizes]).tolist()
             views = [b.unstage(buf[a:a + n]) for b, a, n in zip(batches, starts, sizes)]
-            entry = self.buffers[key] = _StepBuffers(buf, views, torch.zeros((), device=self.device))
+            entry = self.buffers[key] = _StepBuffers(buf, views, torch.zeros((), device=self.device),
+                                                     torch.zeros((), device=self.device))
         return entry
 
     def _bind_grads(self) -> None:
@@ -3341,16 +3366,18 @@ class StepGraphs:
     def _forward_backward(self, entry: _StepBuffers) -> None:
         """train_step's forward and backward of every micro-batch, on the static buffers."""
         entry.loss.zero_()
+        entry.next_token.zero_()
         for b in entry.batches:
             masks = self.model_fn.batch_masks(b)
-            micro = self.model_fn(b.inputs, b.targets, b.cu_seqlens, b.bigram_ids, mtp_weights=self.mtp,
-                                  loss_scale=self.grad_scale, prefix_weight=self.prefix, masks=masks)
+            micro, micro_next_token = self.model_fn(b.inputs, b.targets, b.cu_seqlens, b.bigram_ids, mtp_weights=self.mtp,
+                                                    loss_scale=self.grad_scale, prefix_weight=self.prefix, masks=masks)
             micro.backward()
             entry.loss += micro.detach()
+            entry.next_token += micro_next_token
 
     def _state(self, entry: _StepBuffers) -> dict[str, torch.Tensor]:
         """What a forward+backward writes: the loss, the gradients, the model's buffers (FP8 scales)."""
-        return {"loss": entry.loss, **{f"grad of {n}": g for (n, _), g in zip(self.named, self.grads)},
+        return {"loss": entry.loss, "next-token loss": entry.next_token, **{f"grad of {n}": g for (n, _), g in zip(self.named, self.grads)},
                 **dict(self.model.named_buffers())}
 
     def _capture(self, entry: _StepBuffers) -> None:
@@ -3387,11 +3414,12 @@ class StepGraphs:
             raise RuntimeError(why)
         entry.graph = graph
 
-    def step(self, batches: list[Batch], plan: StepPlan, key: tuple, capture: bool = False) -> torch.Tensor:
+    def step(self, batches: list[Batch], plan: StepPlan, key: tuple, capture: bool = False) -> tuple:
         """train_step's step on the static buffers of `key`: its forward+backward replayed where
         captured, captured and checked first when `capture` (the untimed warm-up) and the key has no
-        graph yet, run uncaptured otherwise; then the optimizer step. Returns the summed loss (a new
-        0-D tensor: the static one is overwritten by the next replay)."""
+        graph yet, run uncaptured otherwise; then the optimizer step. Returns train_step's (summed
+        objective, summed next-token loss) as new 0-D tensors (the static ones: overwritten by the next
+        replay)."""
         for value, dst in ((plan.mtp_weights, self.mtp), (plan.prefix_weight, self.prefix)):
             copy_from_host_(dst, torch.tensor(value, dtype=torch.float32))
         for i, b in enumerate(batches):
@@ -3412,9 +3440,9 @@ class StepGraphs:
                 self.failure = str(e)
         else:
             self._forward_backward(entry)
-        loss = entry.loss.clone()
+        loss, next_token = entry.loss.clone(), entry.next_token.clone()
         self.opt.step(plan.do_adam, lr_scale=plan.lr_mult, momentum=plan.momentum)
-        return loss
+        return loss, next_token
 
 
 def compile_counts() -> dict:
@@ -3490,14 +3518,15 @@ def train(args: Hyperparameters, d: DistInfo) -> float:
         if step + 1 < total and not (warm_up and graphs is not None):
             loader.look_ahead(*batch_request(args, plan_step(args, step + 1), slots, d.device))
         if graphs is not None:  # the warm-up captures each key's graph (and checks it against the uncaptured step)
-            loss = graphs.step(batches, plan, step_graph_key(plan, request, accum), capture=warm_up)
+            objective, next_token = graphs.step(batches, plan, step_graph_key(plan, request, accum), capture=warm_up)
         else:
-            loss = train_step(model_fn, opt, batches, plan, mtp, prefix, grad_scale, d.device)
+            objective, next_token = train_step(model_fn, opt, batches, plan, mtp, prefix, grad_scale, d.device)
         if step == untie_step(args):
             opt.untie()
         if fp8:  # after the optimizer step (the record's per-step order), for the next forward
             model.quantize_fp8(bootstrap=step < FP8_BOOTSTRAP_STEPS)
-        return plan, loss / (grad_scale * plan.batch_tokens / d.world_size)  # mean per token of this rank
+        tokens = plan.batch_tokens / d.world_size  # means per token of this rank's batch (no collective)
+        return plan, torch.stack([next_token / tokens, objective / (grad_scale * tokens)])
 
     if args.compile:
         # Compile every graph the run needs (each stage, both Adam parities, untied, evaluation) on real
@@ -3537,13 +3566,22 @@ def train(args: Hyperparameters, d: DistInfo) -> float:
     train_ms, t0, val_loss = 0.0, time.perf_counter(), float("nan")
     # the record's order: the clock starts, then the prefix table is built, timed
     model.prefix_table.copy_(build_prefix_table(encoding, args.padded_vocab_size))
-    pending = None  # (step, loss tensor): read one step late, so the host never waits on the GPU mid-run
+    # (step, losses, train_ms, steps timed): a step's losses are read one step late, so the host never
+    # waits on the GPU mid-run; its log line waits for them
+    pending = None
+    cumulative_tokens = schedule_tokens(args)
 
-    def check_loss(step, loss):
-        value = loss.item()
-        if not math.isfinite(value):
-            raise SystemExit(f"error: training loss is {value} at step {step}; stopping (log: {log.path})")
-        return value
+    def report(step, losses, now_ms, done):
+        """The step's log line: train_loss, this rank's mean next-token loss per token (evaluation's
+        measure, on the step's training batch), and objective, the mean per token of the loss trained
+        on (the MTP targets and the prefix term, weighted)."""
+        train_loss, objective = losses.tolist()
+        for value in (objective, train_loss):
+            if not math.isfinite(value):
+                raise SystemExit(f"error: training loss is {value} at step {step}; stopping (log: {log.path})")
+        log.write(f"step:{step + 1}/{total} train_time:{now_ms:.0f}ms step_avg:{now_ms / done:.2f}ms "
+                  f"train_loss:{train_loss:.4f} objective:{objective:.4f}")
+        return train_loss, objective
 
     # With checkpoints, a signal saves the run where it is before it exits (a preempted job resumes).
     with StopOnSignal(bool(args.save_every), d.world_size, d.device) as stop:
@@ -3553,7 +3591,7 @@ def train(args: Hyperparameters, d: DistInfo) -> float:
                 cuda_synchronize(d.device)
                 train_ms += 1000 * (time.perf_counter() - t0)
                 if pending is not None:
-                    check_loss(*pending)
+                    report(*pending)
                     pending = None
                 if last:  # wider windows, YaRN kept at the extension's (the record's final validation)
                     set_windows(args.final_val_windows, plan_step(args, total - 1).windows[1])
@@ -3577,6 +3615,9 @@ def train(args: Hyperparameters, d: DistInfo) -> float:
                     prune_checkpoints(os.path.join(args.checkpoint_dir, run_id), args.keep_checkpoints)
                 t0 = time.perf_counter()  # checkpoint time is not training time
             if stopping:
+                if pending is not None:
+                    report(*pending)
+                    pending = None
                 resume = checkpoint if step > start_step else args.resume  # nothing trained since the resume
                 note = (f"stopped by {signal.Signals(stopping).name} at step {step}: "
                         + (f"--resume {resume} continues the run" if resume else "nothing trained to save"))
@@ -3585,17 +3626,16 @@ def train(args: Hyperparameters, d: DistInfo) -> float:
                 raise SystemExit(128 + stopping)  # the shell's status for a process the signal stopped
             if last:
                 break
-            plan, loss = run_step(step)
+            plan, losses = run_step(step)
             stop.share(step)
             now_ms = train_ms + 1000 * (time.perf_counter() - t0)
-            done = step + 1 - start_step
-            log.write(f"step:{step + 1}/{total} train_time:{now_ms:.0f}ms step_avg:{now_ms / done:.2f}ms")
-            if pending is not None:  # the previous step's loss: its kernels are done by now or nearly
-                shown = check_loss(*pending)
-                eta = now_ms / done * (total - step - 1) / 1000
-                progress.show(f"step {pending[0] + 1}/{total}  loss {shown:.4f}  "
-                              f"{plan.batch_tokens / max(1e-9, now_ms / done / 1000):,.0f} tok/s  eta {eta:.0f}s")
-            pending = (step, loss)
+            if pending is not None:  # the previous step's losses: its kernels are done by now or nearly
+                train_loss, objective = report(*pending)
+                tokens = cumulative_tokens[step + 1] - cumulative_tokens[start_step]
+                eta = eta_seconds(cumulative_tokens, start_step, step + 1, now_ms)
+                progress.show(f"step {pending[0] + 1}/{total}  train_loss {train_loss:.4f}  objective {objective:.4f}  "
+                              f"{tokens / max(1e-9, now_ms / 1000):,.0f} tok/s  eta {eta:.0f}s")
+            pending = (step, losses, now_ms, step + 1 - start_step)
     if args.compile:
         after = compile_counts()
         log.write(f"torch.compile: {after['graphs'] - compiled_before['graphs']} graphs compiled during the timed run "

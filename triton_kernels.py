@@ -881,20 +881,24 @@ class _RecordCEReference(torch.autograd.Function):
         p = torch.softmax(z, dim=1)
         grad = grad_scale * (normaliser[:, None] * p - onehots) * (23.0 / 7.5) * sigma * (1.0 - sigma)
         ctx.save_for_backward(grad.to(logits.dtype))
-        return loss
+        next_token = lse - z[rows, targets.long()]
+        ctx.mark_non_differentiable(next_token)
+        return loss, next_token
 
     @staticmethod
-    def backward(ctx, _dloss):
+    def backward(ctx, _dloss, _dnext_token):
         (grad,) = ctx.saved_tensors
         return grad, None, None, None, None, None
 
 
 def softcapped_ce_mtp_reference(logits: torch.Tensor, targets: torch.Tensor, mtp_weights: torch.Tensor,
                                 prefix_ids: torch.Tensor | None = None, prefix_weight: torch.Tensor | None = None,
-                                grad_scale: float = 1.0) -> torch.Tensor:
-    """Plain-torch reference of `softcapped_ce_mtp`: the same loss and gradient, on full (T, V) tensors."""
+                                grad_scale: float = 1.0, next_token: bool = False) -> Tensor | tuple[Tensor, Tensor]:
+    """Plain-torch reference of `softcapped_ce_mtp`: the same loss, next-token loss and gradient, on
+    full (T, V) tensors."""
     _check_ce_args(logits, targets, mtp_weights, prefix_ids, prefix_weight, grad_scale)
-    return _RecordCEReference.apply(logits, targets, mtp_weights, prefix_ids, prefix_weight, float(grad_scale))
+    loss, nt = _RecordCEReference.apply(logits, targets, mtp_weights, prefix_ids, prefix_weight, float(grad_scale))
+    return (loss, nt) if next_token else loss
 
 
 @triton.jit
@@ -941,12 +945,13 @@ E5M2_MAX = 57344.0  # largest finite float8_e5m2
 
 @triton.jit
 def _ce_mtp_kernel(
-    logits_ptr, targets_ptr, weights_ptr, prefix_ids_ptr, prefix_weight_ptr, loss_ptr, grad_ptr,
+    logits_ptr, targets_ptr, weights_ptr, prefix_ids_ptr, prefix_weight_ptr, loss_ptr, next_token_ptr, grad_ptr,
     T, V, s_lt, s_gt, grad_scale, grad_mul,
     K: tl.constexpr, HAS_PREFIX: tl.constexpr, J_POW2: tl.constexpr, BLOCK_V: tl.constexpr,
     GRAD_E5M2: tl.constexpr, FAST_TANH: tl.constexpr = False,
 ):
-    """One program per token row: loss[t] and the record's dlogits[t, :] in two passes over the row.
+    """One program per token row: loss[t], the next-token loss next_token[t] = lse - z[targets[t]]
+    and the record's dlogits[t, :] in two passes over the row.
     GRAD_E5M2: dlogits * grad_mul saturated to +-57344 and stored as e5m2 (grad_ptr is e5m2).
 
     The row's targets sit in one vector of J_POW2 slots: slots 0..K-1 are the MTP targets, slot K the
@@ -978,20 +983,34 @@ def _ce_mtp_kernel(
     normaliser = tl.sum(w, axis=0)     # every MTP weight, even past the end (the record's S_t)
     w_hit = tl.where(tgt >= 0, w, 0.0)  # loss and one-hot terms: only targets that exist
     x_t = tl.load(x_row + tgt, mask=tgt >= 0, other=0.0).to(tl.float32)
-    z_t = 23.0 * _softcap_sigma(x_t, FAST_TANH)
-    tl.store(loss_ptr + row, tl.sum(w_hit * (lse - z_t), axis=0))
+    s_t = _softcap_sigma(x_t, FAST_TANH)
+    z_t = 23.0 * s_t
+    ce_t = lse - z_t                    # each target's cross-entropy; slot 0 is the next token's
+    tl.store(loss_ptr + row, tl.sum(w_hit * ce_t, axis=0))
+    tl.store(next_token_ptr + row, tl.sum(tl.where(slots == 0, ce_t, 0.0), axis=0))
 
-    # Pass 2: the gradient, scaled by grad_scale and written once in the logits' dtype.
+    # Pass 2: the gradient, scaled by grad_scale and written once in the logits' dtype, without the
+    # one-hot terms (a column that is no target has none: (S p - 0) f = (S p) f, bit for bit) ...
     for v0 in range(0, V, BLOCK_V):
         ok = v0 + cols < V
         x = tl.load(x_row + v0 + cols, mask=ok, other=0.0).to(tl.float32)
         s = _softcap_sigma(x, FAST_TANH)
         p = tl.exp(23.0 * s - lse)
-        hit = tl.sum(tl.where((v0 + cols)[:, None] == tgt[None, :], w_hit[None, :], 0.0), axis=1)
-        g = (normaliser * p - hit) * ((23.0 / 7.5) * grad_scale * s * (1.0 - s))
+        g = (normaliser * p) * ((23.0 / 7.5) * grad_scale * s * (1.0 - s))
         if GRAD_E5M2:
             g = tl.minimum(tl.maximum(g * grad_mul, -57344.0), 57344.0)
         tl.store(g_row + v0 + cols, g.to(grad_ptr.dtype.element_ty), mask=ok)
+    # ... then the row's target columns (at most J_POW2) written again with them. A column's one-hot
+    # weight sums the weights of every slot naming it, in slot order, as a compare-and-sum per element
+    # did: duplicate columns get the same value, whichever slot stores last. The barrier orders these
+    # stores after the loop's stores to the same columns (other threads of the program wrote those).
+    tl.debug_barrier()
+    p_t = tl.exp(23.0 * s_t - lse)
+    hit_t = tl.sum(tl.where(tgt[:, None] == tgt[None, :], w_hit[None, :], 0.0), axis=1)
+    g_t = (normaliser * p_t - hit_t) * ((23.0 / 7.5) * grad_scale * s_t * (1.0 - s_t))
+    if GRAD_E5M2:
+        g_t = tl.minimum(tl.maximum(g_t * grad_mul, -57344.0), 57344.0)
+    tl.store(g_row + tgt, g_t.to(grad_ptr.dtype.element_ty), mask=tgt >= 0)
 
 
 def _ce_config(V: int, device: torch.device) -> dict:
@@ -1008,15 +1027,15 @@ def _grad_dtype(logits: Tensor, grad_mul: float) -> torch.dtype:
 
 @torch.library.custom_op("speedrun::softcapped_ce_mtp_fwd", mutates_args=())
 def _ce_mtp_fwd_op(logits: Tensor, targets: Tensor, mtp_weights: Tensor, prefix_ids: Tensor | None,
-                   prefix_weight: Tensor | None, grad_scale: float, grad_mul: float = 0.0) -> tuple[Tensor, Tensor]:
-    """Returns (per-token loss (T,) fp32, the record's dlogits (T, V) in the logits' dtype, or in
-    e5m2 times grad_mul, saturated, when grad_mul > 0)."""
+                   prefix_weight: Tensor | None, grad_scale: float, grad_mul: float = 0.0) -> tuple[Tensor, Tensor, Tensor]:
+    """Returns (per-token loss (T,) fp32, per-token next-token loss (T,) fp32, the record's dlogits
+    (T, V) in the logits' dtype, or in e5m2 times grad_mul, saturated, when grad_mul > 0)."""
     return _launch_ce(logits, targets, mtp_weights, prefix_ids, prefix_weight, grad_scale, grad_mul)
 
 
 def _launch_ce(logits: Tensor, targets: Tensor, mtp_weights: Tensor, prefix_ids: Tensor | None,
                prefix_weight: Tensor | None, grad_scale: float, grad_mul: float = 0.0,
-               config: dict | None = None) -> tuple[Tensor, Tensor]:
+               config: dict | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """The loss kernel's launch, with _ce_config's tiles unless `config` gives others (the GPU
     check's kernel-tuning sweep)."""
     extra = () if prefix_ids is None else (prefix_ids, prefix_weight)
@@ -1024,35 +1043,36 @@ def _launch_ce(logits: Tensor, targets: Tensor, mtp_weights: Tensor, prefix_ids:
     T, V = logits.shape
     K = mtp_weights.shape[0]
     loss = torch.empty(T, dtype=torch.float32, device=logits.device)
+    next_token = torch.empty(T, dtype=torch.float32, device=logits.device)
     grad = torch.empty((T, V), dtype=_grad_dtype(logits, grad_mul), device=logits.device)
     has_prefix = prefix_ids is not None
     if T > 0:
         _ce_mtp_kernel[(T,)](
             logits, targets, mtp_weights, prefix_ids if has_prefix else targets,
-            prefix_weight if has_prefix else mtp_weights, loss, grad, T, V, logits.stride(0), grad.stride(0), grad_scale,
+            prefix_weight if has_prefix else mtp_weights, loss, next_token, grad, T, V, logits.stride(0), grad.stride(0), grad_scale,
             float(grad_mul), K=K, HAS_PREFIX=has_prefix, J_POW2=max(2, triton.next_power_of_2(K + has_prefix)),
             GRAD_E5M2=grad_mul > 0, **(config or _ce_config(V, logits.device)),
         )
-    return loss, grad
+    return loss, next_token, grad
 
 
 @_ce_mtp_fwd_op.register_fake
 def _(logits, targets, mtp_weights, prefix_ids, prefix_weight, grad_scale, grad_mul=0.0):
-    return (logits.new_empty(logits.shape[0], dtype=torch.float32),
+    return (logits.new_empty(logits.shape[0], dtype=torch.float32), logits.new_empty(logits.shape[0], dtype=torch.float32),
             torch.empty_like(logits, dtype=_grad_dtype(logits, grad_mul)))
 
 
 def _ce_setup(ctx, inputs, output):
-    """The loss ops' outputs after the loss are the gradients of their leading inputs, computed in the
-    forward pass: saved as they are for backward."""
-    grads = output[1:]
+    """The loss ops' outputs: the loss, the next-token loss (a reading, no gradient), then the gradients
+    of their leading inputs, computed in the forward pass: saved as they are for backward."""
+    grads = output[2:]
     ctx.save_for_backward(*grads)
-    ctx.mark_non_differentiable(*grads)
+    ctx.mark_non_differentiable(output[1], *grads)
     ctx.set_materialize_grads(False)  # no zero (T, V) tensor for the gradient outputs nobody uses
     ctx.num_inputs = len(inputs)
 
 
-def _ce_backward(ctx, _dloss, *_dgrads):
+def _ce_backward(ctx, _dloss, _dnext_token, *_dgrads):
     """The stored gradients as they are: the incoming one is ignored (the record's; see the section comment)."""
     grads = ctx.saved_tensors
     return *grads, *(None,) * (ctx.num_inputs - len(grads))
@@ -1068,14 +1088,15 @@ def _ce_inputs(targets: Tensor, mtp_weights: Tensor, prefix_ids: Tensor | None, 
 
 
 def softcapped_ce_mtp_triton(logits: Tensor, targets: Tensor, mtp_weights: Tensor, prefix_ids: Tensor | None = None,
-                             prefix_weight: Tensor | None = None, grad_scale: float = 1.0) -> Tensor:
+                             prefix_weight: Tensor | None = None, grad_scale: float = 1.0,
+                             next_token: bool = False) -> Tensor | tuple[Tensor, Tensor]:
     """Triton path of `softcapped_ce_mtp`; runs on CUDA, or on CPU under TRITON_INTERPRET=1."""
     _check_ce_args(logits, targets, mtp_weights, prefix_ids, prefix_weight, grad_scale)
     if logits.stride(1) != 1:
         logits = logits.contiguous()
-    loss, _ = torch.ops.speedrun.softcapped_ce_mtp_fwd(
+    loss, nt, _ = torch.ops.speedrun.softcapped_ce_mtp_fwd(
         logits, *_ce_inputs(targets, mtp_weights, prefix_ids, prefix_weight), float(grad_scale))
-    return loss
+    return (loss, nt) if next_token else loss
 
 
 # The CPU twin of the kernel: the same one-pass algorithm (loss and dlogits together, per block of rows,
@@ -1085,15 +1106,17 @@ CE_CPU_ROWS = 8  # rows per block: 8 x 50304 fp32 values stay in a 2 MiB L2 cach
 
 
 def _ce_rows_block(logits: Tensor, cols: Tensor, w_hit: Tensor, normaliser: Tensor, grad_out: Tensor,
-                   grad_scale: float, grad_mul: float = 0.0) -> Tensor:
-    """Loss (R,) of one block of rows, writing the record's dlogits (R, V) into grad_out; cols and
-    w_hit (R, J) are the rows' target columns and their weights (0 where there is no target),
-    normaliser (R,) the rows' S_t. In-place ops keep it to a few cache-resident passes over the block.
+                   grad_scale: float, grad_mul: float = 0.0) -> tuple[Tensor, Tensor]:
+    """(loss (R,), next-token loss (R,)) of one block of rows, writing the record's dlogits (R, V) into
+    grad_out; cols and w_hit (R, J) are the rows' target columns and their weights (0 where there is no
+    target; column 0 is the next token, always there), normaliser (R,) the rows' S_t. In-place ops keep
+    it to a few cache-resident passes over the block.
     grad_mul > 0: grad_out is e5m2 and receives dlogits * grad_mul saturated to +-E5M2_MAX."""
     sigma = softcap_sigma_bf16(logits)
     e = sigma.mul(23.0).exp_()                                 # exp(z), z < 23: no overflow in fp32
     total = e.sum(dim=1)
-    loss = (w_hit * (total.log()[:, None] - 23.0 * sigma.gather(1, cols))).sum(dim=1)
+    ce = total.log()[:, None] - 23.0 * sigma.gather(1, cols)  # each target's cross-entropy (R, J)
+    loss = (w_hit * ce).sum(dim=1)
     # dlogits = (S softmax(z) - sum_j w_j onehot(col_j)) * 23/7.5 sigma (1 - sigma) * grad_scale, the
     # constant folded into the row scale and the one-hot weights; the last product is rounded once
     scale = grad_scale * 23.0 / 7.5
@@ -1104,7 +1127,7 @@ def _ce_rows_block(logits: Tensor, cols: Tensor, w_hit: Tensor, normaliser: Tens
         grad_out.copy_(g)
     else:
         torch.mul(g, torch.addcmul(sigma, sigma, sigma, value=-1.0), out=grad_out)
-    return loss
+    return loss, ce[:, 0]
 
 
 def _row_blocks(T: int, *tensors: Tensor):
@@ -1116,7 +1139,8 @@ def _row_blocks(T: int, *tensors: Tensor):
 
 def _ce_row_targets(targets: Tensor, mtp_weights: Tensor, prefix_ids: Tensor | None, prefix_weight: Tensor | None):
     """Per row: target columns (T, J) (0 where there is none), their weights (T, J) (0 where there is
-    none) and the record's normaliser S_t (T,), J = K MTP offsets plus the prefix token if given."""
+    none) and the record's normaliser S_t (T,), J = K MTP offsets plus the prefix token if given;
+    column 0 is the next token."""
     T, K = targets.shape[0], mtp_weights.shape[0]
     idx = torch.arange(T, device=targets.device)[:, None] + torch.arange(K, device=targets.device)[None, :]
     cols = targets.long()[idx.clamp(max=max(T - 1, 0))]
@@ -1133,21 +1157,22 @@ def _ce_row_targets(targets: Tensor, mtp_weights: Tensor, prefix_ids: Tensor | N
 
 @torch.library.custom_op("speedrun::softcapped_ce_mtp_rows", mutates_args=())
 def _ce_mtp_rows_op(logits: Tensor, targets: Tensor, mtp_weights: Tensor, prefix_ids: Tensor | None,
-                    prefix_weight: Tensor | None, grad_scale: float, grad_mul: float = 0.0) -> tuple[Tensor, Tensor]:
-    """Returns (per-token loss (T,) fp32, the record's dlogits (T, V) in the logits' dtype, or e5m2
-    as the kernel's when grad_mul > 0)."""
+                    prefix_weight: Tensor | None, grad_scale: float, grad_mul: float = 0.0) -> tuple[Tensor, Tensor, Tensor]:
+    """Returns (per-token loss (T,) fp32, per-token next-token loss (T,) fp32, the record's dlogits
+    (T, V) in the logits' dtype, or e5m2 as the kernel's when grad_mul > 0)."""
     T, V = logits.shape
     loss = torch.empty(T, dtype=torch.float32, device=logits.device)
+    next_token = torch.empty(T, dtype=torch.float32, device=logits.device)
     grad = torch.empty((T, V), dtype=_grad_dtype(logits, grad_mul), device=logits.device)
     cols, w_hit, normaliser = _ce_row_targets(targets, mtp_weights, prefix_ids, prefix_weight)
     for a, b, (lg, c, w, n, go) in _row_blocks(T, logits, cols, w_hit, normaliser, grad):
-        loss[a:b] = _ce_rows_block(lg, c, w, n, go, grad_scale, grad_mul)
-    return loss, grad
+        loss[a:b], next_token[a:b] = _ce_rows_block(lg, c, w, n, go, grad_scale, grad_mul)
+    return loss, next_token, grad
 
 
 @_ce_mtp_rows_op.register_fake
 def _(logits, targets, mtp_weights, prefix_ids, prefix_weight, grad_scale, grad_mul=0.0):
-    return (logits.new_empty(logits.shape[0], dtype=torch.float32),
+    return (logits.new_empty(logits.shape[0], dtype=torch.float32), logits.new_empty(logits.shape[0], dtype=torch.float32),
             torch.empty_like(logits, dtype=_grad_dtype(logits, grad_mul)))
 
 
@@ -1166,11 +1191,12 @@ CE_CPU_HEAD_ROWS = 256  # 51 MB of fp32 logits; faster than 64 or 1,024 rows on 
 
 @torch.library.custom_op("speedrun::softcapped_ce_mtp_head_rows", mutates_args=())
 def _ce_mtp_head_rows_op(x: Tensor, w: Tensor, targets: Tensor, mtp_weights: Tensor, prefix_ids: Tensor | None,
-                         prefix_weight: Tensor | None, grad_scale: float) -> tuple[Tensor, Tensor, Tensor]:
-    """Returns (per-token loss (T,) fp32, dx (T, D) in x's dtype, dw (D, V) in w's dtype) for the
-    record's gradient of logits = x @ w."""
+                         prefix_weight: Tensor | None, grad_scale: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Returns (per-token loss (T,) fp32, per-token next-token loss (T,) fp32, dx (T, D) in x's dtype,
+    dw (D, V) in w's dtype) for the record's gradient of logits = x @ w."""
     T, V = x.shape[0], w.shape[1]
     loss = torch.empty(T, dtype=torch.float32, device=x.device)
+    next_token = torch.empty(T, dtype=torch.float32, device=x.device)
     dx = torch.empty_like(x)
     dw = torch.zeros(w.shape, dtype=torch.float32, device=w.device)
     cols, w_hit, normaliser = _ce_row_targets(targets, mtp_weights, prefix_ids, prefix_weight)
@@ -1179,18 +1205,19 @@ def _ce_mtp_head_rows_op(x: Tensor, w: Tensor, targets: Tensor, mtp_weights: Ten
         b = min(a + CE_CPU_HEAD_ROWS, T)
         block = torch.mm(x[a:b], w, out=buffer[: b - a])
         for c, d, (lg, cc, wh, n) in _row_blocks(b - a, block, cols[a:b], w_hit[a:b], normaliser[a:b]):
-            loss[a + c: a + d] = _ce_rows_block(lg, cc, wh, n, lg, grad_scale)  # dlogits over the logits
+            loss[a + c: a + d], next_token[a + c: a + d] = _ce_rows_block(lg, cc, wh, n, lg, grad_scale)  # dlogits over the logits
         torch.mm(block, w.T, out=dx[a:b])
         if block.dtype == torch.float32:
             dw.addmm_(x[a:b].T, block)
         else:  # bf16: each block's product is rounded once, the blocks are summed in fp32
             dw.add_(torch.mm(x[a:b].T, block))
-    return loss, dx, dw.to(w.dtype)
+    return loss, next_token, dx, dw.to(w.dtype)
 
 
 @_ce_mtp_head_rows_op.register_fake
 def _(x, w, targets, mtp_weights, prefix_ids, prefix_weight, grad_scale):
-    return x.new_empty(x.shape[0], dtype=torch.float32), torch.empty_like(x), torch.empty_like(w)
+    return (x.new_empty(x.shape[0], dtype=torch.float32), x.new_empty(x.shape[0], dtype=torch.float32),
+            torch.empty_like(x), torch.empty_like(w))
 
 
 _ce_mtp_head_rows_op.register_autograd(_ce_backward, setup_context=_ce_setup)
@@ -1198,31 +1225,34 @@ _ce_mtp_head_rows_op.register_autograd(_ce_backward, setup_context=_ce_setup)
 
 def softcapped_ce_mtp_head_rows(x: Tensor, w: Tensor, targets: Tensor, mtp_weights: Tensor,
                                 prefix_ids: Tensor | None = None, prefix_weight: Tensor | None = None,
-                                grad_scale: float = 1.0) -> Tensor:
+                                grad_scale: float = 1.0, next_token: bool = False) -> Tensor | tuple[Tensor, Tensor]:
     """softcapped_ce_mtp(x @ w, ...) on a CPU, the head's matmuls fused with the loss (no (T, V) tensor
-    lives past a block of rows): the same per-token loss (T,), differentiable in x (T, D) and w (D, V)."""
+    lives past a block of rows): the same per-token loss (T,), differentiable in x (T, D) and w (D, V)
+    (and with next_token, the next-token loss (T,) too)."""
     if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[0] or x.dtype != w.dtype:
         raise ValueError(f"softcapped_ce_mtp_head_rows: x (T, D) and w (D, V) of one dtype, got "
                          f"{tuple(x.shape)} {x.dtype} and {tuple(w.shape)} {w.dtype}")
     _check_ce_args(x.new_empty(x.shape[0], 0), targets, mtp_weights, prefix_ids, prefix_weight, grad_scale)
-    loss, _, _ = torch.ops.speedrun.softcapped_ce_mtp_head_rows(
+    loss, nt, _, _ = torch.ops.speedrun.softcapped_ce_mtp_head_rows(
         x, w, *_ce_inputs(targets, mtp_weights, prefix_ids, prefix_weight), float(grad_scale))
-    return loss
+    return (loss, nt) if next_token else loss
 
 
 def softcapped_ce_mtp_rows(logits: Tensor, targets: Tensor, mtp_weights: Tensor, prefix_ids: Tensor | None = None,
-                           prefix_weight: Tensor | None = None, grad_scale: float = 1.0) -> Tensor:
+                           prefix_weight: Tensor | None = None, grad_scale: float = 1.0,
+                           next_token: bool = False) -> Tensor | tuple[Tensor, Tensor]:
     """CPU path of `softcapped_ce_mtp`: the kernel's fused algorithm in torch ops, block of rows at a time."""
     _check_ce_args(logits, targets, mtp_weights, prefix_ids, prefix_weight, grad_scale)
-    loss, _ = torch.ops.speedrun.softcapped_ce_mtp_rows(
+    loss, nt, _ = torch.ops.speedrun.softcapped_ce_mtp_rows(
         logits, *_ce_inputs(targets, mtp_weights, prefix_ids, prefix_weight), float(grad_scale))
-    return loss
+    return (loss, nt) if next_token else loss
 
 
 def softcapped_ce_mtp_e5m2(logits: Tensor, targets: Tensor, mtp_weights: Tensor, prefix_ids: Tensor | None,
                            prefix_weight: Tensor | None, grad_scale: float, grad_s: float,
-                           kernel: bool | None = None) -> tuple[Tensor, Tensor]:
-    """(per-token loss (T,) fp32, dlogits (T, V) float8_e5m2) for the FP8 LM head's backward: the
+                           kernel: bool | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """(per-token loss (T,) fp32, per-token next-token loss (T,) fp32, dlogits (T, V) float8_e5m2) for
+    the FP8 LM head's backward: the
     record's gradient (see softcapped_ce_mtp) divided by the head's gradient scale grad_s, saturated
     at +-57344 and rounded to nearest, written by the same pass that computes the loss. Not
     differentiable: the FP8 head op owns the backward. kernel: the Triton kernel (default on CUDA) or
@@ -1238,17 +1268,19 @@ def softcapped_ce_mtp_e5m2(logits: Tensor, targets: Tensor, mtp_weights: Tensor,
 
 
 def softcapped_ce_mtp_e5m2_reference(logits: Tensor, targets: Tensor, mtp_weights: Tensor, prefix_ids: Tensor | None,
-                                     prefix_weight: Tensor | None, grad_scale: float, grad_s: float) -> tuple[Tensor, Tensor]:
-    """Plain-torch reference of softcapped_ce_mtp_e5m2: the reference gradient (in the logits' dtype,
-    float64 for float64 logits) / grad_s, saturated and rounded to e5m2."""
+                                     prefix_weight: Tensor | None, grad_scale: float, grad_s: float) -> tuple[Tensor, Tensor, Tensor]:
+    """Plain-torch reference of softcapped_ce_mtp_e5m2: the reference losses and gradient (in the
+    logits' dtype, float64 for float64 logits) / grad_s, saturated and rounded to e5m2."""
     x = logits.detach().clone().requires_grad_()
-    loss = softcapped_ce_mtp_reference(x, targets, mtp_weights, prefix_ids, prefix_weight, grad_scale)
+    loss, nt = softcapped_ce_mtp_reference(x, targets, mtp_weights, prefix_ids, prefix_weight, grad_scale,
+                                           next_token=True)
     loss.sum().backward()
-    return loss.detach(), (x.grad / grad_s).clamp(-E5M2_MAX, E5M2_MAX).to(torch.float8_e5m2)
+    return loss.detach(), nt, (x.grad / grad_s).clamp(-E5M2_MAX, E5M2_MAX).to(torch.float8_e5m2)
 
 
 def softcapped_ce_mtp(logits: Tensor, targets: Tensor, mtp_weights: Tensor, prefix_ids: Tensor | None = None,
-                      prefix_weight: Tensor | None = None, grad_scale: float = 1.0) -> Tensor:
+                      prefix_weight: Tensor | None = None, grad_scale: float = 1.0,
+                      next_token: bool = False) -> Tensor | tuple[Tensor, Tensor]:
     """Per-token softcapped cross-entropy with multi-token prediction and the prefix-token term; (T,) fp32.
 
     logits (T, V) (bf16 in training), targets (T,) int with targets[t] the token after position t,
@@ -1258,10 +1290,13 @@ def softcapped_ce_mtp(logits: Tensor, targets: Tensor, mtp_weights: Tensor, pref
     gradient are defined in the section comment above: backward returns grad_scale times that
     gradient whatever gradient reaches the loss, so use it as sum(loss) * grad_scale. The loss and the
     gradient are computed in one pass over the logits (Triton on CUDA, the CPU twin elsewhere).
+    next_token=True: returns (loss, next_token_loss), the second (T,) fp32 the plain next-token
+    cross-entropy lse(z_t) - z_t[targets[t]] of the same z (the k = 0 term without its weight, what
+    evaluation measures per token), computed by the same pass, without a gradient.
     """
     if logits.is_cuda:
-        return softcapped_ce_mtp_triton(logits, targets, mtp_weights, prefix_ids, prefix_weight, grad_scale)
-    return softcapped_ce_mtp_rows(logits, targets, mtp_weights, prefix_ids, prefix_weight, grad_scale)
+        return softcapped_ce_mtp_triton(logits, targets, mtp_weights, prefix_ids, prefix_weight, grad_scale, next_token)
+    return softcapped_ce_mtp_rows(logits, targets, mtp_weights, prefix_ids, prefix_weight, grad_scale, next_token)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -8,7 +8,9 @@ CPU head fused with its loss against the unfused head (a CPU).
 The symmetric products are timed at the NorMuon banks' shapes on one rank of 8 and on 1 GPU, for
 triton_kernels.KERNEL_TIMES (which of the two each measured GPU runs at each shape). The FP8 up-projection
 is timed with the record's fast accumulation and with fp32 promotion; the loss kernel with a bf16 and
-with the FP8 head's e5m2 gradient.
+with the FP8 head's e5m2 gradient, and alone (one launch, no autograd) against the GPU's peak memory
+bandwidth: its bytes (the bf16 logits read twice, the gradient written once) per second, and that
+as a fraction of the peak (PEAK_BANDWIDTH_GBS, by GPU name; omitted for a GPU not listed there).
 
 Prints milliseconds, achieved TFLOP/s (matmuls) or GB/s (memory-bound kernels) and the speed ratio
 torch / triton. For the symmetric kernels TFLOP/s counts the full product (2 m^2 k), so the
@@ -105,6 +107,23 @@ def bench_mlp(tk, bench, tokens: int) -> None:
     _row(f"relu2_mlp fwd+bwd {T}x{D}x{H}", bench(fwd_bwd(tk.relu2_mlp)), bench(fwd_bwd(ref)), 3 * flops_fwd, "TFLOP/s")
 
 
+# Peak memory bandwidth in GB/s by a substring of torch.cuda.get_device_name() (the vendors' figures:
+# H100 SXM 3.35 TB/s of HBM3, H200 4.8 TB/s of HBM3e). An H100 PCIe or NVL is named otherwise: no figure.
+PEAK_BANDWIDTH_GBS = {"H100 80GB HBM3": 3350.0, "H200": 4800.0}
+
+
+def peak_bandwidth_gbs(gpu_name: str) -> float | None:
+    return next((gbs for key, gbs in PEAK_BANDWIDTH_GBS.items() if key in gpu_name), None)
+
+
+def bandwidth_line(name: str, ms: float, nbytes: float, gpu_name: str) -> str:
+    """'name: ms, GB/s (fraction of the GPU's peak)', the fraction left out for a GPU not in the table."""
+    gbs = nbytes / (ms * 1e-3) / 1e9
+    peak = peak_bandwidth_gbs(gpu_name)
+    share = "" if peak is None else f" = {gbs / peak:.0%} of the {peak / 1000:.2f} TB/s peak"
+    return f"{name:<44} triton {ms:8.3f} ms {gbs:8.1f} GB/s{share}"
+
+
 def bench_ce(tk, bench, tokens: int) -> None:
     dev = "cuda"
     T, V = tokens, 50304
@@ -132,6 +151,12 @@ def bench_ce(tk, bench, tokens: int) -> None:
         return (g / (0.75 / 448)).to(torch.float8_e5m2)
 
     _row(f"softcapped_ce_mtp e5m2 gradient {T}x{V}", fused, bench(separate), T * V * 5, "GB/s")
+    # the kernel alone: read the bf16 row twice, write the gradient once (bf16, or e5m2 for the FP8 head)
+    inputs = tk._ce_inputs(targets, w, prefix_ids, pi)
+    gpu = torch.cuda.get_device_name()
+    for tag, grad_mul, grad_bytes in (("bf16", 0.0, 2), ("e5m2", 448 / 0.75, 1)):
+        ms = bench(lambda: tk._launch_ce(x, *inputs, 1.0, grad_mul))
+        print(bandwidth_line(f"loss kernel alone, {tag} gradient {T}x{V}", ms, T * V * (4 + grad_bytes), gpu))
 
 
 def bench_transpose(tk, bench) -> None:

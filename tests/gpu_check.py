@@ -292,7 +292,7 @@ def check_triton_cross_entropy(res: Result) -> None:
             require(e < TOL["fp32" if part == "loss" else dname], f"fused CPU head vs kernel {part} {dname}: {e:.2e}")
         if dtype == torch.bfloat16:  # the FP8 head's form: e5m2 gradient / grad_s, saturating
             for tag, grad_s in (("e5m2", 0.5 * 0.75 / 448), ("e5m2_saturated", 1e-9)):
-                l8, g8 = tk.softcapped_ce_mtp_e5m2(logits, targets, w, prefix, pi, 0.5, grad_s)
+                l8, _, g8 = tk.softcapped_ce_mtp_e5m2(logits, targets, w, prefix, pi, 0.5, grad_s)
                 want = (x64.grad / grad_s).clamp(-57344, 57344).to(torch.float8_e5m2)
                 differ = float((g8.float() != want.float()).double().mean())
                 errs[f"{tag}_differ"] = differ
@@ -411,8 +411,8 @@ def check_fp8_head(res: Result) -> None:
 
     def head():
         a, b = x.clone().requires_grad_(), w.clone().requires_grad_()
-        loss, g8 = T.fp8_head_loss(a, b, T.fp8_head_input(a), T.fp8_head_weight(b).T, targets, mtp, prefix, pi,
-                                   *scales, grad_scale)
+        loss, _, g8 = T.fp8_head_loss(a, b, T.fp8_head_input(a), T.fp8_head_weight(b).T, targets, mtp, prefix,
+                                      pi, *scales, grad_scale)
         (loss.sum() * grad_scale).backward()
         return loss, g8.float(), a.grad, b.grad
 
@@ -676,8 +676,8 @@ def check_compiled_model(res: Result) -> None:
         model.zero_grad(set_to_none=True)
         model.fp8_mlp.load_state_dict(fp8_state)  # the forward moves the delayed activation scales
         masks = model.attention_masks(b.cu_seqlens, T_, kernel)
-        loss = fn(b.inputs, b.targets, b.cu_seqlens, b.bigram_ids, mtp_weights=mtp, loss_scale=1 / 8,
-                  prefix_weight=prefix, masks=masks)
+        loss, _ = fn(b.inputs, b.targets, b.cu_seqlens, b.bigram_ids, mtp_weights=mtp, loss_scale=1 / 8,
+                     prefix_weight=prefix, masks=masks)
         loss.backward()
         return float(loss.detach()), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
@@ -746,7 +746,7 @@ def check_sync_free_step(res: Result) -> None:
         plan = T.plan_step(args, i)
         model.set_windows(*plan.windows)
         batches = loader.next_step(*T.batch_request(args, plan, slots, device))  # masks built by the loader
-        loss = T.train_step(model_fn, opt, batches, plan, mtp, prefix, T.grad_scale_for(args, 1), device)
+        loss, _ = T.train_step(model_fn, opt, batches, plan, mtp, prefix, T.grad_scale_for(args, 1), device)
         model.quantize_fp8(bootstrap=i < T.FP8_BOOTSTRAP_STEPS)
         return loss
 
@@ -1103,7 +1103,7 @@ def check_kernel_tuning(res: Result) -> None:
         targets = torch.randint(0, V, (M,), device=dev, generator=g)
         mtp = torch.tensor([1.0, 0.5, 0.25], device=dev)
         def loss_kernel(cfg):  # the loss and the gradient's first 2,048 rows are compared (float64 copies)
-            loss, grad = tk._launch_ce(logits, targets, mtp, None, None, 1.0, 256.0, config=cfg)
+            loss, _, grad = tk._launch_ce(logits, targets, mtp, None, None, 1.0, 256.0, config=cfg)
             return loss, grad[:2048]
 
         kernels["loss (e5m2 gradient)"] = (loss_kernel, CE_SWEEP, tk._ce_config(V, dev))
@@ -1155,9 +1155,9 @@ def check_cuda_graphs(res: Result) -> None:
             request = T.batch_request(args, plan, accum, device)
             batches = loader.next_step(*request)
             if captured:
-                loss = graphs.step(batches, plan, T.step_graph_key(plan, request, accum), capture=capture)
+                loss = torch.stack(graphs.step(batches, plan, T.step_graph_key(plan, request, accum), capture=capture))
             else:
-                loss = T.train_step(model_fn, opt, batches, plan, mtp, prefix, scale, device)
+                loss = torch.stack(T.train_step(model_fn, opt, batches, plan, mtp, prefix, scale, device))
             if i == T.untie_step(args):
                 opt.untie()
             model.quantize_fp8(bootstrap=i < T.FP8_BOOTSTRAP_STEPS)
@@ -1187,7 +1187,7 @@ def check_cuda_graphs(res: Result) -> None:
             run(range(first, first + 8), captured)
             ms[f"{stage} {'graphs' if captured else 'no graphs'}"] = (time.perf_counter() - t) / 8 * 1000
     res.set(compile_s=compile_s, ms_per_step=ms, exact=len(exact), reproducible=len(reproducible), compared=len(plain),
-            losses={k: float(v) for k, v in graphed.items() if k.startswith("loss")},
+            losses={k: v.tolist() for k, v in graphed.items() if k.startswith("loss")},
             summary=f"{len(exact)} of {len(plain)} losses and parameters bitwise equal with graphs ({len(reproducible)} "
             "between two uncaptured runs); ms/step " + ", ".join(f"{k} {v:.1f}" for k, v in ms.items()))
     why = T.replay_mismatch(graphed, plain, again)

@@ -35,7 +35,7 @@ def fingerprint() -> dict:
 
     def recording_train_step(*args, **kwargs):
         loss = train_step(*args, **kwargs)
-        losses.append(float(loss.detach().double()))
+        losses.append(float(loss[0].detach().double()))  # the objective
         return loss
 
     tg.train_step = recording_train_step

@@ -37,8 +37,8 @@ def _trace(model, masks, backend, vocab=50257):
     big = tg.bigram_hash(inputs, model.args.bigram_vocab_size)
     torch._dynamo.reset()
     compiled = torch.compile(model, backend=backend, fullgraph=True, dynamic=False)
-    loss = compiled(inputs, targets, cu, big, mtp_weights=torch.tensor([1.0, 0.5, 0.25]), loss_scale=1 / T,
-                    prefix_weight=torch.tensor(0.25), masks=masks(cu, T) if masks else None)
+    loss, _ = compiled(inputs, targets, cu, big, mtp_weights=torch.tensor([1.0, 0.5, 0.25]), loss_scale=1 / T,
+                       prefix_weight=torch.tensor(0.25), masks=masks(cu, T) if masks else None)
     loss.backward()
     return loss
 
@@ -255,8 +255,8 @@ def test_loader_built_masks_train_exactly_like_the_models_own(flex_on_cpu):
         compiled = torch.compile(model, backend=aot_autograd(fw_compiler=_collector(graphs)("forward", True)),
                                  fullgraph=True, dynamic=False)
         model.zero_grad(set_to_none=True)
-        loss = compiled(b.inputs, b.targets, b.cu_seqlens, b.bigram_ids, mtp_weights=torch.tensor([1.0, 0.5, 0.25]),
-                        loss_scale=1 / T, prefix_weight=torch.tensor(0.25), masks=masks)
+        loss, _ = compiled(b.inputs, b.targets, b.cu_seqlens, b.bigram_ids, mtp_weights=torch.tensor([1.0, 0.5, 0.25]),
+                           loss_scale=1 / T, prefix_weight=torch.tensor(0.25), masks=masks)
         loss.backward()
         flex = [n for _, gm in graphs for n in _flex_nodes(gm)]
         assert len(flex) == 2 * sum(row.attention != "none" for row in model.layers)  # forward, backward

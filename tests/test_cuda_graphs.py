@@ -69,12 +69,12 @@ def test_static_buffer_step_equals_train_step_bit_for_bit(tmp_path):
         model_a.set_windows(*plan.windows)
         model_b.set_windows(*plan.windows)
         batches_a, batches_b = loader_a.next_step(*request), loader_b.next_step(*request)
-        loss_a = tg.train_step(model_a, opt_a, batches_a, plan, mtp_a, prefix_a, scale, CPU)
-        loss_b = graphs.step(batches_b, plan, tg.step_graph_key(plan, request, accum))
+        loss_a = torch.stack(tg.train_step(model_a, opt_a, batches_a, plan, mtp_a, prefix_a, scale, CPU))
+        loss_b = torch.stack(graphs.step(batches_b, plan, tg.step_graph_key(plan, request, accum)))
         if step == tg.untie_step(args):
             opt_a.untie()
             opt_b.untie()
-        assert torch.equal(loss_a, loss_b), (step, float(loss_a), float(loss_b))
+        assert torch.equal(loss_a, loss_b), (step, loss_a.tolist(), loss_b.tolist())
         for (name, pa), pb in zip(model_a.named_parameters(), model_b.parameters()):
             assert_same(pa.detach(), pb.detach(), f"step {step}: {name}")
             assert_same(pa.grad, pb.grad, f"step {step}: gradient of {name}")
@@ -154,13 +154,15 @@ def run_train(tmp_path, monkeypatch, graphs: bool, *flags):
     train_step, step = tg.train_step, tg.StepGraphs.step
 
     def recording_train_step(*a, **k):
-        losses.append(train_step(*a, **k).clone())
-        return losses[-1]
+        out = train_step(*a, **k)
+        losses.append(torch.stack(out))  # (objective, next-token loss)
+        return out
 
     def recording_step(self, *a, **k):
         made.append(self)
-        losses.append(step(self, *a, **k).clone())
-        return losses[-1]
+        out = step(self, *a, **k)
+        losses.append(torch.stack(out))
+        return out
 
     monkeypatch.setattr(tg, "train_step", recording_train_step)
     monkeypatch.setattr(tg.StepGraphs, "step", recording_step)
@@ -213,8 +215,8 @@ def test_compiled_step_through_static_buffers_equals_train_step(tmp_path):
         request = tg.batch_request(args, plan, 2, CPU)
         model_a.set_windows(*plan.windows)
         model_b.set_windows(*plan.windows)
-        loss_a = tg.train_step(fn_a, opt_a, loader_a.next_step(*request), plan, mtp_a, prefix_a, scale, CPU)
-        loss_b = graphs.step(loader_b.next_step(*request), plan, tg.step_graph_key(plan, request, 2))
+        loss_a = torch.stack(tg.train_step(fn_a, opt_a, loader_a.next_step(*request), plan, mtp_a, prefix_a, scale, CPU))
+        loss_b = torch.stack(graphs.step(loader_b.next_step(*request), plan, tg.step_graph_key(plan, request, 2)))
         assert torch.equal(loss_a, loss_b), step
         assert all(torch.equal(pa, pb) for pa, pb in zip(model_a.parameters(), model_b.parameters())), step
     assert tg.compile_counts()["graph_breaks"] == 0

@@ -190,8 +190,8 @@ def _head_run(fp8: bool):
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, 1000, (129,), generator=g)
     cu = torch.tensor([0, 60, 128, 128], dtype=torch.int32)
-    loss = model(tokens[:-1], tokens[1:], cu, tg.bigram_hash(tokens[:-1], args.bigram_vocab_size),
-                 mtp_weights=torch.tensor([1.0, 0.5]), loss_scale=1 / 128)
+    loss, _ = model(tokens[:-1], tokens[1:], cu, tg.bigram_hash(tokens[:-1], args.bigram_vocab_size),
+                    mtp_weights=torch.tensor([1.0, 0.5]), loss_scale=1 / 128)
     loss.backward()
     return loss.item(), model.lm_head.grad.float(), model.mlp_bank.grad.float()
 
@@ -229,7 +229,8 @@ def _head_inputs(T=64, K=32, N=96, seed=7):
 
 def head_loss(x, w, targets, mtp, prefix, pi, xs, ws, gs, grad_scale):
     """fp8_head_loss on x and w quantised at the given scales (the model passes fp8_head_input(x) and
-    its buffer from fp8_head_weight(lm_head), at the FP8_HEAD_* scales): (loss, e5m2 gradient)."""
+    its buffer from fp8_head_weight(lm_head), at the FP8_HEAD_* scales): (loss, next-token loss, e5m2
+    gradient)."""
     x_f8 = tg._quantize_fp8(x.detach(), xs, E4M3)
     w_f8 = tg._quantize_fp8(w.detach().T, ws, E4M3).T
     return tg.fp8_head_loss(x, w, x_f8, w_f8, targets, mtp, prefix, pi, xs, ws, gs, grad_scale)
@@ -243,16 +244,22 @@ def test_fp8_head_loss_against_float64_references():
     gs = tg.FP8_HEAD_GRAD_SCALE * grad_scale
     xs, ws = tg.FP8_HEAD_X_SCALE, tg.FP8_HEAD_W_SCALE
     a, b = x.clone().requires_grad_(), w.clone().requires_grad_()
-    loss, g_f8 = head_loss(a, b, targets, mtp, prefix, pi, xs, ws, gs, grad_scale)
+    loss, next_token, g_f8 = head_loss(a, b, targets, mtp, prefix, pi, xs, ws, gs, grad_scale)
     (loss.sum() * grad_scale).backward()
     assert g_f8.dtype == E5M2 and g_f8.shape == (x.shape[0], w.shape[1])
     # quantised as the record does: t / scale in bf16, then cast to e4m3
     xq, wq = (x / xs).to(E4M3).double() * xs, (w / ws).to(E4M3).double() * ws
     logits = (xq @ wq).bfloat16().double()  # the forward's bf16 output
     import triton_kernels as tk
-    ref_loss, ref_g = tk.softcapped_ce_mtp_e5m2_reference(logits, targets, mtp.double(), prefix, pi.double(),
-                                                          grad_scale, gs)
+    ref_loss, ref_next_token, ref_g = tk.softcapped_ce_mtp_e5m2_reference(logits, targets, mtp.double(), prefix,
+                                                                          pi.double(), grad_scale, gs)
     torch.testing.assert_close(loss.double(), ref_loss.double(), rtol=1e-5, atol=1e-5)
+    # the next-token loss: evaluation's log-softmax of the training z = 23 bf16(sigma), in float64
+    z = 23 * (torch.sigmoid((logits + 5) / 7.5).float().bfloat16().double())
+    want = -torch.log_softmax(z, dim=1).gather(1, targets[:, None]).squeeze(1)
+    assert next_token.dtype == torch.float32 and not next_token.requires_grad
+    torch.testing.assert_close(next_token.double(), want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ref_next_token.double(), want, rtol=1e-5, atol=1e-5)
     differ = (g_f8.float() != ref_g.float()).float().mean()
     assert differ < 0.01  # fp32 against float64 math: a rare neighbouring e5m2 value
     g = g_f8.double() * gs
@@ -279,7 +286,7 @@ def test_fp8_head_backward_runs_without_fast_accumulation(monkeypatch):
 def test_fp8_head_gradient_saturates_instead_of_overflowing():
     """A gradient scale far too small for the gradient: e5m2 values saturate at +-57344, never inf."""
     x, w, targets, mtp, prefix, pi = _head_inputs()
-    _, g_f8 = head_loss(x, w, targets, mtp, prefix, pi, 0.1, 0.01, 1e-9, 1.0)
+    _, _, g_f8 = head_loss(x, w, targets, mtp, prefix, pi, 0.1, 0.01, 1e-9, 1.0)
     g = g_f8.float()
     assert torch.isfinite(g).all() and g.abs().max() == 57344
 
@@ -528,7 +535,7 @@ def test_model_training_forward_takes_the_fp8_mlp_path(monkeypatch):
     losses, grads = {}, {}
     for fp8 in (True, False):
         model, batch = _mlp_model(fp8)
-        loss = model(*batch, mtp_weights=torch.tensor([1.0, 0.5]), loss_scale=1 / 128)
+        loss, _ = model(*batch, mtp_weights=torch.tensor([1.0, 0.5]), loss_scale=1 / 128)
         loss.backward()
         losses[fp8], grads[fp8] = loss.item(), model.mlp_bank.grad.float()
         if fp8:
@@ -553,7 +560,7 @@ def test_fp8_state_rides_in_the_state_dict(monkeypatch):
     assert {"fp8_mlp.up_f8", "fp8_mlp.up_scale", "fp8_mlp.down_f8_t", "fp8_mlp.down_scale",
             "fp8_mlp.down_next_scale", "fp8_mlp.act_scale"} <= set(snapshot) and "lm_head_f8_t" not in snapshot
     head_copy = model.lm_head_f8_t.clone()
-    model(*batch, mtp_weights=torch.tensor([1.0, 0.5])).backward()
+    model(*batch, mtp_weights=torch.tensor([1.0, 0.5]))[0].backward()
     with torch.no_grad():
         model.mlp_bank.mul_(1.1)
         model.lm_head.mul_(1.1)
@@ -597,7 +604,7 @@ def old_head_loss(x, w, targets, mtp, prefix, pi, grad_scale):
     x_f8 = tg._quantize_fp8(x, xs, E4M3)
     w_f8 = tg._quantize_fp8(w.T, ws, E4M3).T
     logits = tg._scaled_matmul(x_f8, w_f8, xs, ws, torch.bfloat16, fast_accum=True)
-    loss, g_f8 = tg.triton_kernels.softcapped_ce_mtp_e5m2(logits, targets, mtp, prefix, pi, grad_scale, gs)
+    loss, _, g_f8 = tg.triton_kernels.softcapped_ce_mtp_e5m2(logits, targets, mtp, prefix, pi, grad_scale, gs)
     dx, dw = tg.fp8_matmul_grads(g_f8, x_f8, w_f8, xs, ws, gs)
     return loss, dx.to(x.dtype), dw.to(w.dtype)
 
@@ -617,8 +624,8 @@ def test_fp8_head_graph_path_is_bitwise_the_quantise_inside_op():
     assert not x_f8.requires_grad and w_f8_t.shape == (96, 32) and w_f8_t.is_contiguous()
     assert torch.equal(x_f8.float(), (x.double() / tg.FP8_HEAD_X_SCALE).bfloat16().to(E4M3).float())
     assert torch.equal(w_f8_t.T.float(), (w.double() / tg.FP8_HEAD_W_SCALE).bfloat16().to(E4M3).float())
-    loss, _ = tg.fp8_head_loss(a, b, x_f8, w_f8_t.T, targets, mtp, prefix, pi, tg.FP8_HEAD_X_SCALE,
-                               tg.FP8_HEAD_W_SCALE, tg.FP8_HEAD_GRAD_SCALE * grad_scale, grad_scale)
+    loss, _, _ = tg.fp8_head_loss(a, b, x_f8, w_f8_t.T, targets, mtp, prefix, pi, tg.FP8_HEAD_X_SCALE,
+                                  tg.FP8_HEAD_W_SCALE, tg.FP8_HEAD_GRAD_SCALE * grad_scale, grad_scale)
     (loss.sum() * grad_scale).backward()
     ref_loss, ref_dx, ref_dw = old_head_loss(x, w, targets, mtp, prefix, pi, grad_scale)
     assert torch.equal(loss, ref_loss) and torch.equal(a.grad, ref_dx) and torch.equal(b.grad, ref_dw)
@@ -664,7 +671,7 @@ def test_model_fp8_head_is_bitwise_the_quantise_inside_op_and_reads_the_step_cop
     def run():  # from the same act scales each time: the MLPs' delayed scales move with every forward
         model.fp8_mlp.act_scale.copy_(act)
         model.zero_grad(set_to_none=True)
-        loss = model(*batch, mtp_weights=mtp, loss_scale=1 / 128, prefix_weight=torch.tensor(0.25))
+        loss, _ = model(*batch, mtp_weights=mtp, loss_scale=1 / 128, prefix_weight=torch.tensor(0.25))
         loss.backward()
         return loss.detach()
 

@@ -212,6 +212,26 @@ def test_small_presets_scale_boundaries():
     assert tg.plan_step(args, tg.total_steps(args) - 1).momentum < 0.86  # cools down to the last step
 
 
+def test_eta_counts_the_tokens_of_the_steps_left():
+    """The ETA is the time per token so far times the tokens of the steps left, counted from the
+    stages table: after one stage-1 step of 100 ms, the speedrun's 1,284 steps left are 422 at stage
+    1's batch, 424 at twice it and 438 at three times it: 258.4 s, not 1,284 x 0.1 s."""
+    args = tg.parse_args([])
+    bounds = (0, 423, 847, 1270, 1285)  # the record's stage starts
+
+    def tokens(a, b):  # global tokens of steps a..b-1, stage by stage
+        return sum(max(0, min(b, hi) - max(a, lo)) * row.batch_tokens
+                   for row, lo, hi in zip(args.stages, bounds, bounds[1:]))
+
+    cumulative = tg.schedule_tokens(args)
+    assert len(cumulative) == 1286 and cumulative[-1] == tokens(0, 1285)
+    assert tg.eta_seconds(cumulative, 0, 1, 100.0) == pytest.approx(0.1 * (422 + 424 * 2 + 438 * 3))
+    for first, done, ms in ((0, 1, 100.0), (0, 500, 4e4), (0, 1000, 1.2e5), (423, 900, 1e5), (850, 1284, 3e5)):
+        want = ms / 1000 * tokens(done, 1285) / tokens(first, done)
+        assert tg.eta_seconds(cumulative, first, done, ms) == pytest.approx(want)
+    assert tg.eta_seconds(cumulative, 0, 1285, 5e5) == 0.0
+
+
 def test_batch_split_errors():
     args = tg.parse_args([])
     assert [tg.grad_accum_steps(args, w) for w in (1, 2, 4, 8, 16)] == [8, 4, 2, 1, 1]

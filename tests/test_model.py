@@ -224,7 +224,7 @@ def test_model_with_banded_cpu_attention_equals_dense(monkeypatch):
 
     def run():
         model.zero_grad(set_to_none=True)
-        loss = model(inputs, targets, cu, big, mtp_weights=torch.tensor([1.0, 0.5, 0.25]), loss_scale=1 / T)
+        loss, _ = model(inputs, targets, cu, big, mtp_weights=torch.tensor([1.0, 0.5, 0.25]), loss_scale=1 / T)
         loss.backward()
         return loss.detach(), model.qk_bank.grad.float(), model.vo_bank.grad.float()
 
@@ -454,7 +454,7 @@ def test_forward_backward_at_init():
     T = inputs.numel()
     V = TEST.padded_vocab_size
     w = torch.tensor([1.0, 0.5, 0.25])
-    loss = model(inputs, targets, cu, bigrams(inputs), mtp_weights=w, loss_scale=1.0 / T)
+    loss, _ = model(inputs, targets, cu, bigrams(inputs), mtp_weights=w, loss_scale=1.0 / T)
     loss.backward()
     assert torch.isfinite(loss)
     # near-zero logits: every term is about ln(V); the last positions lack their t+2 / t+3 terms
@@ -496,7 +496,7 @@ def test_cpu_training_loss_fuses_the_head_and_gives_the_unfused_gradients(monkey
     def unfused(*a, **k):
         raise AssertionError("the CPU training forward built the (T, V) logits")
     monkeypatch.setattr(tk, "softcapped_ce_mtp", unfused)
-    loss = model(inputs, targets, cu, bigrams(inputs), mtp_weights=w, loss_scale=1 / T, prefix_weight=prefix)
+    loss, _ = model(inputs, targets, cu, bigrams(inputs), mtp_weights=w, loss_scale=1 / T, prefix_weight=prefix)
     loss.backward()
     assert loss.item() == pytest.approx(want.item(), rel=1e-6)
     for label, p in model.params_by_label().items():
@@ -509,7 +509,7 @@ def test_every_parameter_gets_a_gradient():
     assert model.bank_roles["qk_bank"][-2:] == ["pad", "pad"]
     randomize(model)
     inputs, targets, cu = make_batch()
-    model(inputs, targets, cu, bigrams(inputs), mtp_weights=torch.tensor([1.0, 0.5]), loss_scale=0.01).backward()
+    model(inputs, targets, cu, bigrams(inputs), mtp_weights=torch.tensor([1.0, 0.5]), loss_scale=0.01)[0].backward()
     # entries that are never read (as in the record) are exactly those without gradient: the skip row's
     # attention lambdas, the mudd row's lambdas (MUDD mixes instead) and VE gate, the scalars' padding,
     # the unused outputs of the smaller MUDD layer / gate
@@ -622,7 +622,7 @@ def test_training_loss_is_scaled_sum_of_mtp_cross_entropies():
     randomize(model, seed=5)
     inputs, targets, cu = make_batch(seed=2)
     with torch.no_grad():
-        loss = model(inputs, targets, cu, bigrams(inputs), mtp_weights=torch.tensor([1.0, 0.5, 0.25]), loss_scale=0.125)
+        loss, _ = model(inputs, targets, cu, bigrams(inputs), mtp_weights=torch.tensor([1.0, 0.5, 0.25]), loss_scale=0.125)
     ref = record_training_loss_float64(model, inputs, targets, cu, [1.0, 0.5, 0.25])
     assert loss.item() == pytest.approx(0.125 * ref, rel=1e-5)
 
@@ -648,7 +648,7 @@ def test_training_loss_adds_the_prefix_term():
     def loss_of(m, prefix_weight):
         with torch.no_grad():
             return m(inputs, targets, cu, bigrams(inputs), mtp_weights=torch.tensor(w), loss_scale=0.125,
-                     prefix_weight=prefix_weight).item()
+                     prefix_weight=prefix_weight)[0].item()
 
     with_prefix = loss_of(model, pi)
     expected = record_training_loss_float64(model, inputs, targets, cu, w, prefix_ids, 0.25)
@@ -780,7 +780,7 @@ def test_demo_preset_forward_backward():
     args = tg.parse_args(["--preset", "demo"])
     model = make_model(args)
     inputs, targets, cu = make_batch(T=128)
-    loss = model(inputs, targets, cu, bigrams(inputs, args), mtp_weights=torch.tensor([1.0, 0.5]), loss_scale=1 / 128)
+    loss, _ = model(inputs, targets, cu, bigrams(inputs, args), mtp_weights=torch.tensor([1.0, 0.5]), loss_scale=1 / 128)
     loss.backward()
     assert torch.isfinite(loss) and model.mlp_bank.grad.abs().sum() > 0
 
@@ -789,7 +789,7 @@ def test_demo_preset_forward_backward():
 def test_speedrun_preset_forward_backward_on_cpu():
     model = make_model(tg.Hyperparameters(), world_size=8)
     inputs, targets, cu = make_batch(T=128)
-    loss = model(inputs, targets, cu, bigrams(inputs, model.args), mtp_weights=torch.tensor([1.0]), loss_scale=1 / 128)
+    loss, _ = model(inputs, targets, cu, bigrams(inputs, model.args), mtp_weights=torch.tensor([1.0]), loss_scale=1 / 128)
     loss.backward()
     assert loss.item() == pytest.approx(math.log(50304), abs=0.02)
     assert model.lm_head.grad.abs().sum() > 0
@@ -855,7 +855,7 @@ def test_compiled_forward_backward_matches_eager_on_cpu():
 
     def run(m):
         model.zero_grad(set_to_none=True)
-        loss = m(inputs, targets, cu, big, mtp_weights=w, loss_scale=1 / 128, prefix_weight=torch.tensor(0.25))
+        loss, _ = m(inputs, targets, cu, big, mtp_weights=w, loss_scale=1 / 128, prefix_weight=torch.tensor(0.25))
         loss.backward()
         return loss.detach(), model.qk_bank.grad.clone(), model.lm_head.grad.clone()
 

@@ -13,7 +13,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from dist_utils import on_call, run_on_ranks, run_torchrun  # noqa: E402
 
 SCRIPT = os.path.join(ROOT, "train_gpt.py")
-STEP_LINE = re.compile(r"^step:(\d+)/(\d+) train_time:(\d+)ms step_avg:([0-9.]+)ms$")
+STEP_LINE = re.compile(r"^step:(\d+)/(\d+) train_time:(\d+)ms step_avg:([0-9.]+)ms "
+                       r"train_loss:([0-9.]+) objective:([0-9.]+)$")
 VAL_LINE = re.compile(r"^step:(\d+)/(\d+) val_loss:([0-9.]+) train_time:(\d+)ms")
 
 pytestmark = pytest.mark.slow
@@ -204,7 +205,7 @@ def test_training_step_never_waits_for_the_gpu():
     def step(i):
         plan = tg.plan_step(args, i)
         batches = loader.next_step(plan.batch_tokens // slots, plan.max_doc_len, slots)
-        return tg.train_step(model, opt, batches, plan, mtp, prefix, tg.grad_scale_for(args, 1), device)
+        return torch.stack(tg.train_step(model, opt, batches, plan, mtp, prefix, tg.grad_scale_for(args, 1), device))
 
     step(0), step(1)  # first calls: lazy initialisation, allocator growth
     torch.cuda.synchronize()
@@ -213,7 +214,7 @@ def test_training_step_never_waits_for_the_gpu():
         losses = [step(2), step(3)]  # an even (NorMuon only) and an odd (Adam too) step
     finally:
         torch.cuda.set_sync_debug_mode(0)
-    assert all(torch.isfinite(x).item() for x in losses)
+    assert all(torch.isfinite(x).all().item() for x in losses)
 
 
 def test_prefix_table_is_built_after_the_clock_starts(tmp_path, monkeypatch):
@@ -248,6 +249,29 @@ def test_prefix_table_is_built_after_the_clock_starts(tmp_path, monkeypatch):
     assert timed == [("step", True, pytest.approx(tg.plan_step(args, s).prefix_weight))
                      for s in range(tg.total_steps(args)) for _ in range(micro)]
     assert [e[2] for e in timed[::micro]] == [0.25, 0.25, 0.0]  # stages 1, 2 (its first step) and 3
+
+
+def test_train_loss_is_on_the_validation_scale(tmp_path, capsys):
+    """At initialisation the next-token loss of step 1 (progress line and log) is the validation loss
+    at step 0, both about ln(50,304) = 10.83; the objective trained on (three weighted targets and the
+    prefix term) is nearly twice that, and is shown apart."""
+    import train_gpt as tg
+    args = tg.parse_args(["--preset", "test", "--compile", "false", "--val_loss_every", "100", "--val_tokens", "512",
+                          "--num_iterations", "3", "--extension_iterations", "0", "--micro_batches", "2",
+                          "--stage_batch_tokens", "(256, 256, 256, 256)", "--log_dir", str(tmp_path / "logs"),
+                          "--run_id", "scale"])
+    tg.train(args, tg.setup_distributed(force_cpu=True))
+    log = open(tmp_path / "logs" / "scale.txt").read()
+    val0 = val_losses(log)[0]
+    training = log.split("==== training ====\n", 1)[1].splitlines()
+    steps = {int(m.group(1)): m for m in map(STEP_LINE.match, training) if m}
+    assert sorted(steps) == [1, 2, 3]
+    train1, objective1 = float(steps[1].group(5)), float(steps[1].group(6))
+    assert 10.6 < val0 < 11.0 and abs(train1 - val0) < 0.2, (train1, val0)
+    assert objective1 > 1.6 * train1, objective1
+    shown = re.search(r"^step 1/3  train_loss ([0-9.]+)  objective ([0-9.]+)  [0-9,]+ tok/s  eta \d+s$",
+                      capsys.readouterr().out, re.M)
+    assert shown and (float(shown.group(1)), float(shown.group(2))) == (train1, objective1)
 
 
 def test_prune_checkpoints_keeps_the_newest_by_step_number(tmp_path):

@@ -524,6 +524,33 @@ def test_ce_matches_the_records_loss_and_gradient(V, K, prefix, impl):
     assert_close_rel(g, want_grad, TOL[torch.float32])
 
 
+def next_token_float64(logits, targets):
+    """Evaluation's per-token cross-entropy of the training loss's softcapped logits, in float64:
+    -log_softmax(z)[target] with z = 23 bf16(sigma)."""
+    z = 23.0 * sigma_bf16_float64(logits)
+    return -torch.log_softmax(z, dim=1).gather(1, targets.long()[:, None]).squeeze(1)
+
+
+@pytest.mark.parametrize("impl", CE_ALL)
+@pytest.mark.parametrize("K,prefix", [(1, False), (3, True)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_ce_next_token_loss_is_evaluations_cross_entropy(dtype, K, prefix, impl):
+    """next_token=True also returns the plain next-token loss (no weights, no other targets) from the
+    same pass, without a gradient; the loss and its gradient are those of the call without it."""
+    T, V = 24, 300
+    logits, targets, w, prefix_ids, pi = ce_inputs(T, V, K, prefix, seed=K, dtype=dtype)
+    targets[0], targets[1] = V - 1, 0  # vocab edges
+    lr = logits.clone().requires_grad_(True)
+    loss, next_token = impl()(lr, targets, w, prefix_ids, pi, grad_scale=0.37, next_token=True)
+    assert next_token.dtype == torch.float32 and next_token.shape == (T,) and not next_token.requires_grad
+    assert_close_rel(next_token, next_token_float64(logits, targets), TOL[torch.float32])
+    (g,) = torch.autograd.grad(loss, lr, torch.ones(T))
+    want_loss, want_g = run_ce(impl(), logits, targets, w, prefix_ids, pi, 0.37, torch.ones(T))
+    assert torch.equal(loss, want_loss) and torch.equal(g, want_g)
+    if K == 1 and not prefix:  # weight 1 on the next token alone: the loss is the next-token loss
+        assert torch.equal(loss.detach(), next_token)
+
+
 @pytest.mark.parametrize("kernel", [True, False], ids=["triton", "rows"])
 def test_ce_e5m2_gradient_is_the_float64_gradient_scaled_and_rounded(kernel):
     """The FP8 head's variant: the same loss, and dlogits / grad_s written as e5m2 in the same pass:
@@ -533,14 +560,39 @@ def test_ce_e5m2_gradient_is_the_float64_gradient_scaled_and_rounded(kernel):
     logits, targets, w, prefix_ids, pi = ce_inputs(T, V, 3, True, seed=5)
     want_loss, want_grad = ce_record_float64(logits, targets, w, prefix_ids, 0.25, grad_scale=0.37)
     for grad_s in (0.37 * 0.75 / 448, 1e-7):  # the head's scale, and one that overflows e5m2
-        loss, g = tk.softcapped_ce_mtp_e5m2(logits, targets, w, prefix_ids, pi, 0.37, grad_s, kernel=kernel)
+        loss, next_token, g = tk.softcapped_ce_mtp_e5m2(logits, targets, w, prefix_ids, pi, 0.37, grad_s, kernel=kernel)
         assert g.dtype == torch.float8_e5m2 and g.shape == (T, V)
         assert_close_rel(loss, want_loss, TOL[torch.float32])
+        assert_close_rel(next_token, next_token_float64(logits, targets), TOL[torch.float32])
         want = (want_grad / grad_s).clamp(-57344, 57344).to(torch.float8_e5m2)
         # fp32 against float64: a value on a rounding midpoint may take the other neighbour
         assert (g.float() != want.float()).double().mean() < 1e-3
         assert torch.isfinite(g.float()).all()
     assert (g.float().abs() == 57344).any()  # the second scale saturated
+
+
+@pytest.mark.parametrize("impl", CE_IMPLS)
+@pytest.mark.parametrize("grad_mul", [0.0, 300.0], ids=["fp32", "e5m2"])
+def test_ce_duplicate_target_columns_sum_their_weights(impl, grad_mul):
+    """Rows whose MTP targets and prefix token name the same column (a repeated token): that column's
+    one-hot weight is the sum of all of them (2, 3 or 4 slots), the other columns have none; with
+    weights whose sums round (0.4731 + 0.2917 + 0.1873)."""
+    T, V = 16, 300
+    logits, targets, _, prefix_ids, _ = ce_inputs(T, V, 3, True, seed=7)
+    w, pi = torch.tensor([1.0, 0.4731, 0.2917]), torch.tensor(0.1873)
+    targets[2:9] = 5  # rows 2-6 see column 5 two or three times among their targets
+    prefix_ids[3:6] = 5
+    prefix_ids[10] = targets[10]
+    want_loss, want_grad = ce_record_float64(logits, targets, w, prefix_ids, 0.1873, grad_scale=0.37)
+    if grad_mul:
+        loss, _, g = tk.softcapped_ce_mtp_e5m2(logits, targets, w, prefix_ids, pi, 0.37, 1 / grad_mul,
+                                               kernel=impl() is tk.softcapped_ce_mtp_triton)
+        want = (want_grad * grad_mul).to(torch.float8_e5m2)
+        assert (g.float() != want.float()).double().mean() < 1e-3
+    else:
+        loss, g = run_ce(impl(), logits, targets, w, prefix_ids, pi, 0.37, torch.ones(T))
+        assert_close_rel(g, want_grad, TOL[torch.float32])
+    assert_close_rel(loss, want_loss, TOL[torch.float32])
 
 
 @pytest.mark.parametrize("impl", CE_ALL)
@@ -684,6 +736,9 @@ def test_ce_head_rows_matches_the_float64_head_and_loss(K, prefix, rows, dtype, 
     assert_close_rel(loss, want_loss, TOL[torch.float32])
     assert_close_rel(dx, want_g @ w.double().T, TOL[dtype])
     assert_close_rel(dw, x.double().T @ want_g, TOL[dtype])
+    _, next_token = tk.softcapped_ce_mtp_head_rows(x, w, targets, weights, prefix_ids, pi, 0.37, next_token=True)
+    assert not next_token.requires_grad
+    assert_close_rel(next_token, next_token_float64(logits, targets), TOL[torch.float32])
 
 
 def test_ce_head_rows_is_the_unfused_head_and_loss(monkeypatch):
@@ -877,7 +932,7 @@ up = dict(a_ptr=ptr(f8), b_ptr=ptr(f8), post_ptr=ptr(), q_ptr=ptr(f8), amax_ptr=
 res["mlp_fp8_up"] = compile_sm90(tk._fp8_relu2_kernel, up, dict(FAST_ACC=True, BLOCK_M=128, BLOCK_N=256, BLOCK_K=128, GROUP_M=8), 8, 3)
 res["mlp_fp8_up_precise"] = compile_sm90(tk._fp8_relu2_kernel, up, dict(FAST_ACC=False, BLOCK_M=128, BLOCK_N=256, BLOCK_K=128, GROUP_M=8), 8, 3)
 ce = dict(logits_ptr=ptr(), targets_ptr=ptr("*i64"), weights_ptr=ptr("*fp32"), prefix_ids_ptr=ptr("*i64"),
-          prefix_weight_ptr=ptr("*fp32"), loss_ptr=ptr("*fp32"), grad_ptr=ptr(),
+          prefix_weight_ptr=ptr("*fp32"), loss_ptr=ptr("*fp32"), next_token_ptr=ptr("*fp32"), grad_ptr=ptr(),
           T=i32(49152), V=i32(50304), s_lt=i32(50304), s_gt=i32(50304), grad_scale=("fp32", 0), grad_mul=("fp32", 0))
 ce_consts = dict(K=3, HAS_PREFIX=True, J_POW2=4, BLOCK_V=4096, GRAD_E5M2=False, FAST_TANH=False)
 res["ce"] = compile_sm90(tk._ce_mtp_kernel, ce, ce_consts, 8, 3)

@@ -375,11 +375,12 @@ class StepRunner:
         T.Batch.to = lambda batch, device: batch.unstage(batch.staged.clone())  # the device copy, and its views
         try:
             with record_function(PHASE_PREFIX + OTHER_PHASE):
-                loss = T.train_step(model_fn, opt, batches, plan, self.mtp, self.prefix, self.grad_scale, self.device)
+                objective, next_token = T.train_step(model_fn, opt, batches, plan, self.mtp, self.prefix,
+                                                     self.grad_scale, self.device)
             with record_function(PHASE_PREFIX + "fp8 quantize"):
                 model.quantize_fp8(bootstrap=step < T.FP8_BOOTSTRAP_STEPS)
             with record_function(PHASE_PREFIX + OTHER_PHASE):
-                return loss / (self.grad_scale * plan.batch_tokens)
+                return torch.stack([next_token / plan.batch_tokens, objective / (self.grad_scale * plan.batch_tokens)])
         finally:
             torch.Tensor.backward, T.Batch.to = backward, to
 
