@@ -3459,6 +3459,92 @@ def compile_model(model: nn.Module):
     return torch.compile(model, dynamic=False, fullgraph=True)
 
 
+class Trainer:
+    """The step train() runs, with what it needs built once: the model and its compiled forward, the
+    optimizer, the loader, the loss weights' device buffers and, on CUDA, the step graphs. The benchmarks
+    and the GPU check time this same step."""
+
+    def __init__(self, args: Hyperparameters, d: DistInfo, model: "GPT", opt: NorMuonAdam, loader: DocumentLoader):
+        self.args, self.d, self.model, self.opt, self.loader = args, d, model, opt, loader
+        self.model_fn = compile_model(model) if args.compile else model
+        self.accum = check_batch_split(args, d.world_size)
+        self.slots = d.world_size * self.accum
+        self.total = total_steps(args)
+        self.fp8 = args.fp8 and _native_fp8(d.device)
+        self.grad_scale = grad_scale_for(args, d.world_size)
+        self.mtp = torch.zeros(len(args.stages[0].mtp_start), dtype=torch.float32, device=d.device)
+        self.prefix = torch.zeros((), dtype=torch.float32, device=d.device)
+        self.graphs = (StepGraphs(model, self.model_fn, opt, self.mtp, self.prefix, self.grad_scale, d.device)
+                       if use_cuda_graphs(args, d.device) else None)
+        self.windows = None
+        self.batches: list[Batch] = []
+
+    def set_windows(self, windows: tuple, yarn: int | None = None) -> None:
+        """The model's windows; the YaRN update runs only when the windows actually change."""
+        if (windows, yarn) != self.windows:
+            self.model.set_windows(*windows, yarn_blocks=yarn)
+            self.windows = (windows, yarn)
+
+    def step(self, step: int, plan: StepPlan | None = None, next_step: int | None = None,
+             warm_up: bool = False) -> tuple[StepPlan, torch.Tensor]:
+        """One training step (plan: plan_step(step) unless given), then the untie right after the last
+        tied step (the record's) and the FP8 weights' re-quantisation; the loader builds step
+        `next_step`'s batches (default step + 1) on its thread meanwhile. warm_up: the untimed warm-up,
+        where the step graphs are captured. Returns the plan and this rank's (mean next-token loss, mean
+        objective) per token, a device tensor: nothing here waits for the GPU."""
+        args, d, graphs = self.args, self.d, self.graphs
+        plan = plan or plan_step(args, step)
+        self.set_windows(plan.windows)
+        request = batch_request(args, plan, self.slots, d.device)
+        batches = self.loader.next_step(*request)
+        next_step = step + 1 if next_step is None else next_step
+        # not while a warm-up step may capture a graph: the warm-up's next step is rarely its successor
+        if next_step < self.total and not (warm_up and graphs is not None):
+            self.loader.look_ahead(*batch_request(args, plan_step(args, next_step), self.slots, d.device))
+        if graphs is not None:  # the warm-up captures each key's graph (and checks it against the uncaptured step)
+            objective, next_token = graphs.step(batches, plan, step_graph_key(plan, request, self.accum), capture=warm_up)
+        else:
+            objective, next_token = train_step(self.model_fn, self.opt, batches, plan, self.mtp, self.prefix,
+                                               self.grad_scale, d.device)
+        if step == untie_step(args) and self.opt.tied:  # (a benchmark may have untied already)
+            self.opt.untie()
+        self.batches = batches  # the benchmarks count the step's documents
+        if self.fp8:  # after the optimizer step (the record's per-step order), for the next forward
+            self.model.quantize_fp8(bootstrap=step < FP8_BOOTSTRAP_STEPS)
+        tokens = plan.batch_tokens / d.world_size  # means per token of this rank's batch (no collective)
+        return plan, torch.stack([next_token / tokens, objective / (self.grad_scale * tokens)])
+
+    def warm_up(self, val_batch: list[Batch], prefix_table: torch.Tensor) -> list[str]:
+        """Compile every graph the run needs (each stage, both Adam parities, untied, evaluation) on real
+        batches, capture the step graphs, then put model, optimizer and loader back exactly: the timed
+        run compiles nothing. Returns what the log should say of the step graphs."""
+        args, model, opt, loader = self.args, self.model, self.opt, self.loader
+        saved_model = {k: v.clone() for k, v in model.state_dict().items()}
+        saved_opt, saved_loader = opt.state_dict(), loader.state_dict()
+        model.prefix_table.copy_(prefix_table)  # as in the timed steps
+        notes = []
+        for step in warmup_steps(args):
+            self.set_windows(plan_step(args, step).windows)
+            evaluate(self.model_fn, val_batch, self.d.device)
+            self.step(step, warm_up=True)
+            if self.graphs is not None and self.graphs.failure:  # this step ran uncaptured; so does the run
+                notes.append(f"cuda graphs off for this run: {self.graphs.failure}")
+                self.graphs = None
+        # the final validation's windows: a new graph where a kernel takes the window as a number (varlen)
+        self.set_windows(args.final_val_windows, plan_step(args, self.total - 1).windows[1])
+        evaluate(self.model_fn, val_batch, self.d.device)
+        model.load_state_dict(saved_model)
+        model.prefix_table.fill_(-1)  # not in the state dict; the timed run builds it again
+        model.zero_grad(set_to_none=True)  # Adam gradients of an even last warm-up step must not leak in
+        self.windows = None  # the restored buffers hold the initial windows again
+        opt.load_state_dict(saved_opt)
+        loader.load_state_dict(saved_loader)
+        if self.graphs is not None:
+            notes.append(f"cuda graphs: {self.graphs.captured()} step shapes captured in the warm-up, each replay "
+                         "equal to the uncaptured step")
+        return notes
+
+
 def train(args: Hyperparameters, d: DistInfo) -> float:
     """The whole run; returns the final validation loss."""
     import time
@@ -3467,9 +3553,7 @@ def train(args: Hyperparameters, d: DistInfo) -> float:
     if dist.is_initialized():
         dist.broadcast_object_list(run_id, src=0)
     run_id = run_id[0]
-    accum = check_batch_split(args, d.world_size)
-    slots = d.world_size * accum
-    total = total_steps(args)
+    check_batch_split(args, d.world_size)
 
     dtype, dtype_note = compute_dtype(args, d)
     torch.manual_seed(args.seed)
@@ -3481,83 +3565,28 @@ def train(args: Hyperparameters, d: DistInfo) -> float:
     if dist.is_initialized():
         for p in model.parameters():
             dist.broadcast(p.data, src=0)
-    fp8 = args.fp8 and _native_fp8(d.device)
-    if fp8:  # step 0's forward already reads the e4m3 weights: quantise the initial ones (W2 is zero,
-        # so only the head and W1 matter); before the warm-up snapshot, so the reset brings them back too
+    if args.fp8 and _native_fp8(d.device):  # step 0's forward already reads the e4m3 weights: quantise
+        # the initial ones (W2 is zero, so only the head and W1 matter); before the warm-up snapshot, so the
+        # reset brings them back too
         model.quantize_fp8(bootstrap=True)
     log = RunLog(args, run_id, d, notes=[dtype_note] if dtype_note else [])
     progress = Progress(d.is_master)
     if dtype_note:
         progress.show(dtype_note, final=True)
-    model_fn = compile_model(model) if args.compile else model
     loader = DocumentLoader(args.train_files, args.bigram_vocab_size, d.rank, d.world_size, d.device)
     val_batches = validation_batches(args.val_files, args.val_tokens, min(args.val_seq_len, args.val_tokens),
                                      args.bigram_vocab_size, d.rank, d.world_size)
-    mtp = torch.zeros(len(args.stages[0].mtp_start), dtype=torch.float32, device=d.device)
-    prefix = torch.zeros((), dtype=torch.float32, device=d.device)
     encoding = gpt2_encoding()  # read before the clock; the prefix table built from it is timed (below)
     start_step = load_checkpoint(args.resume, model, opt, loader, args, d) if args.resume else 0
 
-    grad_scale = grad_scale_for(args, d.world_size)
-    windows = None
-    graphs = StepGraphs(model, model_fn, opt, mtp, prefix, grad_scale, d.device) if use_cuda_graphs(args, d.device) else None
-
-    def set_windows(w, yarn=None):  # the YaRN update runs only when the windows actually change
-        nonlocal windows
-        if (w, yarn) != windows:
-            model.set_windows(*w, yarn_blocks=yarn)
-            windows = (w, yarn)
-
-    def run_step(step, warm_up=False):  # one training step, then the untie right after the last tied step (the record's)
-        plan = plan_step(args, step)
-        set_windows(plan.windows)
-        request = batch_request(args, plan, slots, d.device)
-        batches = loader.next_step(*request)
-        # the next step's batches are built on the loader's thread meanwhile (not while a warm-up step may
-        # capture a graph: the warm-up's next step is rarely this one's successor anyway)
-        if step + 1 < total and not (warm_up and graphs is not None):
-            loader.look_ahead(*batch_request(args, plan_step(args, step + 1), slots, d.device))
-        if graphs is not None:  # the warm-up captures each key's graph (and checks it against the uncaptured step)
-            objective, next_token = graphs.step(batches, plan, step_graph_key(plan, request, accum), capture=warm_up)
-        else:
-            objective, next_token = train_step(model_fn, opt, batches, plan, mtp, prefix, grad_scale, d.device)
-        if step == untie_step(args):
-            opt.untie()
-        if fp8:  # after the optimizer step (the record's per-step order), for the next forward
-            model.quantize_fp8(bootstrap=step < FP8_BOOTSTRAP_STEPS)
-        tokens = plan.batch_tokens / d.world_size  # means per token of this rank's batch (no collective)
-        return plan, torch.stack([next_token / tokens, objective / (grad_scale * tokens)])
-
+    trainer = Trainer(args, d, model, opt, loader)
+    model_fn, total = trainer.model_fn, trainer.total
     if args.compile:
-        # Compile every graph the run needs (each stage, both Adam parities, untied, evaluation) on real
-        # batches, then put model, optimizer and loader back exactly: the timed run compiles nothing.
         t = time.perf_counter()
-        saved_model = {k: v.clone() for k, v in model.state_dict().items()}
-        saved_opt, saved_loader = opt.state_dict(), loader.state_dict()
-        warm = warmup_steps(args)
-        model.prefix_table.copy_(build_prefix_table(encoding, args.padded_vocab_size))  # as in the timed steps
-        for step in warm:
-            set_windows(plan_step(args, step).windows)
-            evaluate(model_fn, val_batches[:1], d.device)
-            run_step(step, warm_up=True)
-            if graphs is not None and graphs.failure:  # this step ran uncaptured; so does the run
-                note = f"cuda graphs off for this run: {graphs.failure}"
-                log.write(note)
-                progress.show(note, final=True)
-                graphs = None
-        # the final validation's windows: a new graph where a kernel takes the window as a number (varlen)
-        set_windows(args.final_val_windows, plan_step(args, total - 1).windows[1])
-        evaluate(model_fn, val_batches[:1], d.device)
-        model.load_state_dict(saved_model)
-        model.prefix_table.fill_(-1)  # not in the state dict; the timed run builds it again
-        model.zero_grad(set_to_none=True)  # Adam gradients of an even last warm-up step must not leak in
-        windows = None  # the restored buffers hold the initial windows again
-        opt.load_state_dict(saved_opt)
-        loader.load_state_dict(saved_loader)
-        progress.show(f"compile warm-up: {len(warm)} steps in {time.perf_counter() - t:.0f}s", final=True)
-        if graphs is not None:
-            log.write(f"cuda graphs: {graphs.captured()} step shapes captured in the warm-up, each replay equal "
-                      "to the uncaptured step")
+        for note in trainer.warm_up(val_batches[:1], build_prefix_table(encoding, args.padded_vocab_size)):
+            log.write(note)
+            progress.show(note, final=True)
+        progress.show(f"compile warm-up: {len(warmup_steps(args))} steps in {time.perf_counter() - t:.0f}s", final=True)
 
     if opt.tied and start_step > untie_step(args):
         raise SystemExit(f"error: checkpoint at step {start_step} is past the untie step but still tied")
@@ -3594,9 +3623,9 @@ def train(args: Hyperparameters, d: DistInfo) -> float:
                     report(*pending)
                     pending = None
                 if last:  # wider windows, YaRN kept at the extension's (the record's final validation)
-                    set_windows(args.final_val_windows, plan_step(args, total - 1).windows[1])
+                    trainer.set_windows(args.final_val_windows, plan_step(args, total - 1).windows[1])
                 else:
-                    set_windows(plan_step(args, step).windows)
+                    trainer.set_windows(plan_step(args, step).windows)
                 val_loss = evaluate(model_fn, val_batches, d.device)
                 log.write(f"step:{step}/{total} val_loss:{val_loss:.4f} train_time:{train_ms:.0f}ms "
                           f"step_avg:{train_ms / max(1, step - start_step):.2f}ms")
@@ -3626,7 +3655,7 @@ def train(args: Hyperparameters, d: DistInfo) -> float:
                 raise SystemExit(128 + stopping)  # the shell's status for a process the signal stopped
             if last:
                 break
-            plan, losses = run_step(step)
+            plan, losses = trainer.step(step)
             stop.share(step)
             now_ms = train_ms + 1000 * (time.perf_counter() - t0)
             if pending is not None:  # the previous step's losses: its kernels are done by now or nearly

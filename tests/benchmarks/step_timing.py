@@ -205,20 +205,16 @@ def run(args: T.Hyperparameters, d: T.DistInfo, steps: int, warmup: int, peak: f
     step) and rest_ms (the micro-batches' forward and backward and the rest): on N GPUs the micro-batches
     split N ways but the optimizer's launches and collectives do not (the projections' upper bound)."""
     accum = T.check_batch_split(args, d.world_size)
-    slots = d.world_size * accum
     torch.manual_seed(args.seed)
     model = T.GPT(args, d.world_size, dtype=T.compute_dtype(args, d)[0]).to(d.device)
     if dist.is_initialized():
         for p in model.parameters():
             dist.broadcast(p.data, src=0)
     opt = T.build_optimizer(args, model, d.device)
-    model_fn = T.compile_model(model) if args.compile else model
     loader = T.DocumentLoader(args.train_files, args.bigram_vocab_size, d.rank, d.world_size, d.device)
-    mtp = torch.zeros(len(args.stages[0].mtp_start), dtype=torch.float32, device=d.device)
-    prefix = torch.zeros((), dtype=torch.float32, device=d.device)
+    trainer = T.Trainer(args, d, model, opt, loader)  # the step train() runs (CUDA graphs where it uses them)
     model.prefix_table.copy_(T.build_prefix_table(T.gpt2_encoding(), args.padded_vocab_size))
-    fp8 = args.fp8 and T._native_fp8(d.device)  # as train(): quantised before step 0 and after every step
-    if fp8:
+    if trainer.fp8:  # as train(): quantised before step 0 and after every step
         model.quantize_fp8(bootstrap=True)
     if d.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(d.device)
@@ -235,17 +231,12 @@ def run(args: T.Hyperparameters, d: T.DistInfo, steps: int, warmup: int, peak: f
         t_warm = time.perf_counter()
         counts = [T.compile_counts()]
 
-        def one_step(i):
-            plan = T.plan_step(args, first + min(i, length - 1))
-            plan = dataclasses.replace(plan, do_adam=i % 2 == 1)  # alternate as in the real run
-            model.set_windows(*plan.windows)
-            batches = loader.next_step(*T.batch_request(args, plan, slots, d.device))
+        def one_step(i):  # train()'s step; the warm-up steps capture the step graphs (CUDA)
+            step = first + min(i, length - 1)
+            plan = dataclasses.replace(T.plan_step(args, step), do_adam=i % 2 == 1)  # alternate as in the real run
             # as train(): the next step is built on the loader's thread (a stage's steps share a plan's shapes)
-            loader.look_ahead(*T.batch_request(args, T.plan_step(args, first + min(i + 1, length - 1)), slots, d.device))
-            T.train_step(model_fn, opt, batches, plan, mtp, prefix, T.grad_scale_for(args, d.world_size), d.device)
-            if fp8:
-                model.quantize_fp8(bootstrap=first + i < T.FP8_BOOTSTRAP_STEPS)
-            return plan, batches
+            plan, _ = trainer.step(step, plan=plan, next_step=first + min(i + 1, length - 1), warm_up=i < warmup)
+            return plan, trainer.batches
 
         host_s = 0.0  # the timed steps' host time: launching a step, no waiting (nothing in it synchronises)
         for i in range(warmup + steps):
@@ -287,7 +278,9 @@ def run(args: T.Hyperparameters, d: T.DistInfo, steps: int, warmup: int, peak: f
                             tokens_per_s=plan.batch_tokens / (ms / 1000), flops_per_token=fpt,
                             graphs_warmup=counts[1]["graphs"] - counts[0]["graphs"],
                             graphs_timed=counts[2]["graphs"] - counts[1]["graphs"],
-                            graph_breaks=counts[2]["graph_breaks"] - counts[0]["graph_breaks"]))
+                            graph_breaks=counts[2]["graph_breaks"] - counts[0]["graph_breaks"],
+                            cuda_graphs=trainer.graphs.captured() if trainer.graphs is not None else 0,
+                            cuda_graphs_off=trainer.graphs.failure if trainer.graphs is not None else ""))
         if split:
             results[-1].update(optimizer_ms=split["optimizer_ms"], rest_ms=split["rest_ms"])
         if profile is not None:
@@ -304,6 +297,9 @@ def run(args: T.Hyperparameters, d: T.DistInfo, steps: int, warmup: int, peak: f
             r["mfu"] = r["flops_per_token"] * r["tokens_per_s"] / (d.world_size * peak * 1e12)
         say(f"{r['stage']:10s} {r['steps']:6d} {r['batch']:9,d} {r['ms']:9.2f} {r['tokens_per_s']:12,.0f} "
             f"{r['flops_per_token'] / 1e9:12.3f} {mfu:>7s} {r['graphs_warmup']:>11d}/{r['graphs_timed']:<11d}")
+    if trainer.graphs is not None:
+        say(f"CUDA graphs: {results[-1]['cuda_graphs'] if results else 0} step shapes captured"
+            + (f"; off after a failed check: {trainer.graphs.failure}" if trainer.graphs.failure else ""))
     for r in results:
         say(f"{r['stage']}: the host launches a step in {r['host_ms']:.2f} ms of its {r['ms']:.2f} "
             "(near equal: the GPU waits on the host)")
