@@ -21,6 +21,7 @@ import shutil
 import signal
 import sys
 import threading
+import types
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -2285,6 +2286,7 @@ class GPT(nn.Module):
         self.register_buffer("prefix_table", torch.full((V,), -1, dtype=torch.int64), persistent=False)
         self.reset_parameters()
         self.set_windows(*args.windows_init)
+        switch_off_components(self)  # the ablation switches (below the fence); the record's switch nothing off
 
     # -- bookkeeping ---------------------------------------------------------------------------
 
@@ -2358,11 +2360,34 @@ class GPT(nn.Module):
         return torch.sigmoid(F.linear(x[:, : self.args.gate_channels], weight.to(x.dtype)))
 
     def _mudd_mlp(self, x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, b2: torch.Tensor, scale) -> torch.Tensor:
-        """Per-token coefficients (T, n) = (W2 gelu(W1 x) + b2) * scale in x's dtype (exact erf GELU);
-        with --mudd false the learned constants b2 * scale, the same for every token."""
-        if not self.args.mudd:
-            return (b2 * scale).expand(x.shape[0], b2.shape[0])
+        """Per-token coefficients (T, n) = (W2 gelu(W1 x) + b2) * scale in x's dtype (exact erf GELU)."""
         return F.linear(F.gelu(F.linear(x, w1)), w2, b2) * scale
+
+    # The components an ablation switch can turn off (switch_off_components, below the fence, puts a
+    # neutral stand-in in their place: zeros, or the identity; the record's switches change nothing).
+
+    def value_embeddings(self, ids: torch.Tensor) -> list[torch.Tensor]:
+        """Every value-embedding table's rows of the tokens, [(T, D)] in table order."""
+        return [F.embedding(ids, t) for t in self.value_embeds.unbind(0)]
+
+    def bigram_features(self, ids: torch.Tensor, bigram_ids: torch.Tensor) -> torch.Tensor:
+        """xb (T, D): the bigram table's row of each (previous, current) hash times its +-1 sign row."""
+        return F.embedding(bigram_ids.view(-1), self.bigram_embed) * self.bigram_sign_table[bigram_sign_index(ids)]
+
+    def smear(self, e: torch.Tensor) -> torch.Tensor:
+        """e[t] += smear_lambda * sigmoid(smear_gate . e[t][:12]) * e[t-1]: crosses document starts, as in the record."""
+        lam = self.scalars[2 * self.args.num_layers].to(e.dtype)
+        return torch.cat([e[:1], e[1:] + lam * self._gate(self.smear_gate, e[1:]) * e[:-1]])
+
+    def unet_skip(self, x: torch.Tensor, gate: torch.Tensor, skip_src: torch.Tensor) -> torch.Tensor:
+        """The "skip" row: x + sigmoid(skip_lambda) * its skip gate * the save_skip layer's output."""
+        return x + torch.sigmoid(self.scalars[2 * self.args.num_layers + 1]).to(x.dtype) * gate * skip_src
+
+    def post_loop(self, x, cache0, h, mudd_in, ve0, skip_src) -> torch.Tensor:
+        """Post-loop MUDD layer 1, whose h coefficient starts at -0.5 (the backout)."""
+        m = self._mudd_coefficients(1, x)
+        x = x + m["cache0"] * cache0 + m["h"] * h + m["mudd_input"] * mudd_in  # the record's order of sums
+        return x + m["ve0"] * ve0 + m["skip_source"] * skip_src
 
     def _mudd_gate(self, k: int, x: torch.Tensor) -> torch.Tensor:
         """MUDD gate k's coefficients (T, n_k), scaled by the learnable gate scale cast to x's dtype."""
@@ -2496,8 +2521,8 @@ class GPT(nn.Module):
                fp8: bool = False, masks: dict | None = None) -> torch.Tensor:
         """Final normalised hidden states (T, D), the input of the LM head; fp8: FP8 MLPs (training);
         masks: attention_masks(cu_seqlens, T), built here when not given (eager use)."""
-        a, s = self.args, self.scalars
-        L, H, hd = len(self.layers), a.num_heads, a.head_dim
+        a = self.args
+        H, hd = a.num_heads, a.head_dim
         ids = input_ids.view(-1)
         T = ids.numel()
         doc = document_ids(cu_seqlens, T)
@@ -2508,15 +2533,9 @@ class GPT(nn.Module):
         # where indexing bank[i] would allocate and add a whole-bank zero gradient per use.
         w = {"qk": self.qk_bank.unbind(0), "vo": self.vo_bank.unbind(0)}
         mlp = self.mlp_bank.unbind(0)
-        ve = [F.embedding(ids, t) for t in self.value_embeds.unbind(0)] if a.value_embeds else None
-        xb = None
-        if a.bigram_embed:
-            xb = F.embedding(bigram_ids.view(-1), self.bigram_embed)
-            if a.bigram_signs:
-                xb = xb * self.bigram_sign_table[bigram_sign_index(ids)]
-        if a.smear:  # crosses document starts, as in the record
-            e = torch.cat([e[:1], e[1:] + s[2 * L].to(dt) * self._gate(self.smear_gate, e[1:]) * e[:-1]])
-        x0 = norm(e)
+        ve = self.value_embeddings(ids)
+        xb = self.bigram_features(ids, bigram_ids)
+        x0 = norm(self.smear(e))
         gates = [self._mudd_gate(0, x0), None]
 
         def coef(kind, i):  # layer i's per-token coefficients from MUDD gate 0 or 1
@@ -2524,7 +2543,7 @@ class GPT(nn.Module):
             start, width = self.gate_layout[k][kind, i]
             return gates[k][:, start: start + width]
 
-        x = cache0 = x0 if xb is None else x0 + coef("bigram", 0) * xb
+        x = cache0 = x0 + coef("bigram", 0) * xb
         resid, post = self.resid_lambdas.to(dt), self.post_lambdas.to(dt)
         rope = rotary_tables(self.rotary_freq, T, H, dt)
         if masks is None:
@@ -2534,10 +2553,9 @@ class GPT(nn.Module):
         for i, row in enumerate(self.layers):
             if i == self.post_gates_layer:
                 gates[1] = self._mudd_gate(1, x)  # from the raw residual entering this layer
-            ve_i = ve[self.ve_slot[i]] if ve is not None and i in self.ve_slot else None
+            ve_i = ve[self.ve_slot[i]] if i in self.ve_slot else None
             if row.attention == "none":
-                if a.unet_skip:
-                    x = x + torch.sigmoid(s[2 * L + 1]).to(dt) * coef("skip", i) * skip_src
+                x = self.unet_skip(x, coef("skip", i), skip_src)
             elif row.mudd:
                 mudd_in = x
                 m = self._mudd_coefficients(0, x)
@@ -2547,13 +2565,11 @@ class GPT(nn.Module):
                                      m["ve_gate_second_half"].expand(T, H // 2)], dim=1)
                 y = self._attention(i, norm(h if row.input == "h" else x), ve_i, ve_gate, aux_v,
                                     doc, rope, masks, coef, w)
-                x = m["resid_attn"] * x + m["post_attn"] * y + m["x0"] * cache0
-                if xb is not None:
-                    x = x + m["bigram"] * xb
+                x = m["resid_attn"] * x + m["post_attn"] * y + m["x0"] * cache0 + m["bigram"] * xb
             else:
                 y = self._attention(i, norm(h if row.input == "h" else x), ve_i, None, None, doc, rope, masks, coef, w)
                 x = resid[i, 0] * x + post[i, 0] * y + coef("x0", i) * x0
-                if i > 0 and xb is not None:
+                if i > 0:
                     x = x + coef("bigram", i) * xb
             out = self._mlp(i, norm(x), mlp[2 * i], mlp[2 * i + 1], post_maxima)
             x = m["resid_mlp"] * x + m["post_mlp"] * out if row.mudd else resid[i, 1] * x + post[i, 1] * out
@@ -2563,13 +2579,7 @@ class GPT(nn.Module):
                 h = x
         if fp8:  # every layer has read its act scale: now the next forward's, in one write
             self.fp8_mlp.update_act_scales(post_maxima)
-        if a.backout:  # post-loop MUDD layer 1; its h coefficient starts at -0.5 (the backout)
-            m = self._mudd_coefficients(1, x)
-            x = x + m["cache0"] * cache0 + m["h"] * h + m["mudd_input"] * mudd_in  # the record's order of sums
-            if ve is not None:
-                x = x + m["ve0"] * ve[0]
-            x = x + m["skip_source"] * skip_src
-        return norm(x)
+        return norm(self.post_loop(x, cache0, h, mudd_in, ve[0], skip_src))
 
     def logits(self, input_ids, cu_seqlens, bigram_ids, masks: dict | None = None) -> torch.Tensor:
         """Softcapped fp32 logits (T, Vp) of the plain bf16 head (evaluation and tests)."""
@@ -4832,6 +4842,47 @@ def switched_off_configs(args: Hyperparameters, configs: dict[str, ParamConfig])
 
 
 CONFIG_CHANGES.extend([adamw_bank_configs, switched_off_configs])
+
+
+# ---- Ablations of the model: components switched off ------------------------------------------
+
+# Each switch (a Hyperparameters field) puts a neutral stand-in in place of a GPT method: zeros where the
+# forward adds the component (x + 0 is x, to the bit), the identity where it transforms. The component's
+# parameters stay in the model (checkpoints keep one layout), unread or multiplied by zero, and frozen
+# by switched_off_configs. "bigram_embed" comes after "bigram_signs": with both off, zeros.
+def _zero_value_embeddings(model: GPT, ids: torch.Tensor) -> list[torch.Tensor]:
+    return [model.embed.new_zeros(ids.numel(), model.args.model_dim)] * model.value_embeds.shape[0]
+
+
+def _unsigned_bigram_features(model: GPT, ids: torch.Tensor, bigram_ids: torch.Tensor) -> torch.Tensor:
+    return F.embedding(bigram_ids.view(-1), model.bigram_embed)
+
+
+def _zero_bigram_features(model: GPT, ids: torch.Tensor, bigram_ids: torch.Tensor) -> torch.Tensor:
+    return model.embed.new_zeros(ids.numel(), model.args.model_dim)
+
+
+def _constant_mudd_mlp(model: GPT, x: torch.Tensor, w1, w2, b2: torch.Tensor, scale) -> torch.Tensor:
+    """--mudd false: the learned constants b2 * scale, the same for every token."""
+    return (b2 * scale).expand(x.shape[0], b2.shape[0])
+
+
+SWITCHED_OFF = {  # switch: (the GPT method it replaces, the stand-in)
+    "value_embeds": ("value_embeddings", _zero_value_embeddings),
+    "bigram_signs": ("bigram_features", _unsigned_bigram_features),
+    "bigram_embed": ("bigram_features", _zero_bigram_features),
+    "smear": ("smear", lambda model, e: e),
+    "unet_skip": ("unet_skip", lambda model, x, gate, skip_src: x),
+    "backout": ("post_loop", lambda model, x, *sources: x),
+    "mudd": ("_mudd_mlp", _constant_mudd_mlp),
+}
+
+
+def switch_off_components(model: GPT) -> None:
+    """The stand-in of every component whose switch is off, bound to the model."""
+    for switch, (method, stand_in) in SWITCHED_OFF.items():
+        if not getattr(model.args, switch):
+            setattr(model, method, types.MethodType(stand_in, model))
 
 
 if __name__ == "__main__":

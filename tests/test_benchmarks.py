@@ -160,6 +160,18 @@ def test_switch_equals_removing_the_component(switch):
     assert l_off == pytest.approx(l_ref, abs=1e-5)
 
 
+def test_the_record_binds_no_stand_in_and_each_switch_its_own():
+    """GPT's components are the record's unless a switch is off: then exactly that switch's method is
+    the stand-in (bound on the model, so the class keeps the record's)."""
+    methods = {method for method, _ in tg.SWITCHED_OFF.values()}
+    with torch.device("meta"):
+        record = tg.GPT(TEST)
+        assert not methods & set(vars(record))
+        for switch, (method, _) in tg.SWITCHED_OFF.items():
+            off = tg.GPT(dataclasses.replace(TEST, **{switch: False}))
+            assert set(vars(off)) & methods == {method}, switch
+
+
 def test_row_ablations_switch_the_feature_off_in_every_row():
     """Row ablations against the rows spelt out: no row keeps the feature, nothing else changes."""
     feature = {"xsa": ("xsa", False), "attn_gates": ("gate", False), "dc": ("dc", False),
