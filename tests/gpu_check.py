@@ -127,7 +127,8 @@ CHECKS: tuple[Check, ...] = (
     # -- speedrun: the preset's step times and a profile ------------------------------------------------
     Check("speedrun-timing", 500, "the speedrun preset on one GPU (accumulation 8), generated shards: 2 warm-up + "
           "4 timed steps per stage; compile time, recompiles, ms/step, tokens/s, MFU, peak memory, projections; "
-          "a torch.profiler trace of 2 stage-1 steps (GPU busy fraction, top kernels, host ops)", (), "speedrun"),
+          "a torch.profiler trace of 2 stage-1 steps (GPU busy fraction, top kernels, host ops), through the step "
+          "train() runs (Trainer.step: CUDA graphs captured in the warm-up steps)", (TG + "Trainer.__init__",), "speedrun"),
     # -- tune: tile configurations of the kernels that dominate a step -----------------------------------
     Check("kernel-tuning", 400, "the loss kernel, the dpre epilogue, the bf16 relu2 forward and the FP8 up-projection "
           "at 16,384 and 49,152 tokens under every tile configuration of MM_SWEEP / CE_SWEEP: committed against the "

@@ -404,7 +404,7 @@ def measure(args: T.Hyperparameters, backend: str, steps: int, warmup: int = 2, 
         total, each = DispatchCount(), []
         for s in range(warmup, warmup + steps):
             count, loss = count_host_dispatches(runner.step, s, runner.batches(s, model_masks))
-            if not torch.isfinite(loss):
+            if not torch.isfinite(loss).all():  # (next-token loss, objective)
                 raise SystemExit(f"error: step {s} gave loss {loss}")
             log(f"step {s} ({'NorMuon + Adam' if s % 2 else 'NorMuon'}): {count.total} host dispatches")
             total = merged(total, count)
