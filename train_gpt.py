@@ -2593,39 +2593,54 @@ class GPT(nn.Module):
         the plain next-token CE of the same logits, evaluation's measure (0-D fp32, no gradient, from
         the loss kernel's pass); FP8 head and MLPs on capable GPUs. Evaluation (mtp_weights None):
         mean next-token fp32 CE. masks: attention_masks(cu_seqlens, T), required when compiled on CUDA."""
-        fp8 = mtp_weights is not None and self.args.fp8 and _native_fp8(input_ids.device)
+        if mtp_weights is None:
+            return self.evaluation_loss(self.hidden(input_ids, cu_seqlens, bigram_ids, masks=masks), target_ids)
+        fp8 = self.args.fp8 and _native_fp8(input_ids.device)
         x = self.hidden(input_ids, cu_seqlens, bigram_ids, fp8=fp8, masks=masks)
-        if mtp_weights is None:  # chunked: full fp32 logits of a long sequence would take gigabytes
-            targets = target_ids.view(-1).long()
-            total = x.new_zeros((), dtype=torch.float32)
-            for c in range(0, x.shape[0], EVAL_CHUNK_TOKENS):
-                logits, t = x[c: c + EVAL_CHUNK_TOKENS] @ self.lm_head, targets[c: c + EVAL_CHUNK_TOKENS]
-                if logits.is_cpu and not torch.compiler.is_compiling():  # the same bits, in cache-sized blocks
-                    total = total + F.nll_loss(triton_kernels.softcap_log_probs(logits), t, reduction="sum")
-                else:
-                    total = total + F.cross_entropy(triton_kernels.softcap(logits), t, reduction="sum")
-            return total / x.shape[0]
         targets = target_ids.view(-1)
-        prefix_ids = None
-        if prefix_weight is not None:
-            prefix_ids = self.prefix_table[targets.long()]
-        else:
-            prefix_weight = None
+        prefix_ids = None if prefix_weight is None else self.prefix_table[targets.long()]
         # the loss kernel's stored gradient assumes exactly this upstream gradient, loss_scale per token
         # (triton_kernels, "Softcapped cross-entropy")
-        if self.args.fp8 and _native_fp8(x.device):  # elsewhere the emulation would only cost time
-            # x quantised here, in the graph; lm_head's copy as quantize_fp8 made it after the last step
-            loss, next_token, _ = fp8_head_loss(
-                x, self.lm_head, fp8_head_input(x), self.lm_head_f8_t.T, targets, mtp_weights, prefix_ids,
-                prefix_weight, FP8_HEAD_X_SCALE, FP8_HEAD_W_SCALE, FP8_HEAD_GRAD_SCALE * float(loss_scale),
-                float(loss_scale))
-        elif x.is_cpu:  # the head's matmuls inside the loss's row blocks: no (T, V) tensor in memory
-            loss, next_token = triton_kernels.softcapped_ce_mtp_head_rows(
-                x, self.lm_head, targets, mtp_weights, prefix_ids, prefix_weight, grad_scale=loss_scale, next_token=True)
-        else:
-            loss, next_token = triton_kernels.softcapped_ce_mtp(
-                x @ self.lm_head, targets, mtp_weights, prefix_ids, prefix_weight, grad_scale=loss_scale, next_token=True)
+        loss, next_token = HEAD_LOSSES["fp8" if fp8 else x.device.type](
+            self, x, targets, mtp_weights, prefix_ids, prefix_weight, loss_scale)
         return loss.sum() * loss_scale, next_token.sum()
+
+    def evaluation_loss(self, x: torch.Tensor, target_ids: torch.Tensor) -> torch.Tensor:
+        """Mean next-token fp32 CE of the bf16 head on x (T, D), in chunks: full fp32 logits of a long
+        sequence would take gigabytes."""
+        targets = target_ids.view(-1).long()
+        total = x.new_zeros((), dtype=torch.float32)
+        for c in range(0, x.shape[0], EVAL_CHUNK_TOKENS):
+            logits, t = x[c: c + EVAL_CHUNK_TOKENS] @ self.lm_head, targets[c: c + EVAL_CHUNK_TOKENS]
+            total = total + EVALUATION_CE[logits.device.type](logits, t)
+        return total / x.shape[0]
+
+
+def fp8_head(model: GPT, x, targets, mtp_weights, prefix_ids, prefix_weight, loss_scale):
+    """The FP8 head's training loss (GPUs with FP8 tensor cores, record #89's): x quantised here, in the
+    graph; lm_head's copy as quantize_fp8 made it after the last step. (loss, next-token loss) per token."""
+    loss, next_token, _ = fp8_head_loss(
+        x, model.lm_head, fp8_head_input(x), model.lm_head_f8_t.T, targets, mtp_weights, prefix_ids, prefix_weight,
+        FP8_HEAD_X_SCALE, FP8_HEAD_W_SCALE, FP8_HEAD_GRAD_SCALE * float(loss_scale), float(loss_scale))
+    return loss, next_token
+
+
+def bf16_evaluation_ce(logits: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """Evaluation's summed next-token CE of a chunk of bf16 logits, softcapped in fp32."""
+    return F.cross_entropy(triton_kernels.softcap(logits), t, reduction="sum")
+
+
+def bf16_head(model: GPT, x, targets, mtp_weights, prefix_ids, prefix_weight, loss_scale):
+    """The bf16 head's training loss: the logits, then the loss kernel. (loss, next-token loss) per token."""
+    return triton_kernels.softcapped_ce_mtp(x @ model.lm_head, targets, mtp_weights, prefix_ids, prefix_weight,
+                                            grad_scale=loss_scale, next_token=True)
+
+
+# The head's training loss by where it runs: "fp8" (args.fp8 on a GPU with FP8 tensor cores), else the
+# device type; evaluation's summed CE of a chunk of logits by device type. The CPU's own (the head
+# fused into the loss's row blocks; log-probabilities in cache-sized blocks) add themselves below the fence.
+HEAD_LOSSES = dict(fp8=fp8_head, cuda=bf16_head)
+EVALUATION_CE = dict(cuda=bf16_evaluation_ce)
 
 
 def count_parameters(args: Hyperparameters, world_size: int = 1) -> dict[str, tuple[int, ...]]:
@@ -4883,6 +4898,25 @@ def switch_off_components(model: GPT) -> None:
     for switch, (method, stand_in) in SWITCHED_OFF.items():
         if not getattr(model.args, switch):
             setattr(model, method, types.MethodType(stand_in, model))
+
+
+# ---- The CPU's head and evaluation loss ------------------------------------------------------
+
+def cpu_head(model: GPT, x, targets, mtp_weights, prefix_ids, prefix_weight, loss_scale):
+    """The head's matmuls inside the loss's row blocks: no (T, V) tensor in memory. (loss, next-token loss)."""
+    return triton_kernels.softcapped_ce_mtp_head_rows(x, model.lm_head, targets, mtp_weights, prefix_ids, prefix_weight,
+                                                      grad_scale=loss_scale, next_token=True)
+
+
+def cpu_evaluation_ce(logits: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """The same bits as the GPU's, in cache-sized blocks (the plain form inside a compiled graph)."""
+    if torch.compiler.is_compiling():
+        return bf16_evaluation_ce(logits, t)
+    return F.nll_loss(triton_kernels.softcap_log_probs(logits), t, reduction="sum")
+
+
+HEAD_LOSSES["cpu"] = cpu_head
+EVALUATION_CE["cpu"] = cpu_evaluation_ce
 
 
 if __name__ == "__main__":
