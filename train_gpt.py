@@ -363,6 +363,9 @@ def copy_from_host_(dst: torch.Tensor, src: torch.Tensor) -> None:
 
 _FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 SCALE_ALIGN_BYTES = 16  # cuBLASLt reads scale pointers as 16-byte aligned: offsets 4, 8, 12 fail on H100
+FP8_SCALE_SLOT = SCALE_ALIGN_BYTES // 4  # fp32 entries per per-layer scale: each scale starts a 16-byte slot
+FP8_SCALE_FLOOR = 1e-12  # an all-zero tensor (W2 at init) still gets a finite scale
+E4M3_MAX = triton_kernels.E4M3_MAX
 
 
 def _quantize_fp8(t: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
@@ -534,40 +537,20 @@ fp8_head_loss.register_autograd(_fp8_head_loss_autograd, setup_context=_fp8_head
 
 
 # ---- FP8 MLP (record #89, modded-nanogpt PR #342) ---------------------------------------------
-# Training forward only (evaluation stays bf16). Up-projection: x is quantised with its own current
-# amax, x_f8 = e4m3(x * 448 / amax|x|), in the traced graph (FP8MLPState.mlp); W1 with a per-layer
-# s1 = amax|W1| / 448 taken in the bank's bf16 after every optimizer step; the kernel accumulates in
-# fp32, dequantises by s1 * amax|x| / 448 and keeps post = relu(pre)^2 in bf16 plus an e4m3 copy for
-# the down-projection, and each program leaves its maximum of post; all layers' maxima are reduced
-# once after the last layer, into the next forward's activation scales (FP8MLPState.update_act_scales;
-# the record's kernel epilogue takes a per-SM partial max the same way). Down-projection:
-# torch._scaled_mm with delayed per-layer scales, so no scale waits on a reduction of its own input:
-#   activations  a_l = max(amax of post in the previous training forward, 1e-12) * 1.80 / 448 (1.0
-#                before the first), post_f8 = e4m3(min(post / a_l, 448));
-#   weights      W2_f8 = e4m3(clamp(W2 / w_l, +-448)) where w_l was computed at the previous
-#                quantization as max(amax|W2|, 1e-12) * 1.12 / 448; the first FP8_BOOTSTRAP_STEPS
-#                optimizer steps use the current amax / 448 instead (W2 starts at zero, so a
-#                one-step-old amax is far too small while it grows).
-# The backward is bf16 from the saved post and the bf16 weights (triton_kernels.relu2_mlp_backward).
-
-FP8_SCALE_FLOOR = 1e-12       # an all-zero tensor (W2 at init) still gets a finite scale
-E4M3_MAX = triton_kernels.E4M3_MAX
-
+# Training forward only. Up: x_f8 = e4m3(x * 448 / amax|x|) (its current amax, in the traced graph),
+# W1 / s1 with s1 = amax|W1| / 448 per layer after every optimizer step; the kernel keeps post =
+# relu(pre)^2 in bf16 and e4m3 and leaves per-program maxima of post, reduced once after the last layer
+# into the next forward's act scales. Down: torch._scaled_mm with delayed scales, post / a_l with a_l =
+# (the previous forward's amax of post) * 1.80 / 448, and W2 / w_l with w_l = (the previous
+# quantisation's amax|W2|) * 1.12 / 448 (the current amax / 448 for the first FP8_BOOTSTRAP_STEPS
+# steps: W2 starts at zero). The backward is bf16 from post (triton_kernels.relu2_mlp_backward).
 
 @torch.library.custom_op("speedrun::fp8_mlp", mutates_args=())
 def fp8_mlp(x: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, x_f8: torch.Tensor, up_f8: torch.Tensor,
             up_dequant: torch.Tensor, down_f8_t: torch.Tensor, down_scale: torch.Tensor, act_scale: torch.Tensor,
             fast_accum: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """relu(x w_up^T)^2 w_down in FP8 for bf16 x (T, D). Returns (y (T, D) bf16, post (T, H) bf16,
-    maxima of post over disjoint parts (P,) fp32, P = triton_kernels.relu2_fp8_up_partial_count).
-
-    The forward reads only the quantised operands: x_f8 (T, D) e4m3 (x * 448 / amax|x|, quantised by
-    the caller in the traced graph), up_f8 (H, D) e4m3 with up_dequant = up_scale * amax|x| / 448 the
-    product of both operands' scales, down_f8_t (D, H) e4m3 (W2 transposed, so its .mT is the
-    column-major (H, D) operand cuBLAS wants) with scale down_scale, and act_scale for post; scales are
-    0-D fp32 tensors. x, w_up and w_down (bf16; the weights (H, D)) are inputs for the backward, which
-    computes their gradients in bf16 from post. fast_accum: the up-projection kernel's accumulation
-    (triton_kernels, FP8 MLP up-projection)."""
+    """relu(x w_up^T)^2 w_down in FP8 from the e4m3 operands and 0-D fp32 scales: (y (T, D) bf16, post
+    (T, H) bf16, maxima of post over parts (P,) fp32); x, w_up, w_down (bf16) serve the backward."""
     post, post_f8, post_max = triton_kernels.relu2_fp8_up_partials(x_f8, up_f8, up_dequant, act_scale,
                                                                    fast_accum=fast_accum)
     y = _scaled_matmul(post_f8, down_f8_t.mT, act_scale, down_scale, torch.bfloat16, fast_accum=True)
@@ -577,16 +560,13 @@ def fp8_mlp(x: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, x_f8: tor
 @fp8_mlp.register_fake
 def _fp8_mlp_fake(x, w_up, w_down, x_f8, up_f8, up_dequant, down_f8_t, down_scale, act_scale, fast_accum=True):
     T, H = x.shape[0], up_f8.shape[0]
-    parts = triton_kernels.relu2_fp8_up_partial_count(T, H, x.device)
     return (x.new_empty((T, down_f8_t.shape[0]), dtype=torch.bfloat16), x.new_empty((T, H), dtype=torch.bfloat16),
-            x.new_empty((parts,), dtype=torch.float32))
+            x.new_empty((triton_kernels.relu2_fp8_up_partial_count(T, H, x.device),), dtype=torch.float32))
 
 
 def _fp8_mlp_setup_context(ctx, inputs, output):
-    x, w_up, w_down = inputs[:3]
-    _, post, post_max = output
-    ctx.mark_non_differentiable(post, post_max)
-    ctx.save_for_backward(x, w_up, w_down, post)
+    ctx.mark_non_differentiable(*output[1:])  # post and its maxima
+    ctx.save_for_backward(*inputs[:3], output[1])  # x, w_up, w_down, post
 
 
 def _fp8_mlp_autograd(ctx, grad_y, grad_post, grad_max):
@@ -597,27 +577,15 @@ def _fp8_mlp_autograd(ctx, grad_y, grad_post, grad_max):
 fp8_mlp.register_autograd(_fp8_mlp_autograd, setup_context=_fp8_mlp_setup_context)
 
 
-FP8_SCALE_SLOT = SCALE_ALIGN_BYTES // 4  # fp32 entries per per-layer scale: each scale starts a 16-byte slot
-
-
 class FP8MLPState(nn.Module):
-    """Per-layer FP8 state of the MLPs: quantised weights, their scales, the delayed activation scales.
-
-    Scales are (L, FP8_SCALE_SLOT) fp32 with the value in column 0, so scale[layer, 0] sits at byte
-    16 * layer: torch._scaled_mm hands scale pointers to cuBLASLt, which rejects any that is not
-    16-byte aligned (a plain (L,) vector fails from layer 1 on). All buffers are persistent, so
-    model.state_dict() carries them: the reset after the compile warm-up and checkpoints restore them
-    with the weights (activation scales back to 1.0 at a fresh start, as in the record). Call
-    quantize() after every optimizer step, and once before the first FP8 forward (GPT.quantize_fp8);
-    in the training forward call mlp() per layer, then update_act_scales() once with every layer's
-    maxima of post.
-    """
+    """Per-layer FP8 state of the MLPs (persistent: the warm-up's reset and checkpoints restore it), its
+    scales (L, FP8_SCALE_SLOT) fp32 with the value at byte 16 * layer (cuBLASLt's alignment). quantize()
+    after every optimizer step; per forward, mlp() per layer, then update_act_scales() once."""
 
     def __init__(self, num_layers: int, hidden: int, dim: int, fast_accum: bool = True):
         super().__init__()
         self.fast_accum = fast_accum  # of the up-projection kernel (the record's: fast)
-        e4m3 = torch.float8_e4m3fn
-        slots = (num_layers, FP8_SCALE_SLOT)
+        e4m3, slots = torch.float8_e4m3fn, (num_layers, FP8_SCALE_SLOT)
         self.register_buffer("up_f8", torch.zeros(num_layers, hidden, dim, dtype=e4m3))
         self.register_buffer("up_scale", torch.ones(slots))
         self.register_buffer("down_f8_t", torch.zeros(num_layers, dim, hidden, dtype=e4m3))  # W2^T per layer
@@ -626,17 +594,12 @@ class FP8MLPState(nn.Module):
         self.register_buffer("act_scale", torch.ones(slots))
 
     def mlp(self, layer: int, x: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Layer `layer`'s MLP on x (T, D) bf16 with w_up, w_down (H, D) (its mlp_bank entries, which
-        receive the gradients). Returns (y (T, D) bf16, maxima of post (P,) fp32) for update_act_scales.
-        x's amax and e4m3 cast are plain torch here, so the compiled graph fuses them into the norm
-        that produces x; the op reads this layer's act scale as the previous forward left it."""
+        """Layer `layer`'s MLP on x (T, D) bf16 with its mlp_bank entries w_up, w_down (H, D): (y, maxima
+        of post). x's amax and cast are plain torch, fused by the compiled graph into the norm before."""
         H, D = self.up_f8.shape[1:]
-        if x.dim() != 2 or x.shape[1] != D:
-            raise ValueError(f"FP8MLPState.mlp: x must be (T, {D}), got {tuple(x.shape)}")
-        if w_up.shape != (H, D) or w_down.shape != (H, D):
-            raise ValueError(f"FP8MLPState.mlp: w_up and w_down must be ({H}, {D}), got {tuple(w_up.shape)} and {tuple(w_down.shape)}")
-        if not (x.dtype == w_up.dtype == w_down.dtype == torch.bfloat16):
-            raise ValueError(f"FP8MLPState.mlp: x, w_up, w_down must be bf16, got {x.dtype}, {w_up.dtype}, {w_down.dtype}")
+        if x.shape[1:] != (D,) or {w_up.shape, w_down.shape} != {(H, D)} or {x.dtype, w_up.dtype, w_down.dtype} != {torch.bfloat16}:
+            raise ValueError(f"FP8MLPState.mlp: x must be (T, {D}), w_up and w_down ({H}, {D}), all bf16; got x "
+                             f"{tuple(x.shape)} {x.dtype}, w_up {tuple(w_up.shape)} {w_up.dtype}, w_down {tuple(w_down.shape)} {w_down.dtype}")
         xd = x.detach()  # x's gradient comes through the op's x argument (the bf16 backward)
         amax_x = xd.abs().amax().float()  # current scaling of the up-projection's input (record #89)
         x_f8 = (xd.float() * (E4M3_MAX / amax_x)).to(torch.float8_e4m3fn)
@@ -646,20 +609,17 @@ class FP8MLPState(nn.Module):
         return y, post_max
 
     def update_act_scales(self, post_maxima: list[torch.Tensor]) -> None:
-        """After the forward's last MLP: every layer's next act scale from its maxima of post, in one
-        reduction and one write (modded-nanogpt PR #342 reduces its per-SM partials after all layers).
-        post_maxima[layer] is mlp()'s second output for that layer."""
-        L = self.act_scale.shape[0]
-        if len(post_maxima) != L:
+        """Every layer's next act scale from its maxima of post (mlp()'s second outputs), in one reduction
+        and one write after the last MLP (PR #342 reduces its per-SM partials after all layers too)."""
+        if len(post_maxima) != (L := self.act_scale.shape[0]):
             raise ValueError(f"FP8MLPState.update_act_scales: post_maxima must hold {L} layers' maxima, got {len(post_maxima)}")
         amax = torch.stack(post_maxima).amax(dim=1)
         self.act_scale[:, 0] = amax.clamp_min(FP8_SCALE_FLOOR) * (FP8_ACT_HEADROOM / E4M3_MAX)
 
     @torch.no_grad()
     def quantize(self, mlp_bank: torch.Tensor, bootstrap: bool) -> None:
-        """Refresh the e4m3 copies from mlp_bank ([2i] = W1 (H, D), [2i+1] = W2 stored (H, D)).
-        bootstrap: scale W2 by its current amax / 448 (optimizer steps < FP8_BOOTSTRAP_STEPS); else
-        by the headroom scale the previous call computed. Either way the next headroom scale is taken."""
+        """The e4m3 copies from mlp_bank ([2i] = W1, [2i+1] = W2, (H, D)); W2 by its current amax / 448
+        when bootstrap (steps < FP8_BOOTSTRAP_STEPS), else by the headroom scale the last call took."""
         L, H, D = self.up_f8.shape
         if mlp_bank.dim() != 3 or mlp_bank.shape[0] < 2 * L or tuple(mlp_bank.shape[1:]) != (H, D):
             raise ValueError(f"FP8MLPState.quantize: mlp_bank must be (>= {2 * L}, {H}, {D}), got {tuple(mlp_bank.shape)}")

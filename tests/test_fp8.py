@@ -498,11 +498,11 @@ def test_fp8_mlp_opcheck():
 def test_fp8_mlp_errors():
     x, w_up, w_down, _ = mlp_inputs(T=32, D=32, H=48)
     state = fp8_state(w_up, w_down)
-    with pytest.raises(ValueError, match="x must be"):
+    with pytest.raises(ValueError, match=r"x must be \(T, 32\), .* got x \(32, 16\) torch.bfloat16, w_up \(48, 32\)"):
         state.mlp(0, x[:, :16], w_up, w_down)
-    with pytest.raises(ValueError, match="w_up and w_down must be"):
+    with pytest.raises(ValueError, match=r"w_up and w_down \(48, 32\), .* w_down \(32, 48\) torch.bfloat16$"):
         state.mlp(0, x, w_up, w_down.T)
-    with pytest.raises(ValueError, match="must be bf16"):
+    with pytest.raises(ValueError, match=r"all bf16; got x \(32, 32\) torch.float32"):
         state.mlp(0, x.float(), w_up, w_down)
     with pytest.raises(ValueError, match="mlp_bank must be"):
         state.quantize(torch.stack([w_up, w_down])[:, :, :16], bootstrap=True)
