@@ -14,7 +14,9 @@
 #                                   the CPU benchmarks and a short demo-preset timing. Both print the
 #                                   committed token-efficiency and ablation tables (records/) and the host
 #                                   dispatches of one training step (tests/benchmarks/host_dispatch.py,
-#                                   counted on CPU tensors on any machine).
+#                                   counted on CPU tensors on any machine) and the calls from the training
+#                                   loop to each Triton kernel (tests/benchmarks/call_depth.py, read from
+#                                   the source).
 #                                   `./run.sh bench --dry-run` lists them.
 #   ./run.sh gpu-check [ARGS...]    every CUDA path checked on this machine's GPU, then the speedrun's step
 #                                   times; report in records/gpu_check/ (tests/README.md "GPU check"). Uses
@@ -216,7 +218,7 @@ if [[ $mode == bench ]]; then
            "$py tests/benchmarks/token_efficiency.py --load records/token_efficiency_sympy_500K --no_plot"
            "$py tests/benchmarks/token_efficiency.py --load records/token_efficiency_tinyshakespeare_500K --no_plot"
            "$py tests/benchmarks/stage_rise.py --table records/stage_rise"
-           "$py tests/benchmarks/host_dispatch.py")
+           "$py tests/benchmarks/host_dispatch.py" "$py tests/benchmarks/call_depth.py")
   if (( gpus > 0 )); then
     # The speedrun preset reads the FineWeb train shards: fetch the first one if absent.
     benches=("$py data/cached_fineweb10B.py 1" "${benches[@]}"
