@@ -550,9 +550,9 @@ def fp8_mlp(x: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, x_f8: tor
             up_dequant: torch.Tensor, down_f8_t: torch.Tensor, down_scale: torch.Tensor, act_scale: torch.Tensor,
             fast_accum: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """relu(x w_up^T)^2 w_down in FP8 from the e4m3 operands and 0-D fp32 scales: (y (T, D) bf16, post
-    (T, H) bf16, maxima of post over parts (P,) fp32); x, w_up, w_down (bf16) serve the backward."""
-    post, post_f8, post_max = triton_kernels.relu2_fp8_up_partials(x_f8, up_f8, up_dequant, act_scale,
-                                                                   fast_accum=fast_accum)
+    (T, H) bf16, maxima of post over parts (P,) fp32); x, w_up, w_down (bf16) serve the backward. CUDA's
+    kernel (the CPU's emulation is registered below the fence)."""
+    post, post_f8, post_max = triton_kernels.relu2_fp8_up_triton(x_f8, up_f8, up_dequant, act_scale, fast_accum=fast_accum)
     y = _scaled_matmul(post_f8, down_f8_t.mT, act_scale, down_scale, torch.bfloat16, fast_accum=True)
     return y, post, post_max
 
@@ -4877,6 +4877,17 @@ def cpu_evaluation_ce(logits: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
 
 HEAD_LOSSES["cpu"] = cpu_head
 EVALUATION_CE["cpu"] = cpu_evaluation_ce
+
+
+# ---- The FP8 MLP on a CPU: emulated (tests, host-dispatch counts) ---------------------------------
+
+@fp8_mlp.register_kernel("cpu")
+def _fp8_mlp_cpu(x, w_up, w_down, x_f8, up_f8, up_dequant, down_f8_t, down_scale, act_scale, fast_accum=True):
+    """fp8_mlp on CPU tensors: the up-projection's reference (its float8 products exact in fp32), the
+    down-projection's float8 matmul emulated (_scaled_matmul)."""
+    post, post_f8, post_max = triton_kernels.relu2_fp8_up_partials(x_f8, up_f8, up_dequant, act_scale,
+                                                                   fast_accum=fast_accum)
+    return _scaled_matmul(post_f8, down_f8_t.mT, act_scale, down_scale, torch.bfloat16, fast_accum=True), post, post_max
 
 
 if __name__ == "__main__":

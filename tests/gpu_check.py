@@ -28,7 +28,8 @@ each check's process runs this file with --run-one); the coverage scan in gpu_ch
 Every check declares what it covers: the @triton.jit kernels ("kernel:"), the custom ops by their
 registered names ("op:speedrun::"), and the public functions of train_gpt.py and triton_kernels.py
 holding a CUDA-only branch ("cuda:<file>:"); a branch in a private helper counts for the public
-functions, ops or kernels that reach it, so no row names a private helper.
+functions, ops or kernels that reach it, and a function registered to an op (its fake, autograd or a
+device's kernel) counts for the op, so no row names a private helper.
 tests/test_gpu_check.py fails when a path is covered by no check.
 
 Imports here are the standard library's only: the list, the coverage scan and the report writer

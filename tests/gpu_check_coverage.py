@@ -95,6 +95,9 @@ class _Module:
                 return KERNEL + node.name
             if dotted.endswith("custom_op") and isinstance(dec, ast.Call) and dec.args:
                 return OP + ast.literal_eval(dec.args[0])
+            if (isinstance(target, ast.Attribute) and target.attr.startswith("register_")
+                    and isinstance(target.value, ast.Name) and (self.tags.get(target.value.id) or "").startswith(OP)):
+                return self.tags[target.value.id]  # an op's registered kernel, fake or autograd is the op's
         return None if is_private(qualname) else f"{CUDA}{self.fname}:{qualname}"
 
     def users(self, qualname: str) -> set[str | None]:

@@ -103,6 +103,7 @@ def test_a_private_helpers_cuda_branch_counts_for_what_reaches_it():
             "    def _copy(self, x):\n        return x.to('cuda')\n\n"
             "@torch.library.custom_op('speedrun::op', mutates_args=())\n"
             "def _op_impl(x: Tensor) -> Tensor:\n    return _device_ok(x)\n\n"
+            "@_op_impl.register_kernel('cpu')\ndef _op_on_cpu(x):\n    return _twice(x)\n\n"  # the op's
             "def _nobody(x):\n    return torch.cuda.current_stream()\n")
     paths = C.cuda_paths({"m.py": text})
     assert paths == {"cuda:m.py:public", "cuda:m.py:Store.put", "op:speedrun::op", "cuda:m.py:_nobody"}
