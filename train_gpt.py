@@ -3836,9 +3836,12 @@ class SimulatedComm(CommLayer):
         pass
 
     def _all_gather(self, out, shard):
-        for block in out.view(self.world_size, *shard.shape):
-            if block.data_ptr() != shard.data_ptr():  # in place: this rank's slot is the shard itself
-                block.copy_(shard)
+        blocks, r = out.view(self.world_size, *shard.shape), self.rank
+        if blocks[r].data_ptr() == shard.data_ptr():  # in place: this rank's slot is the shard itself
+            for others in (blocks[:r], blocks[r + 1:]):  # (two copies, not one per rank: launches count)
+                others.copy_(shard.expand_as(others))
+        else:
+            blocks.copy_(shard.expand_as(blocks))
 
     def _all_to_all(self, out, inp, out_splits=None, in_splits=None):
         W = self.world_size
@@ -3846,6 +3849,10 @@ class SimulatedComm(CommLayer):
         out_splits = out_splits or [out.size(0) // W] * W
         lo = sum(in_splits[:self.rank])
         mine = inp[lo:lo + in_splits[self.rank]]
+        if all(n == mine.size(0) for n in out_splits):
+            blocks = out.view(W, *mine.shape)
+            blocks.copy_(mine.expand_as(blocks))
+            return
         at = 0
         for n in out_splits:
             if n == mine.size(0):
