@@ -3739,9 +3739,10 @@ def main(argv: list[str] | None = None) -> None:
 # Record #89 runs none of the code below; the speedrun above reaches it only through its tables
 # (ORTHOGONALIZERS, PRESETS) and the start-up checks. The sliced Adam update and the CPU dtype choice
 # serve CPU runs only (a GPU trains in bf16, its Adam compiled); balanced ownership replaces the
-# record's padding; QK-Clip is an optional step of the optimizer; tensor-parallel NorMuon splits one
-# matrix over ranks, where NorMuonAdam gives every matrix one owner; Gram Newton-Schulz is the
-# alternative orthogonalizer. Then what a speedrun never calls: checkpoints, sampling, flag parsing and
+# record's padding; SimulatedComm runs one rank of a larger world in one process (the per-rank
+# timing); QK-Clip is an optional step of the optimizer; tensor-parallel NorMuon splits one matrix over
+# ranks, where NorMuonAdam gives every matrix one owner; Gram Newton-Schulz is the alternative
+# orthogonalizer. Then what a speedrun never calls: checkpoints, sampling, flag parsing and
 # validation, the generic FP8 matmul, the small presets, ablations and the command line's row syntax.
 
 # ---- CPU-only helpers of the optimizer --------------------------------------------------------
