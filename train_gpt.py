@@ -1122,7 +1122,9 @@ class CommLayer:
     Counted as the data a bandwidth-optimal (ring / direct) algorithm makes each rank send:
     reduce_scatter (W-1)/W of the input, all_gather (W-1) x the shard, all_reduce 2 (W-1)/W of
     the tensor, all_to_all every row addressed to another rank. With one rank nothing is sent.
-    bytes_sent[label] totals a label; bytes_by_op[(label, op)] splits it by collective.
+    bytes_sent[label] totals a label; bytes_by_op[(label, op)] splits it by collective. Every
+    collective starts in _launch, which SimulatedComm (below the fence) replaces to stand in for one
+    rank of a larger world in a single process.
     """
 
     def __init__(self, group, world_size: int, rank: int):
@@ -1143,19 +1145,23 @@ class CommLayer:
         self.bytes_sent[label] = self.bytes_sent.get(label, 0) + int(nbytes)
         self.bytes_by_op[label, op] = self.bytes_by_op.get((label, op), 0) + int(nbytes)
 
+    def _launch(self, collective, *args, **kw):
+        """Start `collective` (a torch.distributed function) on this layer's group, async."""
+        return collective(*args, group=self.group, async_op=True, **kw)
+
     def reduce_scatter_avg(self, label, out, inp):
         W = self.world_size
         self._count(label, "reduce_scatter", inp.numel() * inp.element_size() * (W - 1) / W)
-        return _reduce_scatter(out, inp, op=dist.ReduceOp.AVG, group=self.group, async_op=True)
+        return self._launch(_reduce_scatter, out, inp, op=dist.ReduceOp.AVG)
 
     def all_reduce_avg(self, label, t):
         W = self.world_size
         self._count(label, "all_reduce", 2 * t.numel() * t.element_size() * (W - 1) / W)
-        return dist.all_reduce(t, op=dist.ReduceOp.AVG, group=self.group, async_op=True)
+        return self._launch(dist.all_reduce, t, op=dist.ReduceOp.AVG)
 
     def all_gather(self, label, out, shard):
         self._count(label, "all_gather", shard.numel() * shard.element_size() * (self.world_size - 1))
-        return _all_gather(out, shard, group=self.group, async_op=True)
+        return self._launch(_all_gather, out, shard)
 
     def reduce_scatter_uneven(self, label, out, inp, splits):
         """Each rank's rows of every owner's block (splits[r] rows for rank r) to that owner: out
@@ -1164,8 +1170,7 @@ class CommLayer:
         this rank does not own, the same bytes as a ring reduce_scatter of equal blocks."""
         row = inp[0].numel() * inp.element_size() if inp.size(0) else 0
         self._count(label, "reduce_scatter", (inp.size(0) - splits[self.rank]) * row)
-        return dist.all_to_all_single(out, inp, [splits[self.rank]] * self.world_size, list(splits),
-                                      group=self.group, async_op=True)
+        return self._launch(dist.all_to_all_single, out, inp, [splits[self.rank]] * self.world_size, list(splits))
 
     def all_gather_uneven(self, label, out, shard, splits):
         """Every owner's block (splits[r] rows) into out on every rank, by all_to_all (all_gather
@@ -1173,7 +1178,7 @@ class CommLayer:
         W = self.world_size
         self._count(label, "all_gather", shard.numel() * shard.element_size() * (W - 1))
         inp = shard.repeat(W, *([1] * (shard.ndim - 1)))
-        work = dist.all_to_all_single(out, inp, list(splits), [shard.size(0)] * W, group=self.group, async_op=True)
+        work = self._launch(dist.all_to_all_single, out, inp, list(splits), [shard.size(0)] * W)
         return lambda: (work.wait(), inp)[0]  # inp lives until the exchange is done
 
     def all_to_all(self, label, out, inp, out_splits=None, in_splits=None):
@@ -1183,7 +1188,7 @@ class CommLayer:
         else:
             sent = (sum(in_splits) - in_splits[self.rank]) * row_bytes
         self._count(label, "all_to_all", sent)
-        return dist.all_to_all_single(out, inp, out_splits, in_splits, group=self.group, async_op=True)
+        return self._launch(dist.all_to_all_single, out, inp, out_splits, in_splits)
 
 
 @dataclass
@@ -1406,7 +1411,8 @@ class NorMuonAdam:
     a callable (bank -> bf16 bank). ownership: 'balanced' or 'padded' (the record's), see
     OwnershipLayout. compile: False (eager), True (inductor) or a torch.compile backend (update_functions).
     sparse_threshold: sharded_sparse tables use the dense reduce_scatter when some rank touched more
-    than this fraction of the rows (0 forces dense).
+    than this fraction of the rows (0 forces dense). comm: the CommLayer to run on instead of
+    process_group's (e.g. SimulatedComm: one rank of a larger world, in one process).
 
     step(do_adam, lr_scale, momentum) consumes the gradients it uses (sets .grad to None); Adam
     gradients are left alone on steps without Adam so that they keep accumulating. With more than one
@@ -1420,11 +1426,12 @@ class NorMuonAdam:
                  normuon_beta2: float = 0.9, adam_lr: float = 0.008, adam_wd: float = 0.005,
                  adam_eps: float = 1e-10, orthogonalizer="polar_express",
                  tied: tuple[str, str] | None = None, process_group=None,
-                 sparse_threshold: float = 0.5, ownership: str = "balanced", compile=False):
+                 sparse_threshold: float = 0.5, ownership: str = "balanced", compile=False,
+                 comm: CommLayer | None = None):
         params, configs = _check_labels(params, configs)
         self.scatter_order = _check_order("scatter_order", scatter_order, params)
         self.work_order = _check_order("work_order", work_order, params)
-        self.comm = CommLayer.of(process_group)
+        self.comm = comm if comm is not None else CommLayer.of(process_group)
         self.group, self.world_size, self.rank = self.comm.group, self.comm.world_size, self.comm.rank
         self.normuon_lr, self.normuon_wd, self.normuon_momentum = normuon_lr, normuon_wd, normuon_momentum
         self.normuon_beta2 = normuon_beta2
@@ -3120,7 +3127,7 @@ def optimizer_configs(args: Hyperparameters, model: "GPT") -> dict[str, ParamCon
     return configs
 
 
-def build_optimizer(args: Hyperparameters, model: "GPT", device: torch.device) -> NorMuonAdam:
+def build_optimizer(args: Hyperparameters, model: "GPT", device: torch.device, comm: CommLayer | None = None) -> NorMuonAdam:
     if args.matrix_optimizer not in NORMUON_BETA2_OF:
         raise ValueError(f"--matrix_optimizer {args.matrix_optimizer!r} is not one of {', '.join(NORMUON_BETA2_OF)}")
     return NorMuonAdam(model.params_by_label(), optimizer_configs(args, model),
@@ -3129,7 +3136,7 @@ def build_optimizer(args: Hyperparameters, model: "GPT", device: torch.device) -
                        normuon_lr=args.muon_lr, normuon_wd=args.muon_wd, adam_lr=args.adam_lr, adam_wd=args.adam_wd,
                        orthogonalizer=functools.partial(ORTHOGONALIZERS[args.orthogonalizer], dtype=model.qk_bank.dtype),
                        tied=("embed", "lm_head"), ownership=args.bank_ownership,
-                       compile=args.compile and device.type == "cuda")
+                       compile=args.compile and device.type == "cuda", comm=comm)
 
 
 class RunLog:
@@ -3692,9 +3699,10 @@ def main(argv: list[str] | None = None) -> None:
 # Record #89 runs none of the code below; the speedrun above reaches it only through its tables
 # (ORTHOGONALIZERS, PRESETS) and the start-up checks. The sliced Adam update and the CPU dtype choice
 # serve CPU runs only (a GPU trains in bf16, its Adam compiled); balanced ownership replaces the
-# record's padding; QK-Clip is an optional step of the optimizer; tensor-parallel NorMuon splits one
-# matrix over ranks, where NorMuonAdam gives every matrix one owner; Gram Newton-Schulz is the
-# alternative orthogonalizer. Then what a speedrun never calls: checkpoints, sampling, flag parsing and
+# record's padding; SimulatedComm runs one rank of a larger world in one process (the per-rank
+# timing); QK-Clip is an optional step of the optimizer; tensor-parallel NorMuon splits one matrix over
+# ranks, where NorMuonAdam gives every matrix one owner; Gram Newton-Schulz is the alternative
+# orthogonalizer. Then what a speedrun never calls: checkpoints, sampling, flag parsing and
 # validation, the generic FP8 matmul, the small presets, ablations and the command line's row syntax.
 
 # ---- CPU-only helpers of the optimizer --------------------------------------------------------
@@ -3742,6 +3750,75 @@ def balanced_splits(banks: dict[str, tuple[int, int]], world_size: int) -> dict[
         counts[label][r] += 1
         heapq.heappush(heap, (work + cost, r))
     return {label: tuple(c) for label, c in counts.items()}
+
+
+# ---- One rank of a larger world, in one process ----------------------------------------------
+# tests/benchmarks/step_timing.py --as_rank_of N times rank 0's share of an N-rank step on one device:
+# NorMuonAdam(comm=SimulatedComm(N)) updates rank 0's shards and launches every collective an N-rank
+# step launches, counted in bytes as CommLayer counts them, but none of them communicates.
+
+class _CompletedWork:
+    """The handle of a collective that is already done."""
+
+    def wait(self, timeout=None) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+
+class SimulatedComm(CommLayer):
+    """Rank `rank` of `world_size` ranks in one process, no process group: every collective completes at
+    once with the output a real group gives when every other rank holds the same tensors as this one.
+    reduce_scatter (average): this rank's block of the input; all_reduce (average): the tensor as it is;
+    all_gather: the local shard in every rank's slot; all_to_all: each rank's block of the output is the
+    block this rank addresses to itself, where their sizes agree, and is left as it is where they do not
+    (the other owners' blocks of an uneven all_gather). Bytes are counted as the world_size-rank
+    collectives send them (CommLayer's counts), so bytes_sent and bytes_by_op are a real rank's.
+
+    With the same gradients on every rank, the shards this rank updates are a real run's rank `rank`'s
+    to the bit; the rows other ranks own are not (they hold copies of this rank's rows)."""
+
+    def __init__(self, world_size: int, rank: int = 0):
+        if not 0 <= rank < world_size:
+            raise ValueError(f"SimulatedComm: rank {rank} is not one of the {world_size} ranks")
+        super().__init__(None, world_size, rank)
+
+    def _launch(self, collective, *args, **kw):
+        stand_in = {_reduce_scatter: self._reduce_scatter, dist.all_reduce: self._all_reduce,
+                    _all_gather: self._all_gather, dist.all_to_all_single: self._all_to_all}[collective]
+        stand_in(*args, **kw)
+        return _CompletedWork()
+
+    def _reduce_scatter(self, out, inp, op=None):
+        out.copy_(inp.reshape(self.world_size, *out.shape)[self.rank])
+
+    def _all_reduce(self, t, op=None):
+        pass
+
+    def _all_gather(self, out, shard):
+        blocks, r = out.view(self.world_size, *shard.shape), self.rank
+        if blocks[r].data_ptr() == shard.data_ptr():  # in place: this rank's slot is the shard itself
+            for others in (blocks[:r], blocks[r + 1:]):  # (two copies, not one per rank: launches count)
+                others.copy_(shard.expand_as(others))
+        else:
+            blocks.copy_(shard.expand_as(blocks))
+
+    def _all_to_all(self, out, inp, out_splits=None, in_splits=None):
+        W = self.world_size
+        in_splits = in_splits or [inp.size(0) // W] * W
+        out_splits = out_splits or [out.size(0) // W] * W
+        lo = sum(in_splits[:self.rank])
+        mine = inp[lo:lo + in_splits[self.rank]]
+        if all(n == mine.size(0) for n in out_splits):
+            blocks = out.view(W, *mine.shape)
+            blocks.copy_(mine.expand_as(blocks))
+            return
+        at = 0
+        for n in out_splits:
+            if n == mine.size(0):
+                out[at:at + n].copy_(mine)
+            at += n
 
 
 # ---- QK-Clip (MuonClip) ----------------------------------------------------------------------

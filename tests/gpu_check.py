@@ -129,7 +129,9 @@ CHECKS: tuple[Check, ...] = (
     Check("speedrun-timing", 500, "the speedrun preset on one GPU (accumulation 8), generated shards: 2 warm-up + "
           "4 timed steps per stage; compile time, recompiles, ms/step, tokens/s, MFU, peak memory, projections; "
           "a torch.profiler trace of 2 stage-1 steps (GPU busy fraction, top kernels, host ops), through the step "
-          "train() runs (Trainer.step: CUDA graphs captured in the warm-up steps)", (TG + "Trainer.__init__",), "speedrun"),
+          "train() runs (Trainer.step: CUDA graphs captured in the warm-up steps); then this GPU as rank 0 of 8 "
+          "(step_timing --as_rank_of 8), 2 warm-up + 2 timed steps per stage: its ms/step, bytes sent and the 8-GPU "
+          "projection from them", (TG + "Trainer.__init__",), "speedrun"),
     # -- tune: tile configurations of the kernels that dominate a step -----------------------------------
     Check("kernel-tuning", 400, "the loss kernel, the dpre epilogue, the bf16 relu2 forward and the FP8 up-projection "
           "at 16,384 and 49,152 tokens under every tile configuration of MM_SWEEP / CE_SWEEP: committed against the "
@@ -989,7 +991,8 @@ def check_speedrun_timing(res: Result) -> None:
     peak = step_timing.peak_tflops(d.device, None)
     warmup, steps = 2, 4
     stages_total = len(step_timing.stage_table(args))
-    stages = []
+    stages, rank_stages = [], []  # rank_stages: this GPU as rank 0 of GPUS_PROJECTED (step_timing --as_rank_of)
+    bus = step_timing.bus_gb_per_s(d.device, None)
     compiles = {"graphs_warmup": 0, "graphs_timed": 0, "graph_breaks": 0}
 
     def publish(profile=None):
@@ -1007,6 +1010,12 @@ def check_speedrun_timing(res: Result) -> None:
                                + f"; projected {p['this_gpu_s']:.0f} s on this GPU, "
                                f"{p[f'{GPUS_PROJECTED}_gpus_s']:.0f} s on {GPUS_PROJECTED}; "
                                f"{compiles['graphs_timed']} recompiles in timed steps")
+        if rank_stages:
+            data["rank_projection"] = q = step_timing.rank_projection(rank_stages, bus)
+            data.update(rank_of=GPUS_PROJECTED, rank_stages=rank_stages)
+            data["summary"] = (data.get("summary", "") + f"; as rank 0 of {GPUS_PROJECTED} ({len(rank_stages)} stages): "
+                               f"{q['compute_s']:.0f} s" + (f" + {q['comm_s']:.1f} s communication (estimate) = "
+                                                            f"{q['total_s']:.0f} s" if q["total_s"] is not None else ""))
         res.set(**data)
 
     def on_stage(r):
@@ -1019,7 +1028,18 @@ def check_speedrun_timing(res: Result) -> None:
     publish()
     step_timing.run(dataclasses_replace(args, compile=True), d, steps, warmup, peak, on_stage=on_stage,
                     profile_stage="stage 1", profile_steps=2)
-    require(len(stages) == stages_total, f"{len(stages)} of {stages_total} stages timed")
+
+    def on_rank_stage(r):
+        rank_stages.append(r)
+        publish(res.data.get("profile"))
+
+    import gc
+    gc.collect()  # the first timing's model and step graphs
+    torch.cuda.empty_cache()
+    step_timing.run(dataclasses_replace(args, compile=True), d, 2, 2, peak, on_stage=on_rank_stage,
+                    as_rank_of=GPUS_PROJECTED, bus=bus)
+    require(len(stages) == stages_total == len(rank_stages), f"{len(stages)} and {len(rank_stages)} (as rank 0) of "
+            f"{stages_total} stages timed")
     require(compiles["graphs_timed"] == 0 and compiles["graph_breaks"] == 0,
             f"compiles in the timed steps: {compiles}")
 

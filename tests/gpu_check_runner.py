@@ -62,7 +62,10 @@ def project(stages: list[dict], gpus: int = GPUS_PROJECTED) -> dict:
     micro-batches (accumulation 8 -> 8/gpus) and communication costs nothing, so a lower bound. Where
     every stage has its optimizer split (step_timing.optimizer_split), also the time with the
     micro-batches split `gpus` ways and the optimizer step not split at all (its launches, and the
-    per-bank work of a launch-bound step, do not shrink with the shard): `gpus_optimizer_whole_s`."""
+    per-bank work of a launch-bound step, do not shrink with the shard): `gpus_optimizer_whole_s`.
+    The projection from one rank's own work (step_timing --as_rank_of, its per-rank fixed costs included,
+    communication estimated from bytes) is step_timing.rank_projection, which the check computes itself
+    (it needs torch); the report shows it beside these."""
     this = sum(s["steps"] * s["ms"] for s in stages) / 1000
     out = {"this_gpu_s": this, f"{gpus}_gpus_s": this / gpus, "steps": sum(s["steps"] for s in stages)}
     if stages and all("optimizer_ms" in s for s in stages):
@@ -101,6 +104,36 @@ def report_paths(info: dict, folder: str = RECORDS) -> tuple[str, str]:
 
 def _fmt(x, spec: str, none: str = "-") -> str:
     return none if x is None else format(x, spec)
+
+
+def rank_lines(t: dict) -> list[str]:
+    """The speedrun timing as rank 0 of N (step_timing --as_rank_of N), if the check got to it: per stage
+    rank 0's ms/step, its optimizer's, the bytes it sends and their time at the assumed bandwidth, then
+    the N-GPU projection from them (step_timing.rank_projection)."""
+    stages, q = t.get("rank_stages"), t.get("rank_projection")
+    if not stages or not q:
+        return []
+    n, bus = t["rank_of"], q["bus_gb_per_s"]
+    lines = ["", f"### This GPU as rank 0 of {n}", "",
+             f"Rank 0's work of each step on {n} GPUs, timed alone (step_timing --as_rank_of {n}): the model built for {n} ranks, "
+             f"its micro-batches of each step, its shards of the optimizer as ownership over {n} ranks gives them; the "
+             "collectives complete at once, their bytes counted as the real ones send them. Communication is an "
+             + (f"estimate: bytes / {bus:.0f} GB/s per direction per GPU (nominal bus bandwidth), not overlapped with compute."
+                if bus else "unknown: no bus bandwidth for this GPU, bytes only."),
+             "", "| stage | steps | ms/step | optimizer ms | MB sent/step | by collective (MB) | communication ms |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    for s in stages:
+        sent = sum(s.get("comm_bytes", {}).values())
+        ops = ", ".join(f"{op} {b / 1e6:.1f}" for op, b in s.get("comm_bytes", {}).items())
+        lines.append(f"| {s['stage']} | {s['steps']} | {s['ms']:.1f} | {_fmt(s.get('optimizer_ms'), '.1f')} | "
+                     f"{sent / 1e6:.1f} | {ops or '-'} | {_fmt(bus and sent / (bus * 1e9) * 1000, '.2f')} |")
+    lines += ["", f"- stages measured: {len(stages)} of {t['stages_total']}"
+              + ("" if len(stages) == t["stages_total"] else " (projection covers those only)"),
+              f"- projected training time on {n} GPUs from rank 0's work, {q['steps']} steps: "
+              + (f"{q['total_s']:.1f} s = {q['compute_s']:.1f} s of rank 0's steps + {q['comm_s']:.1f} s of "
+                 "communication (estimate)" if q["total_s"] is not None
+                 else f"{q['compute_s']:.1f} s of rank 0's steps, communication not estimated")]
+    return lines
 
 
 def render_markdown(report: dict) -> str:
@@ -159,6 +192,7 @@ def render_markdown(report: dict) -> str:
             c = t["compiles"]
             lines.append(f"- torch.compile: {c['graphs_warmup']} graphs compiled in the warm-up steps, "
                          f"{c['graphs_timed']} in the timed steps (recompiles), {c['graph_breaks']} graph breaks")
+        lines += rank_lines(t)
     prof = next((r["data"]["profile"] for r in results if r.get("data", {}).get("profile")), None)
     if prof:
         lines += ["", f"## Profile: {prof['what']}", "",

@@ -1250,6 +1250,53 @@ def test_step_timing_smoke():
     assert len(launches) == 4 and all(0.8 * ms < host <= ms for host, ms in launches), launches
 
 
+@pytest.mark.slow
+def test_step_timing_as_rank_0_of_8_projects_from_its_work_and_bytes():
+    """--as_rank_of 8 on a CPU: rank 0's step of every stage (one micro-batch of each step's 8), the bytes it
+    sends by collective (a NorMuon-only step: the padded banks' reduce_scatter and all_gather, each 7/8 of
+    the banks' bytes), and the projection: steps x ms/step plus bytes / --bus_gbps."""
+    out = run_script("tests/benchmarks/step_timing.py", "--smoke", "--as_rank_of", "8", "--bus_gbps", "0.001",
+                     "--cpu_dtype", "fp32")
+    assert "rank 0 of 8 in one process (collectives simulated) on cpu, 1 accumulation step(s)" in out
+    ms = {m[1]: (int(m[2]), float(m[3])) for m in re.finditer(r"^(stage \d|extension) +(\d+) +[\d,]+ +([\d.]+)", out, re.M)}
+    assert list(ms) == ["stage 1", "stage 2", "stage 3", "extension"]
+    banks = 4 * sum(p.numel() for name, p in tg.GPT(tg.parse_args(["--preset", "test"]), 8).named_parameters()
+                    if name.endswith("_bank"))  # fp32 bytes, padding for 8 ranks included
+    sent = dict(re.findall(r"^(stage \d|extension): rank 0 sends ([\d.]+) MB per step \(all_gather [\d.]+ MB, "
+                           r"reduce_scatter [\d.]+ MB\)$", out, re.M))
+    assert sent == {stage: f"{2 * banks * 7 / 8 / 1e6:.2f}" for stage in ms}, out
+    m = re.search(r"^projected 8-GPU time from rank 0's work \(7 steps, validation excluded\): ([\d.]+) s = ([\d.]+) s of "
+                  r"rank 0's steps \+ ([\d.]+) s of communication, an estimate: the bytes rank 0 sends per step at 0 GB/s "
+                  r"per direction per GPU \(nominal\), not overlapped with compute$", out, re.M)
+    assert m, out
+    assert float(m[2]) == pytest.approx(sum(n * t for n, t in ms.values()) / 1000, abs=0.06)
+    assert float(m[3]) == pytest.approx(7 * 2 * banks * 7 / 8 / 1e6, abs=0.06)  # 7 steps at 1 MB/s
+    assert float(m[1]) == pytest.approx(float(m[2]) + float(m[3]), abs=0.06)
+
+
+def test_rank_projection_arithmetic_and_the_bus_table(monkeypatch):
+    """steps x (ms + bytes / bandwidth) summed over stages; 450 GB/s per direction on the H100 SXM and the
+    H200 (NVLink 4, nominal), nothing elsewhere unless --bus_gbps says it: then the bytes alone."""
+    stages = [dict(stage="stage 1", steps=400, ms=50.0, comm_bytes={"reduce_scatter": 2e8, "all_gather": 2.5e8}),
+              dict(stage="stage 2", steps=100, ms=80.0, comm_bytes={"all_to_all": 9e8})]
+    p = step_timing.rank_projection(stages, 450.0)
+    assert p["compute_s"] == pytest.approx(400 * 0.05 + 100 * 0.08)
+    assert p["comm_s"] == pytest.approx((400 * 4.5e8 + 100 * 9e8) / 450e9)
+    assert p["total_s"] == pytest.approx(28.0 + 0.6) and p["steps"] == 500
+    none = step_timing.rank_projection(stages, None)
+    assert none["comm_s"] is None and none["total_s"] is None and none["compute_s"] == pytest.approx(28.0)
+    assert "communication not estimated" in step_timing.rank_projection_line(none, 8)
+    assert step_timing.rank_projection_line(p, 8).startswith(
+        "projected 8-GPU time from rank 0's work (500 steps, validation excluded): 28.6 s = 28.0 s of rank 0's steps + "
+        "0.6 s of communication, an estimate")
+    cuda = torch.device("cuda")
+    for name, want in (("NVIDIA H100 80GB HBM3", 450.0), ("NVIDIA H200", 450.0), ("NVIDIA H100 PCIe", None)):
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None, n=name: n)
+        assert step_timing.bus_gb_per_s(cuda, None) == want, name
+    assert step_timing.bus_gb_per_s(cuda, 100.0) == 100.0
+    assert step_timing.bus_gb_per_s(torch.device("cpu"), None) is None
+
+
 def test_bench_kernels_gives_the_loss_kernels_share_of_the_peak_bandwidth():
     """The loss kernel's GB/s beside the GPU's peak: H100 SXM 3.35 TB/s, H200 4.8 TB/s, by the names
     torch gives them; another GPU (an H100 PCIe too) gets no fraction."""

@@ -268,9 +268,19 @@ def test_projection_arithmetic():
     assert R.mfu(1.0e9, 327680.0, None) is None
 
 
+# this GPU as rank 0 of 8 (step_timing --as_rank_of 8); the projection worked by hand at 450 GB/s:
+# (423 x 60 + 424 x 90) ms = 63.54 s, (423 x 3e8 + 424 x 3.02e8) B / 450 GB/s = 0.567 s
+RANK_STAGES = [dict(stage="stage 1", steps=423, ms=60.0, optimizer_ms=12.5,
+                    comm_bytes={"all_gather": 1.5e8, "reduce_scatter": 1.5e8}),
+               dict(stage="stage 2", steps=424, ms=90.0, optimizer_ms=14.0,
+                    comm_bytes={"all_gather": 1.5e8, "all_to_all": 2e6, "reduce_scatter": 1.5e8})]
+RANK_PROJECTION = dict(compute_s=63.54, comm_s=0.5665, total_s=64.1065, bus_gb_per_s=450.0, steps=847)
+
+
 def report(tmp_path):
     timing = dict(world_size=1, accumulation=8, warmup=2, steps=4, peak_tflops=989.4, stages=STAGES, stages_total=4,
-                  projection=R.project(STAGES), peak_allocated_gib=41.5, peak_reserved_gib=52.25)
+                  projection=R.project(STAGES), peak_allocated_gib=41.5, peak_reserved_gib=52.25,
+                  rank_of=8, rank_stages=RANK_STAGES, rank_projection=RANK_PROJECTION)
     timing["compiles"] = dict(graphs_warmup=9, graphs_timed=0, graph_breaks=0)
     timing["profile"] = dict(what="stage 1, rank 0", steps=2, step_ms=1030.0, busy=0.452, kernels_per_step=4200.0,
                              ops_per_step=9100.0, top_kernels=[["ce_kernel", 25.6, 8.0]], top_ops=[["aten::mm", 1000.0, 12.5]],
@@ -309,6 +319,11 @@ def test_report_files_name_the_machine_and_hold_the_figures(tmp_path):
                  "around it)",
                  "- peak memory: 41.50 GiB allocated, 52.25 GiB reserved",
                  "- torch.compile: 9 graphs compiled in the warm-up steps, 0 in the timed steps (recompiles), 0 graph breaks",
+                 "### This GPU as rank 0 of 8",
+                 "| stage 1 | 423 | 60.0 | 12.5 | 300.0 | all_gather 150.0, reduce_scatter 150.0 | 0.67 |",
+                 "| stage 2 | 424 | 90.0 | 14.0 | 302.0 | all_gather 150.0, all_to_all 2.0, reduce_scatter 150.0 | 0.67 |",
+                 "- projected training time on 8 GPUs from rank 0's work, 847 steps: 64.1 s = 63.5 s of rank 0's steps + "
+                 "0.6 s of communication (estimate)",
                  "## Profile: stage 1, rank 0",
                  "2 steps, 1030.0 ms/step wall, GPU busy 45.2% (union of kernel intervals / wall time); 4200 kernels and "
                  "9100 aten ops per step.",
@@ -420,11 +435,13 @@ def test_an_interpreter_without_torch_is_refused_in_one_line(tmp_path):
 
 def test_calls_into_the_two_modules_bind_to_their_signatures():
     """The first H200 run lost its flex-attention check to a call that no longer matched flex_attend's
-    signature (the softmax scale had become an argument). Every call in gpu_check.py of a train_gpt (T.)
-    or triton_kernels (tk.) function must name a function that exists and bind to its parameters."""
+    signature (the softmax scale had become an argument). Every call in gpu_check.py of a train_gpt (T.),
+    triton_kernels (tk.) or step_timing function must name a function that exists and bind to its parameters."""
     import inspect
     import triton_kernels as tk
-    modules = {"T": T, "tk": tk}
+    sys.path.insert(0, os.path.join(ROOT, "tests", "benchmarks"))
+    import step_timing
+    modules = {"T": T, "tk": tk, "step_timing": step_timing}
     tree = ast.parse(open(G.__file__).read())
     bad, bound = [], 0
     for node in ast.walk(tree):

@@ -7,6 +7,7 @@ Every distributed result is compared with a single-process run of the same globa
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import sys
@@ -521,3 +522,139 @@ def test_tensor_parallel_normuon_update_against_the_unsharded_update(world_size)
                                   unsharded_state(mine(p0).shape, torch.bfloat16), torch.bfloat16)
                 assert torch.equal(master, alone)
                 assert rel(master - mine(p0), mine(ref[torch.bfloat16][0] - p0)) > 0.1
+
+
+# ----------------------------------------------------------------------------------------------
+# One rank of a larger world in one process: SimulatedComm (step_timing.py --as_rank_of)
+# ----------------------------------------------------------------------------------------------
+
+
+def test_simulated_collectives_fill_each_output_and_count_a_real_ranks_bytes():
+    """Each collective of SimulatedComm(8, r) gives the output of a group whose ranks all hold this rank's
+    tensors, done at once, and counts the bytes CommLayer's docstring gives a rank of 8 (bandwidth-optimal:
+    reduce_scatter (W-1)/W of the input, all_gather (W-1) x the shard, all_reduce 2 (W-1)/W of the tensor,
+    all_to_all every row addressed to another rank), worked out here from the sizes."""
+    W, k, cols = 8, 3, 5
+    splits = (3, 1, 2, 0, 2, 1, 1, 2)  # an uneven bank: rank 3 owns nothing
+    g = torch.Generator().manual_seed(0)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=g)
+
+    for rank in (0, 3, 7):
+        comm = T.SimulatedComm(W, rank)
+        assert (comm.group, comm.world_size, comm.rank) == (None, W, rank)
+        want = {}
+        inp, out = rand(W * k, cols), torch.full((k, cols), float("nan"))
+        assert comm.reduce_scatter_avg("rs", out, inp).wait()
+        assert torch.equal(out, inp[rank * k:(rank + 1) * k])
+        want["rs", "reduce_scatter"] = W * k * cols * 4 * 7 // 8
+        t = rand(4, cols).to(torch.bfloat16)
+        before = t.clone()
+        assert comm.all_reduce_avg("ar", t).wait() and torch.equal(t, before)
+        want["ar", "all_reduce"] = 2 * 4 * cols * 2 * 7 // 8
+        shard, full = rand(k, cols), torch.full((W * k, cols), float("nan"))
+        assert comm.all_gather("ag", full, shard).wait()
+        assert torch.equal(full, shard.repeat(W, 1))
+        param = rand(W * k, cols)  # in place: the shard is this rank's slot of the parameter
+        mine = param[rank * k:(rank + 1) * k]
+        mine.mul_(2)
+        comm.all_gather("ag", param, mine).wait()
+        assert torch.equal(param, mine.repeat(W, 1))
+        want["ag", "all_gather"] = 2 * k * cols * 4 * 7
+        n, lo, mine_rows = sum(splits), sum(splits[:rank]), splits[rank]
+        inp, recv = rand(n, cols), torch.full((W * mine_rows, cols), float("nan"))
+        comm.reduce_scatter_uneven("rsu", recv, inp, splits).wait()
+        assert torch.equal(recv, inp[lo:lo + mine_rows].repeat(W, 1))  # W copies of this rank's rows
+        want["rsu", "reduce_scatter"] = (n - mine_rows) * cols * 4
+        view = rand(n, cols)
+        before = view.clone()
+        shard = rand(mine_rows, cols)
+        comm.all_gather_uneven("agu", view, shard, splits)()
+        at = 0
+        for s, rows in enumerate(splits):  # blocks of this rank's size hold its shard; the others stay
+            assert torch.equal(view[at:at + rows], shard if rows == mine_rows else before[at:at + rows]), (rank, s)
+            at += rows
+        want["agu", "all_gather"] = mine_rows * cols * 4 * 7
+        inp, out = rand(W * 2, cols), torch.full((W * 2, cols), float("nan"))
+        comm.all_to_all("a2a", out, inp).wait()
+        assert torch.equal(out, inp[2 * rank:2 * rank + 2].repeat(W, 1))
+        counts = torch.tensor([[splits[s], 9] for s in range(W)])  # the sparse exchange's CPU counts
+        got = torch.empty_like(counts)
+        comm.all_to_all("a2a", got, counts).wait()
+        assert got.tolist() == [[mine_rows, 9]] * W
+        ids = torch.arange(n)
+        recv_ids = torch.empty(W * mine_rows, dtype=torch.int64)
+        comm.all_to_all("a2a", recv_ids, ids, [mine_rows] * W, list(splits)).wait()
+        assert recv_ids.tolist() == list(range(lo, lo + mine_rows)) * W
+        want["a2a", "all_to_all"] = W * 2 * cols * 4 * 7 // 8 + W * 2 * 8 * 7 // 8 + (n - mine_rows) * 8
+        assert comm.bytes_by_op == want, rank
+        assert comm.bytes_sent == {label: b for (label, _), b in want.items()}  # one op per label here
+    with pytest.raises(ValueError, match="rank 8 is not one of the 8 ranks"):
+        T.SimulatedComm(8, 8)
+
+
+SIM_ARGS = T.Hyperparameters(**{**T.PRESETS["test"], "compile": False, "vocab_size": 1000, "padded_vocab_size": 1024})
+SIM_ROWS = torch.tensor([3, 17, 17, 900, 2048, 4000])  # the bigram rows both ranks touch (a sparse exchange)
+
+
+def sim_grads(params, step):
+    """The same dyadic gradients on every rank; the bigram table's only on SIM_ROWS."""
+    for i, (label, p) in enumerate(params.items()):
+        g = dyadic(p.shape, torch.Generator().manual_seed(100 * step + i))
+        if label == "bigram_embed":
+            keep = torch.zeros(p.shape[0], 1)
+            keep[SIM_ROWS] = 1
+            g = g * keep
+        p.grad = g.to(p.dtype) if p.grad is None else p.grad + g.to(p.dtype)
+
+
+def sim_model_run(world_size, rank, comm=None):
+    """Two steps of the test preset's optimizer (NorMuon, then both) for each bank ownership: rank `rank`'s
+    owned rows of every parameter it updates, its optimizer state and the bytes it counted."""
+    out = {}
+    for ownership in ("padded", "balanced"):
+        args = dataclasses.replace(SIM_ARGS, bank_ownership=ownership)
+        torch.manual_seed(0)
+        model = T.GPT(args, world_size)
+        opt = T.build_optimizer(args, model, torch.device("cpu"), comm=comm and comm())
+        assert (opt.world_size, opt.rank) == (world_size, rank)
+        params = model.params_by_label()
+        for step in range(2):
+            opt.prepare_sparse("bigram_embed", SIM_ROWS, launch=step == 1)
+            sim_grads(params, step)
+            opt.step(do_adam=step == 1)
+        # not the tied embedding: the head's transpose, every rank's head rows (the head's own rows are here)
+        owned = {label: s.view()[s.lo:s.lo + s.real_rows].clone() for label, s in opt.slots.items()
+                 if label != opt.tied[0]}
+        out[ownership] = {"owned": owned, "state": opt.state_dict()["state"], "bytes": dict(opt.comm.bytes_by_op),
+                          "splits": {label: s.splits for label, s in opt.slots.items()}}
+    return out
+
+
+def real_rank_worker(rank, world_size):
+    return sim_model_run(world_size, rank)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_simulated_rank_updates_its_shards_as_a_real_rank_with_the_same_gradients(world_size):
+    """With the same gradients on every rank of a gloo group (the average is the local gradient), rank r's
+    owned rows, optimizer state and bytes counted equal those of SimulatedComm(W, r) in one process, for
+    the record's padded banks and for balanced ones (on 3 ranks uneven: all_to_alls), through the sparse
+    bigram exchange."""
+    import functools
+    real = run_on_ranks(real_rank_worker, world_size, timeout=180)
+    uneven = len(set(real[0]["balanced"]["splits"]["qk_bank"])) > 1
+    assert uneven == (world_size == 3)
+    for rank in range(world_size):
+        sim = sim_model_run(world_size, rank, comm=functools.partial(T.SimulatedComm, world_size, rank))
+        for ownership, want in real[rank].items():
+            got = sim[ownership]
+            assert got["splits"] == want["splits"]
+            assert got["bytes"] == want["bytes"] and any(op == "all_to_all" for _, op in got["bytes"]), ownership
+            for label, t in want["owned"].items():
+                assert torch.equal(got["owned"][label], t), (rank, ownership, label)
+            for label, st in want["state"].items():
+                for name, t in st.items():
+                    assert torch.equal(got["state"][label][name], t), (rank, ownership, label, name)

@@ -4,6 +4,7 @@ memory and the projected time of the whole schedule.
     torchrun --standalone --nproc_per_node=8 tests/benchmarks/step_timing.py     # speedrun preset on 8 GPUs
     python tests/benchmarks/step_timing.py --preset demo --steps 4 --warmup 1    # a CPU: ms/step only
     python tests/benchmarks/step_timing.py --smoke                               # tooling check (tests)
+    python tests/benchmarks/step_timing.py --as_rank_of 8                        # one GPU as rank 0 of 8
 
 Each stage (and the extension) runs --warmup untimed steps (compilation happens there) and then
 --steps timed ones with that stage's batch size, document length and windows, exactly as in
@@ -17,6 +18,17 @@ banks), P_head = model_dim * padded_vocab; keys(layer) is the mean number of key
 in that layer (sliding window cut at document starts, measured on the stage's batches; x2 on
 paired-head layers). Embedding look-ups, norms and the softcap are not counted. MFU divides by the
 dense bf16 peak of the GPUs (H100 SXM and H200 SXM: 989 TFLOP/s each; --peak_tflops for others).
+
+--as_rank_of N runs, in one process on one device, exactly rank 0's work of an N-rank run: the model
+built for N ranks (banks padded for N), rank 0's micro-batches of each step (micro_batches / N of
+them: one on 8 GPUs) and NorMuonAdam on rank 0's shards as ownership over N ranks gives them, its
+collectives launched through train_gpt.SimulatedComm, which completes them at once without
+communicating and counts the bytes the real N-rank collectives send. Per stage it reports rank 0's
+ms/step, the optimizer's share and the bytes sent per step by collective, and projects the N-GPU time
+as sum over stages of steps x (rank 0's ms/step + communication ms/step), communication estimated as
+the bytes rank 0 sends per step over the bus bandwidth of one GPU (H100 SXM and H200: 450 GB/s per
+direction over NVLink, nominal; --bus_gbps for others), not overlapped with compute. On an unknown GPU
+or a CPU it reports the bytes only.
 """
 from __future__ import annotations
 
@@ -37,6 +49,9 @@ import train_gpt as T  # noqa: E402
 # Dense bf16 peak per device, by torch.cuda.get_device_name() exactly (NVIDIA's data sheets: the H100
 # SXM and the H200 SXM share the same tensor cores and clocks); other GPUs need --peak_tflops.
 BF16_PEAK_TFLOPS = {"NVIDIA H100 80GB HBM3": 989.4, "NVIDIA H200": 989.4}
+# NVLink bandwidth per GPU and direction, nominal (NVIDIA's data sheets: 900 GB/s bidirectional on both,
+# NVLink 4), for the communication estimate of --as_rank_of.
+BUS_GB_PER_S = {"NVIDIA H100 80GB HBM3": 450.0, "NVIDIA H200": 450.0}
 
 
 def matrix_params(model: T.GPT) -> int:
@@ -103,6 +118,31 @@ def peak_tflops(device: torch.device, override: float | None) -> float | None:
     return BF16_PEAK_TFLOPS.get(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
 
 
+def bus_gb_per_s(device: torch.device, override: float | None) -> float | None:
+    """The bus bandwidth (GB/s per direction per GPU) the communication estimate assumes, or None."""
+    if override:
+        return override
+    return BUS_GB_PER_S.get(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
+
+
+def comm_per_step(before: dict, after: dict, steps: int) -> dict[str, float]:
+    """Bytes sent per step by collective, from two snapshots of a CommLayer's bytes_by_op."""
+    out = {}
+    for (label, op), nbytes in after.items():
+        out[op] = out.get(op, 0) + (nbytes - before.get((label, op), 0)) / steps
+    return {op: b for op, b in sorted(out.items()) if b}
+
+
+def rank_projection(stages: list[dict], bus: float | None) -> dict:
+    """The whole schedule on N GPUs from rank 0's stages (--as_rank_of N): compute_s = sum of steps x
+    rank 0's ms/step; with a bus bandwidth (GB/s), comm_s = sum of steps x bytes per step / bandwidth
+    (no overlap with compute) and total_s = compute_s + comm_s; without one, comm_s and total_s are None."""
+    compute = sum(s["steps"] * s["ms"] for s in stages) / 1000
+    comm = sum(s["steps"] * sum(s["comm_bytes"].values()) for s in stages) / (bus * 1e9) if bus else None
+    return dict(compute_s=compute, comm_s=comm, total_s=None if comm is None else compute + comm, bus_gb_per_s=bus,
+                steps=sum(s["steps"] for s in stages))
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="speedrun", choices=sorted(T.PRESETS))
@@ -111,9 +151,15 @@ def main(argv=None):
     ap.add_argument("--compile", default="auto", choices=("auto", "true", "false"), help="auto: on CUDA only")
     ap.add_argument("--peak_tflops", type=float, default=None, help="per-device dense bf16 peak for MFU (known: H100 SXM, H200 SXM)")
     ap.add_argument("--smoke", action="store_true", help="test preset, one timed step per stage and no warm-up, on the CPU")
+    ap.add_argument("--as_rank_of", type=int, default=None, metavar="N",
+                    help="one process times rank 0's work of an N-rank run (collectives simulated, bytes counted)")
+    ap.add_argument("--bus_gbps", type=float, default=None,
+                    help="per-GPU bus bandwidth, GB/s per direction, for --as_rank_of's estimate (known: H100 SXM, H200)")
     a, rest = ap.parse_known_args(argv)
     if a.steps < 1 or a.warmup < 0:
         raise SystemExit("error: --steps must be >= 1 and --warmup >= 0")
+    if a.as_rank_of is not None and a.as_rank_of < 1:
+        raise SystemExit("error: --as_rank_of must be >= 1")
     steps = a.steps + a.steps % 2  # whole (no Adam, Adam) pairs
     if a.smoke:
         a.preset, steps, a.warmup, a.compile = "test", 1, 0, "false"
@@ -122,7 +168,8 @@ def main(argv=None):
     use_compile = d.device.type == "cuda" if a.compile == "auto" else a.compile == "true"
     args = dataclasses.replace(args, compile=use_compile)
     try:
-        run(args, d, steps, a.warmup, peak_tflops(d.device, a.peak_tflops))
+        run(args, d, steps, a.warmup, peak_tflops(d.device, a.peak_tflops), as_rank_of=a.as_rank_of,
+            bus=bus_gb_per_s(d.device, a.bus_gbps))
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -194,7 +241,8 @@ def optimizer_split(opt, step, device: torch.device, n: int) -> dict:
 
 
 def run(args: T.Hyperparameters, d: T.DistInfo, steps: int, warmup: int, peak: float | None,
-        on_stage=None, profile_stage: str | None = None, profile_steps: int = 2, split_steps: int = 2) -> list[dict]:
+        on_stage=None, profile_stage: str | None = None, profile_steps: int = 2, split_steps: int = 2,
+        as_rank_of: int | None = None, bus: float | None = None) -> list[dict]:
     """Times every stage; on_stage(result) is called as each stage finishes (so a caller keeps the
     stages measured before an interruption). warmup_s is the wall time of a stage's warm-up steps,
     its compilation included; graphs_warmup / graphs_timed count the graphs torch.compile made in the
@@ -203,14 +251,23 @@ def run(args: T.Hyperparameters, d: T.DistInfo, steps: int, warmup: int, peak: f
     summarised as result["profile"] (profile_summary). split_steps: after the timed steps, that many
     more with the device synchronised around the optimizer step, for optimizer_ms (its wall time per
     step) and rest_ms (the micro-batches' forward and backward and the rest): on N GPUs the micro-batches
-    split N ways but the optimizer's launches and collectives do not (the projections' upper bound)."""
+    split N ways but the optimizer's launches and collectives do not (the projections' upper bound).
+    as_rank_of: N to time rank 0's work of an N-rank run in this one process (the module's docstring;
+    needs no process group); every stage of a run on more than one rank then has comm_bytes (bytes
+    rank 0 sends per step by collective), and bus (GB/s) gives the projection's communication estimate."""
+    comm = None
+    if as_rank_of is not None:
+        if dist.is_initialized():
+            raise SystemExit("error: --as_rank_of runs one process standing in for rank 0; start it without torchrun")
+        comm = T.SimulatedComm(as_rank_of, 0)
+        d = T.DistInfo(0, as_rank_of, d.local_rank, d.device)  # rank 0 of as_rank_of, this device
     accum = T.check_batch_split(args, d.world_size)
     torch.manual_seed(args.seed)
     model = T.GPT(args, d.world_size, dtype=T.compute_dtype(args, d)[0]).to(d.device)
     if dist.is_initialized():
         for p in model.parameters():
             dist.broadcast(p.data, src=0)
-    opt = T.build_optimizer(args, model, d.device)
+    opt = T.build_optimizer(args, model, d.device, comm=comm)
     loader = T.DocumentLoader(args.train_files, args.bigram_vocab_size, d.rank, d.world_size, d.device)
     trainer = T.Trainer(args, d, model, opt, loader)  # the step train() runs (CUDA graphs where it uses them)
     model.prefix_table.copy_(T.build_prefix_table(T.gpt2_encoding(), args.padded_vocab_size))
@@ -220,7 +277,9 @@ def run(args: T.Hyperparameters, d: T.DistInfo, steps: int, warmup: int, peak: f
         torch.cuda.reset_peak_memory_stats(d.device)
 
     say = print if d.is_master else (lambda *_, **__: None)
-    say(f"step timing: {args.num_layers} layers x {args.model_dim}, {d.world_size} rank(s) on {d.device.type}, {accum} accumulation step(s), "
+    ranks = (f"rank 0 of {d.world_size} in one process (collectives simulated)" if comm is not None
+             else f"{d.world_size} rank(s)")
+    say(f"step timing: {args.num_layers} layers x {args.model_dim}, {ranks} on {d.device.type}, {accum} accumulation step(s), "
         f"compile {args.compile}, {warmup} warm-up + {steps} timed steps per stage")
     results = []
     for name, first, length in stage_table(args):
@@ -243,6 +302,7 @@ def run(args: T.Hyperparameters, d: T.DistInfo, steps: int, warmup: int, peak: f
             if i == warmup:
                 T.cuda_synchronize(d.device)
                 counts.append(T.compile_counts())
+                sent = dict(opt.comm.bytes_by_op)
                 t0 = time.perf_counter()
             t_launch = time.perf_counter()
             plan, batches = one_step(i)
@@ -253,6 +313,7 @@ def run(args: T.Hyperparameters, d: T.DistInfo, steps: int, warmup: int, peak: f
         T.cuda_synchronize(d.device)
         ms = 1000 * (time.perf_counter() - t0) / steps
         counts.append(T.compile_counts())
+        comm_bytes = comm_per_step(sent, opt.comm.bytes_by_op, steps)
         split, done = {}, warmup + steps
         if split_steps > 0:
             indices = iter(range(done, done + split_steps))
@@ -283,6 +344,8 @@ def run(args: T.Hyperparameters, d: T.DistInfo, steps: int, warmup: int, peak: f
                             cuda_graphs_off=trainer.graphs.failure if trainer.graphs is not None else ""))
         if split:
             results[-1].update(optimizer_ms=split["optimizer_ms"], rest_ms=split["rest_ms"])
+        if d.world_size > 1:
+            results[-1]["comm_bytes"] = comm_bytes
         if profile is not None:
             results[-1]["profile"] = profile
         if on_stage is not None:
@@ -306,8 +369,14 @@ def run(args: T.Hyperparameters, d: T.DistInfo, steps: int, warmup: int, peak: f
         if "optimizer_ms" in r:
             say(f"{r['stage']}: optimizer step {r['optimizer_ms']:.2f} ms, the rest {r['rest_ms']:.2f} ms per step "
                 f"(device synchronised around the optimizer step)")
+    for r in results:
+        if "comm_bytes" in r:
+            say(f"{r['stage']}: rank 0 sends {sum(r['comm_bytes'].values()) / 1e6:.2f} MB per step ("
+                + ", ".join(f"{op} {b / 1e6:.2f} MB" for op, b in r["comm_bytes"].items()) + ")")
     total_s = sum(r["steps"] * r["ms"] for r in results) / 1000
     say(f"projected training time of the whole schedule ({T.total_steps(args)} steps, validation excluded): {total_s:.1f} s")
+    if comm is not None and results:
+        say(rank_projection_line(rank_projection(results, bus), d.world_size))
     say("FLOPs/token = 6*(P_matrices + P_head) + sum_attention_layers 12*num_heads*head_dim*keys(layer)"
         f"  [P_matrices {matrix_params(model):,}, P_head {args.model_dim * args.padded_vocab_size:,}]")
     if d.device.type == "cuda":
@@ -320,6 +389,17 @@ def run(args: T.Hyperparameters, d: T.DistInfo, steps: int, warmup: int, peak: f
         say(f"peak memory (max RSS of rank 0): {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB")
         say("GPU figures (MFU, the speedrun's ms/step and projected time) need a CUDA GPU: this ran on a CPU.")
     return results
+
+
+def rank_projection_line(p: dict, world_size: int) -> str:
+    """rank_projection's figures in words, with the assumption the estimate makes."""
+    head = (f"projected {world_size}-GPU time from rank 0's work ({p['steps']} steps, validation excluded): ")
+    if p["total_s"] is None:
+        return (head + f"{p['compute_s']:.1f} s of rank 0's steps, communication not estimated (no bus bandwidth "
+                "known for this device: bytes only; --bus_gbps gives one)")
+    return (head + f"{p['total_s']:.1f} s = {p['compute_s']:.1f} s of rank 0's steps + {p['comm_s']:.1f} s of "
+            f"communication, an estimate: the bytes rank 0 sends per step at {p['bus_gb_per_s']:.0f} GB/s per "
+            "direction per GPU (nominal), not overlapped with compute")
 
 
 if __name__ == "__main__":
