@@ -3696,8 +3696,10 @@ def main(argv: list[str] | None = None) -> None:
 # What the record does not run
 # ----------------------------------------------------------------------------------------------
 
-# Record #89 runs none of the code below; the speedrun above reaches it only through its tables
-# (ORTHOGONALIZERS, PRESETS) and the start-up checks. The sliced Adam update and the CPU dtype choice
+# Record #89 runs none of the code below; the speedrun above reaches it only through the tables this
+# part fills (ORTHOGONALIZERS, ATTENTION_MASKS, ATTEND, HEAD_LOSSES, EVALUATION_CE, PRESETS,
+# CONFIG_CHANGES, NORMUON_BETA2_OF, and fp8_mlp's CPU kernel), switch_off_components, the start-up
+# checks and the checkpoints. The sliced Adam update and the CPU dtype choice
 # serve CPU runs only (a GPU trains in bf16, its Adam compiled); balanced ownership replaces the
 # record's padding; SimulatedComm runs one rank of a larger world in one process (the per-rank
 # timing); QK-Clip is an optional step of the optimizer; tensor-parallel NorMuon splits one matrix over
