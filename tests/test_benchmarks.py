@@ -1331,7 +1331,7 @@ def test_run_sh_bench_dry_run():
         assert [c.split()[2] for c in cmds] == ["tests/bench_kernels.py", "tests/bench_optimizer.py",
                                                 "tests/benchmarks/token_efficiency.py", "tests/benchmarks/token_efficiency.py",
                                                 "tests/benchmarks/stage_rise.py", "tests/benchmarks/host_dispatch.py",
-                                                "tests/benchmarks/step_timing.py"]
+                                                "tests/benchmarks/call_depth.py", "tests/benchmarks/step_timing.py"]
     for c in cmds[2:5]:  # the committed tables print without training
         folder = c.split()[-2] if c.endswith("--no_plot") else c.split()[-1]
         assert os.path.isdir(os.path.join(REPO, folder)), folder
