@@ -1271,7 +1271,8 @@ def test_step_timing_as_rank_0_of_8_projects_from_its_work_and_bytes():
     assert m, out
     assert float(m[2]) == pytest.approx(sum(n * t for n, t in ms.values()) / 1000, abs=0.06)
     assert float(m[3]) == pytest.approx(7 * 2 * banks * 7 / 8 / 1e6, abs=0.06)  # 7 steps at 1 MB/s
-    assert float(m[1]) == pytest.approx(float(m[2]) + float(m[3]), abs=0.06)
+    # three figures each rounded to 0.1 s: their sum and the rounded total differ by up to 0.15 s
+    assert float(m[1]) == pytest.approx(float(m[2]) + float(m[3]), abs=0.151)
 
 
 def test_rank_projection_arithmetic_and_the_bus_table(monkeypatch):
