@@ -3221,21 +3221,28 @@ def grad_scale_for(args: Hyperparameters, world_size: int) -> float:
     return world_size / args.micro_batches
 
 
+def begin_step(opt: NorMuonAdam, batches: list[Batch], plan: StepPlan, mtp: torch.Tensor, prefix: torch.Tensor) -> None:
+    """What a step does before its first forward: the step's loss weights into the device tensors mtp
+    (K,) and prefix (0-D), and the bigram rows to exchange, known before backward, declared now (the
+    exchange launched with the last micro-batch's on Adam steps)."""
+    for value, dst in ((plan.mtp_weights, mtp), (plan.prefix_weight, prefix)):
+        copy_from_host_(dst, torch.tensor(value, dtype=torch.float32))
+    for i, b in enumerate(batches):
+        opt.prepare_sparse("bigram_embed", b.bigram_ids, launch=plan.do_adam and i == len(batches) - 1)
+
+
 def train_step(model_fn, opt: NorMuonAdam, batches: list[Batch], plan: StepPlan, mtp: torch.Tensor,
-               prefix: torch.Tensor, grad_scale: float, device: torch.device) -> torch.Tensor:
+               prefix: torch.Tensor, grad_scale: float, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """Forward and backward of this rank's micro-batches, then one optimizer step. mtp (K,) and prefix
     (0-D) are device tensors that receive this step's loss weights. Returns this rank's (summed training
     objective times grad_scale, summed next-token loss), 0-D tensors; nothing here waits for the GPU."""
-    for value, dst in ((plan.mtp_weights, mtp), (plan.prefix_weight, prefix)):
-        copy_from_host_(dst, torch.tensor(value, dtype=torch.float32))
-    for i, b in enumerate(batches):  # the bigram rows to exchange are known before backward: start now
-        opt.prepare_sparse("bigram_embed", b.bigram_ids, launch=plan.do_adam and i == len(batches) - 1)
+    begin_step(opt, batches, plan, mtp, prefix)
     loss, next_token = torch.zeros((), device=device), torch.zeros((), device=device)
     for i, b in enumerate(batches):
         b = b.to(device)
         masks = model_fn.batch_masks(b)  # outside the compiled graph; built by the loader when it could
-        micro, micro_next_token = model_fn(b.inputs, b.targets, b.cu_seqlens, b.bigram_ids, mtp_weights=mtp, loss_scale=grad_scale,
-                         prefix_weight=prefix, masks=masks)
+        micro, micro_next_token = model_fn(b.inputs, b.targets, b.cu_seqlens, b.bigram_ids, mtp_weights=mtp,
+                                           loss_scale=grad_scale, prefix_weight=prefix, masks=masks)
         # The last backward launches each gradient's reduction as soon as that gradient is final.
         last = i == len(batches) - 1
         with opt.reductions_on_backward(plan.do_adam) if last else contextlib.nullcontext():
@@ -3412,10 +3419,7 @@ class StepGraphs:
         graph yet, run uncaptured otherwise; then the optimizer step. Returns train_step's (summed
         objective, summed next-token loss) as new 0-D tensors (the static ones: overwritten by the next
         replay)."""
-        for value, dst in ((plan.mtp_weights, self.mtp), (plan.prefix_weight, self.prefix)):
-            copy_from_host_(dst, torch.tensor(value, dtype=torch.float32))
-        for i, b in enumerate(batches):
-            self.opt.prepare_sparse("bigram_embed", b.bigram_ids, launch=plan.do_adam and i == len(batches) - 1)
+        begin_step(self.opt, batches, plan, self.mtp, self.prefix)
         entry = self._buffers(key, batches)
         host = step_buffer(batches)
         if host.numel() != entry.input.numel():
