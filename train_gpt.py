@@ -40,10 +40,8 @@ import triton_kernels
 
 # Record #89 (modded-nanogpt PR #342) as data: the schedule and the forward read these rows, so a
 # change of recipe is a change of a row, and an ablation a dataclasses.replace over rows (ABLATIONS).
-
-
-# Allowed values of the numeric knobs, as FlagRange's fields (below the fence, with check_args): lo,
-# hi (included unless hi_open), integer, and the shape of a tuple value.
+# A knob's allowed values are FlagRange's fields (check_args, below the fence): lo, hi (included unless
+# hi_open), integer, and the shape of a tuple value.
 _AT_LEAST_0, _AT_LEAST_1 = dict(lo=0, integer=True), dict(lo=1, integer=True)
 _RATE, _FRACTION, _MOMENTUM = dict(lo=0), dict(lo=0, hi=1), dict(lo=0, hi=1, hi_open=True)
 _WINDOWS = dict(lo=1, integer=True, shape=(2,))
@@ -58,18 +56,16 @@ def knob(default, allowed: dict | None = None):
 
 @dataclass(frozen=True)
 class Stage:
-    """One row of the schedule (record #89's training stages). Scheduled rows split num_iterations by
-    `share` (stage s ends at step round(n x the shares up to s)); the last row, share None, is the
-    extension: extension_iterations more steps after them. Within a row the MTP and prefix weights go
-    linearly from start to end; the lr multiplier holds until the cooldown (plan_step)."""
+    """One row of record #89's schedule: stage s ends at step round(num_iterations x the shares up to s);
+    the last row (share None) is the extension, extension_iterations more steps (plan_step)."""
     share: float | None                          # share of num_iterations; None: the extension
     batch_tokens: int = knob(0, _AT_LEAST_1)     # global tokens per step, for any world size
     max_doc_len: int = knob(0, _AT_LEAST_1)      # documents are truncated to this many tokens
     windows: tuple = knob((1, 1), _WINDOWS)      # (short, long) attention windows in window_block_size blocks
-    lr_mult: float = knob(1.0, _RATE)            # the extension's is the cooldown's floor (0.15)
-    mtp_start: tuple = knob((1.0,), dict(lo=0, shape=(None,)))  # weights of the targets t+1, t+2, t+3
-    mtp_end: tuple = knob((1.0,), dict(lo=0, shape=(None,)))
-    prefix_start: float = knob(0.0, _RATE)       # weight of the prefix-token term (record #89)
+    lr_mult: float = knob(1.0, _RATE)            # held until the cooldown; the extension's is its floor (0.15)
+    mtp_start: tuple = knob((1.0,), dict(lo=0, shape=(None,)))  # weights of the targets t+1, t+2, t+3,
+    mtp_end: tuple = knob((1.0,), dict(lo=0, shape=(None,)))    # linear from start to end over the row
+    prefix_start: float = knob(0.0, _RATE)       # weight of the prefix-token term (record #89), likewise
     prefix_end: float = knob(0.0, _RATE)
 
 
@@ -184,13 +180,12 @@ class Hyperparameters:
     mudd_hidden: int = knob(64, _AT_LEAST_1)        # hidden width of the MUDD gate and layer MLPs
     dc_window: int = knob(112, _AT_LEAST_1)         # DC's own window in tokens (keys t-111 .. t)
     window_block_size: int = knob(128, _AT_LEAST_1)  # sliding windows are counted in blocks of this many tokens
-    windows_init: tuple = knob((1, 3), _WINDOWS)    # (short, long) windows in blocks at init; long = YaRN reference
+    windows_init: tuple = knob((1, 3), _WINDOWS)    # (short, long) in blocks at init; long = YaRN reference
     final_val_windows: tuple = knob((6, 20), _WINDOWS)  # the last validation's; YaRN stays at the extension's
-    attn_scale: float = knob(0.1, _RATE)            # softmax scale at windows_init (x sqrt(128/head_dim)); YaRN grows it
-    fp8: bool = True                                # FP8 LM head and MLPs in training on GPUs with FP8 tensor cores
-    fp8_up_fast_accum: bool = True                  # the record's FP8 MLP up-projection: Hopper's fast accumulation
-    attention_kernel: str = "auto"                  # CUDA: flex | varlen (torch's flash varlen_attn, the record's
-                                                    # FA3 call) | auto (the faster per layer kind on this GPU)
+    attn_scale: float = knob(0.1, _RATE)            # at windows_init, x sqrt(128 / head_dim); YaRN grows it
+    fp8: bool = True                                # FP8 LM head and MLPs in training (GPUs with FP8 tensor cores)
+    fp8_up_fast_accum: bool = True                  # the record's FP8 MLP up-projection: fast accumulation
+    attention_kernel: str = "auto"                  # CUDA: flex | varlen (the record's FA3) | auto (per kind)
     # schedule: stage boundaries scale with num_iterations
     num_iterations: int = knob(1270, _AT_LEAST_1)   # scheduled steps, then extension_iterations at the last row
     extension_iterations: int = knob(15, _AT_LEAST_0)
@@ -206,8 +201,7 @@ class Hyperparameters:
     adam_lr: float = knob(0.008, _RATE)
     adam_wd: float = knob(0.005, _RATE)
     orthogonalizer: str = "polar_express"           # or "gram_newton_schulz", "auto" (Gram N-S for the MLP bank)
-    bank_ownership: str = "padded"                  # the record's: banks padded to a multiple of the world size;
-                                                    # "balanced": unpadded banks, FLOP-balanced owners
+    bank_ownership: str = "padded"                  # the record's: banks padded to N x world size | "balanced"
     # evaluation, logging, checkpoints
     val_seq_len: int = knob(262_144, _AT_LEAST_1)   # one sequence per rank and val step on 8 GPUs (the record's)
     val_loss_every: int = knob(250, _AT_LEAST_0)    # 0: only at the end
@@ -217,12 +211,10 @@ class Hyperparameters:
     checkpoint_dir: str = "checkpoints"
     resume: str = ""                                # checkpoint directory to continue from
     compile: bool = True
-    cuda_graphs: bool = True                        # CUDA with --compile true: every step's forward+backward replayed
-                                                    # as a CUDA graph (StepGraphs); the same numbers, fewer launches
-    cpu_dtype: str = "auto"                         # CPU only: bf16 | fp32 | auto (the faster, timed at start-up; a resumed run: its checkpoint's)
+    cuda_graphs: bool = True                        # CUDA, compiled: steps replayed as CUDA graphs (StepGraphs)
+    cpu_dtype: str = "auto"                         # CPU only: bf16 | fp32 | auto (the faster, timed at start-up)
     sample_tokens: int = knob(0, _AT_LEAST_0)       # after training, print a sampled continuation this long
-    # component switches outside the rows (ABLATIONS edits rows for the others). A switched-off
-    # component's parameters stay in the model (checkpoints keep one layout), unread and frozen.
+    # component switches outside the rows (ABLATIONS edits rows for the others): off, parameters stay, frozen
     matrix_optimizer: str = "normuon"               # banks: normuon | muon (no variance reduction) | adamw
     adamw_bank_lr_mul: float = knob(0.25, _RATE)    # adamw: the banks' lr, x adam_lr (Adam on every step)
     value_embeds: bool = True                       # value-embedding tables added to V (the value_embed rows)
@@ -241,9 +233,7 @@ class Hyperparameters:
         return len(self.layers)
 
 
-# The presets by name (--preset): "speedrun" is the recipe as it stands; the CPU demo's and the tests'
-# tiny ones sit below the fence.
-PRESETS: dict[str, dict] = {"speedrun": {}}
+PRESETS: dict[str, dict] = {"speedrun": {}}  # --preset; the CPU demo's and the tests' are below the fence
 
 
 # -- recipe constants: FP8 scales, Polar Express, MUDD biases, initial values -----------------
@@ -267,11 +257,8 @@ POLAR_EXPRESS_COEFFS: tuple[tuple[float, float, float], ...] = (
 
 BIGRAM_SIGN_ROWS = 8192  # rows of the +-1 table the bigram embedding is multiplied by
 MUDD_LAYER_SCALE = 0.1   # fixed output scale of the MUDD layer MLPs (biases are stored x10)
-# MUDD layer MLP outputs, in the record's order, and their biases before the x0.1 scale (the record's;
-# MUDD, arXiv 2502.12170). Layer 0 runs at the mudd row: V from cache0 / h / x, x from cache0 / h / x
-# (x's coefficient is 1 + x_gain), the VE gates of the two head halves, the attention sublayer's resid,
-# output and x0 weights, the bigram gate, the MLP sublayer's resid and output weights. Layer 1 runs
-# after the loop: cache0, h (the backout, -0.5 at init), the mudd row's input, ve0, the skip source.
+# MUDD (arXiv 2502.12170) layer MLP outputs in the record's order, and their biases before the x0.1 scale:
+# layer 0 runs at the mudd row (x_gain: x's coefficient is 1 + x_gain), layer 1 after the loop (h: the backout).
 MUDD_LAYER_NAMES = (
     ("v_cache0", "v_h", "v_x", "x_cache0", "x_h", "x_gain", "ve_gate_first_half", "ve_gate_second_half",
      "resid_attn", "post_attn", "x0", "bigram", "resid_mlp", "post_mlp"),
@@ -281,11 +268,9 @@ MUDD_LAYER_OUTPUTS = tuple(len(names) for names in MUDD_LAYER_NAMES)  # (14, 5)
 MUDD_LAYER_BIASES = ({"ve_gate_first_half": 20.0, "ve_gate_second_half": 20.0, "resid_attn": 10 * math.sqrt(1.1),
                       "post_attn": 10.0, "bigram": 0.5, "resid_mlp": 10 * math.sqrt(1.1), "post_mlp": 10.0},
                      {"h": -5.0})
-# MUDD gate outputs' biases before the gate scale (0.1 at init): output gates start at 0.25, bigram
-# gates 0.05, the skip gate 0.5, DC's w1 1.0; everything else 0.
+# MUDD gate biases before the gate scale (0.1 at init): output gates start at 0.25, bigram 0.05, skip 0.5, DC w1 1
 MUDD_GATE_BIASES = {"gate": 2.5, "bigram": 0.5, "skip": 5.0, "dc_w1": 10.0}
-# Initial values (the record's; GPT.reset_parameters): the projections' uniform std x sqrt(D), the
-# tables' normal stds, the lambdas and the MUDD gates' scale.
+# Initial values (the record's; GPT.reset_parameters): projections' uniform std x sqrt(D), the tables' normal stds
 INIT = dict(projection_std=0.5, lm_head_std=0.005, value_embed_std=0.01, qkv_lambda=0.5, o_lambda=1.0,
             skip_lambda=-1.5, resid_lambda=math.sqrt(1.1), post_lambda=1.0, mudd_gate_scale=0.1)
 
@@ -293,7 +278,6 @@ INIT = dict(projection_std=0.5, lm_head_std=0.005, value_embed_std=0.01, qkv_lam
 # ----------------------------------------------------------------------------------------------
 # Distributed setup
 # ----------------------------------------------------------------------------------------------
-
 
 @dataclass
 class DistInfo:
@@ -308,8 +292,7 @@ class DistInfo:
 
 
 def setup_distributed(force_cpu: bool = False) -> DistInfo:
-    """Process group from torchrun's environment: NCCL on CUDA, gloo on CPU. Plain `python` (no
-    torchrun) is world size 1 with no process group: every collective below is skipped then."""
+    """Process group from torchrun's environment (NCCL on CUDA, gloo on CPU); plain `python`: world size 1."""
     rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     use_cuda = torch.cuda.is_available() and not force_cpu
@@ -333,9 +316,8 @@ def cuda_synchronize(device: torch.device) -> None:
 
 
 def copy_from_host_(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """dst.copy_(src) from a host tensor without making the host wait for the GPU: a CUDA copy goes
-    through pinned memory with non_blocking (the caching host allocator keeps the pinned buffer until the
-    copy has run); a blocking copy from pageable memory would drain the queue of launched kernels."""
+    """dst.copy_(src) without making the host wait: a CUDA copy goes non-blocking through pinned memory (a copy
+    from pageable memory would drain the queue of launched kernels; the caching allocator keeps the buffer)."""
     dst.copy_(src.pin_memory() if dst.is_cuda else src, non_blocking=True)
 
 
