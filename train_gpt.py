@@ -2603,9 +2603,7 @@ def count_parameters(args: Hyperparameters, world_size: int = 1) -> dict[str, tu
 # Shard files: 256 x int32 header + uint16 GPT-2 token ids
 # ----------------------------------------------------------------------------------------------
 
-SHARD_MAGIC = 20240520
-SHARD_VERSION = 1
-SHARD_HEADER_INTS = 256
+SHARD_MAGIC, SHARD_VERSION, SHARD_HEADER_INTS = 20240520, 1, 256
 SHARD_HEADER_BYTES = SHARD_HEADER_INTS * 4
 BOS_ID = 50256  # <|endoftext|> starts every document
 
@@ -2623,25 +2621,21 @@ def read_shard_header(path: str) -> int:
     if size < SHARD_HEADER_BYTES:
         what = "empty file" if size == 0 else f"{size} bytes, shorter than the {SHARD_HEADER_BYTES}-byte header"
         raise ShardError(f"{path}: not a token shard ({what}); re-create or re-download it")
-    with open(path, "rb") as f:
-        header = np.frombuffer(f.read(SHARD_HEADER_BYTES), dtype="<i4")
-    if header[0] != SHARD_MAGIC:
-        raise ShardError(f"{path}: bad magic {header[0]} (expected {SHARD_MAGIC}); not a token shard")
-    if header[1] != SHARD_VERSION:
-        raise ShardError(f"{path}: unsupported shard version {header[1]} (expected {SHARD_VERSION})")
-    num_tokens = int(header[2])
+    magic, version, num_tokens = np.fromfile(path, dtype="<i4", count=3).tolist()
+    if magic != SHARD_MAGIC:
+        raise ShardError(f"{path}: bad magic {magic} (expected {SHARD_MAGIC}); not a token shard")
+    if version != SHARD_VERSION:
+        raise ShardError(f"{path}: unsupported shard version {version} (expected {SHARD_VERSION})")
     if num_tokens <= 0 or size != SHARD_HEADER_BYTES + 2 * num_tokens:
-        raise ShardError(f"{path}: header says {num_tokens} tokens ({SHARD_HEADER_BYTES + 2 * max(num_tokens, 0)} bytes)"
-                         f" but the file has {size} bytes; truncated or corrupt, re-create or re-download it")
+        need = SHARD_HEADER_BYTES + 2 * max(num_tokens, 0)
+        raise ShardError(f"{path}: header says {num_tokens} tokens ({need} bytes) but the file has {size} bytes;"
+                         " truncated or corrupt, re-create or re-download it")
     return num_tokens
 
 
 def read_shard(path: str) -> torch.Tensor:
-    """Load a whole shard as a uint16 tensor (validated first)."""
-    num_tokens = read_shard_header(path)
-    with open(path, "rb") as f:
-        f.seek(SHARD_HEADER_BYTES)
-        data = np.fromfile(f, dtype="<u2", count=num_tokens)
+    """A whole shard as a uint16 tensor (validated first)."""
+    data = np.fromfile(path, dtype="<u2", count=read_shard_header(path), offset=SHARD_HEADER_BYTES)
     return torch.from_numpy(data.astype(np.uint16, copy=False))
 
 
@@ -2651,49 +2645,19 @@ def find_shards(pattern: str, what: str) -> list[str]:
     if not files and not os.path.isabs(pattern):  # presets name paths inside this checkout
         files = sorted(glob.glob(os.path.join(os.path.dirname(os.path.abspath(__file__)), pattern)))
     if not files:
-        hint = ("python data/cached_fineweb10B.py 9" if "fineweb" in pattern
-                else "python data/tokenize_text.py --help")
-        raise SystemExit(f"error: no {what} shards match {pattern!r}; create them with `{hint}`"
+        hint = "cached_fineweb10B.py 9" if "fineweb" in pattern else "tokenize_text.py --help"
+        raise SystemExit(f"error: no {what} shards match {pattern!r}; create them with `python data/{hint}`"
                          f" or point --{what}_files at existing shards")
     return files
 
 
-# GPT-2 BPE, built offline from the rank file shipped in data/ (same ranks as tiktoken's "gpt2").
-GPT2_TIKTOKEN_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "gpt2.tiktoken")
-GPT2_TIKTOKEN_SHA256 = "306cd27f03c1a714eca7108e03d66b7dc042abe8c258b44c199a7ed9838dd930"
-GPT2_SPLIT_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
-
-
-def gpt2_encoding(rank_file: str | None = GPT2_TIKTOKEN_FILE):
-    """The GPT-2 tokenizer. With a rank file (default: the shipped copy, sha256-checked) no network is
-    touched; rank_file=None asks tiktoken for its own "gpt2" encoding (which may download)."""
-    import tiktoken
-    if rank_file is None:
-        return tiktoken.get_encoding("gpt2")
-    import hashlib
-    try:
-        with open(rank_file, "rb") as f:
-            digest = hashlib.sha256(f.read()).hexdigest()
-    except OSError as e:
-        raise SystemExit(f"error: cannot read GPT-2 rank file {rank_file} ({e.strerror})") from None
-    if digest != GPT2_TIKTOKEN_SHA256:
-        raise SystemExit(f"error: {rank_file} has sha256 {digest}, not the GPT-2 ranks ({GPT2_TIKTOKEN_SHA256})")
-    from tiktoken.load import load_tiktoken_bpe
-    return tiktoken.Encoding("gpt2", pat_str=GPT2_SPLIT_PATTERN, mergeable_ranks=load_tiktoken_bpe(rank_file),
-                             special_tokens={"<|endoftext|>": BOS_ID}, explicit_n_vocab=50257)
-
-
 def build_prefix_table(encoding, padded_vocab_size: int) -> torch.Tensor:
-    """table[T] (int64, (padded_vocab_size,)) = id of the longest proper byte-prefix of token T's byte
-    string that is itself a token, -1 if none: single bytes, the special BOS and the pad ids (record
-    #89's prefix-token loss). The record builds it from the GPT-2 ranks inside the timed region, so it must be
-    quick: one dict look-up per candidate prefix, ~20 ms on one CPU core. Only tokens with ids below
-    padded_vocab_size count, so a smaller test vocabulary never names a column the logits lack."""
+    """table[T] (int64, (padded_vocab_size,)) = id of the longest proper byte-prefix of token T that is a token
+    below padded_vocab_size, else -1 (record #89's prefix-token loss; the record builds it in the timed region)."""
     if isinstance(padded_vocab_size, bool) or not isinstance(padded_vocab_size, int) or padded_vocab_size < 1:
         raise ValueError(f"build_prefix_table: padded_vocab_size must be a positive int, got {padded_vocab_size!r}")
     ranks = encoding._mergeable_ranks  # token bytes -> id for the ordinary tokens (BOS is a special token)
-    lookup = ranks.get
-    table = [-1] * padded_vocab_size
+    lookup, table = ranks.get, [-1] * padded_vocab_size
     for piece, token in ranks.items():
         if token >= padded_vocab_size:
             continue
@@ -2709,16 +2673,14 @@ def build_prefix_table(encoding, padded_vocab_size: int) -> torch.Tensor:
 # Data loader: BOS-aligned packed batches with document boundaries and bigram ids
 # ----------------------------------------------------------------------------------------------
 
-
 @dataclass
 class Batch:
     inputs: torch.Tensor      # (T,) int32 token ids
     targets: torch.Tensor     # (T,) int64, targets[t] = token after inputs[t]
     cu_seqlens: torch.Tensor  # (max_docs + 1,) int32 document starts then T, padded with T (static shape)
     bigram_ids: torch.Tensor  # (T,) int64 bigram hash of (previous, current) input token
-    # Flex attention's block masks, built on the host (make_batch with a flex_mask_spec) so that no
-    # kernel of the step builds them: the spec, the document id per position (int32, what the masks'
-    # mask_mod reads) and {(long?, slots per token): BlockMaskIndices}. None: the model builds masks.
+    # flex block masks built on the host (make_batch with a flex_mask_spec; None: the model builds them): the
+    # spec, the int32 document id per position (the mask_mod reads it), {(long?, slots): BlockMaskIndices}
     mask_spec: tuple | None = None
     doc_ids: torch.Tensor | None = None
     block_masks: dict | None = None
@@ -2736,10 +2698,8 @@ class Batch:
         it = iter(tensors)
         inputs, targets, cu_seqlens, bigram_ids = (next(it) for _ in range(4))
         doc_ids = next(it) if self.doc_ids is not None else None
-        block_masks = None
-        if self.block_masks:
-            block_masks = {key: BlockMaskIndices(*(next(it) for _ in BlockMaskIndices._fields))
-                           for key in sorted(self.block_masks)}
+        block_masks = {key: BlockMaskIndices(*(next(it) for _ in BlockMaskIndices._fields))
+                       for key in sorted(self.block_masks)} if self.block_masks else None
         return Batch(inputs, targets, cu_seqlens, bigram_ids, self.mask_spec, doc_ids, block_masks, self.max_doc_len)
 
     def staged_bytes(self) -> int:
@@ -2747,9 +2707,8 @@ class Batch:
         return sum(map(_staged_bytes, self.tensors()))
 
     def stage(self, into: torch.Tensor | None = None) -> "Batch":
-        """The batch with all its tensors packed into one pinned host buffer: to(device) is then one
-        copy. Runs in the loader's thread on CUDA runs (a pinned allocation, STAGE_ALIGN-aligned views).
-        into: a uint8 buffer of staged_bytes() to pack into instead (stage_step: a slice of the step's)."""
+        """The batch with its tensors packed into one pinned host buffer, so that to(device) is one copy
+        (the loader's thread does it). into: a uint8 buffer of staged_bytes() to pack into instead."""
         tensors = self.tensors()
         staged = into if into is not None else torch.empty(self.staged_bytes(), dtype=torch.uint8,
                                                            pin_memory=torch.cuda.is_available())
@@ -2758,36 +2717,30 @@ class Batch:
         return dataclasses.replace(self, staged=staged)
 
     def unstage(self, staged: torch.Tensor) -> "Batch":
-        """This batch's tensors as views of a copy of its staged buffer (stage()'s layout): one view of
-        the buffer per dtype, then one as_strided per tensor (each a host dispatch on the launch path)."""
+        """This batch's tensors as views of `staged` (stage()'s layout): a view per dtype, an as_strided each."""
         views, typed, start = [], {}, 0
         for t in self.tensors():
             if t.dtype not in typed:  # the buffer's length is a multiple of STAGE_ALIGN: any dtype divides it
                 typed[t.dtype] = staged.view(t.dtype)
-            strides = [1] * t.dim()
-            for d in range(t.dim() - 2, -1, -1):
-                strides[d] = strides[d + 1] * t.shape[d + 1]
+            strides = [math.prod(t.shape[d + 1:]) for d in range(t.dim())]  # contiguous
             base = typed[t.dtype]  # as_strided counts from the storage's start: a slice's own offset first
             views.append(base.as_strided(t.shape, strides, base.storage_offset() + start // t.element_size()))
             start += _staged_bytes(t)
         return self.with_tensors(views)
 
     def to(self, device: torch.device) -> "Batch":
-        """The batch on `device`: one non-blocking copy of the staged buffer (staged here if it is not
-        yet), the tensors as aligned views of the copy. A CPU batch is returned as it is."""
+        """The batch on `device`: one non-blocking copy of the staged buffer (a CPU batch: itself)."""
         if device.type == "cpu":
             return self
         staged = (self if self.staged is not None else self.stage()).staged
         return self.unstage(staged.to(device, non_blocking=True))  # pinned: asynchronous with the queued work
 
 
-STAGE_ALIGN = 128  # bytes between tensors of a staged batch: inductor, cuBLAS and Triton assume 16-byte aligned inputs
+STAGE_ALIGN = 128  # bytes between a staged batch's tensors: inductor, cuBLAS, Triton assume 16-byte alignment
 
 
 def stage_step(batches: list[Batch]) -> list[Batch]:
-    """A step's micro-batches staged into consecutive slices of one pinned buffer (each batch's own
-    layout, STAGE_ALIGN-aligned): each batch still copies alone (Batch.to), and StepGraphs copies the
-    whole step at once (step_buffer)."""
+    """A step's micro-batches staged into consecutive slices of one pinned buffer (StepGraphs copies it whole)."""
     sizes = [b.staged_bytes() for b in batches]
     joint = torch.empty(sum(sizes), dtype=torch.uint8, pin_memory=torch.cuda.is_available())
     starts = np.cumsum([0, *sizes])
@@ -2795,8 +2748,7 @@ def stage_step(batches: list[Batch]) -> list[Batch]:
 
 
 def step_buffer(batches: list[Batch]) -> torch.Tensor:
-    """The staged bytes of a step's micro-batches as one host buffer: the loader's joint buffer
-    itself when the batches are consecutive slices of one (stage_step), else a packed copy."""
+    """A step's staged bytes as one host buffer: stage_step's joint buffer itself, else a packed copy."""
     bufs = [b.staged if b.staged is not None else b.stage().staged for b in batches]
     first, total = bufs[0], sum(buf.numel() for buf in bufs)
     at = first.data_ptr()
@@ -2808,21 +2760,18 @@ def step_buffer(batches: list[Batch]) -> torch.Tensor:
 
 
 def _staged_bytes(t: torch.Tensor) -> int:
-    """Bytes t takes in a staged buffer: its own, rounded up to STAGE_ALIGN."""
     return -(-t.numel() * t.element_size() // STAGE_ALIGN) * STAGE_ALIGN
 
 
 def max_docs_for(num_tokens: int) -> int:
-    """Fixed document-boundary capacity of a T-token sequence; a sequence with more (very short)
-    documents keeps the first ones and merges the rest into the last: rare, and never a shape change."""
+    """Document-boundary capacity of T tokens (a static shape); rare extra documents merge into the last."""
     return num_tokens // 8 + 16
 
 
 def make_batch(buf: np.ndarray, bigram_vocab_size: int, mask_spec: tuple | None = None,
                max_doc_len: int | None = None) -> Batch:
-    """Batch from T + 1 consecutive tokens: inputs buf[:T], targets buf[1:]. mask_spec (flex_mask_spec):
-    also build the flex block masks of its attention kinds, here on the host. max_doc_len: the
-    longest a document of buf may be (the loader's truncation)."""
+    """Batch from T + 1 consecutive tokens: inputs buf[:T], targets buf[1:]; with a mask_spec (flex_mask_spec)
+    also the flex block masks, built here on the host."""
     T = len(buf) - 1
     inputs = torch.from_numpy(buf[:T].astype(np.int32))
     starts = np.flatnonzero(buf[:T] == BOS_ID)
@@ -2846,19 +2795,16 @@ def _load_shard_with_index(path: str) -> tuple[np.ndarray, np.ndarray]:
 
 
 class DocumentLoader:
-    """BOS-aligned training batches. Every rank walks the same document index (all shards in order,
-    looping), so a step's micro-batches are consecutive, disjoint runs of documents whatever the world
-    size: micro-batch g of a step goes to rank g % world_size. The next shard is read and indexed on a
-    background thread while the current one is in use, and look_ahead() builds the next step's
-    batches (block masks and the pinned staging buffer included, for a CUDA `device`) on another, so
-    the training loop only copies them."""
+    """BOS-aligned training batches. Every rank walks the same document index (all shards in order, looping):
+    micro-batch g of a step goes to rank g % world_size, whatever the world size. Background threads read the
+    next shard and build the next step's batches (look_ahead), masks and pinned staging buffer included."""
 
     def __init__(self, pattern: str, bigram_vocab_size: int, rank: int = 0, world_size: int = 1,
                  device: torch.device | None = None):
         from concurrent.futures import ThreadPoolExecutor
         self.files = find_shards(pattern, "train")
         self.bigram_vocab_size, self.rank, self.world_size = bigram_vocab_size, rank, world_size
-        self.stage = device is not None and device.type == "cuda"  # pack each step's batches into one pinned buffer
+        self.stage = device is not None and device.type == "cuda"  # each step's batches in one pinned buffer
         self._pool = ThreadPoolExecutor(max_workers=1)   # shard reads
         self._steps = ThreadPoolExecutor(max_workers=1)  # look-ahead steps (they wait on shard reads)
         self._ahead = None  # (key, future) of the step look_ahead() is building
@@ -2907,10 +2853,8 @@ class DocumentLoader:
 
     def next_step(self, tokens_per_micro: int, max_doc_len: int, micro_batches: int,
                   mask_spec: tuple | None = None) -> list[Batch]:
-        """This rank's micro-batches of one step; each holds whole documents (truncated to max_doc_len,
-        the last one to fit) making exactly tokens_per_micro + 1 tokens. mask_spec (flex_mask_spec):
-        each batch also carries the flex block masks at those windows. The look_ahead() of exactly this
-        step from this position is used; any other is dropped."""
+        """This rank's micro-batches of one step, each whole documents (truncated to max_doc_len, the last to
+        fit) making tokens_per_micro + 1 tokens: the look_ahead() of exactly this step if there is one."""
         request = (tokens_per_micro, max_doc_len, micro_batches, mask_spec)
         key = ((self.shard, self.doc), request)
         ahead = self._settle()
@@ -2919,8 +2863,7 @@ class DocumentLoader:
 
     def look_ahead(self, tokens_per_micro: int, max_doc_len: int, micro_batches: int,
                    mask_spec: tuple | None = None) -> None:
-        """Start building the step after the one last returned on the loader's thread (next_step's
-        arguments); the next next_step with the same arguments returns it."""
+        """Start building the next step (next_step's arguments) on the loader's thread."""
         self._settle()
         key = ((self.shard, self.doc), (tokens_per_micro, max_doc_len, micro_batches, mask_spec))
         self._ahead = (key, self._steps.submit(self._build, *key))
@@ -2930,8 +2873,8 @@ class DocumentLoader:
 
     def load_state_dict(self, state: dict) -> None:
         if state["files"] != list(self.files):
-            raise SystemExit("error: the checkpoint was written with other training shards "
-                             f"({len(state['files'])} files starting {state['files'][:1]}); resume with the same --train_files")
+            raise SystemExit(f"error: the checkpoint was written with other training shards ({len(state['files'])} "
+                             f"files starting {state['files'][:1]}); resume with the same --train_files")
         self._settle()  # a look-ahead from the old position is of no use
         self.shard, self.doc = state["shard"], state["doc"]
         self._open(self.shard)
@@ -2939,10 +2882,10 @@ class DocumentLoader:
 
 def validation_batches(pattern: str, num_tokens: int, seq_len: int, bigram_vocab_size: int,
                        rank: int, world_size: int) -> list[Batch]:
-    """The first num_tokens tokens of the val shards, contiguous, cut into seq_len sequences that are
-    dealt round-robin to ranks: the same sequences (and so the same mean loss) for any world size."""
+    """The val shards' first num_tokens tokens in seq_len sequences dealt round-robin to ranks (any world size)."""
     if num_tokens % seq_len:
-        raise SystemExit(f"error: --val_tokens {num_tokens} must be a multiple of the validation sequence length {seq_len}")
+        raise SystemExit(f"error: --val_tokens {num_tokens} must be a multiple of the validation sequence length"
+                         f" {seq_len}")
     chunks, have = [], 0
     for path in find_shards(pattern, "val"):
         chunks.append(read_shard(path).numpy())
@@ -2961,7 +2904,6 @@ def validation_batches(pattern: str, num_tokens: int, seq_len: int, bigram_vocab
 # Schedule: what every step runs with
 # ----------------------------------------------------------------------------------------------
 
-
 @dataclass(frozen=True)
 class StepPlan:
     step: int
@@ -2977,8 +2919,7 @@ class StepPlan:
 
 
 def stage_bounds(args: Hyperparameters) -> tuple[int, ...]:
-    """First step of every stage row, then the end of the run: (0, 423, 847, 1270, 1285) for the
-    speedrun (round(1270/3), round(2 x 1270/3): the record's)."""
+    """First step of every stage row, then the run's end: (0, 423, 847, 1270, 1285) for the speedrun."""
     n, bounds, done = args.num_iterations, [0], 0.0
     for row in args.stages[:-2]:
         done += row.share
@@ -2987,9 +2928,8 @@ def stage_bounds(args: Hyperparameters) -> tuple[int, ...]:
 
 
 def untie_step(args: Hyperparameters) -> int:
-    """The last tied step: the last scheduled stage's first step made odd (847), so it is an Adam step;
-    the embedding gets its own Adam state (the head's, transposed) right after it, and its first own
-    update is 849."""
+    """The last tied step: the last scheduled stage's first step made odd (847, an Adam step); the embedding
+    then takes the head's Adam state, transposed, and its first own update is 849."""
     step = stage_bounds(args)[-3]
     return step if step % 2 else step + 1
 
@@ -2999,13 +2939,9 @@ def total_steps(args: Hyperparameters) -> int:
 
 
 def plan_step(args: Hyperparameters, step: int) -> StepPlan:
-    """Everything that changes with the step (record #89's schedule), for the speedrun:
-    lr multiplier s: the stage's multiplier until cd = int(0.4 * 1270) = 508, then
-        stage_mult * (1 - t) + 0.15 * t with t = (step - cd) / (1270 - cd), so s jumps up at 847; the
-        extension row's 0.15 in the extension;
-    momentum: 0.85 -> 0.95 over steps 0-300, 0.95, then down over the last 50 steps of the 1285;
-    MTP and prefix weights: linear in t = (step - stage start) / (stage end - stage start), so the
-        prefix weight is 0.25 in stage 1, 0.25 (1 - t) in stage 2 and 0 afterwards (the record's)."""
+    """Everything that changes with the step (record #89's schedule). Speedrun: lr multiplier the stage's until
+    int(0.4 x 1270) = 508, then linear to 0.15 at 1270 (so it jumps up at 847), 0.15 in the extension; momentum
+    0.85 -> 0.95 over steps 0-300, down over the last 50 of 1285; MTP and prefix weights linear within a stage."""
     n, total = args.num_iterations, total_steps(args)
     bounds = stage_bounds(args)
     stage = sum(step >= b for b in bounds[1:-1])
@@ -3034,8 +2970,7 @@ def plan_step(args: Hyperparameters, step: int) -> StepPlan:
 
 
 def schedule_tokens(args: Hyperparameters) -> list[int]:
-    """Global tokens trained before each step by the schedule: [0, step 0's batch, steps 0-1's, ...,
-    the whole run's] (total_steps + 1 entries)."""
+    """Global tokens trained before each step, then the run's total (total_steps + 1 entries)."""
     cumulative = [0]
     for step in range(total_steps(args)):
         cumulative.append(cumulative[-1] + plan_step(args, step).batch_tokens)
@@ -3043,24 +2978,20 @@ def schedule_tokens(args: Hyperparameters) -> list[int]:
 
 
 def eta_seconds(cumulative: list[int], first: int, done: int, elapsed_ms: float) -> float:
-    """Seconds left in the run once steps first..done-1 took elapsed_ms: the time per token so far
-    times the tokens of the steps still to run (schedule_tokens), so a later stage's step of three
-    times the batch counts three times a first-stage step."""
+    """Seconds left once steps first..done-1 took elapsed_ms: time per token so far x the tokens still to train."""
     trained = cumulative[done] - cumulative[first]
     return elapsed_ms / 1000 * (cumulative[-1] - cumulative[done]) / max(1, trained)
 
 
 def batch_request(args: Hyperparameters, plan: StepPlan, slots: int, device: torch.device) -> tuple:
-    """DocumentLoader.next_step's arguments for a step over `slots` micro-batches: on CUDA the loader
-    also builds the step's flex block masks (flex_mask_spec), so no kernel of the step builds them."""
+    """DocumentLoader.next_step's arguments for a step; on CUDA the loader also builds the flex block masks."""
     spec = flex_mask_spec(args, plan.windows, attention_kernels(args, device)) if device.type == "cuda" else None
     return plan.batch_tokens // slots, plan.max_doc_len, slots, spec
 
 
 def warmup_steps(args: Hyperparameters) -> list[int]:
-    """The steps whose graphs the compile warm-up runs (the record's 14 for the speedrun): 0 and 1,
-    and two steps either side of each stage start (423, 847, 1270), which covers every batch size,
-    window, Adam parity and the untie."""
+    """The steps the compile warm-up runs (the record's 14): 0, 1 and two either side of each stage start,
+    which covers every batch size, window, Adam parity and the untie."""
     steps = {0, 1}
     for b in stage_bounds(args)[1:-1]:
         steps |= {b - 2, b - 1, b, b + 1}
@@ -3068,21 +2999,8 @@ def warmup_steps(args: Hyperparameters) -> list[int]:
 
 
 def grad_accum_steps(args: Hyperparameters, world_size: int) -> int:
-    """Accumulation steps per rank: the global batch stays the same for any world size (8 / world_size
-    on one 8-GPU node's worth of ranks or fewer; 1 on more ranks, which each take a smaller slice)."""
+    """Accumulation steps per rank, so that the global batch is the same for any world size."""
     return max(1, -(-args.micro_batches // world_size))
-
-
-def check_batch_split(args: Hyperparameters, world_size: int) -> int:
-    """Tokens per micro-batch (the same for every stage's T / micro-batch count) or a start-up error."""
-    accum = grad_accum_steps(args, world_size)
-    slots = world_size * accum
-    for tokens in (row.batch_tokens for row in args.stages):
-        if tokens % slots:
-            raise SystemExit(f"error: the global batch of {tokens} tokens (--stage_batch_tokens) does not split into "
-                             f"{world_size} ranks x {accum} accumulation steps; use a world size that divides "
-                             f"{args.micro_batches} or batch sizes divisible by {slots}")
-    return accum
 
 
 # ----------------------------------------------------------------------------------------------
@@ -4953,6 +4871,45 @@ def _fp8_mlp_cpu(x, w_up, w_down, x_f8, up_f8, up_dequant, down_f8_t, down_scale
     post, post_f8, post_max = triton_kernels.relu2_fp8_up_partials(x_f8, up_f8, up_dequant, act_scale,
                                                                    fast_accum=fast_accum)
     return _scaled_matmul(post_f8, down_f8_t.mT, act_scale, down_scale, torch.bfloat16, fast_accum=True), post, post_max
+
+
+# ---- Data: the offline GPT-2 tokenizer, the batch split's start-up check -----------------------
+
+# GPT-2 BPE, built offline from the rank file shipped in data/ (same ranks as tiktoken's "gpt2").
+GPT2_TIKTOKEN_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "gpt2.tiktoken")
+GPT2_TIKTOKEN_SHA256 = "306cd27f03c1a714eca7108e03d66b7dc042abe8c258b44c199a7ed9838dd930"
+GPT2_SPLIT_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+
+
+def gpt2_encoding(rank_file: str | None = GPT2_TIKTOKEN_FILE):
+    """The GPT-2 tokenizer. With a rank file (default: the shipped copy, sha256-checked) no network is
+    touched; rank_file=None asks tiktoken for its own "gpt2" encoding (which may download)."""
+    import tiktoken
+    if rank_file is None:
+        return tiktoken.get_encoding("gpt2")
+    import hashlib
+    try:
+        with open(rank_file, "rb") as f:
+            digest = hashlib.sha256(f.read()).hexdigest()
+    except OSError as e:
+        raise SystemExit(f"error: cannot read GPT-2 rank file {rank_file} ({e.strerror})") from None
+    if digest != GPT2_TIKTOKEN_SHA256:
+        raise SystemExit(f"error: {rank_file} has sha256 {digest}, not the GPT-2 ranks ({GPT2_TIKTOKEN_SHA256})")
+    from tiktoken.load import load_tiktoken_bpe
+    return tiktoken.Encoding("gpt2", pat_str=GPT2_SPLIT_PATTERN, mergeable_ranks=load_tiktoken_bpe(rank_file),
+                             special_tokens={"<|endoftext|>": BOS_ID}, explicit_n_vocab=50257)
+
+
+def check_batch_split(args: Hyperparameters, world_size: int) -> int:
+    """grad_accum_steps, or a start-up error where a stage's batch does not split into ranks x accumulation steps."""
+    accum = grad_accum_steps(args, world_size)
+    slots = world_size * accum
+    for tokens in (row.batch_tokens for row in args.stages):
+        if tokens % slots:
+            raise SystemExit(f"error: the global batch of {tokens} tokens (--stage_batch_tokens) does not split into "
+                             f"{world_size} ranks x {accum} accumulation steps; use a world size that divides "
+                             f"{args.micro_batches} or batch sizes divisible by {slots}")
+    return accum
 
 
 if __name__ == "__main__":
