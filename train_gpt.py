@@ -923,7 +923,7 @@ class Slot:
 
 
 def row_slot(label: str, p: torch.Tensor, cfg: ParamConfig, world_size: int, rank: int) -> Slot:
-    """A label's Slot before bank ownership: (matrices, rows, cols) or (rows, last dim), ceil(rows / W) per rank."""
+    """A label's Slot before bank ownership: (matrices, rows, cols) or (rows, last dim); ceil(rows / W) a rank."""
     if cfg.optimizer == "normuon":
         shape = (p.numel() // (p.size(-2) * p.size(-1)), p.size(-2), p.size(-1))
     else:
@@ -1205,11 +1205,12 @@ class NorMuonAdam:
     every label once. tied=(embed, head) keeps embed == head^T (the head's Adam drives both) until untie().
     step() sets the gradients it consumes to None (Adam's accumulate over steps without Adam)."""
 
-    def __init__(self, params: dict[str, nn.Parameter], configs: dict[str, ParamConfig], *, scatter_order, work_order,
-                 normuon_lr: float = 0.023, normuon_wd: float = 1.2, normuon_momentum: float = 0.95,
+    def __init__(self, params: dict[str, nn.Parameter], configs: dict[str, ParamConfig], *, scatter_order,
+                 work_order, normuon_lr: float = 0.023, normuon_wd: float = 1.2, normuon_momentum: float = 0.95,
                  normuon_beta2: float = 0.9, adam_lr: float = 0.008, adam_wd: float = 0.005, adam_eps: float = 1e-10,
                  orthogonalizer="polar_express", tied: tuple[str, str] | None = None, process_group=None,
-                 sparse_threshold: float = 0.5, ownership: str = "balanced", compile=False, comm: CommLayer | None = None):
+                 sparse_threshold: float = 0.5, ownership: str = "balanced", compile=False,
+                 comm: CommLayer | None = None):
         params, configs, tied = dict(params), dict(configs), None if tied is None else tuple(tied)
         self.scatter_order, self.work_order = list(scatter_order), list(work_order)
         _check_optimizer_args(self, params, configs, tied)  # below the fence
