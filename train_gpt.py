@@ -721,8 +721,9 @@ def orthogonalizer_of(orthogonalizer):
 #   2 work (work_order, small labels first): Adam in at most two calls, then each NorMuon bank: wait for
 #     the reduction, update the local shard, launch its all_gather
 #   3 finalize: wait for the gathers; refresh the tied embedding from the head
-# bf16 NorMuon parameters keep the low 16 bits of their fp32 master value in a uint16 "mantissa": updates
-# apply to the exact fp32 value, the parameter is its top half (truncated). Adam rounds to nearest.
+# bf16 NorMuon parameters keep the low 16 bits of their fp32 master value in a uint16 "mantissa", so tiny
+# updates accumulate as in fp32 at half the memory: the parameter is the value's top half (truncated).
+# Adam computes in fp32 and rounds to nearest into the parameter (the record's two rules).
 
 
 @dataclass(frozen=True)
@@ -4814,7 +4815,8 @@ def _check_state_dict(opt: NorMuonAdam, sd: dict) -> None:
 
 
 def _balanced_ownership(banks: dict, world_size: int, orthogonalizer) -> dict[str, tuple[int, ...]]:
-    """OWNERSHIPS["balanced"]: balanced_splits of the banks, a matrix costed by orthogonalization_flops."""
+    """OWNERSHIPS["balanced"]: balanced_splits of the banks, a matrix costed by orthogonalization_flops (FLOP-
+    sorted owners as in Motif-Technologies/optimizer)."""
     return balanced_splits({label: (slot.rows, orthogonalization_flops(*slot.shape[1:], orthogonalizer))
                             for label, slot in banks.items()}, world_size)
 
