@@ -695,89 +695,37 @@ def orthogonalizer_of(orthogonalizer):
 # ----------------------------------------------------------------------------------------------
 
 # Record #89's NorMuonAndAdam: NorMuon (Muon, Keller Jordan's blog post, with the neuron-wise second
-# moment of arXiv 2510.05491) for the matrix banks, Adam for the rest, communication included.
-# Every parameter has a label and a ParamConfig. One NorMuonAdam.step() does all communication:
-#
-#   phase 1 scatter (scatter_order, big banks first): launch the async gradient reduction; in step()
-#       after the backward, or, under reductions_on_backward, from gradient hooks while the last
-#       micro-batch's backward runs (a label launches once it and every label before it are final;
-#       while tied, the head waits for the embedding's gradient too, folded into its own first)
-#       sharded         reduce_scatter(AVG): whole matrices of a bank / a block of rows per rank
-#       replicated      all_reduce(AVG): every rank updates the whole tensor
-#       sharded_sparse  all_to_all of only the touched rows to their owner (dense when that's cheaper)
-#       none            no communication (world size 1, or gradients already identical on all ranks)
-#   phase 2 work (small params first, banks last so their reductions have landed): Adam in at most two
-#       calls of the group update, the labels every rank updates whole, then the sharded ones (each
-#       group in work_order: wait for its reductions, update, launch the async all_gathers of the
-#       shards); then the NorMuon banks in work_order: wait, update the local shard, all_gather
-#   phase 3 finalize: wait for the gathers; refresh the tied embedding from the head
-#
-# The section is four pieces, each usable without the others:
-#   update math     pure functions of one shard, no communication: _normuon_update, _adam_update
-#                   (_adam_update_group: several labels' shards in one call)
-#   layout          OwnershipLayout: which rank owns which rows of every label (a Slot per label), the
-#                   shapes of its state and its per-matrix learning rates; needs no process group
-#   comms           CommLayer (async collectives, bytes counted per label) and ShardExchange (the
-#                   reduction, gather and sparse row exchange a Slot needs)
-#   NorMuonAdam     the orchestrator: the phases above, the tied embedding, untie and checkpoints
-#
-# bf16 NorMuon parameters keep the low 16 bits of their fp32 master value in a uint16 "mantissa"
-# buffer (optimizer state of the local shard): (bf16 bits << 16 | mantissa) is the exact fp32 value
-# every update is applied to, and the new bf16 value is its top half (truncation), so tiny updates
-# accumulate exactly as in fp32 at half the memory. Adam computes in fp32 and rounds to nearest into
-# the parameter, with no mantissa (the record's two rules).
-
-OPTIMIZER_KINDS = ("normuon", "adam")
-COMMS_MODES = ("none", "replicated", "sharded", "sharded_sparse")
+# moment of arXiv 2510.05491) for the matrix banks, Adam for the rest. Every parameter has a label and a
+# ParamConfig; one NorMuonAdam.step() does all communication, in three phases:
+#   1 scatter (scatter_order, big banks first): launch each gradient's reduction: sharded reduce_scatter,
+#     replicated all_reduce, sharded_sparse all_to_all of the touched rows (or from gradient hooks during
+#     the backward: reductions_on_backward)
+#   2 work (work_order, small labels first): Adam in at most two calls, then each NorMuon bank: wait for
+#     the reduction, update the local shard, launch its all_gather
+#   3 finalize: wait for the gathers; refresh the tied embedding from the head
+# bf16 NorMuon parameters keep the low 16 bits of their fp32 master value in a uint16 "mantissa", so tiny
+# updates accumulate as in fp32 at half the memory: the parameter is the value's top half (truncated).
+# Adam computes in fp32 and rounds to nearest into the parameter (the record's two rules).
 
 
 @dataclass(frozen=True)
 class ParamConfig:
-    """How one labelled parameter is optimized and communicated.
-
-    optimizer      'normuon' (matrices / banks of matrices) or 'adam'
-    comms          'none' | 'replicated' | 'sharded' | 'sharded_sparse' (see the phase table above)
-    lr_mul         multiplies the base learning rate of the parameter's optimizer
-    wd_mul         multiplies the weight decay. Decay per step scales with lr^2: NorMuon
-                   wd * wd_mul * lr * (lr * lr_mul * shape/matrix factors); Adam (lr * lr_mul)^2 * wd * wd_mul
-    betas          Adam (beta1, beta2)
-    matrix_lr_mul  NorMuon banks: one lr multiplier per matrix of the bank (e.g. x2 on the MLP
-                   down-projections), on top of lr_mul and the shape factor sqrt(max(1, rows/cols))
-    every_step     Adam: step on every step() call, not only on do_adam ones
-    """
-    optimizer: str = "adam"
-    comms: str = "replicated"
+    """How one labelled parameter is optimized and communicated (a row of the record's param_table)."""
+    optimizer: str = "adam"                         # "normuon" (banks of matrices) or "adam"
+    comms: str = "replicated"                       # "none", "replicated", "sharded", "sharded_sparse"
     lr_mul: float = 1.0
-    wd_mul: float = 1.0
-    betas: tuple[float, float] = (0.9, 0.95)
-    matrix_lr_mul: tuple[float, ...] | None = None
-    every_step: bool = False
+    wd_mul: float = 1.0                             # the decay per step scales with lr^2 (record #89)
+    betas: tuple[float, float] = (0.9, 0.95)        # Adam's
+    matrix_lr_mul: tuple[float, ...] | None = None  # NorMuon: one lr multiplier per matrix of the bank
+    every_step: bool = False                        # Adam: steps on every step(), not only do_adam ones
 
     def __post_init__(self):
-        if self.optimizer not in OPTIMIZER_KINDS:
-            raise ValueError(f"ParamConfig: optimizer={self.optimizer!r} is not one of {', '.join(OPTIMIZER_KINDS)}")
-        if self.comms not in COMMS_MODES:
-            raise ValueError(f"ParamConfig: comms={self.comms!r} is not one of {', '.join(COMMS_MODES)}")
-        if self.comms == "sharded_sparse" and self.optimizer != "adam":
-            raise ValueError("ParamConfig: comms='sharded_sparse' is for Adam embedding tables; use 'sharded' for normuon")
-        if self.matrix_lr_mul is not None and self.optimizer != "normuon":
-            raise ValueError("ParamConfig: matrix_lr_mul applies to normuon banks only; use lr_mul for adam")
-        if self.every_step and self.optimizer != "adam":
-            raise ValueError("ParamConfig: every_step applies to adam labels (normuon steps every step)")
-        betas = tuple(float(b) for b in self.betas)
-        if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
-            raise ValueError(f"ParamConfig: betas={self.betas!r} must be two numbers in [0, 1)")
-        object.__setattr__(self, "betas", betas)
-        if self.matrix_lr_mul is not None:
-            object.__setattr__(self, "matrix_lr_mul", tuple(float(m) for m in self.matrix_lr_mul))
+        _check_param_config(self)  # below the fence
 
 
 def lr_multipliers(cfg: ParamConfig, shape: tuple) -> torch.Tensor:
-    """The one definition of a parameter's learning rate relative to its optimizer's base lr x the
-    schedule multiplier (NorMuonAdam.learning_rates; the updates read it through OwnershipLayout.
-    matrix_lr and NorMuonAdam._hyperparams). NorMuon label of `shape` (matrices, rows, cols): per
-    matrix lr_mul x sqrt(max(1, rows/cols)) (the shape factor of Muon's update, as record #89 scales
-    it) x its matrix_lr_mul entry, (matrices,) float64. Adam label: lr_mul, a 0-d float64 tensor."""
+    """A label's lr over its optimizer's base lr x schedule, float64. NorMuon, shape (matrices, rows, cols):
+    per matrix lr_mul x sqrt(max(1, rows/cols)) (record #89's shape factor) x matrix_lr_mul; Adam: lr_mul."""
     if cfg.optimizer != "normuon":
         return torch.tensor(cfg.lr_mul, dtype=torch.float64)
     n, r, c = shape
@@ -807,13 +755,8 @@ def _store_master(value: torch.Tensor, param: torch.Tensor, mantissa: torch.Tens
 
 
 def normuon_variance_reduction(O: torch.Tensor, second_moment: torch.Tensor, beta2) -> torch.Tensor:
-    """Neuron-wise second moment of the orthogonalized update O (bf16, (k, rows, cols)), in place.
-
-    One statistic per row of the longer side (per row if rows >= cols, else per column): the mean of
-    O^2 along the other dim, tracked as an EMA (no bias correction, starts at 0). O is divided by its
-    root and then rescaled so its Frobenius norm is unchanged; both norms come from the statistics
-    (||O||^2 = sum(mean) * size), and the combined scale is applied to O in bf16, as the record does.
-    """
+    """NorMuon's normalization of O (bf16, (k, rows, cols)), in place, as the record: O / sqrt(EMA of mean(O^2)
+    per row of the longer side, no bias correction), rescaled to its Frobenius norm, the scale applied in bf16."""
     red = -1 if O.size(-2) >= O.size(-1) else -2
     mean_sq = O.float().square().mean(dim=red, keepdim=True)
     size = O.size(red)
@@ -825,14 +768,8 @@ def normuon_variance_reduction(O: torch.Tensor, second_moment: torch.Tensor, bet
 
 
 def _normuon_update(grad, momentum_buf, second_moment, param, mantissa, matrix_lr, hp, orthogonalize):
-    """One NorMuon step on a shard of matrices (k, rows, cols), in place (NorMuon, arXiv 2510.05491, as record #89 runs it).
-
-    hp is a 1-D fp32 tensor [lr, wd * wd_mul * lr, momentum, beta2] with lr = base lr x schedule:
-    0-D tensor entries, so a compiled version never recompiles when the schedules move. matrix_lr
-    (k, 1, 1) holds lr_mul x sqrt(max(1, rows/cols)) x the per-matrix multiplier, so the effective
-    lr is lr * matrix_lr and the decay per step is (wd * wd_mul * lr) * (lr * matrix_lr), i.e. it
-    scales with lr^2, never lr * wd.
-    """
+    """One NorMuon step on a shard of matrices (k, rows, cols), in place, as record #89. hp: 0-d fp32 entries
+    (no recompiles as the schedules move) [lr, wd * wd_mul * lr, momentum, beta2]; matrix_lr (k, 1, 1)."""
     lr, decay, momentum, beta2 = hp[0], hp[1], hp[2], hp[3]
     g = _nesterov_momentum(grad, momentum_buf, momentum)
     O = normuon_variance_reduction(orthogonalize(g), second_moment, beta2).float()
@@ -843,7 +780,7 @@ def _nesterov_momentum(grad, momentum_buf, momentum) -> torch.Tensor:
     """fp32 momentum EMA of grad, in place, and the Nesterov look-ahead along it (elementwise)."""
     g = grad.float()
     momentum_buf.lerp_(g, 1 - momentum)
-    return g.lerp(momentum_buf, momentum)  # Nesterov: look ahead along the updated momentum
+    return g.lerp(momentum_buf, momentum)
 
 
 def _cautious_step(O, param, mantissa, eff_lr, decay) -> None:
@@ -851,17 +788,12 @@ def _cautious_step(O, param, mantissa, eff_lr, decay) -> None:
     p = _master_fp32(param, mantissa)
     mask = (O * p >= 0).float()  # cautious decay (>= 0: a zero update, e.g. bank padding, still decays)
     p = p - p * mask * (decay * eff_lr) - O * eff_lr
-    _store_master(p, param, mantissa)  # bf16: truncated to the top 16 bits, the rest kept in mantissa
+    _store_master(p, param, mantissa)
 
 
 def _adam_update(grad, exp_avg, exp_avg_sq, param, hp):
-    """One Adam step with cautious weight decay (arXiv 2411.16085) on a shard, in place, as record #89 runs it.
-
-    hp is a 1-D fp32 tensor [step_size, decay, beta1, beta2, eps] with lr = base lr x schedule x
-    lr_mul, step_size = lr * sqrt(1 - beta2^t) / (1 - beta1^t) and decay = lr^2 * wd * wd_mul:
-    eps goes on the uncorrected root, and the decay mask is strict and reads the update.
-    The result is rounded to nearest into the parameter (bf16 or fp32); Adam keeps no mantissa.
-    """
+    """One Adam step with cautious weight decay (arXiv 2411.16085) on a shard, in place, as record #89.
+    hp: adam_hyperparams; eps on the uncorrected root; a strict decay mask that reads the update."""
     step_size, decay, beta1, beta2, eps = hp[0], hp[1], hp[2], hp[3], hp[4]
     g = grad.float()
     exp_avg.mul_(beta1).add_(g * (1 - beta1))
@@ -873,20 +805,14 @@ def _adam_update(grad, exp_avg, exp_avg_sq, param, hp):
 
 
 def _adam_update_group(grads, exp_avgs, exp_avg_sqs, params, hps):
-    """_adam_update on several labels' shards, one list entry per label. Each entry gets the same fp32
-    ops in the same order, so every element has the per-label update's bits; compiled, the group is
-    one graph, one launch instead of one per label (a GPU step is host-bound: 18 Adam labels, each a
-    launch with its own guard checks, cost more host time than their kernels take)."""
+    """_adam_update per label, the same bits; compiled, one launch for all (a GPU step is host-bound)."""
     for grad, exp_avg, exp_avg_sq, param, hp in zip(grads, exp_avgs, exp_avg_sqs, params, hps):
         _adam_update(grad, exp_avg, exp_avg_sq, param, hp)
 
 
 def update_functions(compile=False):
-    """(NorMuon update, Adam group update): eager (Adam sliced on CPUs, label by label) for
-    compile=False, else compiled with torch.compile, inductor for True or the backend given (a name or
-    callable), fullgraph: a break is an error. Compiled, a label's whole NorMuon update (momentum,
-    orthogonalization, variance reduction and cautious step over all its matrices) is one graph, and
-    so is the Adam update of a whole group of labels (_adam_update_group)."""
+    """(NorMuon update, Adam group update): eager (Adam sliced, for CPUs) for compile=False, else compiled
+    (inductor for True, or the backend given) fullgraph: one graph per label and per Adam group."""
     if not compile:
         return _normuon_update, _adam_update_group_sliced
     backend = "inductor" if compile is True else compile
@@ -895,15 +821,12 @@ def update_functions(compile=False):
 
 
 def normuon_hyperparams(lr: float, wd: float, wd_mul: float, momentum: float, beta2: float) -> list[float]:
-    """The hp row _normuon_update reads: [lr, wd * wd_mul * lr, momentum, beta2] (a fifth entry, 0,
-    pads it to Adam's length so that one tensor holds every label's row)."""
+    """_normuon_update's hp row, padded with a 0 to Adam's length (one tensor holds every label's row)."""
     return [lr, wd * wd_mul * lr, momentum, beta2, 0.0]
 
 
-def adam_hyperparams(lr: float, t: int, betas: tuple[float, float], wd: float, wd_mul: float,
-                     eps: float) -> list[float]:
-    """The hp row _adam_update reads for its t-th update (t from 1): the bias corrections are folded
-    into the step size, and the decay lr^2 * wd * wd_mul scales with lr^2 (record #89)."""
+def adam_hyperparams(lr: float, t: int, betas: tuple, wd: float, wd_mul: float, eps: float) -> list[float]:
+    """_adam_update's hp row for its t-th update (t from 1): the bias corrections folded into the step size."""
     b1, b2 = betas
     return [lr * math.sqrt(1.0 - b2 ** t) / (1.0 - b1 ** t), lr * lr * wd * wd_mul, b1, b2, eps]
 
@@ -920,16 +843,18 @@ def hyperparam_tensors(labels, rows, device: torch.device) -> dict[str, torch.Te
 
 # ---- Layout: which rank owns which rows of every label ------------------------------------
 
-OWNERSHIPS = ("balanced", "padded")
-
-
 def padded_splits(n: int, world_size: int, label: str = "bank") -> tuple[int, ...]:
-    """The record's ownership: every rank owns n / world_size consecutive matrices of each bank, so the
-    bank must be padded with zero matrices to a multiple of the world size (GPT's bank_padding)."""
+    """The record's ownership: n / world_size consecutive matrices of a bank per rank (GPT's bank_padding)."""
     if n % world_size:
         raise ValueError(f"NorMuonAdam: bank {label!r} has {n} matrices, not divisible by the world size {world_size};"
                          f" pad the bank with zero matrices to a multiple of {world_size} or use ownership='balanced'")
     return (n // world_size,) * world_size
+
+
+# Bank ownership by name (--bank_ownership): (sharded NorMuon banks' Slots, world size, orthogonalizer) ->
+# label -> matrices per rank. The record's is "padded"; "balanced" adds itself below the fence.
+OWNERSHIPS = {"padded": lambda banks, world_size, orthogonalizer: {
+    label: padded_splits(slot.rows, world_size, label) for label, slot in banks.items()}}
 
 
 @dataclass(frozen=True)
@@ -951,13 +876,11 @@ class Slot:
         return self.shape[0]
 
     @property
-    def uneven(self) -> bool:
-        """Owned blocks of different sizes (balanced banks): the collectives are all_to_alls."""
+    def uneven(self) -> bool:  # owned blocks of different sizes (balanced banks): the collectives are all_to_alls
         return self.sharded and self.splits is not None and len(set(self.splits)) > 1
 
     @property
-    def even(self) -> bool:
-        """Sharded with no padding: shards are slices of the parameter and gathers run in place."""
+    def even(self) -> bool:  # sharded without padding: shards are slices of the parameter, gathers in place
         return self.sharded and not self.uneven and self.shard_rows * self.world_size == self.rows
 
     def view(self) -> torch.Tensor:
@@ -983,16 +906,9 @@ class Slot:
 
 
 def row_slot(label: str, p: torch.Tensor, cfg: ParamConfig, world_size: int, rank: int) -> Slot:
-    """A label's Slot before bank ownership: NorMuon parameters as a stack of (rows, cols) matrices,
-    Adam ones as rows of their last dim; sharded labels own ceil(rows / world_size) rows per rank."""
-    if p.dtype not in (torch.bfloat16, torch.float32):
-        raise ValueError(f"NorMuonAdam: parameter {label!r} is {p.dtype}; use bfloat16 or float32")
+    """A label's Slot before bank ownership: (matrices, rows, cols) or (rows, last dim); ceil(rows / W) a rank."""
     if cfg.optimizer == "normuon":
-        if p.ndim < 2:
-            raise ValueError(f"NorMuonAdam: normuon parameter {label!r} has shape {tuple(p.shape)}; it needs matrices (..., rows, cols)")
         shape = (p.numel() // (p.size(-2) * p.size(-1)), p.size(-2), p.size(-1))
-        if cfg.matrix_lr_mul is not None and len(cfg.matrix_lr_mul) != shape[0]:
-            raise ValueError(f"NorMuonAdam: {label!r} has {shape[0]} matrices but matrix_lr_mul has {len(cfg.matrix_lr_mul)} entries")
     else:
         shape = (p.numel() // p.size(-1), p.size(-1)) if p.ndim >= 2 else (p.numel(), 1)
     sharded = cfg.comms in ("sharded", "sharded_sparse") and world_size > 1
@@ -1003,34 +919,24 @@ def row_slot(label: str, p: torch.Tensor, cfg: ParamConfig, world_size: int, ran
 
 
 class OwnershipLayout:
-    """Which rows of every label `rank` owns in a world of `world_size` ranks; plans ownership for
-    any world size without a process group (FLOP-sorted owners as in Motif-Technologies/optimizer).
-
-    slots[label] is that label's Slot. Sharded NorMuon banks are split into whole matrices, one
-    contiguous block per rank whose sizes are splits[label]: padded_splits, or balanced_splits over
-    the banks in `order` (default: params' order) costed by orthogonalization_flops(orthogonalizer).
-    """
+    """Which rows of every label `rank` of `world_size` ranks owns (slots), planned without a process group;
+    sharded NorMuon banks are split into whole matrices by OWNERSHIPS[ownership] (splits)."""
 
     def __init__(self, params: dict[str, torch.Tensor], configs: dict[str, ParamConfig], world_size: int = 1,
                  rank: int = 0, ownership: str = "balanced", orthogonalizer="polar_express", order=None):
         if ownership not in OWNERSHIPS:
             raise ValueError(f"NorMuonAdam: ownership={ownership!r}; choose one of {', '.join(OWNERSHIPS)}")
-        self.world_size, self.rank, self.ownership = world_size, rank, ownership
+        self.world_size, self.rank = world_size, rank
         self.slots = {label: row_slot(label, p, configs[label], world_size, rank) for label, p in params.items()}
-        banks = {label: (slot.rows, orthogonalization_flops(*slot.shape[1:], orthogonalizer))
-                 for label in (params if order is None else order)
+        banks = {label: slot for label in (params if order is None else order)
                  if (slot := self.slots[label]).sharded and slot.cfg.optimizer == "normuon"}
-        if ownership == "padded":
-            self.splits = {label: padded_splits(n, world_size, label) for label, (n, _) in banks.items()}
-        else:
-            self.splits = balanced_splits(banks, world_size)
+        self.splits = OWNERSHIPS[ownership](banks, world_size, orthogonalizer)
         for label, split in self.splits.items():
             k, lo = split[rank], sum(split[:rank])
             self.slots[label] = dataclasses.replace(self.slots[label], shard_rows=k, lo=lo, real_rows=k, splits=split)
 
     def matrix_lr(self, label: str) -> torch.Tensor:
-        """A NorMuon label's lr multiplier per owned matrix, (shard_rows, 1, 1) fp32: lr_mul x the shape
-        factor sqrt(max(1, rows/cols)) x its matrix_lr_mul entry; 0 on padding."""
+        """A NorMuon label's lr_multipliers on the owned matrices, (shard_rows, 1, 1) fp32, 0 on padding."""
         slot = self.slots[label]
         per_matrix = lr_multipliers(slot.cfg, slot.shape)
         shard = torch.zeros(slot.shard_rows, dtype=torch.float64)
@@ -1038,36 +944,18 @@ class OwnershipLayout:
         return shard.to(torch.float32).view(-1, 1, 1).to(slot.param.device)
 
     def new_state(self, label: str) -> dict[str, torch.Tensor]:
-        """Zero optimizer state for the owned shard: NorMuon momentum, second moment (one entry per row
-        of the longer side) and, for bf16, the mantissa; Adam's two moments."""
+        """Zero state of the owned shard; NorMuon's second moment has one entry per row of the longer side."""
         slot = self.slots[label]
-        shard = (slot.shard_rows, *slot.shape[1:])
-        dev = slot.param.device
-        st = {}
-        if slot.cfg.optimizer == "normuon":
-            st["momentum_buffer"] = torch.zeros(shard, dtype=torch.float32, device=dev)
-            per_row = slot.shape[1] >= slot.shape[2]
-            vshape = (slot.shard_rows, slot.shape[1], 1) if per_row else (slot.shard_rows, 1, slot.shape[2])
-            st["second_moment"] = torch.zeros(vshape, dtype=torch.float32, device=dev)
-        else:
-            st["exp_avg"] = torch.zeros(shard, dtype=torch.float32, device=dev)
-            st["exp_avg_sq"] = torch.zeros(shard, dtype=torch.float32, device=dev)
-        if slot.param.dtype == torch.bfloat16 and slot.cfg.optimizer == "normuon":
+        shard, dev = (slot.shard_rows, *slot.shape[1:]), slot.param.device
+        if slot.cfg.optimizer == "adam":
+            return {"exp_avg": torch.zeros(shard, dtype=torch.float32, device=dev),
+                    "exp_avg_sq": torch.zeros(shard, dtype=torch.float32, device=dev)}
+        n, r, c = shard
+        st = {"momentum_buffer": torch.zeros(shard, dtype=torch.float32, device=dev),
+              "second_moment": torch.zeros((n, r, 1) if r >= c else (n, 1, c), dtype=torch.float32, device=dev)}
+        if slot.param.dtype == torch.bfloat16:
             st["mantissa"] = torch.zeros(shard, dtype=torch.uint16, device=dev)
         return st
-
-    def restore_state(self, label: str, saved: dict) -> dict[str, torch.Tensor]:
-        """A copy of saved state for label's shard, or a one-line error if its names, shapes or dtypes
-        are not new_state(label)'s (empty stays empty: the tied embedding's)."""
-        ref = self.new_state(label)
-        if saved and set(saved) != set(ref):
-            raise ValueError(f"load_state_dict: {label!r} has state {sorted(saved)}, expected {sorted(ref)}")
-        for name, t in saved.items():
-            if t.shape != ref[name].shape or t.dtype != ref[name].dtype:
-                raise ValueError(f"load_state_dict: {label!r}.{name} is {tuple(t.shape)} {t.dtype},"
-                                 f" expected {tuple(ref[name].shape)} {ref[name].dtype}")
-            ref[name].copy_(t)
-        return ref if saved else {}
 
     def shard_of(self, label: str, full: torch.Tensor) -> torch.Tensor:
         """This rank's shard (padding zeroed) of a tensor of label's slot shape."""
@@ -1076,38 +964,18 @@ class OwnershipLayout:
         mine[:slot.real_rows] = full[slot.lo:slot.lo + slot.real_rows]
         return mine
 
-    def check_tied(self, tied) -> None:
-        """One-line errors unless tied names an Adam (embedding, head) pair of transposed shapes."""
-        if len(tied) != 2 or any(t not in self.slots for t in tied):
-            raise ValueError(f"NorMuonAdam: tied={tied!r} must be (embed_label, head_label), both existing labels")
-        embed, head = (self.slots[t] for t in tied)
-        if embed.cfg.optimizer != "adam" or head.cfg.optimizer != "adam":
-            raise ValueError("NorMuonAdam: tied embedding and head must both use optimizer='adam'")
-        if embed.param.ndim != 2 or tuple(embed.param.shape) != tuple(head.param.shape)[::-1]:
-            raise ValueError(f"NorMuonAdam: tied shapes {tuple(embed.param.shape)} and {tuple(head.param.shape)}"
-                             " must be transposes of each other")
-        if embed.param.dtype != head.param.dtype:
-            raise ValueError("NorMuonAdam: tied embedding and head must have the same dtype")
-
 
 # ---- Comms: collectives per label, and the exchange each Slot needs ----------------------------
 
-# torch >= 2.12 names these collectives reduce_scatter_single / all_gather_single and deprecates the
-# *_tensor names, which are the only ones torch 2.11 has: take the new name where it exists.
+# torch >= 2.12 names these reduce_scatter_single / all_gather_single and deprecates the *_tensor names,
+# the only ones torch 2.11 has.
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 class CommLayer:
-    """Async collectives for the optimizer, counting the bytes this rank sends, per label.
-
-    Counted as the data a bandwidth-optimal (ring / direct) algorithm makes each rank send:
-    reduce_scatter (W-1)/W of the input, all_gather (W-1) x the shard, all_reduce 2 (W-1)/W of
-    the tensor, all_to_all every row addressed to another rank. With one rank nothing is sent.
-    bytes_sent[label] totals a label; bytes_by_op[(label, op)] splits it by collective. Every
-    collective starts in _launch, which SimulatedComm (below the fence) replaces to stand in for one
-    rank of a larger world in a single process.
-    """
+    """Async collectives, counting the bytes this rank sends (as ring / direct algorithms do) per label and per
+    (label, collective). All start in _launch, which SimulatedComm (below the fence) replaces."""
 
     def __init__(self, group, world_size: int, rank: int):
         self.group, self.world_size, self.rank = group, world_size, rank
@@ -1117,10 +985,9 @@ class CommLayer:
     @classmethod
     def of(cls, group=None) -> "CommLayer":
         """The layer of `group`; None means the default group once one is initialized, else one rank."""
-        if group is None and dist.is_available() and dist.is_initialized():
-            group = dist.group.WORLD
-        if group is None:
+        if group is None and not (dist.is_available() and dist.is_initialized()):
             return cls(None, 1, 0)
+        group = dist.group.WORLD if group is None else group
         return cls(group, dist.get_world_size(group), dist.get_rank(group))
 
     def _count(self, label: str, op: str, nbytes: float) -> None:
@@ -1128,47 +995,39 @@ class CommLayer:
         self.bytes_by_op[label, op] = self.bytes_by_op.get((label, op), 0) + int(nbytes)
 
     def _launch(self, collective, *args, **kw):
-        """Start `collective` (a torch.distributed function) on this layer's group, async."""
         return collective(*args, group=self.group, async_op=True, **kw)
 
     def reduce_scatter_avg(self, label, out, inp):
-        W = self.world_size
-        self._count(label, "reduce_scatter", inp.numel() * inp.element_size() * (W - 1) / W)
+        self._count(label, "reduce_scatter", inp.nbytes * (self.world_size - 1) / self.world_size)
         return self._launch(_reduce_scatter, out, inp, op=dist.ReduceOp.AVG)
 
     def all_reduce_avg(self, label, t):
-        W = self.world_size
-        self._count(label, "all_reduce", 2 * t.numel() * t.element_size() * (W - 1) / W)
+        self._count(label, "all_reduce", 2 * t.nbytes * (self.world_size - 1) / self.world_size)
         return self._launch(dist.all_reduce, t, op=dist.ReduceOp.AVG)
 
     def all_gather(self, label, out, shard):
-        self._count(label, "all_gather", shard.numel() * shard.element_size() * (self.world_size - 1))
+        self._count(label, "all_gather", shard.nbytes * (self.world_size - 1))
         return self._launch(_all_gather, out, shard)
 
     def reduce_scatter_uneven(self, label, out, inp, splits):
-        """Each rank's rows of every owner's block (splits[r] rows for rank r) to that owner: out
-        (world_size * splits[rank], ...) stacks all ranks' copies of this rank's block, for the
-        caller to average. An all_to_all, as reduce_scatter needs equal blocks; it sends the rows
-        this rank does not own, the same bytes as a ring reduce_scatter of equal blocks."""
-        row = inp[0].numel() * inp.element_size() if inp.size(0) else 0
+        """Each owner's block (splits[r] rows for rank r) to it by all_to_all: out stacks all ranks' copies."""
+        row = inp[0].nbytes if inp.size(0) else 0
         self._count(label, "reduce_scatter", (inp.size(0) - splits[self.rank]) * row)
         return self._launch(dist.all_to_all_single, out, inp, [splits[self.rank]] * self.world_size, list(splits))
 
     def all_gather_uneven(self, label, out, shard, splits):
-        """Every owner's block (splits[r] rows) into out on every rank, by all_to_all (all_gather
-        needs equal blocks); returns the function that waits. Sends the shard to each other rank."""
+        """Every owner's block (splits[r] rows) into out on every rank, by all_to_all; returns the wait."""
         W = self.world_size
-        self._count(label, "all_gather", shard.numel() * shard.element_size() * (W - 1))
+        self._count(label, "all_gather", shard.nbytes * (W - 1))
         inp = shard.repeat(W, *([1] * (shard.ndim - 1)))
         work = self._launch(dist.all_to_all_single, out, inp, list(splits), [shard.size(0)] * W)
         return lambda: (work.wait(), inp)[0]  # inp lives until the exchange is done
 
     def all_to_all(self, label, out, inp, out_splits=None, in_splits=None):
-        row_bytes = inp[:1].numel() * inp.element_size() if inp.numel() else 0
         if in_splits is None:
-            sent = inp.numel() * inp.element_size() * (self.world_size - 1) / self.world_size
+            sent = inp.nbytes * (self.world_size - 1) / self.world_size
         else:
-            sent = (sum(in_splits) - in_splits[self.rank]) * row_bytes
+            sent = (sum(in_splits) - in_splits[self.rank]) * (inp[:1].nbytes if inp.numel() else 0)
         self._count(label, "all_to_all", sent)
         return self._launch(dist.all_to_all_single, out, inp, out_splits, in_splits)
 
@@ -1185,14 +1044,8 @@ class _SparsePlan:
 
 
 class ShardExchange:
-    """The communication of one Slot, on a CommLayer: scatter() launches the gradient reduction its
-    comms mode needs, gather() the all_gather of its updated shard, full_tensor() gathers a sharded
-    state tensor. Launches return a function that waits, so the caller chooses the overlap.
-
-    sharded_sparse tables send only touched rows: declare_rows() collects their ids per label
-    (`declared`, the union since the table's last step) and can launch the id exchange early
-    (`plans`); a rank whose busiest peer touched more than sparse_threshold of the rows sends dense.
-    """
+    """A Slot's reduction (scatter) and all_gather (gather), each returning its wait. sharded_sparse tables
+    send the rows declared since their last step (dense where a rank has more than sparse_threshold of them)."""
 
     def __init__(self, comm: CommLayer, sparse_threshold: float = 0.5):
         self.comm, self.world_size = comm, comm.world_size
@@ -1213,8 +1066,8 @@ class ShardExchange:
             self.plans[slot.label] = self._plan_sparse(slot)
 
     def _plan_sparse(self, slot: Slot, grad: torch.Tensor | None = None) -> _SparsePlan:
-        """Exchange per-owner row counts (plus each rank's total, so that every rank takes the
-        same dense-or-sparse decision), then launch the row-id exchange."""
+        """Exchange row counts per owner and per rank (every rank takes the same dense-or-sparse decision),
+        then launch the row-id exchange."""
         W, k, dev = self.world_size, slot.shard_rows, slot.param.device
         pending = self.declared.pop(slot.label, None)
         if pending:
@@ -1239,8 +1092,7 @@ class ShardExchange:
         return _SparsePlan(False, rows, send, recv, recv_rows, work)
 
     def scatter(self, slot: Slot, g: torch.Tensor):
-        """Launch the reduction of gradient g (the slot's shape); return a function that waits and
-        yields the averaged gradient of the local shard."""
+        """Launch the reduction of gradient g (the slot's shape); the wait yields the local shard's average."""
         label, W = slot.label, self.world_size
         if W == 1 or slot.cfg.comms == "none":
             return lambda: g
@@ -1278,55 +1130,35 @@ class ShardExchange:
             work.wait()
             acc = torch.zeros((slot.shard_rows, *slot.shape[1:]), dtype=torch.float32, device=g.device)
             acc.index_add_(0, plan.recv_rows - slot.lo, recv_values.float())
-            # Rounded to the gradient dtype like the dense reduce_scatter(AVG), so both paths agree.
-            return (acc / self.world_size).to(g.dtype)
+            return (acc / self.world_size).to(g.dtype)  # rounded like the dense reduce_scatter(AVG)
         return finish
 
     def gather(self, slot: Slot, shard: torch.Tensor):
-        """Launch the all_gather of an updated local shard into the parameter; return the function
-        that completes it, or None for a label that is not sharded."""
+        """Launch the all_gather of an updated local shard into the parameter (None: not sharded)."""
         if not slot.sharded:
             return None
         view = slot.view()
         if slot.uneven:
             return self.comm.all_gather_uneven(slot.label, view, shard, slot.splits)
         if slot.even:
-            work = self.comm.all_gather(slot.label, view, shard)  # in place: shard is a slice of view
-            return work.wait
+            return self.comm.all_gather(slot.label, view, shard).wait  # in place: shard is a slice of view
         full = shard.new_empty((slot.shard_rows * self.world_size, *slot.shape[1:]))
         work = self.comm.all_gather(slot.label, full, shard)
-
-        def finish():
-            work.wait()
-            view.copy_(full[:slot.rows])
-        return finish
+        return lambda: (work.wait(), view.copy_(full[:slot.rows]))
 
     def full_tensor(self, slot: Slot, shard: torch.Tensor) -> torch.Tensor:
-        """All rows of a sharded state tensor (rows, *inner), gathered from every rank."""
+        """All rows of a sharded fp32 state tensor (rows, *inner), gathered from every rank."""
         if not slot.sharded:
             return shard
-        raw = shard.contiguous()
-        if raw.dtype == torch.uint16:  # collectives lack 16-bit integers: move the bits as bytes
-            raw = raw.view(torch.uint8)
-        full = raw.new_empty((slot.shard_rows * self.world_size, *raw.shape[1:]))
-        self.comm.all_gather(slot.label, full, raw).wait()
-        return full[:slot.rows].view(shard.dtype)
+        full = shard.new_empty((slot.shard_rows * self.world_size, *slot.shape[1:]))
+        self.comm.all_gather(slot.label, full, shard.contiguous()).wait()
+        return full[:slot.rows]
 
 
 class BackwardReductions:
-    """One step's gradient reductions (phase 1), launched from post-accumulate-grad hooks while the
-    last micro-batch's backward runs (NorMuonAdam.reductions_on_backward), as modded-nanogpt's DistAdam
-    (@vagrawal, @akash5474; records before #89) launched its reduce_scatters from
-    Tensor.register_post_accumulate_grad_hook when should_sync was set for the last micro-batch. Record
-    #89's NorMuonAndAdam launches them after the backward instead; the numbers are the same.
-
-    Launches follow the fixed `order` (the step's labels in scatter_order): a label launches as soon
-    as it and every label before it are ready, so every rank issues the same collectives in the same
-    order whichever order its hooks fire in (autograd's order is the same on ranks that run the same
-    graph, but nothing here relies on it). A label is ready once the hooks of every label in
-    needs[label] have fired: its own parameter's, and for the tied head also the embedding's, whose
-    gradient is folded into the head's before the head's reduction launches.
-    """
+    """Phase 1 from post-accumulate-grad hooks in the last backward, as modded-nanogpt's DistAdam before record
+    #89 (which launches after it: the same numbers). In `order`, a label launches once its needs[label] hooks
+    (the tied head's: the embedding's too) and every label before it have fired: the same order on every rank."""
 
     def __init__(self, order, needs: dict[str, tuple[str, ...]], launch):
         self.order, self.needs, self.launch = list(order), needs, launch
@@ -1334,15 +1166,13 @@ class BackwardReductions:
         self.launched: dict = {}  # label -> the function that waits for its reduction (ShardExchange.scatter)
 
     def hook(self, label: str):
-        """The post-accumulate-grad hook of label's parameter: its gradient is final."""
         def on_final_grad(_param):
             self.fired.add(label)
             self.advance()
         return on_final_grad
 
     def advance(self, final: bool = False) -> None:
-        """Launch, in order, every label whose predecessors have launched and that is ready (final:
-        every label left, after the backward, e.g. those that received no gradient)."""
+        """Launch, in order, every ready label (final: every label left, after the backward)."""
         while len(self.launched) < len(self.order):
             label = self.order[len(self.launched)]
             if not final and not self.fired.issuperset(self.needs[label]):
@@ -1352,82 +1182,32 @@ class BackwardReductions:
 
 # ---- NorMuonAdam: the orchestrator ----------------------------------------------------------
 
-
-def _check_labels(params, configs) -> tuple[dict, dict]:
-    """params and configs as dicts, or a one-line error unless they have the same labels."""
-    params, configs = dict(params), dict(configs)
-    for label in params:
-        if label not in configs:
-            raise ValueError(f"NorMuonAdam: no ParamConfig for parameter {label!r}; add configs[{label!r}]")
-    for label in configs:
-        if label not in params:
-            raise ValueError(f"NorMuonAdam: config {label!r} names no parameter; labels are {sorted(params)}")
-    return params, configs
-
-
-def _check_order(name: str, order, params) -> list[str]:
-    """order as a list, or a one-line error unless it names every label exactly once."""
-    order, seen = list(order), set()
-    for label in order:
-        if label not in params:
-            raise ValueError(f"NorMuonAdam: {name} names unknown label {label!r}; labels are {sorted(params)}")
-        if label in seen:
-            raise ValueError(f"NorMuonAdam: {name} lists {label!r} twice; list every label exactly once")
-        seen.add(label)
-    missing = [label for label in params if label not in seen]
-    if missing:
-        raise ValueError(f"NorMuonAdam: {name} is missing {missing}; list every label exactly once")
-    return order
-
-
 class NorMuonAdam:
-    """Fused NorMuon (matrices) + Adam (everything else) optimizer that owns all communication: it
-    runs the update functions on the shards OwnershipLayout gives this rank (self.layout, its slots)
-    and the collectives of ShardExchange (self.exchange) on a CommLayer (self.comm), in the order of
-    the phase table above.
+    """Fused NorMuon (matrix banks) + Adam (the rest) that owns all communication: the phases above, on the
+    shards of self.layout, through self.exchange on self.comm. params / configs: by label; each order lists
+    every label once. tied=(embed, head) keeps embed == head^T (the head's Adam drives both) until untie().
+    step() sets the gradients it consumes to None (Adam's accumulate over steps without Adam)."""
 
-    params / configs: dicts keyed by label. scatter_order / work_order: every label exactly once.
-    tied=(embed_label, head_label) keeps embed == head^T (the head's Adam state drives both) until
-    untie(); the model initialises the embedding as head^T, the optimizer refreshes it after every
-    Adam step. orthogonalizer: a name in ORTHOGONALIZERS ('auto': the cheaper form per bank shape) or
-    a callable (bank -> bf16 bank). ownership: 'balanced' or 'padded' (the record's), see
-    OwnershipLayout. compile: False (eager), True (inductor) or a torch.compile backend (update_functions).
-    sparse_threshold: sharded_sparse tables use the dense reduce_scatter when some rank touched more
-    than this fraction of the rows (0 forces dense). comm: the CommLayer to run on instead of
-    process_group's (e.g. SimulatedComm: one rank of a larger world, in one process).
-
-    step(do_adam, lr_scale, momentum) consumes the gradients it uses (sets .grad to None); Adam
-    gradients are left alone on steps without Adam so that they keep accumulating. With more than one
-    rank, `with opt.reductions_on_backward(do_adam): loss.backward()` around the last micro-batch's
-    backward launches phase 1 from gradient hooks, overlapping it with the rest of the backward.
-    """
-
-    def __init__(self, params: dict[str, nn.Parameter], configs: dict[str, ParamConfig], *,
-                 scatter_order, work_order,
-                 normuon_lr: float = 0.023, normuon_wd: float = 1.2, normuon_momentum: float = 0.95,
-                 normuon_beta2: float = 0.9, adam_lr: float = 0.008, adam_wd: float = 0.005,
-                 adam_eps: float = 1e-10, orthogonalizer="polar_express",
-                 tied: tuple[str, str] | None = None, process_group=None,
+    def __init__(self, params: dict[str, nn.Parameter], configs: dict[str, ParamConfig], *, scatter_order,
+                 work_order, normuon_lr: float = 0.023, normuon_wd: float = 1.2, normuon_momentum: float = 0.95,
+                 normuon_beta2: float = 0.9, adam_lr: float = 0.008, adam_wd: float = 0.005, adam_eps: float = 1e-10,
+                 orthogonalizer="polar_express", tied: tuple[str, str] | None = None, process_group=None,
                  sparse_threshold: float = 0.5, ownership: str = "balanced", compile=False,
                  comm: CommLayer | None = None):
-        params, configs = _check_labels(params, configs)
-        self.scatter_order = _check_order("scatter_order", scatter_order, params)
-        self.work_order = _check_order("work_order", work_order, params)
+        params, configs, tied = dict(params), dict(configs), None if tied is None else tuple(tied)
+        self.scatter_order, self.work_order = list(scatter_order), list(work_order)
+        _check_optimizer_args(self, params, configs, tied)  # below the fence
         self.comm = comm if comm is not None else CommLayer.of(process_group)
         self.group, self.world_size, self.rank = self.comm.group, self.comm.world_size, self.comm.rank
         self.normuon_lr, self.normuon_wd, self.normuon_momentum = normuon_lr, normuon_wd, normuon_momentum
         self.normuon_beta2 = normuon_beta2
         self.adam_lr, self.adam_wd, self.adam_eps = adam_lr, adam_wd, adam_eps
         self.orthogonalize = orthogonalizer_of(orthogonalizer)
-        self.ownership = ownership
         self.layout = OwnershipLayout(params, configs, self.world_size, self.rank, ownership,
                                       self.orthogonalize, self.scatter_order)
         self.slots: dict[str, Slot] = self.layout.slots
         self.exchange = ShardExchange(self.comm, sparse_threshold)
-        self.tied = None
-        if tied is not None:  # parameters are never touched here: a restored checkpoint may be untied
-            self.layout.check_tied(tuple(tied))
-            self.tied = tuple(tied)
+        self.tied = tied  # parameters are never touched here: a restored checkpoint may be untied
         self.state = {label: {} if self.tied and label == self.tied[0] else self.layout.new_state(label)
                       for label in self.slots}
         self.adam_steps = {label: 0 for label, slot in self.slots.items() if slot.cfg.optimizer == "adam"}
@@ -1437,21 +1217,14 @@ class NorMuonAdam:
         self._on_backward: tuple[bool, dict] | None = None  # (do_adam, reductions) launched from hooks
 
     def prepare_sparse(self, label: str, row_ids, launch: bool = False) -> None:
-        """Declare rows of a sharded_sparse table that this rank's gradient touches.
-
-        Call once per micro-batch with the ids the loader produced (any shape, duplicates fine);
-        the union since the table's last Adam step is what gets sent. launch=True also runs the
-        count exchange and starts the row-id exchange now (before backward) - a collective: every
-        rank must call it at the same point. Rows the gradient touches but that were never
-        declared are not sent: declare all of them, or none (the step then finds the nonzero rows).
-        """
+        """Declare all rows (or none: the nonzero ones are sent) that a micro-batch's gradient of a sharded_sparse
+        table touches. launch=True starts the exchange before the backward: a collective every rank calls."""
         slot = self.slots.get(label)
         if slot is None or slot.cfg.comms != "sharded_sparse":
             raise ValueError(f"prepare_sparse: {label!r} is not a parameter with comms='sharded_sparse'")
         self.exchange.declare_rows(slot, row_ids, launch)
 
     def _hyperparams(self, labels, lr_scale: float, momentum: float) -> dict[str, torch.Tensor]:
-        """The hp row of every label of this step (normuon_hyperparams / adam_hyperparams)."""
         rows = []
         for label in labels:
             cfg = self.slots[label].cfg
@@ -1465,44 +1238,33 @@ class NorMuonAdam:
         return hyperparam_tensors(labels, rows, next(iter(self.slots.values())).param.device)
 
     def learning_rates(self, lr_scale: float = 1.0) -> dict[str, torch.Tensor]:
-        """Every label's effective learning rate at schedule multiplier lr_scale: the optimizer's base lr
-        (NorMuon or Adam) x lr_scale x lr_multipliers (one value per matrix of a NorMuon bank, padding
-        included; one for an Adam label), float64 on the CPU. The updates apply these, rounded to fp32."""
+        """Every label's lr at schedule multiplier lr_scale (float64; the updates apply them rounded to fp32)."""
         return {label: (self.normuon_lr if slot.cfg.optimizer == "normuon" else self.adam_lr) * lr_scale
                 * lr_multipliers(slot.cfg, slot.shape) for label, slot in self.slots.items()}
 
     def _active(self, do_adam: bool) -> list[str]:
-        """The labels one step updates, in scatter_order: NorMuon ones always, Adam ones on do_adam
-        steps (every_step ones always); never the tied embedding (the head's update drives it)."""
+        """The step's labels in scatter_order: NorMuon's, Adam's on do_adam steps; never the tied embedding."""
         skip = self.tied[0] if self.tied else None
         return [label for label in self.scatter_order
                 if label != skip and (do_adam or self.slots[label].cfg.optimizer == "normuon"
                                       or self.slots[label].cfg.every_step)]
 
-    def _fold_tied_grad(self) -> None:
-        """While tied, add embed.grad^T into the head's gradient (the head's update drives both)."""
-        embed, head = (self.slots[t].param for t in self.tied)
-        if embed.grad is not None:
+    def _launch_reduction(self, label: str, do_adam: bool):
+        """Launch label's reduction; while tied, the head's gradient first takes in embed.grad^T."""
+        if self.tied and do_adam and label == self.tied[1] and self.slots[self.tied[0]].param.grad is not None:
+            embed, head = (self.slots[t].param for t in self.tied)
             if head.grad is None:
                 head.grad = embed.grad.mT.contiguous()
             else:
                 triton_kernels.transpose_add(embed.grad, head.grad)
             embed.grad = None
-
-    def _launch_reduction(self, label: str, do_adam: bool):
-        """Phase 1 for one label: launch its gradient reduction, the tied fold first for the head."""
-        if self.tied and do_adam and label == self.tied[1]:
-            self._fold_tied_grad()
         slot = self.slots[label]
         return self.exchange.scatter(slot, slot.grad_view())
 
     @contextlib.contextmanager
     def reductions_on_backward(self, do_adam: bool):
-        """Around the last micro-batch's backward: launch this step's gradient reductions (phase 1)
-        from post-accumulate-grad hooks as the gradients become final, in scatter_order (see
-        BackwardReductions); the next step(do_adam) waits on them instead of launching them. The step's
-        labels only (on steps without Adam, Adam gradients keep accumulating). One rank has nothing to
-        reduce: no hooks, nothing to do."""
+        """Around the last micro-batch's backward: launch the step's reductions from gradient hooks
+        (BackwardReductions); the next step(do_adam) waits on them. One rank: nothing to do."""
         do_adam = bool(do_adam)
         if self._on_backward is not None:
             raise ValueError("reductions_on_backward: this step's reductions are already launched; call step() first")
@@ -1529,18 +1291,14 @@ class NorMuonAdam:
         self._on_backward = (do_adam, launch.launched)
 
     def _adam_groups(self, active) -> list[list[str]]:
-        """The step's Adam labels in work_order, in the groups whose update is one call: first the
-        labels every rank updates whole (replicated, none), whose reductions are small and land
-        first, then the sharded ones (embedding tables, head), whose shards are gathered after."""
+        """The step's Adam labels in work_order, one update call per group: unsharded first (landed first)."""
         adam = [label for label in self.work_order if label in active and self.slots[label].cfg.optimizer == "adam"]
         groups = ([label for label in adam if not self.slots[label].sharded],
                   [label for label in adam if self.slots[label].sharded])
         return [group for group in groups if group]
 
     def _adam_work(self, labels, reduced, hps) -> dict:
-        """Wait for the reductions of a group of Adam labels, update their local shards in one call
-        of the Adam group update, then launch their all_gathers; returns label -> function that
-        completes the gather, for the sharded ones."""
+        """Wait for a group's reductions, update its shards in one call; returns the sharded ones' gathers."""
         slots = [self.slots[label] for label in labels]
         grads = [reduced[label]() for label in labels]
         shards = [slot.local_shard() for slot in slots]
@@ -1615,10 +1373,7 @@ class NorMuonAdam:
 
     @torch.no_grad()
     def untie(self) -> None:
-        """Give the embedding its own Adam state: the head's state, transposed and resharded.
-
-        A collective when the head is sharded: every rank calls it at the same step.
-        """
+        """Give the embedding its own Adam state: the head's, transposed and resharded (a collective)."""
         if self.tied is None:
             raise ValueError("NorMuonAdam.untie(): embedding and head are not tied")
         if self._on_backward is not None:
@@ -1632,8 +1387,7 @@ class NorMuonAdam:
         self.tied = None
 
     def state_dict(self) -> dict:
-        """This rank's optimizer state (shards), keyed by label; a deep copy. Taken between steps: it
-        includes the sparse rows declared since the last Adam step, whose gradients are still pending."""
+        """A deep copy of this rank's state, with the sparse rows declared since the last Adam step."""
         return {"world_size": self.world_size, "rank": self.rank,
                 "tied": list(self.tied) if self.tied else None,
                 "adam_steps": dict(self.adam_steps),
@@ -1642,14 +1396,12 @@ class NorMuonAdam:
 
     @torch.no_grad()
     def load_state_dict(self, sd: dict) -> None:
-        """Restore a state_dict() from the same layout (world size, rank, labels, shapes)."""
-        if sd.get("world_size") != self.world_size or sd.get("rank") != self.rank:
-            raise ValueError(f"load_state_dict: saved on rank {sd.get('rank')} of {sd.get('world_size')},"
-                             f" loading on rank {self.rank} of {self.world_size}; optimizer shards need the same world size")
-        if set(sd["state"]) != set(self.state):
-            raise ValueError(f"load_state_dict: labels {sorted(sd['state'])} differ from this optimizer's {sorted(self.state)}")
+        """Restore a state_dict() of the same layout (world size, rank, labels, shapes)."""
+        _check_state_dict(self, sd)  # below the fence
         for label, saved in sd["state"].items():
-            self.state[label] = self.layout.restore_state(label, saved)
+            self.state[label] = self.layout.new_state(label) if saved else {}  # the tied embedding's stays empty
+            for name, t in saved.items():
+                self.state[label][name].copy_(t)
         self.tied = tuple(sd["tied"]) if sd["tied"] else None
         self.adam_steps = dict(sd["adam_steps"])
         self.exchange.declared = {label: [ids.clone()] for label, ids in sd["sparse_rows"].items()}
@@ -4910,6 +4662,105 @@ def check_batch_split(args: Hyperparameters, world_size: int) -> int:
                              f"{world_size} ranks x {accum} accumulation steps; use a world size that divides "
                              f"{args.micro_batches} or batch sizes divisible by {slots}")
     return accum
+
+
+# ---- The optimizer's argument checks and balanced ownership ----------------------------------
+# ParamConfig, NorMuonAdam and its load_state_dict check their arguments here (the record's pass every
+# check); "balanced" bank ownership adds itself to OWNERSHIPS.
+
+OPTIMIZER_KINDS = ("normuon", "adam")
+COMMS_MODES = ("none", "replicated", "sharded", "sharded_sparse")
+
+
+def _check_param_config(cfg: ParamConfig) -> None:
+    """ParamConfig's one-line errors; stores betas and matrix_lr_mul as tuples of floats."""
+    if cfg.optimizer not in OPTIMIZER_KINDS:
+        raise ValueError(f"ParamConfig: optimizer={cfg.optimizer!r} is not one of {', '.join(OPTIMIZER_KINDS)}")
+    if cfg.comms not in COMMS_MODES:
+        raise ValueError(f"ParamConfig: comms={cfg.comms!r} is not one of {', '.join(COMMS_MODES)}")
+    if cfg.comms == "sharded_sparse" and cfg.optimizer != "adam":
+        raise ValueError("ParamConfig: comms='sharded_sparse' is for Adam embedding tables; use 'sharded' for normuon")
+    if cfg.matrix_lr_mul is not None and cfg.optimizer != "normuon":
+        raise ValueError("ParamConfig: matrix_lr_mul applies to normuon banks only; use lr_mul for adam")
+    if cfg.every_step and cfg.optimizer != "adam":
+        raise ValueError("ParamConfig: every_step applies to adam labels (normuon steps every step)")
+    betas = tuple(float(b) for b in cfg.betas)
+    if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
+        raise ValueError(f"ParamConfig: betas={cfg.betas!r} must be two numbers in [0, 1)")
+    object.__setattr__(cfg, "betas", betas)
+    if cfg.matrix_lr_mul is not None:
+        object.__setattr__(cfg, "matrix_lr_mul", tuple(float(m) for m in cfg.matrix_lr_mul))
+
+
+def _check_optimizer_args(opt: NorMuonAdam, params: dict, configs: dict, tied) -> None:
+    """NorMuonAdam's one-line errors: configs and both orders name params' labels exactly once, parameters
+    suit their optimizer, and tied names an Adam (embedding, head) pair of transposes."""
+    for label in params:
+        if label not in configs:
+            raise ValueError(f"NorMuonAdam: no ParamConfig for parameter {label!r}; add configs[{label!r}]")
+    for label in configs:
+        if label not in params:
+            raise ValueError(f"NorMuonAdam: config {label!r} names no parameter; labels are {sorted(params)}")
+    for name in ("scatter_order", "work_order"):
+        order = getattr(opt, name)
+        for i, label in enumerate(order):
+            if label not in params:
+                raise ValueError(f"NorMuonAdam: {name} names unknown label {label!r}; labels are {sorted(params)}")
+            if label in order[:i]:
+                raise ValueError(f"NorMuonAdam: {name} lists {label!r} twice; list every label exactly once")
+        missing = [label for label in params if label not in order]
+        if missing:
+            raise ValueError(f"NorMuonAdam: {name} is missing {missing}; list every label exactly once")
+    for label, p in params.items():
+        cfg = configs[label]
+        if p.dtype not in (torch.bfloat16, torch.float32):
+            raise ValueError(f"NorMuonAdam: parameter {label!r} is {p.dtype}; use bfloat16 or float32")
+        if cfg.optimizer == "normuon" and p.ndim < 2:
+            raise ValueError(f"NorMuonAdam: normuon parameter {label!r} has shape {tuple(p.shape)};"
+                             " it needs matrices (..., rows, cols)")
+        n = p.numel() // (p.size(-2) * p.size(-1)) if p.ndim >= 2 else 0
+        if cfg.optimizer == "normuon" and cfg.matrix_lr_mul is not None and len(cfg.matrix_lr_mul) != n:
+            raise ValueError(f"NorMuonAdam: {label!r} has {n} matrices but matrix_lr_mul has"
+                             f" {len(cfg.matrix_lr_mul)} entries")
+    if tied is None:
+        return
+    if len(tied) != 2 or any(t not in params for t in tied):
+        raise ValueError(f"NorMuonAdam: tied={tied!r} must be (embed_label, head_label), both existing labels")
+    embed, head = (params[t] for t in tied)
+    if any(configs[t].optimizer != "adam" for t in tied):
+        raise ValueError("NorMuonAdam: tied embedding and head must both use optimizer='adam'")
+    if embed.ndim != 2 or tuple(embed.shape) != tuple(head.shape)[::-1]:
+        raise ValueError(f"NorMuonAdam: tied shapes {tuple(embed.shape)} and {tuple(head.shape)}"
+                         " must be transposes of each other")
+    if embed.dtype != head.dtype:
+        raise ValueError("NorMuonAdam: tied embedding and head must have the same dtype")
+
+
+def _check_state_dict(opt: NorMuonAdam, sd: dict) -> None:
+    """NorMuonAdam.load_state_dict's one-line errors unless sd is a state_dict() of the same layout."""
+    if sd.get("world_size") != opt.world_size or sd.get("rank") != opt.rank:
+        raise ValueError(f"load_state_dict: saved on rank {sd.get('rank')} of {sd.get('world_size')}, loading on rank"
+                         f" {opt.rank} of {opt.world_size}; optimizer shards need the same world size")
+    if set(sd["state"]) != set(opt.state):
+        raise ValueError(f"load_state_dict: labels {sorted(sd['state'])} differ from this optimizer's {sorted(opt.state)}")
+    for label, saved in sd["state"].items():
+        ref = opt.layout.new_state(label)
+        if saved and set(saved) != set(ref):
+            raise ValueError(f"load_state_dict: {label!r} has state {sorted(saved)}, expected {sorted(ref)}")
+        for name, t in saved.items():
+            if t.shape != ref[name].shape or t.dtype != ref[name].dtype:
+                raise ValueError(f"load_state_dict: {label!r}.{name} is {tuple(t.shape)} {t.dtype},"
+                                 f" expected {tuple(ref[name].shape)} {ref[name].dtype}")
+
+
+def _balanced_ownership(banks: dict, world_size: int, orthogonalizer) -> dict[str, tuple[int, ...]]:
+    """OWNERSHIPS["balanced"]: balanced_splits of the banks, a matrix costed by orthogonalization_flops (FLOP-
+    sorted owners as in Motif-Technologies/optimizer)."""
+    return balanced_splits({label: (slot.rows, orthogonalization_flops(*slot.shape[1:], orthogonalizer))
+                            for label, slot in banks.items()}, world_size)
+
+
+OWNERSHIPS["balanced"] = _balanced_ownership
 
 
 if __name__ == "__main__":
