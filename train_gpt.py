@@ -589,7 +589,7 @@ class FP8MLPState(nn.Module):
         return y, post_max
 
     def update_act_scales(self, post_maxima: list[torch.Tensor]) -> None:
-        """Every layer's next act scale from mlp()'s maxima of post, in one write after the last MLP (PR #342's)."""
+        """Every layer's next act scale from mlp()'s maxima of post, in one write after the last MLP (PR #342)."""
         if len(post_maxima) != (L := self.act_scale.shape[0]):
             raise ValueError(f"FP8MLPState.update_act_scales: post_maxima must hold {L} layers' maxima, got {len(post_maxima)}")
         amax = torch.stack(post_maxima).amax(dim=1)
@@ -1781,19 +1781,18 @@ def block_mask_indices(doc_ids: torch.Tensor, window, pos_div: int = 1,
     last = first + block_size - 1
     d_first, d_last = doc_ids[first // pos_div], doc_ids[last // pos_div]
     rows, b = torch.arange(nb, device=dev)[:, None], torch.arange(band, device=dev)[None, :]
-    k = (rows - b).clamp(min=0)  # (nb, band): band entry b of query block i is key block i - b
+    valid, k = rows >= b, (rows - b).clamp(min=0)  # (nb, band): band entry b of query block i is key block i - b
     lo = first[:, None] - last[k]   # smallest q - k in the block pair (the largest is >= 0: k <= i)
     hi = last[:, None] - first[k]   # largest q - k
-    any_pass = (rows >= b) & (lo <= span) & (d_first[:, None] <= d_last[k]) & (d_first[k] <= d_last[:, None])
+    any_pass = valid & (lo <= span) & (d_first[:, None] <= d_last[k]) & (d_first[k] <= d_last[:, None])
     one_doc = d_first == d_last
-    all_pass = (rows >= b) & (lo >= 0) & (hi <= span) & one_doc[:, None] & one_doc[k] & (d_first[:, None] == d_first[k])
+    all_pass = valid & (lo >= 0) & (hi <= span) & one_doc[:, None] & one_doc[k] & (d_first[:, None] == d_first[k])
     partial = any_pass & ~all_pass
     q = (rows + b).clamp(max=nb - 1)  # the backward's dk/dv loop: band entry b of key block c is query block c + b
     q_valid = rows + b < nb
 
     def listed(blocks, cols):
-        # Each row's blocks first, ascending, then the band's others, then 0s: flex_attention's kernels read
-        # a row (contiguous, stride 1) only up to its count.
+        # each row's blocks first, ascending (flex's kernels read a row, stride 1, only up to its count)
         out = torch.zeros(nb, nb, dtype=torch.int32, device=dev)
         out[:, :band] = cols.gather(1, torch.argsort(~blocks, dim=1, stable=True))
         return blocks.sum(1, dtype=torch.int32)[None, None], out[None, None]
@@ -1835,7 +1834,7 @@ GPU_ATTENTION_KERNELS = ("flex", "varlen")
 
 
 def attention_kernels(args: "Hyperparameters", device: torch.device) -> dict[tuple[bool, int], str]:
-    """Every layer kind's attention kernel: SDPA on CPUs, else --attention_kernel ("auto": ATTENTION_KERNEL_CHOICE)."""
+    """Every layer kind's attention kernel: SDPA on CPUs, else --attention_kernel ("auto": the GPU's table)."""
     kinds = attention_kinds(args.layers)
     if device.type != "cuda":
         return dict.fromkeys(kinds, "sdpa")
@@ -1862,15 +1861,17 @@ START_MASKS = {}
 def attention_mask(doc_ids: torch.Tensor, window: torch.Tensor, span: int, pos_div: int, kernel: str):
     """One layer kind's mask for the attention kernel that will run (ATTENTION_MASKS)."""
     if kernel in START_MASKS:
-        raise ValueError(f"attention: {kernel} attention takes document starts, not ids: GPT.attention_masks builds it")
+        raise ValueError(f"attention: {kernel} attention takes document starts, not ids:"
+                         " GPT.attention_masks builds it")
     if kernel not in ATTENTION_MASKS:
-        raise ValueError(f"attention: kernel={kernel!r}; choose one of {', '.join([*START_MASKS, *ATTENTION_MASKS])}")
+        raise ValueError(f"attention: kernel={kernel!r}; choose one of"
+                         f" {', '.join([*START_MASKS, *ATTENTION_MASKS])}")
     return ATTENTION_MASKS[kernel](doc_ids, window, span, pos_div)
 
 
 @functools.lru_cache(maxsize=None)
 def compiled_flex_attention():
-    """flex_attention compiled once for CUDA calls outside a compiled graph (uncompiled it materialises the scores)."""
+    """flex_attention compiled once, for CUDA calls outside a compiled graph (eager, it materialises scores)."""
     return torch.compile(flex_attention, dynamic=False)
 
 
@@ -1917,12 +1918,17 @@ def rotary_base_frequencies(head_dim: int) -> torch.Tensor:
     return (1 / 1024) ** torch.linspace(0, 1, head_dim // 4, dtype=torch.float32)
 
 
+def yarn_update(freq: torch.Tensor, attn_scale: float, old: int, new: int) -> tuple[torch.Tensor, float]:
+    """The record's YaRN step (Yarn.apply) for a long window grown from `old` to `new` tokens: slow
+    frequencies interpolated by old/new, fast ones kept; the softmax scale times 1 + 0.2 ln(new/old)."""
+    ratio = old / new
+    w = ((old * freq / (2 * math.pi) - 1) / 31).clamp(0, 1)
+    return freq * (ratio + w * (1 - ratio)), attn_scale * (1 + 0.2 * math.log(new / old))
+
+
 def yarn_state(args: Hyperparameters, long_blocks: int) -> tuple[torch.Tensor, float]:
-    """Rotary frequencies and softmax scale at a long window of `long_blocks` blocks: the record's YaRN step
-    at each growth of the long window along the schedule, compounded up to it (a function of the window
-    alone, so warm-up and resume land on the same values). A step from `old` to `new` tokens interpolates
-    the slow frequencies, f *= ratio + w (1 - ratio) with w = clamp((old f / 2pi - 1) / 31, 0, 1), and
-    scales the softmax by 1 + 0.2 ln(new / old)."""
+    """Rotary frequencies and softmax scale at a long window of `long_blocks` blocks: yarn_update at each
+    growth of the long window along the schedule up to it, so warm-up and resume land on the same values."""
     bs = args.window_block_size
     freq = rotary_base_frequencies(args.head_dim)
     scale = args.attn_scale * math.sqrt(128 / args.head_dim)
@@ -1931,9 +1937,7 @@ def yarn_state(args: Hyperparameters, long_blocks: int) -> tuple[torch.Tensor, f
     old = chain[0]
     for new in chain[1:]:
         if new > old:
-            ratio = old / new
-            w = ((old * bs * freq / (2 * math.pi) - 1) / 31).clamp(0, 1)
-            freq, scale = freq * (ratio + w * (1 - ratio)), scale * (1 + 0.2 * math.log(new / old))
+            freq, scale = yarn_update(freq, scale, old * bs, new * bs)
             old = new
     return freq, scale
 
@@ -1945,7 +1949,7 @@ def rotary_tables(freq: torch.Tensor, T: int, num_heads: int, dtype: torch.dtype
     angles = torch.arange(2 * T, device=freq.device, dtype=torch.float32)[:, None] * freq[None, :]
     cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
     parity = torch.arange(num_heads, device=freq.device) % 2
-    return {"plain": (cos[:T], sin[:T]), "paired": (cos.view(T, 2, -1)[:, parity], sin.view(T, 2, -1)[:, parity])}
+    return {"plain": (cos[:T], sin[:T]), "paired": tuple(t.view(T, 2, -1)[:, parity] for t in (cos, sin))}
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -1996,7 +2000,7 @@ def dc_term(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_ids: torch.Te
 # -- the model ------------------------------------------------------------------------------------
 
 def bank_padding(n: int, world_size: int, args: Hyperparameters) -> int:
-    """Matrices in a bank of n: a multiple of the world size for padded ownership (the record's), n for balanced."""
+    """Matrices in a bank of n: a multiple of the world size (padded ownership, the record's), or n (balanced)."""
     if args.bank_ownership not in OWNERSHIPS:
         raise ValueError(f"model config: --bank_ownership {args.bank_ownership!r} is not one of {', '.join(OWNERSHIPS)}")
     return -(-n // world_size) * world_size if args.bank_ownership == "padded" else n
@@ -2046,9 +2050,9 @@ class GPT(nn.Module):
         for name, p in self.named_parameters():
             p.label = name
         self.register_buffer("bigram_sign_table", torch.empty(BIGRAM_SIGN_ROWS, D, dtype=dtype))
-        roles = {"qk_bank": [f"{kind}.{i}.{g}" for i in self.attn_layers for kind in ("q", "k") for g in range(H // 2)],
-                 "vo_bank": [f"{kind}.{i}" for i in self.attn_layers for kind in ("v", "o")],
-                 "mlp_bank": [f"{kind}.{i}" for i in range(L) for kind in ("up", "down")]}
+        roles = {"qk_bank": [f"{kd}.{i}.{g}" for i in self.attn_layers for kd in ("q", "k") for g in range(H // 2)],
+                 "vo_bank": [f"{kd}.{i}" for i in self.attn_layers for kd in ("v", "o")],
+                 "mlp_bank": [f"{kd}.{i}" for i in range(L) for kd in ("up", "down")]}
         self.bank_roles = {name: r + ["pad"] * (len(getattr(self, name)) - len(r)) for name, r in roles.items()}
         self.fp8_mlp = FP8MLPState(L, args.mlp_hidden, D, fast_accum=args.fp8_up_fast_accum)
         # lm_head's e4m3 copy (fp8_head_weight), made by quantize_fp8 after every optimizer step; derived, so
@@ -2079,28 +2083,23 @@ class GPT(nn.Module):
         def uniform_(t, b=bound):
             fp32_draw(t, lambda x: x.uniform_(-b, b))
 
-        for bank in (self.qk_bank, self.vo_bank, self.mlp_bank):
-            bank.zero_()
+        for p in (self.qk_bank, self.vo_bank, self.mlp_bank, self.bigram_embed, self.scalars, self.smear_gate,
+                  self.ve_gate_bank, self.mudd_w2, self.mudd_b2, self.mudd_gate_w2, self.mudd_gate_b2):
+            p.zero_()  # all but what is drawn or set below
         uniform_(self.qk_bank[: self.args.num_heads * len(self.attn_layers)])  # H/2 Q + H/2 K groups per layer
         uniform_(self.vo_bank[: 2 * len(self.attn_layers)])  # V and the output projections alike (the record's)
         uniform_(self.mlp_bank[0::2])  # up (a padding up-projection too); down stays zero
         fp32_draw(self.lm_head, lambda x: x.normal_(0.0, INIT["lm_head_std"]))
         self.embed.copy_(self.lm_head.T)
         fp32_draw(self.value_embeds, lambda x: x.normal_(0.0, 1.0).mul_(INIT["value_embed_std"]))
-        self.bigram_embed.zero_()
         s = self.scalars
-        s.zero_()
         s[0: 2 * L: 2] = INIT["qkv_lambda"]  # q and k are normed next, so in effect v's scale
         s[1: 2 * L: 2] = INIT["o_lambda"]
         s[2 * L + 1] = INIT["skip_lambda"]   # sigmoid 0.18; smear lambda s[2L] = 0: smear starts off
         self.resid_lambdas.fill_(INIT["resid_lambda"])
         self.post_lambdas.fill_(INIT["post_lambda"])
-        self.smear_gate.zero_()
-        self.ve_gate_bank.zero_()
         for w1 in (self.mudd_w1, self.mudd_gate_w1):  # nn.Linear's default init: U(+-1/sqrt(fan_in))
             uniform_(w1, 1 / math.sqrt(D))
-        for p in (self.mudd_w2, self.mudd_b2, self.mudd_gate_w2, self.mudd_gate_b2):
-            p.zero_()
         for k, biases in enumerate(MUDD_LAYER_BIASES):
             for name, value in biases.items():
                 self.mudd_b2[k, MUDD_LAYER_NAMES[k].index(name)] = value
@@ -2176,10 +2175,9 @@ class GPT(nn.Module):
 
     def attention_masks(self, cu_seqlens: torch.Tensor, num_tokens: int, kernel: str | None = None,
                         max_doc_len: int | None = None, prebuilt: tuple | None = None) -> dict:
-        """{(long window?, slots per token): mask} of one packed sequence at the current windows, by kernel
-        (default attention_kernels()); prebuilt: (doc_ids, {kind: BlockMaskIndices}) from the loader. Built
-        outside the compiled model, once per micro-batch: inductor lowers flex_attention's mask tensors only
-        as graph inputs ("convert FlexibleLayout to FixedLayout first", PyTorch issue 139836)."""
+        """{(long window?, slots per token): mask} of one packed sequence at the current windows, prebuilt: (doc_ids,
+        {kind: BlockMaskIndices}) from the loader. Outside the compiled model: inductor lowers flex's mask
+        tensors only as graph inputs ("convert FlexibleLayout to FixedLayout first", PyTorch issue 139836)."""
         kinds = attention_kinds(self.layers)
         kernels = attention_kernels(self.args, cu_seqlens.device) if kernel is None else dict.fromkeys(kinds, kernel)
         if "flex" in kernels.values() and torch.compiler.is_compiling():
@@ -4783,7 +4781,7 @@ def varlen_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Varle
 
 
 def varlen_attend_tokens(q, k, v, mask: VarlenMask, r: int, scale: torch.Tensor, scale_value: float) -> torch.Tensor:
-    """varlen_attend of (T, H, hd) q, k, v at r slots per token, the fp32 scale as a number (FA3's softmax_scale)."""
+    """varlen_attend of (T, H, hd) q, k, v at r slots per token, the fp32 scale as a number."""
     T, H, hd = q.shape
     return varlen_attend(*(t.reshape(r * T, H // r, hd) for t in (q, k, v)), mask, scale_value).reshape(T, H, hd)
 
