@@ -2175,9 +2175,9 @@ class GPT(nn.Module):
 
     def attention_masks(self, cu_seqlens: torch.Tensor, num_tokens: int, kernel: str | None = None,
                         max_doc_len: int | None = None, prebuilt: tuple | None = None) -> dict:
-        """{(long window?, slots per token): mask} of one packed sequence at the current windows, prebuilt: (doc_ids,
-        {kind: BlockMaskIndices}) from the loader. Outside the compiled model: inductor lowers flex's mask
-        tensors only as graph inputs ("convert FlexibleLayout to FixedLayout first", PyTorch issue 139836)."""
+        """{(long window?, slots per token): mask} of one packed sequence at the current windows; prebuilt:
+        (doc_ids, {kind: BlockMaskIndices}) from the loader. Outside the compiled model: inductor lowers flex's
+        mask tensors only as graph inputs ("convert FlexibleLayout to FixedLayout first", PyTorch issue 139836)."""
         kinds = attention_kinds(self.layers)
         kernels = attention_kernels(self.args, cu_seqlens.device) if kernel is None else dict.fromkeys(kinds, kernel)
         if "flex" in kernels.values() and torch.compiler.is_compiling():
