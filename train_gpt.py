@@ -325,23 +325,14 @@ def copy_from_host_(dst: torch.Tensor, src: torch.Tensor) -> None:
 # FP8 custom ops: y = x @ w with float8 inputs and static scales
 # ----------------------------------------------------------------------------------------------
 
-# What the compiled training graph does with FP8 (GPUs with FP8 tensor cores): the weights' e4m3 copies
-# are made once per optimizer step outside the graph (GPT.quantize_fp8: the LM head and FP8MLPState);
-# inside it, the activations' quantisation (x / scale cast to e4m3, the MLP input's amax) is plain
-# torch that inductor fuses into the producing norm, and the custom ops below receive float8 tensors
-# and only run what inductor cannot: the cuBLAS FP8 GEMMs, the up-projection kernel and the loss
-# kernel. The MLPs' delayed activation scales are updated once per forward from all layers' partial
-# maxima (record #89, modded-nanogpt PR #342). Every eager op inside a custom op is a host launch
-# the graph cannot fuse, and the step is host-bound, so the ops keep none they can do without.
-
-# The LM head is the single biggest matmul (T x 768 x 50304), so it runs in float8 on GPUs that have
-# FP8 tensor cores (the speedrun's FP8 head since record #25, modded-nanogpt). Scales are static (no
-# amax bookkeeping): the head's input is rms-normalised and its weights and gradients stay in
-# predictable ranges, so fixed scales lose nothing measurable and cost nothing. Quantisation:
-# q = (t / scale) cast to float8 (round-to-nearest; e4m3fn saturates at +-448, e5m2 overflows to inf
-# here; the loss kernel's e5m2 gradient saturates); dequantised value = q * scale. Forward products
-# use cuBLAS's fast accumulation; the two backward products (sums over 50,304 logits for dx and over
-# every token for dw) do not, as in record #89.
+# The compiled training graph (GPUs with FP8 tensor cores) reads e4m3 weight copies made once per optimizer
+# step (GPT.quantize_fp8) and quantises activations in plain torch that inductor fuses into the norm before;
+# the custom ops below run only what inductor cannot (the cuBLAS FP8 GEMMs, the up-projection and loss
+# kernels): every eager op inside one is a host launch, and the step is host-bound. q = (t / scale) cast to
+# float8 (e4m3fn saturates at +-448; e5m2 overflows to inf, the loss kernel's saturates). The LM head (FP8
+# since record #25) has static scales: its input is rms-normalised and its weights and gradients stay in
+# predictable ranges. The MLPs' scales are delayed (record #89, PR #342). Forward GEMMs use cuBLAS's fast
+# accumulation, the backward's (sums over 50,304 logits and over every token) do not, as in record #89.
 
 _FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 SCALE_ALIGN_BYTES = 16  # cuBLASLt reads scale pointers as 16-byte aligned: offsets 4, 8, 12 fail on H100
@@ -358,14 +349,9 @@ def _quantize_fp8(t: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Te
 
 
 def check_scaled_mm_args(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor) -> None:
-    """Raise ValueError unless (a, b, scales) satisfy cuBLAS's rules for a tensor-wise FP8 GEMM.
-
-    torch._scaled_mm on the CPU accepts layouts that cuBLAS rejects (or handles only through slow
-    copies), so the op checks every call on every device: a layout bug then fails in CPU tests
-    instead of on the first H100 run. Rules: 2-D float8 operands, not both e5m2; a (M, K) row-major
-    and b (K, N) column-major; M, K, N multiples of 16; one fp32 scale per operand at a 16-byte aligned
-    address (a 0-d view at storage offset 1 of a per-layer scale vector fails on an H100).
-    """
+    """Raise ValueError unless the operands suit cuBLAS's tensor-wise FP8 GEMM, on every device (a CPU
+    accepts layouts cuBLAS rejects): 2-D float8, not both e5m2; a (M, K) row-major, b (K, N) column-major;
+    M, K, N multiples of 16; each scale one fp32 value at a 16-byte aligned address."""
     if a.dim() != 2 or b.dim() != 2:
         raise ValueError(f"fp8 matmul: operands must be 2-D, got {tuple(a.shape)} and {tuple(b.shape)}")
     if a.dtype not in _FP8_DTYPES or b.dtype not in _FP8_DTYPES:
@@ -399,12 +385,8 @@ def _native_fp8(device: torch.device) -> bool:
 
 def _scaled_matmul(a: torch.Tensor, b: torch.Tensor, scale_a: float | torch.Tensor, scale_b: float | torch.Tensor,
                    out_dtype: torch.dtype, fast_accum: bool) -> torch.Tensor:
-    """(a * scale_a) @ (b * scale_b) for float8 a, b: cuBLAS where it can, else exact emulation.
-
-    Scales are Python floats (static) or one-element fp32 tensors on a's device (delayed scales, which
-    the host never reads back). The emulation dequantises to fp32 and multiplies in fp32: float8
-    products are exact in fp32, so it differs from the tensor-core result only by summation order (and
-    fast-accum rounding)."""
+    """(a * scale_a) @ (b * scale_b) for float8 a, b: cuBLAS where it can, else in fp32 (float8 products are
+    exact there). Scales: Python floats (static) or 0-d fp32 tensors on a's device (delayed)."""
     # torch.full launches a fill kernel; torch.tensor(..., device="cuda") would be a blocking copy
     sa, sb = (s if isinstance(s, torch.Tensor) else torch.full((), s, dtype=torch.float32, device=a.device)
               for s in (scale_a, scale_b))
@@ -423,10 +405,8 @@ def _fp8_transposed(t: torch.Tensor) -> torch.Tensor:
 
 def fp8_matmul_grads(g_f8: torch.Tensor, x_f8: torch.Tensor, w_f8: torch.Tensor, x_s: float, w_s: float,
                      grad_s: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Gradients of y = x @ w from the e5m2 dy (M, N) and the forward's e4m3 x (M, K) and column-major w
-    (K, N): dx = dy @ w^T (bf16), dw = x^T @ dy (fp32), both without fast accumulation (dx sums over
-    the N = 50,304 columns, dw over every token; the record's). The operands cuBLAS needs transposed
-    (w row-major, x^T, dy column-major) are copied by the tiled transpose kernel."""
+    """(dx bf16, dw fp32) of y = x @ w from the e5m2 dy (M, N), e4m3 x (M, K) and column-major w (K, N),
+    without fast accumulation (record #89)."""
     grad_x = _scaled_matmul(g_f8, _fp8_transposed(w_f8.T).T, grad_s, w_s, torch.bfloat16, fast_accum=False)
     grad_w = _scaled_matmul(_fp8_transposed(x_f8), _fp8_transposed(g_f8).T, x_s, grad_s, torch.float32,
                             fast_accum=False)
@@ -591,8 +571,7 @@ class FP8MLPState(nn.Module):
         return y, post_max
 
     def update_act_scales(self, post_maxima: list[torch.Tensor]) -> None:
-        """Every layer's next act scale from its maxima of post (mlp()'s second outputs), in one reduction
-        and one write after the last MLP (PR #342 reduces its per-SM partials after all layers too)."""
+        """Every layer's next act scale from mlp()'s maxima of post, in one write after the last MLP (PR #342)."""
         if len(post_maxima) != (L := self.act_scale.shape[0]):
             raise ValueError(f"FP8MLPState.update_act_scales: post_maxima must hold {L} layers' maxima, got {len(post_maxima)}")
         amax = torch.stack(post_maxima).amax(dim=1)
@@ -1412,49 +1391,21 @@ class NorMuonAdam:
 # Model
 # ----------------------------------------------------------------------------------------------
 
-# Record #89's model (modded-nanogpt PR #342; MUDD connections, arXiv 2502.12170; YaRN, arXiv 2309.00071).
-# One forward pass over a packed batch of T tokens (batch 1, several documents); the per-layer table
-# (Hyperparameters.layers, the record's section of layer roles) says what each layer does:
-#   e = embed[ids]; smear: e[t] += smear_lambda * sigmoid(smear_gate . e[t][:12]) * e[t-1]
-#   xb = bigram_embed[hash(prev, cur)] * sign_table[(prev XOR cur) mod 8192]
-#   x0 = norm(e); pre = MUDD gate 0 (x0); x = cache0 = x0 + bigram gate(0) * xb
-#   layer i (post = MUDD gate 1 (x) at the start of the post_gates layer):
-#     "skip" row:  x += sigmoid(skip_lambda) * skip gate * (output of the save_skip layer)
-#     attention:   x = resid[i,0] x + post_l[i,0] attn(norm(x, or h on from_h rows)) + x0 gate(i) x0
-#                  x += bigram gate(i) xb                                            (i > 0)
-#     "mudd" row:  mu = MUDD layer 0 (x): mixes cache0, h and x into x and into V (MUDD, arXiv 2502.12170)
-#     MLP:         x = resid[i,1] x + post_l[i,1] mlp(norm(x))        (mudd row: mu12 x + mu13 mlp)
-#   post-loop MUDD layer 1: x += m0 cache0 + m1 h + m2 (mudd layer input) + m3 ve0 + m4 (skip source)
-#   logits = softcap(norm(x) @ lm_head)
-# Attention: q, k, v = x (qkv_lambda W_qkv)^T, QK rms-norm, rotary on half of each head (paired rows:
-# interleaved slots), key offset, v += gated value embedding (+ MUDD's V on the mudd row), masked
-# softmax attention, DC term, XSA, linear output gate, out = y (o_lambda W_o)^T.
-#
-# Parameters and their labels (the optimizer configures itself by label, as the record's param_table):
-#   qk_bank      (Nqk, 2*hd, D) bf16  per attention layer j: H/2 Q groups then H/2 K groups of two
-#                heads each ((out, in), 2*hd rows), so layer j's rows [Q; K] are qk_bank[H*j : H*j + H]
-#   vo_bank      (Nvo, D, D) bf16  [2j] = V (out, in), [2j+1] = output projection (out, in)
-#   mlp_bank     (Nmlp, hidden, D) bf16  [2i] = up (out, in), [2i+1] = down stored (in, out)
-#                Banks are padded with zero matrices to a multiple of the world size (an up-projection
-#                pad is initialised like the real ones, as in the record); model.bank_roles names every
-#                entry ("q.3.0", "down.7", "pad", ...).
-#   embed        (Vp, D) bf16   token embedding. While tied it is a copy of lm_head^T kept equal by the
-#                optimizer (which folds embed.grad^T into lm_head.grad): the forward always reads embed,
-#                so untying changes nothing here.
-#   lm_head      (D, Vp) bf16   stored (in, out) so the FP8 op gets it without a transpose
-#   value_embeds (n_ve, Vp, D) bf16  one table per "ve" row, in table order
-#   bigram_embed (bigram_vocab_size, D) bf16, zero init
-#   scalars      (2L + 2 padded to a multiple of 8,) fp32  [qkv_lambda, o_lambda] per layer, smear, skip
-#   resid_lambdas, post_lambdas (L, 2) fp32  [:, 0] attention sublayer, [:, 1] MLP sublayer
-#   ve_gate_bank (n_ve, H, gate_channels) bf16;  smear_gate (1, gate_channels) bf16
-#   mudd_gate_w1 (2, M, D), mudd_gate_w2 (2, n_gate, M), mudd_gate_b2 (2, n_gate) bf16, _mudd_gate_scale
-#                () fp32: the two MUDD gate MLPs (per-token x0/bigram/skip gates, XSA, output gates, DC)
-#   mudd_w1 (2, M, D), mudd_w2 (2, 14, M), mudd_b2 (2, 14) bf16: the two MUDD layer MLPs
-# Initialisation (the record's): Q, K, V, output projections and MLP-up uniform with bound
-# sqrt(3) * 0.5 / sqrt(D) (1/32 at D = 768); MLP-down zero (each MLP starts as the zero map); lm_head normal std 0.005 and embed = lm_head^T; value embeddings 0.01 N(0, 1); bigram
-# table and all gates zero; qkv lambdas 0.5, o lambdas 1; resid lambdas sqrt(1.1) (1.046875 once cast
-# to bf16 at use), post lambdas 1; smear 0, skip -1.5; MUDD first layers U(+-1/sqrt(D)), second layers
-# zero, biases as in mudd_gate_biases / MUDD_LAYER_BIASES.
+# Record #89's model (modded-nanogpt PR #342; MUDD connections, arXiv 2502.12170; YaRN, arXiv 2309.00071) on
+# one packed sequence of T tokens; the layer table (Hyperparameters.layers) gives each layer's role:
+#   x0 = norm(smear(embed[ids])); xb = bigram_embed[hash(prev, cur)] * sign row; x = cache0 = x0 + g xb
+#   "skip" rows add a gated copy of the save_skip layer's output; attention rows
+#   x = resid x + post attn(norm(x, or h)) + g x0 (+ g xb), the "mudd" row mixing cache0, h and x into x
+#   and V; then x = resid x + post mlp(norm(x)); after the last layer MUDD layer 1 mixes the saved streams
+#   back in, and logits = softcap(norm(x) @ lm_head). Per-token gates g come from MUDD gate MLPs 0 and 1.
+# Attention: QK rms-norm, rotary on half of each head, key offset, gated value embeddings, masked softmax,
+# DC term, XSA, linear output gate.
+# The banks (bf16, padded with zero matrices to a multiple of the world size; model.bank_roles names each):
+#   qk_bank  (Nqk, 2*hd, D)      per attention layer H/2 Q groups then H/2 K groups of two heads, (out, in)
+#   vo_bank  (Nvo, D, D)         [2j] = V, [2j+1] = output projection, (out, in)
+#   mlp_bank (Nmlp, hidden, D)   [2i] = up (out, in), [2i+1] = down stored (in, out)
+# lm_head (D, Vp) is stored (in, out) for the FP8 op; embed is its transpose while tied (the optimizer folds
+# embed.grad^T into lm_head.grad). reset_parameters is the record's initialisation.
 
 FLEX_BLOCK_SIZE = 128  # block-sparsity granularity of the GPU attention kernel
 EVAL_CHUNK_TOKENS = 8192  # evaluation computes logits and cross-entropy this many tokens at a time
@@ -1467,80 +1418,49 @@ def norm(x: torch.Tensor) -> torch.Tensor:
     return F.rms_norm(x, (x.size(-1),), eps=RMS_NORM_EPS)
 
 
-# -- the MUDD gates' coefficient layout, from the layer rows ------------------------------------
-
 def mudd_gate_layout(layers: tuple, num_heads: int) -> tuple[dict, dict]:
-    """Where each per-token coefficient sits in the outputs of MUDD gates 0 and 1.
-
-    Gate 0 serves the layers before the post_gates row, gate 1 the rest. In each: XSA alphas (H per xsa
-    row), output gates (H per gate row), then (x0, bigram) per attention row other than the mudd row,
-    the skip gate, DC w1 (H per dc row), DC w2 (H per dc row). On the record's table this is its layout:
-    26 coefficients for gate 0 and 41 for gate 1. Returns ({(kind, layer): (start, width)}, ...)."""
+    """{(kind, layer): (start, width)} of each per-token coefficient in MUDD gates 0 and 1 (the layers before
+    the post_gates row, the rest), in the record's order."""
     split = next(i for i, r in enumerate(layers) if r.post_gates)
     layouts = []
     for part in (range(split), range(split, len(layers))):
-        pos, n = {}, 0
-
-        def take(kind, i, width):
-            nonlocal n
-            pos[kind, i] = (n, width)
-            n += width
-
-        for kind in ("xsa", "gate"):
-            for i in part:
-                if getattr(layers[i], kind):
-                    take(kind, i, num_heads)
-        for i in part:
-            if layers[i].attention != "none" and not layers[i].mudd:
-                take("x0", i, 1)
-                take("bigram", i, 1)
-        for i in part:
-            if layers[i].attention == "none":
-                take("skip", i, 1)
-        for kind in ("dc_w1", "dc_w2"):
-            for i in part:
-                if layers[i].dc:
-                    take(kind, i, num_heads)
-        layouts.append(pos)
+        entries = [(kind, i, num_heads) for kind in ("xsa", "gate") for i in part if getattr(layers[i], kind)]
+        entries += [(kind, i, 1) for i in part if layers[i].attention != "none" and not layers[i].mudd
+                    for kind in ("x0", "bigram")]
+        entries += [("skip", i, 1) for i in part if layers[i].attention == "none"]
+        entries += [(kind, i, num_heads) for kind in ("dc_w1", "dc_w2") for i in part if layers[i].dc]
+        starts = np.cumsum([0] + [width for _, _, width in entries]).tolist()
+        layouts.append({(kind, i): (start, width) for (kind, i, width), start in zip(entries, starts)})
     return layouts[0], layouts[1]
 
 
 # -- embeddings ---------------------------------------------------------------------------------
 
-def _wrap_int32(x):
-    """Two's-complement int32 wrap-around of int64 values (the record hashes in int32)."""
-    return (x + 2**31) % 2**32 - 2**31
+def bigram_hash(tokens, bigram_vocab_size: int) -> torch.Tensor:
+    """int64 row of the bigram table per position, in the record's int32 arithmetic: h[0] = B-1 (reserved),
+    h[t] = ((36313 cur) XOR (27191 prev)) mod (B-1), prev the sentinel B-1 at t = 1 (the record's quirk)."""
+    def int32(x):  # two's-complement wrap-around
+        return (x + 2**31) % 2**32 - 2**31
 
-
-def bigram_hash(tokens, bigram_vocab_size: int):
-    """Hash of (previous, current) token for the bigram table, int32 arithmetic as in the record:
-    h[0] = B-1 (reserved), h[t] = ((36313*cur) XOR (27191*prev)) mod (B-1), with prev = tok[t-1] except at
-    position 1, where prev is the sentinel B-1 (the record reads prev after writing h[0]; 27191*(B-1)
-    wraps around in int32). mod is Python's, so h >= 0. Document starts are not special. Works on
-    torch tensors and numpy arrays (int64 out)."""
     mod = bigram_vocab_size - 1
-    if isinstance(tokens, torch.Tensor):
-        t = tokens.to(torch.int64)
-        out = torch.empty_like(t)
-    else:
-        t = np.asarray(tokens).astype(np.int64)
-        out = np.empty_like(t)
-    if len(t):
-        prev = t[:-1].clone() if isinstance(t, torch.Tensor) else t[:-1].copy()
-        prev[:1] = mod
-        out[0] = mod
-        out[1:] = _wrap_int32(_wrap_int32(36313 * t[1:]) ^ _wrap_int32(27191 * prev)) % mod
+    t = torch.as_tensor(tokens).to(torch.int64)
+    out = torch.full_like(t, mod)
+    prev = t[:-1].clone()
+    prev[:1] = mod
+    out[1:] = int32(int32(36313 * t[1:]) ^ int32(27191 * prev)) % mod
     return out
 
 
 def bigram_sign_index(ids: torch.Tensor) -> torch.Tensor:
-    """Row of the +-1 sign table per position: 0 at position 0, else (tok[t-1] XOR tok[t]) mod 8192
-    (the real previous token, unlike the hash's position-1 sentinel)."""
+    """Row of the +-1 sign table per position: 0, then (tok[t-1] XOR tok[t]) mod 8192 (no sentinel)."""
     ids = ids.to(torch.int64)
     return torch.cat([torch.zeros_like(ids[:1]), torch.bitwise_xor(ids[:-1], ids[1:]) % BIGRAM_SIGN_ROWS])
 
 
 # -- attention masks ----------------------------------------------------------------------------
+# Slot q sees slot k iff q >= k, q - k <= window (window + 1 keys, the record's window_size=(window, 0)) and
+# their tokens q // r, k // r are in one document. r = 2 slots per token on paired rows (record #89): slot 2t
+# holds the first half of token t's heads, slot 2t+1 the second; causality and the window count slots.
 
 def document_ids(cu_seqlens: torch.Tensor, num_tokens: int) -> torch.Tensor:
     """Index of the document each position belongs to (int64, (T,)), from padded document starts."""
@@ -1549,12 +1469,7 @@ def document_ids(cu_seqlens: torch.Tensor, num_tokens: int) -> torch.Tensor:
 
 
 def attention_mask_mod(doc_ids: torch.Tensor, window, pos_div: int = 1):
-    """The one definition of who may attend to whom, as a flex_attention mask_mod.
-
-    Query slot q sees key slot k iff q >= k, q - k <= window (so window + 1 keys, as the record's
-    window_size=(window, 0)) and their tokens q//pos_div, k//pos_div are in the same document.
-    pos_div = 2 is the record's paired-head layout: slot 2t holds the first half of the
-    heads of token t, slot 2t+1 the second half; causality and the window count slots."""
+    """The one definition of who may attend to whom (above), as a flex_attention mask_mod."""
     def mask_mod(b, h, q_idx, kv_idx):
         dq, dk = (q_idx, kv_idx) if pos_div == 1 else (q_idx // pos_div, kv_idx // pos_div)
         return (q_idx >= kv_idx) & (q_idx - kv_idx <= window) & (doc_ids[dq] == doc_ids[dk])
@@ -1562,10 +1477,8 @@ def attention_mask_mod(doc_ids: torch.Tensor, window, pos_div: int = 1):
 
 
 def banded_attention_mask(doc_ids: torch.Tensor, window, pos_div: int, chunk: int, span: int) -> torch.Tensor:
-    """attention_mask_mod restricted to bands, for banded_attention: (n/chunk, 1, chunk, chunk + span).
-
-    Band c holds query slots [c*chunk, (c+1)*chunk) and key slots [c*chunk - span, (c+1)*chunk); key
-    slots before 0 are padding and never pass."""
+    """attention_mask_mod in bands, (n/chunk, 1, chunk, chunk + span): band c holds query slots
+    [c*chunk, (c+1)*chunk) and key slots [c*chunk - span, (c+1)*chunk); key slots before 0 never pass."""
     n = doc_ids.numel() * pos_div
     q = torch.arange(n, device=doc_ids.device).view(-1, chunk)
     k = q[:, :1] - span + torch.arange(chunk + span, device=doc_ids.device)
@@ -1574,97 +1487,63 @@ def banded_attention_mask(doc_ids: torch.Tensor, window, pos_div: int, chunk: in
 
 
 def _bands(t: torch.Tensor, chunk: int, span: int) -> torch.Tensor:
-    """(n, F) -> (n/chunk, chunk + span, F): band c = rows [c*chunk - span, (c+1)*chunk) of the
-    zero-left-padded t, as overlapping views."""
+    """(n, F) -> (n/chunk, chunk + span, F), overlapping views: band c = rows [c*chunk - span, (c+1)*chunk)."""
     return F.pad(t, (0, 0, span, 0)).unfold(0, chunk + span, chunk).transpose(1, 2)
 
 
-class BlockMaskIndices(NamedTuple):
-    """The eight int32 tensors of a flex_attention BlockMask: per query block the key blocks that are
-    partial (the mask_mod decides per element) and full (every pair passes), counts (1, 1, nb) and
-    indices (1, 1, nb, nb); then the same per key block (the backward's dk/dv loop)."""
-    kv_num: torch.Tensor
-    kv_idx: torch.Tensor
-    full_kv_num: torch.Tensor
-    full_kv_idx: torch.Tensor
-    q_num: torch.Tensor
-    q_idx: torch.Tensor
-    full_q_num: torch.Tensor
-    full_q_idx: torch.Tensor
+# A flex_attention BlockMask's eight int32 tensors, in its constructor's order: per query block the key
+# blocks that are partial (the mask_mod decides) and full (every pair passes), counts (1, 1, nb) and
+# indices (1, 1, nb, nb); then the same per key block (the backward's dk/dv loop).
+BlockMaskIndices = NamedTuple("BlockMaskIndices", [(name, torch.Tensor) for name in (
+    "kv_num", "kv_idx", "full_kv_num", "full_kv_idx", "q_num", "q_idx", "full_q_num", "full_q_idx")])
 
 
 def block_mask_indices(doc_ids: torch.Tensor, window, pos_div: int = 1,
                        block_size: int = FLEX_BLOCK_SIZE) -> BlockMaskIndices:
-    """The block structure of attention_mask_mod, in O(n/bs x window/bs) work.
-
-    Evaluating the mask_mod on every (q, k) pair (create_block_mask) costs O(T^2) per step; instead each
-    block pair is classified from its slot ranges: empty (no pair can pass), full (every pair passes,
-    the kernel skips the mask_mod) or partial (the mask_mod decides per element). Slot distances in a
-    block pair cover [q_first - k_last, q_last - k_first]; document ids are non-decreasing. Only the
-    band of key blocks i - band + 1 .. i of query block i can pass the causal window, so only the
-    band is classified. window: a Python int or a CPU 0-d tensor (the band's width is read from it).
-    Built on the host (the loader's thread) it costs the GPU nothing: the speedrun builds it there and
-    sends the result with the batch (DocumentLoader)."""
+    """attention_mask_mod's block structure in O(n/bs x window/bs), not create_block_mask's O(T^2): each
+    block pair in the causal window's band is empty, full or partial by its slot ranges and document ids
+    (non-decreasing). window: a Python int or CPU 0-d tensor. The loader builds it on the host."""
     n = doc_ids.numel() * pos_div
     if n % block_size:
         raise ValueError(f"attention: sequence of {n} slots is not a multiple of the {block_size}-token"
                          " attention block; make the tokens per rank a multiple of 128")
-    nb = n // block_size
     if isinstance(window, torch.Tensor) and window.device.type != "cpu":
         raise ValueError("block_mask_indices: pass the window as a Python int (reading a device tensor waits for the GPU)")
-    span = int(window)
+    nb, span, dev = n // block_size, int(window), doc_ids.device
     band = min(nb, (span + block_size - 1) // block_size + 2)
-    dev = doc_ids.device
     first = torch.arange(nb, device=dev) * block_size
     last = first + block_size - 1
     d_first, d_last = doc_ids[first // pos_div], doc_ids[last // pos_div]
-    rows = torch.arange(nb, device=dev)[:, None]
-    j = rows - torch.arange(band, device=dev)[None, :]  # (nb, band): band entry b of row i is key block i - b
-    valid = j >= 0
-    k = j.clamp(min=0)
+    rows, b = torch.arange(nb, device=dev)[:, None], torch.arange(band, device=dev)[None, :]
+    valid, k = rows >= b, (rows - b).clamp(min=0)  # (nb, band): band entry b of query block i is key block i - b
     lo = first[:, None] - last[k]   # smallest q - k in the block pair (the largest is >= 0: k <= i)
     hi = last[:, None] - first[k]   # largest q - k
     any_pass = valid & (lo <= span) & (d_first[:, None] <= d_last[k]) & (d_first[k] <= d_last[:, None])
     one_doc = d_first == d_last
     all_pass = valid & (lo >= 0) & (hi <= span) & one_doc[:, None] & one_doc[k] & (d_first[:, None] == d_first[k])
     partial = any_pass & ~all_pass
-    # The query side (the backward's dk/dv loop): key block c's band entry b is query block c + b.
-    qi = rows + torch.arange(band, device=dev)[None, :]
-    q_valid = qi < nb
-    q_rows = qi.clamp(max=nb - 1)
-    b = torch.arange(band, device=dev)[None, :].expand(nb, band)
+    q = (rows + b).clamp(max=nb - 1)  # the backward's dk/dv loop: band entry b of key block c is query block c + b
+    q_valid = rows + b < nb
 
     def listed(blocks, cols):
-        # Each row's blocks in the given column order (ascending block index), first; flex_attention's
-        # kernels read a row only up to its count (the look-ahead load is masked there), so the rest
-        # of the row, past the band, stays 0. Contiguous: the kernels step through a row with stride 1.
-        on = blocks.cumsum(-1, dtype=torch.int32)
-        counts = on[:, -1]
-        off = torch.arange(1, blocks.shape[1] + 1, dtype=torch.int32, device=dev) - on  # non-listed ones so far
-        rank = torch.where(blocks, on - 1, counts[:, None] + off - 1)
+        # each row's blocks first, ascending (flex's kernels read a row, stride 1, only up to its count)
         out = torch.zeros(nb, nb, dtype=torch.int32, device=dev)
-        out.scatter_(1, rank.long(), cols.to(torch.int32))
-        return counts[None, None], out[None, None]
+        out[:, :band] = cols.gather(1, torch.argsort(~blocks, dim=1, stable=True))
+        return blocks.sum(1, dtype=torch.int32)[None, None], out[None, None]
 
-    kv_cols = k.flip(1)  # kv side: band entries run from block i down; list them ascending
-    return BlockMaskIndices(*listed(partial.flip(1), kv_cols), *listed(all_pass.flip(1), kv_cols),
-                            *listed(q_valid & partial[q_rows, b], q_rows),
-                            *listed(q_valid & all_pass[q_rows, b], q_rows))
+    kv = k.flip(1)  # key blocks ascending
+    return BlockMaskIndices(*listed(partial.flip(1), kv), *listed(all_pass.flip(1), kv),
+                            *listed(q_valid & partial[q, b], q), *listed(q_valid & all_pass[q, b], q))
 
 
 def block_attention_mask(doc_ids: torch.Tensor, window, pos_div: int = 1, block_size: int = FLEX_BLOCK_SIZE,
                          indices: BlockMaskIndices | None = None) -> BlockMask:
-    """flex_attention BlockMask for attention_mask_mod: block_mask_indices (computed here unless given,
-    e.g. built by the loader on the host; then window is a Python int or CPU tensor) and the mask_mod,
-    which reads window (a device tensor on the GPU: a new window value is no new code), for the
-    partial blocks."""
+    """flex_attention's BlockMask: the block indices (block_mask_indices unless given) and the mask_mod,
+    which reads window (on the GPU a device tensor: a new window is no new code)."""
     if indices is None:
         indices = block_mask_indices(doc_ids, window, pos_div, block_size)
     n = doc_ids.numel() * pos_div
-    return BlockMask(seq_lengths=(n, n), kv_num_blocks=indices.kv_num, kv_indices=indices.kv_idx,
-                     full_kv_num_blocks=indices.full_kv_num, full_kv_indices=indices.full_kv_idx,
-                     q_num_blocks=indices.q_num, q_indices=indices.q_idx, full_q_num_blocks=indices.full_q_num,
-                     full_q_indices=indices.full_q_idx, BLOCK_SIZE=(block_size, block_size),
+    return BlockMask((n, n), *indices, BLOCK_SIZE=(block_size, block_size),
                      mask_mod=attention_mask_mod(doc_ids, window, pos_div))
 
 
@@ -1675,26 +1554,21 @@ def attention_kinds(layers: tuple) -> list[tuple[bool, int]]:
 
 
 def flex_mask_spec(args: "Hyperparameters", windows: tuple, kernels: dict | None = None) -> tuple | None:
-    """What a batch's host-built block masks are made of at (short, long) windows in blocks: the block
-    size and ((long?, slots per token, window in slots), ...) per attention kind that runs flex
-    (kernels, {kind: kernel}; default every kind); None when no kind does. Hashable: the loader keys
-    its look-ahead on it, and GPT.batch_masks checks it against the windows in force."""
+    """(block size, ((long?, slots per token, window in slots), ...)) of the kinds that run flex (kernels;
+    default all) at (short, long) windows in blocks, None if none: the loader's key for host-built masks."""
     kinds = tuple((long, r, windows[int(long)] * args.window_block_size) for long, r in attention_kinds(args.layers)
                   if kernels is None or kernels[long, r] == "flex")
     return (FLEX_BLOCK_SIZE, kinds) if kinds else None
 
 
-# Which GPU kernel attends for each layer kind, (long window?, slots per token) -> "flex" | "varlen",
-# by torch.cuda.get_device_name(): the faster of the two at the speedrun's shapes, as the GPU check's
-# attention-kernels timing measured them (forward + backward). A GPU or kind not listed runs flex.
+# {torch.cuda.get_device_name(): {(long window?, slots per token): "flex" | "varlen"}}, the faster at the
+# speedrun's shapes as the GPU check times them; a GPU or kind not listed runs flex.
 ATTENTION_KERNEL_CHOICE: dict[str, dict[tuple[bool, int], str]] = {}
 GPU_ATTENTION_KERNELS = ("flex", "varlen")
 
 
 def attention_kernels(args: "Hyperparameters", device: torch.device) -> dict[tuple[bool, int], str]:
-    """The attention kernel of every layer kind on `device`: SDPA on CPUs (flex_attention has no CPU
-    backward, varlen_attn no CPU kernel); on CUDA --attention_kernel, whose "auto" reads
-    ATTENTION_KERNEL_CHOICE for this GPU."""
+    """Every layer kind's attention kernel: SDPA on CPUs, else --attention_kernel ("auto": the GPU's table)."""
     kinds = attention_kinds(args.layers)
     if device.type != "cuda":
         return dict.fromkeys(kinds, "sdpa")
@@ -1706,41 +1580,32 @@ def attention_kernels(args: "Hyperparameters", device: torch.device) -> dict[tup
     return {kind: table.get(kind, "flex") for kind in kinds}
 
 
-class VarlenMask(NamedTuple):
-    """torch's varlen_attn arguments for one layer kind (FA-style variable-length attention, the
-    record's FA3 call): document starts in slots (cu_seqlens, doubled on paired rows; the padding
-    entries equal to the end give empty documents), the longest document in slots, the window in slots
-    (window_size=(window, 0): causal, window + 1 keys). All but the tensor are Python ints."""
-    cu_seqlens: torch.Tensor
-    max_seqlen: int
-    window: int
-
-
 def flex_mask(doc_ids: torch.Tensor, window: torch.Tensor, span: int, pos_div: int) -> BlockMask:
-    """flex_attention's BlockMask of one layer kind, its block indices built here (block_mask_indices)."""
+    """flex_attention's BlockMask of one layer kind, its block indices built here."""
     return block_attention_mask(doc_ids, window, pos_div, indices=block_mask_indices(doc_ids, span, pos_div))
 
 
-# The kernels that attend from document ids, by name: one layer kind's mask from (doc_ids, window as
-# a 0-d int tensor, the same window as a Python int, slots per token). varlen attends from document
-# starts instead (GPT.attention_masks); the CPU's SDPA ("sdpa", "sdpa_fp32") adds itself below the fence.
+# One layer kind's mask by kernel name from (doc_ids, window as a 0-d int tensor and as an int, slots per
+# token); START_MASKS from (cu_seqlens, longest document, window, slots per token). The CPU's SDPA and
+# torch's varlen_attn add themselves below the fence.
 ATTENTION_MASKS = {"flex": flex_mask}
+START_MASKS = {}
 
 
 def attention_mask(doc_ids: torch.Tensor, window: torch.Tensor, span: int, pos_div: int, kernel: str):
     """One layer kind's mask for the attention kernel that will run (ATTENTION_MASKS)."""
-    if kernel == "varlen":
-        raise ValueError("attention: varlen attention takes document starts, not ids: GPT.attention_masks builds it")
+    if kernel in START_MASKS:
+        raise ValueError(f"attention: {kernel} attention takes document starts, not ids:"
+                         " GPT.attention_masks builds it")
     if kernel not in ATTENTION_MASKS:
-        raise ValueError(f"attention: kernel={kernel!r}; choose one of {', '.join(['varlen', *ATTENTION_MASKS])}")
+        raise ValueError(f"attention: kernel={kernel!r}; choose one of"
+                         f" {', '.join([*START_MASKS, *ATTENTION_MASKS])}")
     return ATTENTION_MASKS[kernel](doc_ids, window, span, pos_div)
 
 
 @functools.lru_cache(maxsize=None)
 def compiled_flex_attention():
-    """The one compiled flex_attention that every CUDA call outside a compiled graph runs: uncompiled,
-    flex_attention falls back to a math path that materialises the scores and synchronises (a host
-    copy of -inf); inside a compiled model the call is traced into that model's graph instead."""
+    """flex_attention compiled once, for CUDA calls outside a compiled graph (eager, it materialises scores)."""
     return torch.compile(flex_attention, dynamic=False)
 
 
@@ -1751,23 +1616,13 @@ def _runs_compiled_flex(q: torch.Tensor) -> bool:
 
 def flex_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask: BlockMask,
                 scale: torch.Tensor) -> torch.Tensor:
-    """flex_attention of (1, H, n, hd) q, k, v with the fp32 softmax scale (a 0-d tensor) applied to the
-    fp32 scores, as record #89's FA3 call applies softmax_scale (q is not rounded after scaling):
-    traced when compiling, the compiled kernel on CUDA otherwise, the eager reference on a CPU (tests)."""
+    """flex_attention of (1, H, n, hd) q, k, v, the 0-d fp32 softmax scale applied to the fp32 scores
+    (q is not rounded after scaling, as record #89's FA3 softmax_scale)."""
     def scaled(score, b, h, q_idx, kv_idx):
         return score * scale
 
     fn = compiled_flex_attention() if _runs_compiled_flex(q) else flex_attention
     return fn(q, k, v, score_mod=scaled, block_mask=block_mask, scale=1.0)
-
-
-def varlen_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: VarlenMask, scale: float) -> torch.Tensor:
-    """torch.nn.attention.varlen.varlen_attn (flash attention on CUDA; torch >= 2.11) of (n, H, hd) q,
-    k, v over the documents of mask.cu_seqlens, causal with mask.window slots back: the call record
-    #89 makes to FA3's flash_attn_varlen_func (window_size=(bm, 0), softmax_scale)."""
-    from torch.nn.attention.varlen import varlen_attn
-    return varlen_attn(q, k, v, mask.cu_seqlens, mask.cu_seqlens, mask.max_seqlen, mask.max_seqlen,
-                       scale=scale, window_size=(mask.window, 0))
 
 
 def as_slots(t: torch.Tensor, r: int) -> torch.Tensor:
@@ -1782,44 +1637,32 @@ def from_slots(y: torch.Tensor, T: int) -> torch.Tensor:
 
 
 def flex_attend_tokens(q, k, v, mask: BlockMask, r: int, scale: torch.Tensor, scale_value: float) -> torch.Tensor:
-    """flex_attend of (T, H, hd) q, k, v at r slots per token, the scale a 0-d fp32 tensor."""
+    """flex_attend of (T, H, hd) q, k, v at r slots per token."""
     return from_slots(flex_attend(as_slots(q, r), as_slots(k, r), as_slots(v, r), mask, scale), q.shape[0])
 
 
-def varlen_attend_tokens(q, k, v, mask: VarlenMask, r: int, scale: torch.Tensor, scale_value: float) -> torch.Tensor:
-    """varlen_attend of (T, H, hd) q, k, v at r slots per token, the fp32 scale as a number (FA3's
-    softmax_scale in the record)."""
-    T, H, hd = q.shape
-    return varlen_attend(*(t.reshape(r * T, H // r, hd) for t in (q, k, v)), mask, scale_value).reshape(T, H, hd)
-
-
-# How each kernel attends, by the type of its mask; the CPU's SDPAMask adds itself below the fence.
-ATTEND = {BlockMask: flex_attend_tokens, VarlenMask: varlen_attend_tokens}
+# How each kernel attends, by the type of its mask (the CPU's and varlen's add themselves below the fence).
+ATTEND = {BlockMask: flex_attend_tokens}
 
 
 # -- rotary embeddings and YaRN -------------------------------------------------------------------
 
 def rotary_base_frequencies(head_dim: int) -> torch.Tensor:
-    """(head_dim/4,) angular frequencies (1/1024)^linspace(0, 1): 1 down to 1/1024 rad per position,
-    one per rotated pair; the other half of each head's dims carries position-free content."""
+    """(head_dim/4,) angular frequencies (1/1024)^linspace(0, 1), one per rotated pair (half of each head)."""
     return (1 / 1024) ** torch.linspace(0, 1, head_dim // 4, dtype=torch.float32)
 
 
 def yarn_update(freq: torch.Tensor, attn_scale: float, old: int, new: int) -> tuple[torch.Tensor, float]:
-    """One YaRN step for a long window grown from `old` to `new` tokens, applied to the current
-    (already rescaled) frequencies and softmax scale, as the record does at every stage start:
-    r = old * f / 2pi turns over the old window; w = clamp((r - 1) / 31, 0, 1);
-    f <- f * (old/new + w * (1 - old/new)), i.e. slow frequencies are interpolated, fast ones kept;
-    scale <- scale * (1 + 0.2 ln(new/old))."""
+    """The record's YaRN step (Yarn.apply) for a long window grown from `old` to `new` tokens: slow
+    frequencies interpolated by old/new, fast ones kept; the softmax scale times 1 + 0.2 ln(new/old)."""
     ratio = old / new
     w = ((old * freq / (2 * math.pi) - 1) / 31).clamp(0, 1)
     return freq * (ratio + w * (1 - ratio)), attn_scale * (1 + 0.2 * math.log(new / old))
 
 
 def yarn_state(args: Hyperparameters, long_blocks: int) -> tuple[torch.Tensor, float]:
-    """Rotary frequencies and softmax scale at a long window of `long_blocks` blocks: the YaRN updates
-    compound along the schedule's long windows (windows_init, each stage, the extension) up to it, so
-    the state is a function of the window alone (warm-up and resume land on the same values)."""
+    """Rotary frequencies and softmax scale at a long window of `long_blocks` blocks: yarn_update at each
+    growth of the long window along the schedule up to it, so warm-up and resume land on the same values."""
     bs = args.window_block_size
     freq = rotary_base_frequencies(args.head_dim)
     scale = args.attn_scale * math.sqrt(128 / args.head_dim)
@@ -1834,24 +1677,17 @@ def yarn_state(args: Hyperparameters, long_blocks: int) -> tuple[torch.Tensor, f
 
 
 def rotary_tables(freq: torch.Tensor, T: int, num_heads: int, dtype: torch.dtype) -> dict[str, tuple]:
-    """cos/sin tables in `dtype` at packed-buffer positions (not reset per document, as in the record).
-    "plain": (T, hd/4), position t. "paired": (T, H, hd/4), head h at position 2t + (h mod 2): the
-    record views each token's heads as pairs (2p, 2p+1) rotated at 2t and 2t+1 before slotting them, so
-    head 1 sits in slot 2t at position 2t+1 and head 4 in slot 2t+1 at position 2t (record #89's view of the pairs)."""
+    """cos/sin tables at packed-buffer positions (not reset per document, as in the record): "plain"
+    (T, hd/4) at position t; "paired" (T, H, hd/4), head h at position 2t + (h mod 2) (record #89 rotates
+    each token's head pairs at 2t and 2t+1 before slotting them)."""
     angles = torch.arange(2 * T, device=freq.device, dtype=torch.float32)[:, None] * freq[None, :]
     cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
     parity = torch.arange(num_heads, device=freq.device) % 2
-
-    def paired(t):
-        return t.view(T, 2, -1)[:, parity]
-
-    return {"plain": (cos[:T], sin[:T]), "paired": (paired(cos), paired(sin))}
+    return {"plain": (cos[:T], sin[:T]), "paired": tuple(t.view(T, 2, -1)[:, parity] for t in (cos, sin))}
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate the first half of each head of x (T, H, hd) as hd/4 interleaved pairs (2j, 2j+1) by the
-    angles behind cos/sin ((T, hd/4), or (T, H, hd/4) per head): out[2j] = c x[2j] + s x[2j+1],
-    out[2j+1] = c x[2j+1] - s x[2j]. The second half is unrotated."""
+    """Rotate the first half of each head of x (T, H, hd) as hd/4 interleaved pairs (2j, 2j+1)."""
     T, H, hd = x.shape
     rot, rest = x.split(hd // 2, dim=-1)
     x0, x1 = rot.view(T, H, hd // 4, 2).unbind(-1)
@@ -1863,30 +1699,21 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 # -- attention extras: key offset, XSA, DC -------------------------------------------------------
 
 def key_offset(k: torch.Tensor) -> torch.Tensor:
-    """k (T, H, hd) with its unrotated half taken from the previous packed position (position 0 keeps
-    its own; document starts are crossed, as in the record). Out of place: the record's compiled shift
-    reads the old values."""
+    """k (T, H, hd), its unrotated half from the previous packed position (across documents, the record's)."""
     rot, rest = k.split(k.shape[-1] // 2, dim=-1)
     return torch.cat([rot, torch.cat([rest[:1], rest[:-1]])], dim=-1)
 
 
 def xsa(y: torch.Tensor, v: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor:
-    """y - tanh(alpha) <y, v> / max(|v|^2, 1e-8) v per token and head: removes (a learned part of) the
-    attention output's component along the token's own value. y, v (T, H, hd), alpha (T, H)."""
+    """y - tanh(alpha) <y, v> / max(|v|^2, 1e-8) v per token and head; y, v (T, H, hd), alpha (T, H)."""
     vv = (v * v).sum(-1, keepdim=True).clamp_min(1e-8)
     return y - torch.tanh(alpha)[..., None] * ((y * v).sum(-1, keepdim=True) / vv) * v
 
 
 def dc_term(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_ids: torch.Tensor,
             w1: torch.Tensor, w2: torch.Tensor, window: int, scale=1.0) -> torch.Tensor:
-    """The DC correction (T, H, hd) added to the attention output (record #89's lightweight
-    dynamically composable heads, after DCFormer, arXiv 2405.08553).
-
-    For token t over the keys s of its document with 0 <= t - s < window: P_h = softmax_s(scale
-    q_h(t).k_h(s)) per head, A(t, s) = sum_h w1[t, h] P_h(t, s), and head h gets w2[t, h] sum_s A(t, s)
-    v_h(s). q, k, v (T, H, hd), w1, w2 (T, H), scale the fp32 softmax scale (a number or 0-d tensor).
-    Banded: each chunk of DC_CHUNK queries sees its own keys and the window - 1 before; the scores,
-    their scaling and the softmax run in fp32."""
+    """Record #89's DC term (T, H, hd) (after DCFormer, arXiv 2405.08553): over the keys s of t's document with
+    0 <= t - s < window, head h gets w2[t, h] sum_s (sum_g w1[t, g] softmax_s(scale q_g(t).k_g(s))) v_h(s)."""
     T, H, hd = q.shape
     span = window - 1
     n = -(-T // DC_CHUNK) * DC_CHUNK
@@ -1907,17 +1734,15 @@ def dc_term(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_ids: torch.Te
 # -- the model ------------------------------------------------------------------------------------
 
 def bank_padding(n: int, world_size: int, args: Hyperparameters) -> int:
-    """Matrices a bank of n real ones holds: padded ownership (the record's) needs a multiple of the
-    world size, balanced ownership none."""
+    """Matrices in a bank of n: a multiple of the world size (padded ownership, the record's), or n (balanced)."""
     if args.bank_ownership not in OWNERSHIPS:
         raise ValueError(f"model config: --bank_ownership {args.bank_ownership!r} is not one of {', '.join(OWNERSHIPS)}")
     return -(-n // world_size) * world_size if args.bank_ownership == "padded" else n
 
 
 class GPT(nn.Module):
-    """The speedrun transformer (see the layout comment above). GPT(args, world_size) pads the banks
-    so every rank owns whole matrices. dtype is the storage and compute dtype of the bf16 parameters
-    (bf16; fp32 on CPUs without fast bf16 matmuls)."""
+    """The speedrun transformer (the layout comment above), its banks padded for world_size ranks. dtype:
+    that of the bf16 parameters (fp32 on CPUs without fast bf16 matmuls)."""
 
     def __init__(self, args: Hyperparameters, world_size: int = 1, dtype: torch.dtype = torch.bfloat16):
         super().__init__()
@@ -1933,12 +1758,8 @@ class GPT(nn.Module):
         self.post_gates_layer = next(i for i, r in enumerate(layers) if r.post_gates)
         self.gate_layout = mudd_gate_layout(layers, H)
         self.gate_outputs = tuple(sum(width for _, width in layout.values()) for layout in self.gate_layout)
-
-        def padded(n):
-            return bank_padding(n, world_size, args)
-
         n_attn = len(self.attn_layers)
-        n_qk, n_vo, n_mlp = padded(H * n_attn), padded(2 * n_attn), padded(2 * L)
+        n_qk, n_vo, n_mlp = (bank_padding(n, world_size, args) for n in (H * n_attn, 2 * n_attn, 2 * L))
         n_ve = len(self.ve_slot)
         fp32 = torch.float32
         self.lm_head = nn.Parameter(torch.empty(D, V, dtype=dtype))
@@ -1963,22 +1784,15 @@ class GPT(nn.Module):
         for name, p in self.named_parameters():
             p.label = name
         self.register_buffer("bigram_sign_table", torch.empty(BIGRAM_SIGN_ROWS, D, dtype=dtype))
-
-        qk_roles = [f"{kind}.{layer}.{g}" for layer in self.attn_layers for kind in ("q", "k") for g in range(H // 2)]
-        vo_roles = [f"{kind}.{layer}" for layer in self.attn_layers for kind in ("v", "o")]
-        mlp_roles = [f"{kind}.{layer}" for layer in range(L) for kind in ("up", "down")]
-        self.bank_roles = {
-            "qk_bank": qk_roles + ["pad"] * (n_qk - len(qk_roles)),
-            "vo_bank": vo_roles + ["pad"] * (n_vo - len(vo_roles)),
-            "mlp_bank": mlp_roles + ["pad"] * (n_mlp - len(mlp_roles)),
-        }
-        self.fp8_mlp = FP8MLPState(L, args.mlp_hidden, D, fast_accum=args.fp8_up_fast_accum)  # FP8 MLP weights and scales (record #89)
-        # lm_head's e4m3 copy for the FP8 head, transposed (fp8_head_weight), made by quantize_fp8 once per
-        # optimizer step. Derived from lm_head, so not in the state dict (checkpoints stay as they were):
-        # every load_state_dict (the warm-up reset, a resume) makes it again from the loaded lm_head.
+        roles = {"qk_bank": [f"{kd}.{i}.{g}" for i in self.attn_layers for kd in ("q", "k") for g in range(H // 2)],
+                 "vo_bank": [f"{kd}.{i}" for i in self.attn_layers for kd in ("v", "o")],
+                 "mlp_bank": [f"{kd}.{i}" for i in range(L) for kd in ("up", "down")]}
+        self.bank_roles = {name: r + ["pad"] * (len(getattr(self, name)) - len(r)) for name, r in roles.items()}
+        self.fp8_mlp = FP8MLPState(L, args.mlp_hidden, D, fast_accum=args.fp8_up_fast_accum)
+        # lm_head's e4m3 copy (fp8_head_weight), made by quantize_fp8 after every optimizer step; derived, so
+        # not in the state dict: every load_state_dict (the warm-up reset, a resume) makes it again.
         self.register_buffer("lm_head_f8_t", torch.zeros(V, D, dtype=torch.float8_e4m3fn), persistent=False)
         self.register_load_state_dict_post_hook(GPT._quantize_fp8_head_after_load)
-
         # Window state: changed in place by set_windows so compiled graphs see new values, not new code.
         self.register_buffer("rotary_freq", rotary_base_frequencies(hd))
         self.register_buffer("attn_scale", torch.tensor(0.0, dtype=fp32))
@@ -1988,8 +1802,6 @@ class GPT(nn.Module):
         self.reset_parameters()
         self.set_windows(*args.windows_init)
         switch_off_components(self)  # the ablation switches (below the fence); the record's switch nothing off
-
-    # -- bookkeeping ---------------------------------------------------------------------------
 
     def params_by_label(self) -> dict[str, nn.Parameter]:
         return {p.label: p for p in self.parameters()}
@@ -2005,28 +1817,23 @@ class GPT(nn.Module):
         def uniform_(t, b=bound):
             fp32_draw(t, lambda x: x.uniform_(-b, b))
 
-        for bank in (self.qk_bank, self.vo_bank, self.mlp_bank):
-            bank.zero_()
+        for p in (self.qk_bank, self.vo_bank, self.mlp_bank, self.bigram_embed, self.scalars, self.smear_gate,
+                  self.ve_gate_bank, self.mudd_w2, self.mudd_b2, self.mudd_gate_w2, self.mudd_gate_b2):
+            p.zero_()  # all but what is drawn or set below
         uniform_(self.qk_bank[: self.args.num_heads * len(self.attn_layers)])  # H/2 Q + H/2 K groups per layer
         uniform_(self.vo_bank[: 2 * len(self.attn_layers)])  # V and the output projections alike (the record's)
         uniform_(self.mlp_bank[0::2])  # up (a padding up-projection too); down stays zero
         fp32_draw(self.lm_head, lambda x: x.normal_(0.0, INIT["lm_head_std"]))
         self.embed.copy_(self.lm_head.T)
         fp32_draw(self.value_embeds, lambda x: x.normal_(0.0, 1.0).mul_(INIT["value_embed_std"]))
-        self.bigram_embed.zero_()
         s = self.scalars
-        s.zero_()
         s[0: 2 * L: 2] = INIT["qkv_lambda"]  # q and k are normed next, so in effect v's scale
         s[1: 2 * L: 2] = INIT["o_lambda"]
         s[2 * L + 1] = INIT["skip_lambda"]   # sigmoid 0.18; smear lambda s[2L] = 0: smear starts off
         self.resid_lambdas.fill_(INIT["resid_lambda"])
         self.post_lambdas.fill_(INIT["post_lambda"])
-        self.smear_gate.zero_()
-        self.ve_gate_bank.zero_()
         for w1 in (self.mudd_w1, self.mudd_gate_w1):  # nn.Linear's default init: U(+-1/sqrt(fan_in))
             uniform_(w1, 1 / math.sqrt(D))
-        for p in (self.mudd_w2, self.mudd_b2, self.mudd_gate_w2, self.mudd_gate_b2):
-            p.zero_()
         for k, biases in enumerate(MUDD_LAYER_BIASES):
             for name, value in biases.items():
                 self.mudd_b2[k, MUDD_LAYER_NAMES[k].index(name)] = value
@@ -2039,22 +1846,17 @@ class GPT(nn.Module):
     @torch.no_grad()
     def set_windows(self, short_blocks: int, long_blocks: int, yarn_blocks: int | None = None) -> None:
         """Set the sliding windows (in window_block_size blocks) and the YaRN state of the long window
-        yarn_blocks (default: long_blocks; the final validation widens the window without a YaRN step).
-        The state is a function of the window (yarn_state), so any order of calls is exact."""
+        yarn_blocks (default long_blocks; the final validation widens the window without a YaRN step)."""
         for name, v in (("short", short_blocks), ("long", long_blocks), ("yarn", yarn_blocks)):
             if v is not None and (not isinstance(v, (int, np.integer)) or v < 1):
                 raise ValueError(f"set_windows: {name} window must be a block count >= 1, got {v!r}")
-        short_blocks, long_blocks = int(short_blocks), int(long_blocks)
-        yarn_blocks = long_blocks if yarn_blocks is None else int(yarn_blocks)
         bs = self.args.window_block_size
-        copy_from_host_(self.windows, torch.tensor([short_blocks * bs, long_blocks * bs], dtype=torch.int32))
-        self.window_tokens = (short_blocks * bs, long_blocks * bs)  # the CPU attention's band, as Python ints
-        freq, scale = yarn_state(self.args, yarn_blocks)
+        self.window_tokens = (int(short_blocks) * bs, int(long_blocks) * bs)  # as Python ints (mask shapes)
+        copy_from_host_(self.windows, torch.tensor(self.window_tokens, dtype=torch.int32))
+        freq, scale = yarn_state(self.args, int(long_blocks if yarn_blocks is None else yarn_blocks))
         copy_from_host_(self.rotary_freq, freq)
         self.attn_scale.fill_(scale)
         self.attn_scale_value = float(np.float32(scale))  # the buffer's fp32 value as a number (SDPA's scale)
-
-    # -- forward -------------------------------------------------------------------------------
 
     def _gate(self, weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """sigmoid(x[:, :gate_channels] W^T) in x's dtype, (T, out)."""
@@ -2064,8 +1866,7 @@ class GPT(nn.Module):
         """Per-token coefficients (T, n) = (W2 gelu(W1 x) + b2) * scale in x's dtype (exact erf GELU)."""
         return F.linear(F.gelu(F.linear(x, w1)), w2, b2) * scale
 
-    # The components an ablation switch can turn off (switch_off_components, below the fence, puts a
-    # neutral stand-in in their place: zeros, or the identity; the record's switches change nothing).
+    # The components below (and _mudd_mlp) are what an ablation switch may replace (SWITCHED_OFF).
 
     def value_embeddings(self, ids: torch.Tensor) -> list[torch.Tensor]:
         """Every value-embedding table's rows of the tokens, [(T, D)] in table order."""
@@ -2076,7 +1877,7 @@ class GPT(nn.Module):
         return F.embedding(bigram_ids.view(-1), self.bigram_embed) * self.bigram_sign_table[bigram_sign_index(ids)]
 
     def smear(self, e: torch.Tensor) -> torch.Tensor:
-        """e[t] += smear_lambda * sigmoid(smear_gate . e[t][:12]) * e[t-1]: crosses document starts, as in the record."""
+        """e[t] += smear_lambda * sigmoid(smear_gate . e[t][:12]) * e[t-1], across documents (the record's)."""
         lam = self.scalars[2 * self.args.num_layers].to(e.dtype)
         return torch.cat([e[:1], e[1:] + lam * self._gate(self.smear_gate, e[1:]) * e[:-1]])
 
@@ -2108,16 +1909,9 @@ class GPT(nn.Module):
 
     def attention_masks(self, cu_seqlens: torch.Tensor, num_tokens: int, kernel: str | None = None,
                         max_doc_len: int | None = None, prebuilt: tuple | None = None) -> dict:
-        """The mask of every attention kind the table uses, {(long window, slots per token): mask}, for
-        one packed sequence at the current windows. kernel: every kind's ATTENTION_MASKS entry, or
-        None for attention_kernels() (SDPA on CPUs, flex or varlen per kind on CUDA). max_doc_len: the
-        longest document (varlen's launch grid; default num_tokens). prebuilt: (doc_ids,
-        {kind: BlockMaskIndices}) built by the loader, used for those kinds (batch_masks).
-
-        Build them outside a compiled model and pass them to forward(masks=...), once per micro-batch:
-        inductor's flex_attention lowering reads the block mask's tensors, and the tensors its mask_mod
-        captures, only as graph inputs with fixed layouts; computed inside the graph they fail to lower
-        ("convert FlexibleLayout to FixedLayout first", PyTorch issue 139836)."""
+        """{(long window?, slots per token): mask} of one packed sequence at the current windows; prebuilt:
+        (doc_ids, {kind: BlockMaskIndices}) from the loader. Outside the compiled model: inductor lowers flex's
+        mask tensors only as graph inputs ("convert FlexibleLayout to FixedLayout first", PyTorch issue 139836)."""
         kinds = attention_kinds(self.layers)
         kernels = attention_kernels(self.args, cu_seqlens.device) if kernel is None else dict.fromkeys(kinds, kernel)
         if "flex" in kernels.values() and torch.compiler.is_compiling():
@@ -2129,8 +1923,8 @@ class GPT(nn.Module):
             window, span = self.windows[int(long)], self.window_tokens[int(long)]
             if (long, r) in indices:
                 masks[long, r] = block_attention_mask(doc_ids, window, r, indices=indices[long, r])
-            elif k == "varlen":
-                masks[long, r] = VarlenMask(cu_seqlens * r if r > 1 else cu_seqlens, (max_doc_len or num_tokens) * r, span)
+            elif k in START_MASKS:
+                masks[long, r] = START_MASKS[k](cu_seqlens, max_doc_len or num_tokens, span, r)
             else:
                 if doc_ids is None:
                     doc_ids = document_ids(cu_seqlens, num_tokens)
@@ -2138,8 +1932,7 @@ class GPT(nn.Module):
         return masks
 
     def batch_masks(self, batch: "Batch") -> dict:
-        """attention_masks for one micro-batch: the block masks the loader built on the host and sent
-        with the batch (no kernel computes them here), the other kinds' masks built here."""
+        """attention_masks for one micro-batch, with the block masks the loader built on the host."""
         prebuilt = None
         if batch.block_masks is not None:
             block_size, kinds = batch.mask_spec
@@ -2152,9 +1945,8 @@ class GPT(nn.Module):
                                     prebuilt=prebuilt)
 
     def _attend(self, q, k, v, mask, paired: bool) -> torch.Tensor:
-        """Masked softmax attention of (T, H, hd) q, k, v at the current fp32 softmax scale, by the kernel
-        of the mask's type (ATTEND). Paired: slot 2t holds heads 0..H/2-1 of token t and slot 2t+1 the
-        others; head j attends over the stream of heads j and j + H/2 (record #89's paired heads)."""
+        """Masked softmax attention of (T, H, hd) q, k, v by the kernel of the mask's type (ATTEND); paired:
+        head j attends over the stream of heads j and j + H/2 (record #89's paired heads)."""
         return ATTEND[type(mask)](q, k, v, mask, 2 if paired else 1, self.attn_scale, self.attn_scale_value)
 
     def _attention(self, i, xn, ve, ve_gate, aux_v, doc, rope, masks, coef, w) -> torch.Tensor:
@@ -2195,10 +1987,8 @@ class GPT(nn.Module):
 
     @torch.no_grad()
     def quantize_fp8(self, bootstrap: bool) -> None:
-        """Refresh the e4m3 weight copies the FP8 training forward reads (the LM head's and the MLPs',
-        FP8MLPState.quantize) from the current weights. Call after every optimizer step, bootstrap =
-        step < FP8_BOOTSTRAP_STEPS, and once before step 0 with bootstrap=True: a forward reads the copies
-        of the last call, however lm_head and mlp_bank changed since."""
+        """Refresh the FP8 forward's e4m3 weight copies: before step 0 and after every step (bootstrap = step <
+        FP8_BOOTSTRAP_STEPS)."""
         self._quantize_fp8_head_after_load(self)
         self.fp8_mlp.quantize(self.mlp_bank, bootstrap=bootstrap)
 
@@ -2342,13 +2132,6 @@ def bf16_head(model: GPT, x, targets, mtp_weights, prefix_ids, prefix_weight, lo
 # fused into the loss's row blocks; log-probabilities in cache-sized blocks) add themselves below the fence.
 HEAD_LOSSES = dict(fp8=fp8_head, cuda=bf16_head)
 EVALUATION_CE = dict(cuda=bf16_evaluation_ce)
-
-
-def count_parameters(args: Hyperparameters, world_size: int = 1) -> dict[str, tuple[int, ...]]:
-    """Shape of every labelled parameter, from a model built on the meta device (no memory used)."""
-    with torch.device("meta"):
-        model = GPT(args, world_size)
-    return {label: tuple(p.shape) for label, p in model.params_by_label().items()}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -4761,6 +4544,49 @@ def _balanced_ownership(banks: dict, world_size: int, orthogonalizer) -> dict[st
 
 
 OWNERSHIPS["balanced"] = _balanced_ownership
+
+
+# ---- torch's varlen attention: the alternative GPU kernel (--attention_kernel varlen) -------------
+
+class VarlenMask(NamedTuple):
+    """varlen_attn's arguments for one layer kind: document starts in slots (padding entries equal to the
+    end give empty documents), the longest document in slots, and the window in slots (causal, window + 1
+    keys: the record's FA3 window_size=(window, 0))."""
+    cu_seqlens: torch.Tensor
+    max_seqlen: int
+    window: int
+
+
+def varlen_mask(cu_seqlens: torch.Tensor, max_doc_len: int, window: int, r: int) -> VarlenMask:
+    """One layer kind's VarlenMask at r slots per token, from document starts in tokens."""
+    return VarlenMask(cu_seqlens * r if r > 1 else cu_seqlens, max_doc_len * r, window)
+
+
+def varlen_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: VarlenMask, scale: float) -> torch.Tensor:
+    """torch.nn.attention.varlen.varlen_attn (flash attention on CUDA; torch >= 2.11) of (n, H, hd) q, k, v:
+    the call record #89 makes to FA3's flash_attn_varlen_func (window_size=(window, 0), softmax_scale)."""
+    from torch.nn.attention.varlen import varlen_attn
+    return varlen_attn(q, k, v, mask.cu_seqlens, mask.cu_seqlens, mask.max_seqlen, mask.max_seqlen,
+                       scale=scale, window_size=(mask.window, 0))
+
+
+def varlen_attend_tokens(q, k, v, mask: VarlenMask, r: int, scale: torch.Tensor, scale_value: float) -> torch.Tensor:
+    """varlen_attend of (T, H, hd) q, k, v at r slots per token, the fp32 scale as a number."""
+    T, H, hd = q.shape
+    return varlen_attend(*(t.reshape(r * T, H // r, hd) for t in (q, k, v)), mask, scale_value).reshape(T, H, hd)
+
+
+START_MASKS["varlen"] = varlen_mask
+ATTEND[VarlenMask] = varlen_attend_tokens
+
+
+# ---- Parameter shapes without memory (tests, the fidelity table) -------------------------------
+
+def count_parameters(args: Hyperparameters, world_size: int = 1) -> dict[str, tuple[int, ...]]:
+    """Shape of every labelled parameter, from a model built on the meta device (no memory used)."""
+    with torch.device("meta"):
+        model = GPT(args, world_size)
+    return {label: tuple(p.shape) for label, p in model.params_by_label().items()}
 
 
 if __name__ == "__main__":
