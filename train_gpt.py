@@ -2543,16 +2543,14 @@ def grad_accum_steps(args: Hyperparameters, world_size: int) -> int:
 # ----------------------------------------------------------------------------------------------
 
 
-# Changes of the per-label configs that the ablation flags make (--matrix_optimizer, the component
-# switches), each (args, configs) -> configs: they sit below the fence, and the record's flags change
-# nothing. NORMUON_BETA2_OF likewise gives each --matrix_optimizer its NorMuon beta2.
+# The ablation flags' changes of the per-label configs, (args, configs) -> configs, and each
+# --matrix_optimizer's NorMuon beta2: filled below the fence; the record's flags change nothing.
 CONFIG_CHANGES: list = []
 NORMUON_BETA2_OF = {"normuon": NORMUON_BETA2}
 
 
 def optimizer_configs(args: Hyperparameters, model: "GPT") -> dict[str, ParamConfig]:
-    """Per-label optimizer settings: PARAM_TABLE's rows (NorMuon for the banks, Adam for the rest),
-    then CONFIG_CHANGES."""
+    """Per-label optimizer settings: PARAM_TABLE's rows, then CONFIG_CHANGES."""
     configs = {label: ParamConfig(**row) for label, row in PARAM_TABLE.items()}
     # every odd entry of the MLP bank: the down-projections (c_proj), and the record's padding
     configs["mlp_bank"] = dataclasses.replace(configs["mlp_bank"], matrix_lr_mul=tuple(
@@ -2562,38 +2560,37 @@ def optimizer_configs(args: Hyperparameters, model: "GPT") -> dict[str, ParamCon
     return configs
 
 
-def build_optimizer(args: Hyperparameters, model: "GPT", device: torch.device, comm: CommLayer | None = None) -> NorMuonAdam:
+def build_optimizer(args: Hyperparameters, model: "GPT", device: torch.device,
+                    comm: CommLayer | None = None) -> NorMuonAdam:
     if args.matrix_optimizer not in NORMUON_BETA2_OF:
         raise ValueError(f"--matrix_optimizer {args.matrix_optimizer!r} is not one of {', '.join(NORMUON_BETA2_OF)}")
+    orthogonalizer = functools.partial(ORTHOGONALIZERS[args.orthogonalizer], dtype=model.qk_bank.dtype)
     return NorMuonAdam(model.params_by_label(), optimizer_configs(args, model),
-                       scatter_order=SCATTER_ORDER, work_order=WORK_ORDER,
+                       scatter_order=SCATTER_ORDER, work_order=WORK_ORDER, orthogonalizer=orthogonalizer,
                        normuon_beta2=NORMUON_BETA2_OF[args.matrix_optimizer], adam_eps=ADAM_EPS,
                        normuon_lr=args.muon_lr, normuon_wd=args.muon_wd, adam_lr=args.adam_lr, adam_wd=args.adam_wd,
-                       orthogonalizer=functools.partial(ORTHOGONALIZERS[args.orthogonalizer], dtype=model.qk_bank.dtype),
                        tied=("embed", "lm_head"), ownership=args.bank_ownership,
                        compile=args.compile and device.type == "cuda", comm=comm)
 
 
 class RunLog:
-    """logs/<run_id>.txt on rank 0: both source files, versions, hardware, hyperparameters, then the
-    record lines. Lines are flushed as written, so a crash keeps everything up to it."""
+    """What rank 0 reports: logs/<run_id>.txt (both source files, versions, hardware, hyperparameters, then
+    the record's lines, each flushed: a crash keeps everything up to it) and a self-rewriting console line."""
 
     def __init__(self, args: Hyperparameters, run_id: str, d: DistInfo, notes: list[str] = ()):
-        self.file = None
-        self.path = os.path.join(args.log_dir, f"{run_id}.txt")  # written by rank 0 only
+        self.file, self.path = None, os.path.join(args.log_dir, f"{run_id}.txt")
+        self.console, self.tty = d.is_master, sys.stdout.isatty()
         if not d.is_master:
             return
         os.makedirs(args.log_dir, exist_ok=True)
         self.file = open(self.path, "x", encoding="utf-8")  # never overwrite an earlier run's log
         here = os.path.dirname(os.path.abspath(__file__))
         for name in ("train_gpt.py", "triton_kernels.py"):
-            self.write(f"==== {name} ====")
-            self.write(open(os.path.join(here, name), encoding="utf-8").read().rstrip("\n"))
+            self.write(f"==== {name} ====\n" + open(os.path.join(here, name), encoding="utf-8").read().rstrip("\n"))
         import platform
         import triton
-        self.write("==== environment ====")
-        self.write(f"python {platform.python_version()} torch {torch.__version__} triton {triton.__version__} "
-                   f"numpy {np.__version__}")
+        self.write(f"==== environment ====\npython {platform.python_version()} torch {torch.__version__} "
+                   f"triton {triton.__version__} numpy {np.__version__}")
         if d.device.type == "cuda":
             props = torch.cuda.get_device_properties(d.device)
             self.write(f"hardware: {d.world_size} x {props.name} ({props.total_memory / 2**30:.0f} GiB), "
@@ -2601,15 +2598,13 @@ class RunLog:
         else:
             self.write(f"hardware: {d.world_size} CPU process(es) on {cpu_model()}, "
                        f"{os.cpu_count()} cores, {torch.get_num_threads()} threads per process")
-        for note in notes:
-            self.write(note)
+        for line in notes:
+            self.note(line)
         self.write("==== hyperparameters ====")
         for f in dataclasses.fields(args):
-            value = getattr(args, f.name)
-            if f.name in _ROW_FIELDS:  # a row a line
-                self.write(f"{f.name} = (\n" + "".join(f"    {row!r},\n" for row in value) + ")")
-            else:
-                self.write(f"{f.name} = {value!r}")
+            value = getattr(args, f.name)  # the row fields: a row a line
+            text = "(\n" + "".join(f"    {r!r},\n" for r in value) + ")" if f.name in _ROW_FIELDS else repr(value)
+            self.write(f"{f.name} = {text}")
         self.write("==== training ====")
 
     def write(self, line: str) -> None:
@@ -2617,42 +2612,35 @@ class RunLog:
             self.file.write(line + "\n")
             self.file.flush()
 
-
-class Progress:
-    """One self-rewriting console line for people (the log file keeps the record format)."""
-
-    def __init__(self, enabled: bool):
-        self.enabled, self.tty = enabled, sys.stdout.isatty()
-
     def show(self, text: str, final: bool = False) -> None:
-        if not self.enabled:
-            return
-        if self.tty:
+        """The console line (a new line where final, or where stdout is not a terminal)."""
+        if self.console and self.tty:
             print("\r" + text.ljust(100), end="\n" if final else "", flush=True)
-        else:
+        elif self.console:
             print(text, flush=True)
+
+    def note(self, line: str) -> None:
+        self.write(line)
+        self.show(line, final=True)
 
 
 @torch.no_grad()
 def evaluate(model_fn, batches: list[Batch], device: torch.device) -> float:
     """Mean next-token cross-entropy over every validation token (all ranks' sequences together)."""
-    total = torch.zeros((), dtype=torch.float64, device=device)
+    sums = torch.zeros(2, dtype=torch.float64, device=device)  # (loss summed over tokens, tokens)
     for b in batches:
         b = b.to(device)
         masks = model_fn.batch_masks(b)  # outside the compiled graph
-        total += model_fn(b.inputs, b.targets, b.cu_seqlens, b.bigram_ids, masks=masks).double() * b.inputs.numel()
-    count = torch.tensor(float(sum(b.inputs.numel() for b in batches)), dtype=torch.float64, device=device)
+        sums[0] += model_fn(b.inputs, b.targets, b.cu_seqlens, b.bigram_ids, masks=masks).double() * b.inputs.numel()
+    sums[1] = float(sum(b.inputs.numel() for b in batches))
     if dist.is_initialized():
-        both = torch.stack([total, count])
-        dist.all_reduce(both)
-        total, count = both[0], both[1]
-    return (total / count).item()
+        dist.all_reduce(sums)
+    return (sums[0] / sums[1]).item()
 
 
 def grad_scale_for(args: Hyperparameters, world_size: int) -> float:
-    """Loss scale of every micro-batch: the loss is a sum over tokens (the record's), and the scale makes
-    the averaged gradient the record's whatever the world size: (1/8) x the gradient of the whole step's
-    summed loss, i.e. world_size / micro_batches (1 on 8 GPUs)."""
+    """Loss scale of every micro-batch, world_size / micro_batches (1 on 8 GPUs): the loss is a sum over
+    tokens (the record's), and this keeps the averaged gradient the record's at any world size."""
     return world_size / args.micro_batches
 
 
@@ -2689,42 +2677,16 @@ def train_step(model_fn, opt: NorMuonAdam, batches: list[Batch], plan: StepPlan,
 
 
 def use_cuda_graphs(args: Hyperparameters, device: torch.device) -> bool:
-    """Whether train() runs its steps through StepGraphs with capture: --cuda_graphs on a CUDA device
-    with --compile true. Anywhere else the flag changes nothing: train_step runs, as with it false."""
+    """--cuda_graphs takes effect on a CUDA device with --compile true; elsewhere train_step runs."""
     return bool(args.cuda_graphs and args.compile and device.type == "cuda")
 
 
 def step_graph_key(plan: StepPlan, request: tuple, micro_batches: int) -> tuple:
-    """Everything a step's captured forward+backward depends on beyond the values in its buffers: the
-    windows (Python numbers in the graph: the varlen band, the compiled graph's guards), the loader
-    request's tokens per micro-batch, max document length and mask spec (which fix every staged
-    tensor's shape) and this rank's number of micro-batches. Adam parity and the untie are not in it:
-    they change only the optimizer step, which runs after the replay on the same static gradients."""
+    """What a step's captured forward+backward depends on beyond its buffers' values: the windows (numbers
+    in the graph), the loader request's shapes and this rank's micro-batch count. Adam parity and the
+    untie change only the optimizer step, which runs after the replay."""
     tokens, max_doc_len, _, spec = request
     return (tuple(plan.windows), tokens, max_doc_len, micro_batches, spec)
-
-
-def _comparable(t: torch.Tensor) -> torch.Tensor:
-    return t.view(torch.uint8) if t.dtype in _FP8_DTYPES else t  # torch.equal of float8 tensors: as bytes
-
-
-def _wide(t: torch.Tensor) -> torch.Tensor:
-    return (t.float() if t.dtype in _FP8_DTYPES else t).double()
-
-
-def replay_mismatch(got: dict, ref: dict, again: dict) -> str:
-    """'' when a replay's results `got` are the uncaptured step's `ref`: bit-identical wherever two
-    uncaptured runs (ref, again) are, elsewhere (atomic adds of an embedding backward) no further
-    from ref than 4x what separates the two runs. Otherwise which tensor differs, and by how much."""
-    for name, want in ref.items():
-        have = got[name]
-        if torch.equal(_comparable(have), _comparable(want)):
-            continue
-        noise = float((_wide(again[name]) - _wide(want)).abs().max())
-        off = float((_wide(have) - _wide(want)).abs().max())
-        if not noise or not off <= 4 * noise:
-            return f"{name} differs from the uncaptured step's by {off:.3g} (two uncaptured runs: by {noise:.3g})"
-    return ""
 
 
 @dataclass
@@ -2737,26 +2699,12 @@ class _StepBuffers:
 
 
 class StepGraphs:
-    """train_step through static buffers, its forward+backward replayed as one CUDA graph per shape key
-    (step_graph_key), as record #92 of modded-nanogpt captures its steps: on one GPU the step is
-    host-bound, and a replay launches the whole forward+backward of every micro-batch at once.
-
-    Per key: a device buffer for the step's staged micro-batches, filled by one host-to-device copy
-    per step from the loader's joint pinned buffer (stage_step), the batches as views of it, and a
-    static loss. Every parameter's .grad is a static tensor that the backward accumulates into in
-    place: gradients the optimizer consumes (it sets them to None) are zeroed in place before the next
-    step (_bind_grads), so Adam gradients of even steps accumulate exactly as they do in train_step
-    (0 + g is g). The graphs share one memory pool: nothing in it outlives a replay.
-
-    Not captured: the optimizer step. Its hyperparameter rows are built on the host every step (Adam's
-    bias correction counts steps), the sparse bigram exchange sends a data-dependent number of rows,
-    several ranks reduce over NCCL, and load_state_dict and untie replace its state tensors, which a
-    graph would keep reading. It runs after the replay as in train_step, and launches the gradient
-    reductions itself: the hooks of reductions_on_backward run host code a replay would skip, so
-    with several ranks the reductions no longer overlap the last backward (the same results).
-
-    capture=False (CPUs, --cuda_graphs false tests) runs the same code on the same buffers without
-    graphs: a step equals train_step's to the bit, which is what the CPU tests check."""
+    """train_step with its forward+backward replayed as one CUDA graph per shape key (step_graph_key), as
+    record #92 captures its steps (one GPU's step is host-bound). Per key, static buffers: the staged
+    micro-batches (one host-to-device copy a step), the losses; every .grad is static too, zeroed in place
+    once the optimizer consumed it. Not captured: the optimizer step (host-built hyperparameters, a
+    data-dependent bigram exchange, NCCL, state replaced by untie and load_state_dict); it runs after the
+    replay and launches the reductions itself. capture=False (CPUs) runs the same code without graphs."""
 
     def __init__(self, model: nn.Module, model_fn, opt: NorMuonAdam, mtp: torch.Tensor, prefix: torch.Tensor,
                  grad_scale: float, device: torch.device, capture: bool | None = None):
@@ -2767,7 +2715,7 @@ class StepGraphs:
         self.grads = [torch.zeros_like(p) for _, p in self.named]  # the graphs accumulate into these
         self.buffers: dict[tuple, _StepBuffers] = {}
         self.pool = None
-        self.failure = ""  # why a capture failed its check (train() then turns graphs off)
+        self.failure = ""  # why a capture failed its check (the run then goes on without graphs)
 
     def captured(self) -> int:
         return sum(e.graph is not None for e in self.buffers.values())
@@ -2784,8 +2732,8 @@ class StepGraphs:
         return entry
 
     def _bind_grads(self) -> None:
-        """Every parameter's .grad is its static tensor: zeroed where the optimizer consumed it (None),
-        loaded where something else set it (a checkpoint's pending Adam gradients)."""
+        """Each .grad its static tensor: zeroed where the optimizer consumed it, loaded where a checkpoint set
+        it (pending Adam gradients)."""
         fresh = []
         for (_, p), g in zip(self.named, self.grads):
             if p.grad is not g:
@@ -2810,14 +2758,13 @@ class StepGraphs:
             entry.next_token += micro_next_token
 
     def _state(self, entry: _StepBuffers) -> dict[str, torch.Tensor]:
-        """What a forward+backward writes: the loss, the gradients, the model's buffers (FP8 scales)."""
-        return {"loss": entry.loss, "next-token loss": entry.next_token, **{f"grad of {n}": g for (n, _), g in zip(self.named, self.grads)},
-                **dict(self.model.named_buffers())}
+        """What a forward+backward writes: the losses, the gradients, the model's buffers (FP8 scales)."""
+        grads = {f"grad of {n}": g for (n, _), g in zip(self.named, self.grads)}
+        return {"loss": entry.loss, "next-token loss": entry.next_token, **grads, **dict(self.model.named_buffers())}
 
     def _capture(self, entry: _StepBuffers) -> None:
-        """Capture entry's forward+backward and check a replay against the uncaptured run from the same
-        state (replay_mismatch); raises with the reason if it differs. PyTorch's recipe: warm up on a
-        side stream first (twice here: the two runs show what an uncaptured run reproduces)."""
+        """Capture entry's forward+backward after two uncaptured runs from the same state on a side stream
+        (PyTorch's warm-up), and raise with the reason where a replay differs from them (replay_mismatch)."""
         state = self._state(entry)
         before = {k: t.clone() for k, t in state.items()}
         runs = []
@@ -2840,7 +2787,7 @@ class StepGraphs:
                 self._forward_backward(entry)
             graph.replay()
             why = replay_mismatch(state, *runs)
-        except Exception as e:  # a capture that fails is reported, and the step runs uncaptured
+        except Exception as e:  # reported; the step runs uncaptured
             why = f"capture failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
         if why:
             for k, t in state.items():  # the uncaptured step's result stands
@@ -2879,21 +2826,20 @@ class StepGraphs:
 def compile_counts() -> dict:
     """Graphs torch.compile has made and graph breaks it has met in this process so far."""
     from torch._dynamo.utils import counters
-    return dict(graphs=int(counters["stats"]["unique_graphs"]), graph_breaks=int(sum(counters["graph_break"].values())))
+    return dict(graphs=int(counters["stats"]["unique_graphs"]),
+                graph_breaks=int(sum(counters["graph_break"].values())))
 
 
 def compile_model(model: nn.Module):
-    """The model compiled whole: one graph per shape (each stage and the evaluation), no graph breaks
-    (fullgraph: a break is an error, not a silent eager fallback). The record raises dynamo's recompile
-    limit to 64 for the same reason: every schedule variant is a graph of its own."""
+    """The model compiled whole (fullgraph: a graph break is an error), one graph per shape: the record
+    raises dynamo's recompile limit to 64, every schedule variant being a graph of its own."""
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     return torch.compile(model, dynamic=False, fullgraph=True)
 
 
 class Trainer:
-    """The step train() runs, with what it needs built once: the model and its compiled forward, the
-    optimizer, the loader, the loss weights' device buffers and, on CUDA, the step graphs. The benchmarks
-    and the GPU check time this same step."""
+    """The step train() runs (the benchmarks and the GPU check time it), with what it needs built once:
+    the compiled model, optimizer, loader, the loss weights' device buffers and, on CUDA, the step graphs."""
 
     def __init__(self, args: Hyperparameters, d: DistInfo, model: "GPT", opt: NorMuonAdam, loader: DocumentLoader):
         self.args, self.d, self.model, self.opt, self.loader = args, d, model, opt, loader
@@ -2909,6 +2855,15 @@ class Trainer:
                        if use_cuda_graphs(args, d.device) else None)
         self.windows = None
         self.batches: list[Batch] = []
+
+    def validate(self, step: int, batches: list[Batch]) -> float:
+        """evaluate() with step `step`'s windows; after the last step the record's final validation's:
+        wider windows, YaRN kept at the extension's."""
+        if step < self.total:
+            self.set_windows(plan_step(self.args, step).windows)
+        else:
+            self.set_windows(self.args.final_val_windows, plan_step(self.args, self.total - 1).windows[1])
+        return evaluate(self.model_fn, batches, self.d.device)
 
     def set_windows(self, windows: tuple, yarn: int | None = None) -> None:
         """The model's windows; the YaRN update runs only when the windows actually change."""
@@ -2946,24 +2901,20 @@ class Trainer:
         return plan, torch.stack([next_token / tokens, objective / (self.grad_scale * tokens)])
 
     def warm_up(self, val_batch: list[Batch], prefix_table: torch.Tensor) -> list[str]:
-        """Compile every graph the run needs (each stage, both Adam parities, untied, evaluation) on real
-        batches, capture the step graphs, then put model, optimizer and loader back exactly: the timed
-        run compiles nothing. Returns what the log should say of the step graphs."""
+        """Compile every graph the run needs (each stage, both Adam parities, untied, evaluation) and capture
+        the step graphs on real batches, then restore model, optimizer and loader. Returns the log's notes."""
         args, model, opt, loader = self.args, self.model, self.opt, self.loader
         saved_model = {k: v.clone() for k, v in model.state_dict().items()}
         saved_opt, saved_loader = opt.state_dict(), loader.state_dict()
         model.prefix_table.copy_(prefix_table)  # as in the timed steps
         notes = []
         for step in warmup_steps(args):
-            self.set_windows(plan_step(args, step).windows)
-            evaluate(self.model_fn, val_batch, self.d.device)
+            self.validate(step, val_batch)
             self.step(step, warm_up=True)
             if self.graphs is not None and self.graphs.failure:  # this step ran uncaptured; so does the run
                 notes.append(f"cuda graphs off for this run: {self.graphs.failure}")
                 self.graphs = None
-        # the final validation's windows: a new graph where a kernel takes the window as a number (varlen)
-        self.set_windows(args.final_val_windows, plan_step(args, self.total - 1).windows[1])
-        evaluate(self.model_fn, val_batch, self.d.device)
+        self.validate(self.total, val_batch)  # a graph of its own where a kernel takes the window as a number
         model.load_state_dict(saved_model)
         model.prefix_table.fill_(-1)  # not in the state dict; the timed run builds it again
         model.zero_grad(set_to_none=True)  # Adam gradients of an even last warm-up step must not leak in
@@ -2996,105 +2947,73 @@ def train(args: Hyperparameters, d: DistInfo) -> float:
     if dist.is_initialized():
         for p in model.parameters():
             dist.broadcast(p.data, src=0)
-    if args.fp8 and _native_fp8(d.device):  # step 0's forward already reads the e4m3 weights: quantise
-        # the initial ones (W2 is zero, so only the head and W1 matter); before the warm-up snapshot, so the
-        # reset brings them back too
-        model.quantize_fp8(bootstrap=True)
+    if args.fp8 and _native_fp8(d.device):  # step 0's forward reads the e4m3 weights: quantised before the
+        model.quantize_fp8(bootstrap=True)  # warm-up's snapshot, so that its reset brings them back too
     log = RunLog(args, run_id, d, notes=[dtype_note] if dtype_note else [])
-    progress = Progress(d.is_master)
-    if dtype_note:
-        progress.show(dtype_note, final=True)
     loader = DocumentLoader(args.train_files, args.bigram_vocab_size, d.rank, d.world_size, d.device)
     val_batches = validation_batches(args.val_files, args.val_tokens, min(args.val_seq_len, args.val_tokens),
                                      args.bigram_vocab_size, d.rank, d.world_size)
     encoding = gpt2_encoding()  # read before the clock; the prefix table built from it is timed (below)
-    start_step = load_checkpoint(args.resume, model, opt, loader, args, d) if args.resume else 0
+    start_step = resume_step(args, d, model, opt, loader)  # 0 unless --resume (below the fence)
 
     trainer = Trainer(args, d, model, opt, loader)
-    model_fn, total = trainer.model_fn, trainer.total
+    total = trainer.total
     if args.compile:
         t = time.perf_counter()
         for note in trainer.warm_up(val_batches[:1], build_prefix_table(encoding, args.padded_vocab_size)):
-            log.write(note)
-            progress.show(note, final=True)
-        progress.show(f"compile warm-up: {len(warmup_steps(args))} steps in {time.perf_counter() - t:.0f}s", final=True)
+            log.note(note)
+        log.show(f"compile warm-up: {len(warmup_steps(args))} steps in {time.perf_counter() - t:.0f}s", final=True)
 
-    if opt.tied and start_step > untie_step(args):
-        raise SystemExit(f"error: checkpoint at step {start_step} is past the untie step but still tied")
     compiled_before = compile_counts()  # what the timed run compiles on top of the warm-up: nothing, ideally
     cuda_synchronize(d.device)
     train_ms, t0, val_loss = 0.0, time.perf_counter(), float("nan")
     # the record's order: the clock starts, then the prefix table is built, timed
     model.prefix_table.copy_(build_prefix_table(encoding, args.padded_vocab_size))
-    # (step, losses, train_ms, steps timed): a step's losses are read one step late, so the host never
-    # waits on the GPU mid-run; its log line waits for them
-    pending = None
+    pending = None  # (step, losses, train_ms, steps timed): losses are read a step late, the host never waits
     cumulative_tokens = schedule_tokens(args)
 
-    def report(step, losses, now_ms, done):
-        """The step's log line: train_loss, this rank's mean next-token loss per token (evaluation's
-        measure, on the step's training batch), and objective, the mean per token of the loss trained
-        on (the MTP targets and the prefix term, weighted)."""
+    def report(now: tuple | None = None) -> None:
+        """The pending step's log line: train_loss, this rank's mean next-token loss per token (evaluation's
+        measure, on the step's batch), and objective, the mean per token of the weighted loss trained on;
+        given now = (steps done, train ms), the console's line too."""
+        nonlocal pending
+        if pending is None:
+            return
+        (step, losses, step_ms, timed), pending = pending, None
         train_loss, objective = losses.tolist()
         for value in (objective, train_loss):
             if not math.isfinite(value):
                 raise SystemExit(f"error: training loss is {value} at step {step}; stopping (log: {log.path})")
-        log.write(f"step:{step + 1}/{total} train_time:{now_ms:.0f}ms step_avg:{now_ms / done:.2f}ms "
+        log.write(f"step:{step + 1}/{total} train_time:{step_ms:.0f}ms step_avg:{step_ms / timed:.2f}ms "
                   f"train_loss:{train_loss:.4f} objective:{objective:.4f}")
-        return train_loss, objective
+        if now is not None:
+            done, now_ms = now
+            tokens = cumulative_tokens[done] - cumulative_tokens[start_step]
+            log.show(f"step {step + 1}/{total}  train_loss {train_loss:.4f}  objective {objective:.4f}  "
+                     f"{tokens / max(1e-9, now_ms / 1000):,.0f} tok/s  "
+                     f"eta {eta_seconds(cumulative_tokens, start_step, done, now_ms):.0f}s")
 
-    # With checkpoints, a signal saves the run where it is before it exits (a preempted job resumes).
-    with StopOnSignal(bool(args.save_every), d.world_size, d.device) as stop:
+    with RunCheckpoints(args, d, run_id, start_step, model, opt, loader, log) as checkpoints:
         for step in range(start_step, total + 1):
             last = step == total
             if last or (args.val_loss_every and step % args.val_loss_every == 0):
                 cuda_synchronize(d.device)
                 train_ms += 1000 * (time.perf_counter() - t0)
-                if pending is not None:
-                    report(*pending)
-                    pending = None
-                if last:  # wider windows, YaRN kept at the extension's (the record's final validation)
-                    trainer.set_windows(args.final_val_windows, plan_step(args, total - 1).windows[1])
-                else:
-                    trainer.set_windows(plan_step(args, step).windows)
-                val_loss = evaluate(model_fn, val_batches, d.device)
+                report()
+                val_loss = trainer.validate(step, val_batches)
                 log.write(f"step:{step}/{total} val_loss:{val_loss:.4f} train_time:{train_ms:.0f}ms "
                           f"step_avg:{train_ms / max(1, step - start_step):.2f}ms")
-                progress.show(f"step {step}/{total}  val_loss {val_loss:.4f}  train_time {train_ms / 1000:.1f}s", final=True)
+                log.show(f"step {step}/{total}  val_loss {val_loss:.4f}  train_time {train_ms / 1000:.1f}s", final=True)
                 if not math.isfinite(val_loss):
                     raise SystemExit(f"error: validation loss is {val_loss} at step {step}; stopping (log: {log.path})")
                 cuda_synchronize(d.device)
                 t0 = time.perf_counter()
-            stopping = 0 if last else stop.agreed(step)
-            checkpoint = os.path.join(args.checkpoint_dir, run_id, f"step_{step:06d}")
-            if args.save_every and step > start_step and (step % args.save_every == 0 or last or stopping):
-                cuda_synchronize(d.device)
-                train_ms += 1000 * (time.perf_counter() - t0)  # the steps since the last evaluation count
-                save_checkpoint(checkpoint, step, model, opt, loader, args, d)
-                if args.keep_checkpoints and d.is_master:
-                    prune_checkpoints(os.path.join(args.checkpoint_dir, run_id), args.keep_checkpoints)
-                t0 = time.perf_counter()  # checkpoint time is not training time
-            if stopping:
-                if pending is not None:
-                    report(*pending)
-                    pending = None
-                resume = checkpoint if step > start_step else args.resume  # nothing trained since the resume
-                note = (f"stopped by {signal.Signals(stopping).name} at step {step}: "
-                        + (f"--resume {resume} continues the run" if resume else "nothing trained to save"))
-                log.write(note)
-                progress.show(note, final=True)
-                raise SystemExit(128 + stopping)  # the shell's status for a process the signal stopped
+            t0 += checkpoints.between_steps(step, report)  # --save_every, signals; saving is not training time
             if last:
                 break
-            plan, losses = trainer.step(step)
-            stop.share(step)
+            _, losses = trainer.step(step)
             now_ms = train_ms + 1000 * (time.perf_counter() - t0)
-            if pending is not None:  # the previous step's losses: its kernels are done by now or nearly
-                train_loss, objective = report(*pending)
-                tokens = cumulative_tokens[step + 1] - cumulative_tokens[start_step]
-                eta = eta_seconds(cumulative_tokens, start_step, step + 1, now_ms)
-                progress.show(f"step {pending[0] + 1}/{total}  train_loss {train_loss:.4f}  objective {objective:.4f}  "
-                              f"{tokens / max(1e-9, now_ms / 1000):,.0f} tok/s  eta {eta:.0f}s")
+            report(now=(step + 1, now_ms))  # the previous step's: its kernels are done by now or nearly
             pending = (step, losses, now_ms, step + 1 - start_step)
     if args.compile:
         after = compile_counts()
@@ -3104,14 +3023,11 @@ def train(args: Hyperparameters, d: DistInfo) -> float:
         log.write(f"peak memory allocated: {torch.cuda.max_memory_allocated(d.device) // 2**20} MiB "
                   f"reserved: {torch.cuda.max_memory_reserved(d.device) // 2**20} MiB")
     else:
-        import resource
-        log.write(f"peak memory (max RSS of rank 0): {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024} MiB")
+        log.write(cpu_peak_memory())  # below the fence
     if d.is_master:
         print(f"final val_loss {val_loss:.4f}, train_time {train_ms / 1000:.1f}s, log {log.path}")
         if args.sample_tokens:
-            prompt = "ROMEO:\n"
-            print(f"sample ({args.sample_tokens} tokens after {prompt!r}):\n"
-                  + generate(model, prompt, args.sample_tokens, d.device, seed=args.seed))
+            print(sample_after_training(model, args, d.device))  # below the fence
     return val_loss
 
 
@@ -4587,6 +4503,90 @@ def count_parameters(args: Hyperparameters, world_size: int = 1) -> dict[str, tu
     with torch.device("meta"):
         model = GPT(args, world_size)
     return {label: tuple(p.shape) for label, p in model.params_by_label().items()}
+
+
+# ---- train()'s resume, checkpoints and signals ----------------------------------------------
+
+def resume_step(args: Hyperparameters, d: DistInfo, model: nn.Module, opt: NorMuonAdam,
+                loader: DocumentLoader) -> int:
+    """The step train() starts from: 0, or that of --resume's checkpoint, loaded."""
+    if not args.resume:
+        return 0
+    step = load_checkpoint(args.resume, model, opt, loader, args, d)
+    if opt.tied and step > untie_step(args):
+        raise SystemExit(f"error: checkpoint at step {step} is past the untie step but still tied")
+    return step
+
+
+class RunCheckpoints(StopOnSignal):
+    """train()'s --save_every checkpoints (the newest --keep_checkpoints kept) and, with them, its stop on
+    SIGINT or SIGTERM: the run saves where it is, then exits (StopOnSignal)."""
+
+    def __init__(self, args: Hyperparameters, d: DistInfo, run_id: str, start_step: int, model: nn.Module,
+                 opt: NorMuonAdam, loader: DocumentLoader, log: RunLog):
+        super().__init__(bool(args.save_every), d.world_size, d.device)
+        self.args, self.d, self.start, self.total = args, d, start_step, total_steps(args)
+        self.state, self.log = (model, opt, loader), log
+        self.run_dir = os.path.join(args.checkpoint_dir, run_id)
+
+    def between_steps(self, step: int, flush) -> float:
+        """Before step `step` (every rank): the previous step's stop requests shared, a checkpoint saved where
+        due; on an agreed signal, flush() (the pending step's log line), a note, and SystemExit with the
+        shell's status for the signal. Returns the seconds spent saving (not training time)."""
+        import time
+        args, d, last = self.args, self.d, step == self.total
+        if step > self.start:
+            self.share(step - 1)
+        stopping = 0 if last else self.agreed(step)
+        path, seconds = os.path.join(self.run_dir, f"step_{step:06d}"), 0.0
+        if args.save_every and step > self.start and (step % args.save_every == 0 or last or stopping):
+            cuda_synchronize(d.device)
+            t = time.perf_counter()
+            save_checkpoint(path, step, *self.state, args, d)
+            if args.keep_checkpoints and d.is_master:
+                prune_checkpoints(self.run_dir, args.keep_checkpoints)
+            seconds = time.perf_counter() - t
+        if stopping:
+            flush()
+            resume = path if step > self.start else args.resume  # nothing trained since the resume
+            self.log.note(f"stopped by {signal.Signals(stopping).name} at step {step}: "
+                          + (f"--resume {resume} continues the run" if resume else "nothing trained to save"))
+            raise SystemExit(128 + stopping)
+        return seconds
+
+
+# ---- The step graphs' replay check, the sample, the CPU's peak memory ---------------------------
+
+def replay_mismatch(got: dict, ref: dict, again: dict) -> str:
+    """'' when a replay's results `got` are the uncaptured step's `ref`: bit-identical wherever two uncaptured
+    runs (ref, again) are, elsewhere (an embedding backward's atomic adds) within 4x their spread."""
+    def raw(t):  # torch.equal of float8 tensors: as bytes
+        return t.view(torch.uint8) if t.dtype in _FP8_DTYPES else t
+
+    def wide(t):
+        return (t.float() if t.dtype in _FP8_DTYPES else t).double()
+
+    for name, want in ref.items():
+        if torch.equal(raw(got[name]), raw(want)):
+            continue
+        noise = float((wide(again[name]) - wide(want)).abs().max())
+        off = float((wide(got[name]) - wide(want)).abs().max())
+        if not noise or not off <= 4 * noise:
+            return f"{name} differs from the uncaptured step's by {off:.3g} (two uncaptured runs: by {noise:.3g})"
+    return ""
+
+
+def sample_after_training(model: GPT, args: Hyperparameters, device: torch.device) -> str:
+    """--sample_tokens: a continuation of "ROMEO:\n", as train() prints it."""
+    prompt = "ROMEO:\n"
+    return (f"sample ({args.sample_tokens} tokens after {prompt!r}):\n"
+            + generate(model, prompt, args.sample_tokens, device, seed=args.seed))
+
+
+def cpu_peak_memory() -> str:
+    """train()'s last log line on a CPU."""
+    import resource
+    return f"peak memory (max RSS of rank 0): {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024} MiB"
 
 
 if __name__ == "__main__":
