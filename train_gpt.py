@@ -2844,7 +2844,7 @@ class Trainer:
     def __init__(self, args: Hyperparameters, d: DistInfo, model: "GPT", opt: NorMuonAdam, loader: DocumentLoader):
         self.args, self.d, self.model, self.opt, self.loader = args, d, model, opt, loader
         self.model_fn = compile_model(model) if args.compile else model
-        self.accum = check_batch_split(args, d.world_size)
+        self.accum = grad_accum_steps(args, d.world_size)  # train() checked the split
         self.slots = d.world_size * self.accum
         self.total = total_steps(args)
         self.fp8 = args.fp8 and _native_fp8(d.device)
@@ -3053,8 +3053,9 @@ def main(argv: list[str] | None = None) -> None:
 
 # Record #89 runs none of the code below; the speedrun above reaches it only through the tables this
 # part fills (ORTHOGONALIZERS, ATTENTION_MASKS, ATTEND, HEAD_LOSSES, EVALUATION_CE, PRESETS,
-# CONFIG_CHANGES, NORMUON_BETA2_OF, and fp8_mlp's CPU kernel), switch_off_components, the start-up
-# checks and the checkpoints. The sliced Adam update and the CPU dtype choice
+# CONFIG_CHANGES, NORMUON_BETA2_OF, OWNERSHIPS, START_MASKS, and fp8_mlp's CPU kernel) and one-line
+# hand-offs: switch_off_components, the argument and start-up checks, the tokenizer, the checkpoints,
+# the step graphs' replay check. The sliced Adam update and the CPU dtype choice
 # serve CPU runs only (a GPU trains in bf16, its Adam compiled); balanced ownership replaces the
 # record's padding; SimulatedComm runs one rank of a larger world in one process (the per-rank
 # timing); QK-Clip is an optional step of the optimizer; tensor-parallel NorMuon splits one matrix over
