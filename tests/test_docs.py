@@ -113,6 +113,31 @@ def test_map_names_sections_of_train_gpt():
     assert rows[1:] == want, f"README.md's map lists {rows[1:]}, train_gpt.py's sections are {want}"
 
 
+
+def rename_table_names(doc: str) -> list[str]:
+    """The identifiers in the "ours" column of records/README.md's table of renames (code spans, each
+    identifier of three or more characters before any '(')."""
+    section = doc.split("## Names: the record's and ours", 1)[1].split("\n## ", 1)[0]
+    names = []
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if not line.startswith("| ") or len(cells) < 2 or cells[0] == "record #89":
+            continue
+        for span in re.findall(r"`([^`]+)`", cells[1]):
+            names += [n for n in re.findall(r"[A-Za-z_]\w*", span.split("(")[0]) if len(n) >= 3]
+    return names
+
+
+def test_rename_table_names_exist_in_the_code():
+    """Every name the rename table gives as ours is a word of train_gpt.py or triton_kernels.py: a rename
+    or a removal in the code that leaves the table behind fails here."""
+    code = read(os.path.join(ROOT, "train_gpt.py")) + read(os.path.join(ROOT, "triton_kernels.py"))
+    words = set(re.findall(r"\w+", code))
+    names = rename_table_names(read(os.path.join(ROOT, "records/README.md")))
+    assert len(names) > 100, names  # the table has 137 rows
+    missing = sorted({n for n in names if n not in words})
+    assert not missing, f"records/README.md's rename table names {missing}, which the code does not have"
+
 # ---------------------------------------------------------------------------------------------- the checker
 
 def test_checker_finds_broken_links_and_anchors(tmp_path):
