@@ -127,7 +127,7 @@ def test_custom_op_and_nested_function():
 
 
 def test_hand_off_table_with_partial_and_the_fence():
-    r = run('''
+    src = '''
         import functools
         import triton_kernels
 
@@ -142,10 +142,11 @@ def test_hand_off_table_with_partial_and_the_fence():
 
         LOSSES = {"a": functools.partial(long_way, scale=2.0), "b": other}
 
-        def train():
+        def train(kind):
             for step in range(3):
                 LOSSES["a"](step)
                 shortcut(step)
+                CALL
 
         # What the record does not run
 
@@ -153,10 +154,16 @@ def test_hand_off_table_with_partial_and_the_fence():
             triton_kernels.launch(x)
 
         LOSSES["c"] = shortcut
-    ''')
+    '''
+    r = run(src.replace("CALL", "pass"))
     # below the fence: shortcut is not followed, so the table's partial gives the chain
     assert r.kernels["_k"].chain == ["long_way", "step_one", "launch", "_k[grid]"]
-    assert r.kernels["_k2"].chain == ["other", "launch2", "_k2[grid]"]  # every entry of the table
+    assert r.kernels["_k2"].depth is None  # a key the call fixes enters its entry alone
+    r = run(src.replace("CALL", "LOSSES[kind](step)"))
+    assert r.kernels["_k2"].chain == ["other", "launch2", "_k2[grid]"]  # any other key: every entry of the table
+    r = run(src.replace("CALL", "pick = LOSSES['b' if kind is None else 'a']\n                pick(step)")
+            .replace("def train(kind):", "def train(kind=None):"))
+    assert r.kernels["_k2"].chain == ["other", "launch2", "_k2[grid]"]  # a local bound to a table's entry
 
 
 def test_backward_enters_registered_backwards():
@@ -245,6 +252,24 @@ def test_stored_callable_table(monkeypatch):
     monkeypatch.setitem(C.STORED_CALLABLES, ("Opt", "_gone"), ("mid",))
     with pytest.raises(SystemExit, match="no longer has _gone"):  # a stale entry stops the tool
         run(src)
+
+
+def test_a_launch_of_the_kernel_modules_kernel_from_the_other_module():
+    r = run('''
+        import torch
+        import triton_kernels
+
+        @torch.library.custom_op("speedrun::body", mutates_args=())
+        def body(x: torch.Tensor) -> torch.Tensor:
+            triton_kernels._k2[(1,)](x)
+            return x
+
+        def train():
+            for step in range(3):
+                body(step)
+    ''')
+    assert r.kernels["_k2"].chain == ["body", "_k2[grid]"]
+    assert r.kernels["_k2"].calls[1].module == "train_gpt"
 
 
 SPEEDRUN_KERNELS = {
