@@ -655,22 +655,6 @@ def _as_bank(G: torch.Tensor) -> torch.Tensor:
     return G.reshape(-1, G.size(-2), G.size(-1))
 
 
-def _gram_of(X: torch.Tensor, left: bool) -> torch.Tensor:
-    """X X^T (left) or X^T X, with the symmetric Triton kernels on CUDA."""
-    k = X.size(-2) if left else X.size(-1)
-    out = X.new_empty(X.size(0), k, k)
-    if X.is_cuda:
-        return triton_kernels.XXT(X, out) if left else triton_kernels.XTX(X, out)
-    return torch.bmm(X, X.mT, out=out) if left else torch.bmm(X.mT, X, out=out)
-
-
-def _poly_of_gram(A: torch.Tensor, b: float, c: float) -> torch.Tensor:
-    """b A + c A^2 for a symmetric A (Triton kernel on CUDA)."""
-    if A.is_cuda:
-        return triton_kernels.ba_plus_cAA(A, c, b, torch.empty_like(A))
-    return torch.baddbmm(A, A, A, beta=b, alpha=c)
-
-
 def polar_express(G: torch.Tensor, coeffs=POLAR_EXPRESS_COEFFS, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """Polar Express orthogonalization of a matrix or a bank of matrices, in bf16 (the record's).
 
@@ -685,8 +669,11 @@ def polar_express(G: torch.Tensor, coeffs=POLAR_EXPRESS_COEFFS, dtype: torch.dty
     X = X / (X.norm(dim=(-2, -1), keepdim=True) * 1.02 + 1e-6)
     wide = X.size(-2) <= X.size(-1)
     split = X.size(-2) > 1024
+    gram = triton_kernels.XXT if wide else triton_kernels.XTX  # symmetric Triton kernels on CUDA
+    k = X.size(-2) if wide else X.size(-1)
     for a, b, c in coeffs:
-        B = _poly_of_gram(_gram_of(X, left=wide), b, c)
+        A = gram(X, X.new_empty(X.size(0), k, k))
+        B = triton_kernels.ba_plus_cAA(A, c, b, torch.empty_like(A))  # b A + c A^2
         if split:
             X = a * X + (torch.bmm(B, X) if wide else torch.bmm(X, B))
         else:
@@ -1573,17 +1560,6 @@ class NorMuonAdam:
                 gathers[slot.label] = done
         return gathers
 
-    def _normuon_work(self, slot: Slot, grad: torch.Tensor, hp: torch.Tensor, after_update=None):
-        """Update the local shard of a NorMuon label; return a function that completes its all_gather (or None)."""
-        st = self.state[slot.label]
-        shard = slot.local_shard()
-        if shard.size(0):  # a balanced bank may give this rank none of its matrices
-            self._normuon_fn(grad, st["momentum_buffer"], st["second_moment"], shard, st.get("mantissa"),
-                             self._matrix_lr[slot.label], hp, self.orthogonalize)
-        if after_update is not None:  # on the owned matrices, before they are gathered
-            after_update(slot, shard, st.get("mantissa"))
-        return self.exchange.gather(slot, shard)
-
     @torch.no_grad()
     def step(self, do_adam: bool = True, lr_scale: float = 1.0, momentum: float | None = None,
              after_update: dict | None = None) -> None:
@@ -1616,10 +1592,18 @@ class NorMuonAdam:
         for group in self._adam_groups(active):
             gathers.update(self._adam_work(group, reduced, hps))
         for label in self.work_order:
-            if label in reduced and self.slots[label].cfg.optimizer == "normuon":
-                done = self._normuon_work(self.slots[label], reduced[label](), hps[label], after_update.get(label))
-                if done is not None:
-                    gathers[label] = done
+            if label not in reduced or self.slots[label].cfg.optimizer != "normuon":
+                continue
+            slot, st, grad = self.slots[label], self.state[label], reduced[label]()
+            shard = slot.local_shard()
+            if shard.size(0):  # a balanced bank may give this rank none of its matrices
+                self._normuon_fn(grad, st["momentum_buffer"], st["second_moment"], shard, st.get("mantissa"),
+                                 self._matrix_lr[label], hps[label], self.orthogonalize)
+            if label in after_update:  # on the owned matrices, before they are gathered
+                after_update[label](slot, shard, st.get("mantissa"))
+            done = self.exchange.gather(slot, shard)
+            if done is not None:
+                gathers[label] = done
         # phase 3: finalize. The head's gather is waited on first, so the tied embedding is refreshed
         # while the other gathers are still in flight.
         if self.tied and do_adam:
@@ -3231,11 +3215,12 @@ def begin_step(opt: NorMuonAdam, batches: list[Batch], plan: StepPlan, mtp: torc
         opt.prepare_sparse("bigram_embed", b.bigram_ids, launch=plan.do_adam and i == len(batches) - 1)
 
 
-def train_step(model_fn, opt: NorMuonAdam, batches: list[Batch], plan: StepPlan, mtp: torch.Tensor,
-               prefix: torch.Tensor, grad_scale: float, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Forward and backward of this rank's micro-batches, then one optimizer step. mtp (K,) and prefix
-    (0-D) are device tensors that receive this step's loss weights. Returns this rank's (summed training
-    objective times grad_scale, summed next-token loss), 0-D tensors; nothing here waits for the GPU."""
+def forward_backward(model_fn, opt: NorMuonAdam, batches: list[Batch], plan: StepPlan, mtp: torch.Tensor,
+                     prefix: torch.Tensor, grad_scale: float,
+                     device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Forward and backward of this rank's micro-batches (the optimizer step is the caller's). mtp (K,) and
+    prefix (0-D) are device tensors that receive this step's loss weights. Returns this rank's (summed
+    training objective times grad_scale, summed next-token loss), 0-D tensors; nothing here waits for the GPU."""
     begin_step(opt, batches, plan, mtp, prefix)
     loss, next_token = torch.zeros((), device=device), torch.zeros((), device=device)
     for i, b in enumerate(batches):
@@ -3249,7 +3234,6 @@ def train_step(model_fn, opt: NorMuonAdam, batches: list[Batch], plan: StepPlan,
             micro.backward()
         loss += micro.detach()
         next_token += micro_next_token
-    opt.step(plan.do_adam, lr_scale=plan.lr_mult, momentum=plan.momentum)
     return loss, next_token
 
 
@@ -3363,7 +3347,7 @@ class StepGraphs:
             torch._foreach_zero_(fresh)
 
     def _forward_backward(self, entry: _StepBuffers) -> None:
-        """train_step's forward and backward of every micro-batch, on the static buffers."""
+        """forward_backward's forward and backward of every micro-batch, on the static buffers."""
         entry.loss.zero_()
         entry.next_token.zero_()
         for b in entry.batches:
@@ -3414,11 +3398,10 @@ class StepGraphs:
         entry.graph = graph
 
     def step(self, batches: list[Batch], plan: StepPlan, key: tuple, capture: bool = False) -> tuple:
-        """train_step's step on the static buffers of `key`: its forward+backward replayed where
-        captured, captured and checked first when `capture` (the untimed warm-up) and the key has no
-        graph yet, run uncaptured otherwise; then the optimizer step. Returns train_step's (summed
-        objective, summed next-token loss) as new 0-D tensors (the static ones: overwritten by the next
-        replay)."""
+        """forward_backward on the static buffers of `key`: replayed where captured, captured and checked
+        first when `capture` (the untimed warm-up) and the key has no graph yet, run uncaptured otherwise;
+        the optimizer step is the caller's. Returns forward_backward's (summed objective, summed next-token
+        loss) as new 0-D tensors (the static ones: overwritten by the next replay)."""
         begin_step(self.opt, batches, plan, self.mtp, self.prefix)
         entry = self._buffers(key, batches)
         host = step_buffer(batches)
@@ -3436,9 +3419,7 @@ class StepGraphs:
                 self.failure = str(e)
         else:
             self._forward_backward(entry)
-        loss, next_token = entry.loss.clone(), entry.next_token.clone()
-        self.opt.step(plan.do_adam, lr_scale=plan.lr_mult, momentum=plan.momentum)
-        return loss, next_token
+        return entry.loss.clone(), entry.next_token.clone()
 
 
 def compile_counts() -> dict:
@@ -3500,8 +3481,9 @@ class Trainer:
         if graphs is not None:  # the warm-up captures each key's graph (and checks it against the uncaptured step)
             objective, next_token = graphs.step(batches, plan, step_graph_key(plan, request, self.accum), capture=warm_up)
         else:
-            objective, next_token = train_step(self.model_fn, self.opt, batches, plan, self.mtp, self.prefix,
-                                               self.grad_scale, d.device)
+            objective, next_token = forward_backward(self.model_fn, self.opt, batches, plan, self.mtp, self.prefix,
+                                                     self.grad_scale, d.device)
+        self.opt.step(plan.do_adam, lr_scale=plan.lr_mult, momentum=plan.momentum)
         if step == untie_step(args) and self.opt.tied:  # (a benchmark may have untied already)
             self.opt.untie()
         self.batches = batches  # the benchmarks count the step's documents
@@ -4082,6 +4064,18 @@ def _normalized_bank(G: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     G3 = _as_bank(G)
     norm = G3.float().norm(dim=(-2, -1), keepdim=True)
     return (G3.float() / (norm * 1.02 + 1e-6)).to(dtype)
+
+
+def _gram_of(X: torch.Tensor, left: bool) -> torch.Tensor:
+    """X X^T (left) or X^T X of a bank (b, m, n), by the symmetric Triton kernels on CUDA."""
+    k = X.size(-2) if left else X.size(-1)
+    out = X.new_empty(X.size(0), k, k)
+    return triton_kernels.XXT(X, out) if left else triton_kernels.XTX(X, out)
+
+
+def _poly_of_gram(A: torch.Tensor, b: float, c: float) -> torch.Tensor:
+    """b A + c A^2 for a symmetric bank A (b, m, m)."""
+    return triton_kernels.ba_plus_cAA(A, c, b, torch.empty_like(A))
 
 
 def gram_newton_schulz(G: torch.Tensor, coeffs=POLAR_EXPRESS_COEFFS, restart_after: int = 2,
@@ -4971,6 +4965,16 @@ def _fp8_mlp_cpu(x, w_up, w_down, x_f8, up_f8, up_dequant, down_f8_t, down_scale
     post, post_f8, post_max = triton_kernels.relu2_fp8_up_partials(x_f8, up_f8, up_dequant, act_scale,
                                                                    fast_accum=fast_accum)
     return _scaled_matmul(post_f8, down_f8_t.mT, act_scale, down_scale, torch.bfloat16, fast_accum=True), post, post_max
+
+
+# ---- One training step without a Trainer (tests, benchmarks, the GPU check) ----------------------
+
+def train_step(model_fn, opt: NorMuonAdam, batches: list[Batch], plan: StepPlan, mtp: torch.Tensor,
+               prefix: torch.Tensor, grad_scale: float, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """forward_backward, then the optimizer step, as Trainer.step runs them; forward_backward's losses."""
+    loss, next_token = forward_backward(model_fn, opt, batches, plan, mtp, prefix, grad_scale, device)
+    opt.step(plan.do_adam, lr_scale=plan.lr_mult, momentum=plan.momentum)
+    return loss, next_token
 
 
 if __name__ == "__main__":
