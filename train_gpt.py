@@ -493,8 +493,10 @@ def fp8_head_loss(x: torch.Tensor, w: torch.Tensor, x_f8: torch.Tensor, w_f8: to
     the loss (the loss kernel's rule): use it as sum(loss) * grad_scale, grad_s = FP8_HEAD_GRAD_SCALE * grad_scale."""
     _check_fp8_head_args(x, w, x_f8, w_f8)
     logits = _scaled_matmul(x_f8, w_f8, x_s, w_s, torch.bfloat16, fast_accum=True)
-    return triton_kernels.softcapped_ce_mtp_e5m2(logits, targets, mtp_weights, prefix_ids, prefix_weight,
-                                                 grad_scale, grad_s)
+    grid, args, meta, outputs = triton_kernels.ce_kernel_args(logits, targets, mtp_weights, prefix_ids,
+                                                             prefix_weight, grad_scale, 1.0 / grad_s)
+    triton_kernels._ce_mtp_kernel[grid](*args, **meta)  # the loss kernel (CUDA; the CPU's twin below the fence)
+    return outputs
 
 
 @fp8_head_loss.register_fake
@@ -552,7 +554,9 @@ def fp8_mlp(x: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, x_f8: tor
     """relu(x w_up^T)^2 w_down in FP8 from the e4m3 operands and 0-D fp32 scales: (y (T, D) bf16, post
     (T, H) bf16, maxima of post over parts (P,) fp32); x, w_up, w_down (bf16) serve the backward. CUDA's
     kernel (the CPU's emulation is registered below the fence)."""
-    post, post_f8, post_max = triton_kernels.relu2_fp8_up_triton(x_f8, up_f8, up_dequant, act_scale, fast_accum=fast_accum)
+    grid, args, meta, (post, post_f8, post_max) = triton_kernels.fp8_up_kernel_args(x_f8, up_f8, up_dequant,
+                                                                                    act_scale, fast_accum)
+    triton_kernels._fp8_relu2_kernel[grid](*args, **meta)  # the up-projection kernel: post, post_f8, post_max
     y = _scaled_matmul(post_f8, down_f8_t.mT, act_scale, down_scale, torch.bfloat16, fast_accum=True)
     return y, post, post_max
 
@@ -2458,25 +2462,22 @@ class GPT(nn.Module):
         with torch.no_grad():
             model.lm_head_f8_t.copy_(fp8_head_weight(model.lm_head))
 
-    def _mlp(self, i: int, xn: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor,
-             post_maxima: list | None) -> torch.Tensor:
-        """post_maxima: a list for the FP8 MLPs (training on GPUs with FP8 tensor cores, record #89), to
-        which this layer's maxima of post are appended; None for the bf16 MLP."""
-        if post_maxima is not None:
-            y, post_max = self.fp8_mlp.mlp(i, xn, w_up, w_down)
-            post_maxima.append(post_max)
-            return y
-        return triton_kernels.relu2_mlp(xn, w_up, w_down)
-
-    def hidden(self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor, bigram_ids: torch.Tensor,
-               fp8: bool = False, masks: dict | None = None) -> torch.Tensor:
-        """Final normalised hidden states (T, D), the input of the LM head; fp8: FP8 MLPs (training);
-        masks: attention_masks(cu_seqlens, T), built here when not given (eager use)."""
+    def forward(self, input_ids, target_ids, cu_seqlens, bigram_ids, mtp_weights=None, loss_scale: float = 1.0,
+                prefix_weight=None, masks: dict | None = None):
+        """Training (mtp_weights (K,) fp32 given): (objective, next_token), the objective loss_scale * sum
+        over tokens of the softcapped multi-token CE plus, with prefix_weight (0-D fp32) given, the
+        prefix-token term (record #89's loss, to backpropagate), and next_token the sum over tokens of
+        the plain next-token CE of the same logits, evaluation's measure (0-D fp32, no gradient, from
+        the loss kernel's pass); FP8 head and MLPs on capable GPUs. Evaluation (mtp_weights None):
+        mean next-token fp32 CE. target_ids None: the final normalised hidden states (T, D), the input
+        of the LM head. masks: attention_masks(cu_seqlens, T), built here when not given (eager use),
+        required when compiled on CUDA."""
         a = self.args
         H, hd = a.num_heads, a.head_dim
         ids = input_ids.view(-1)
         T = ids.numel()
         doc = document_ids(cu_seqlens, T)
+        fp8 = mtp_weights is not None and a.fp8 and _native_fp8(ids.device)  # training on GPUs with FP8
 
         e = F.embedding(ids, self.embed)
         dt = e.dtype
@@ -2500,7 +2501,7 @@ class GPT(nn.Module):
         if masks is None:
             masks = self.attention_masks(cu_seqlens, T)
         skip_src = h = mudd_in = None
-        post_maxima = [] if fp8 else None
+        mlp_layer, post_maxima = MLPS["fp8" if fp8 else "bf16"], []
         for i, row in enumerate(self.layers):
             if i == self.post_gates_layer:
                 gates[1] = self._mudd_gate(1, x)  # from the raw residual entering this layer
@@ -2522,7 +2523,8 @@ class GPT(nn.Module):
                 x = resid[i, 0] * x + post[i, 0] * y + coef("x0", i) * x0
                 if i > 0:
                     x = x + coef("bigram", i) * xb
-            out = self._mlp(i, norm(x), mlp[2 * i], mlp[2 * i + 1], post_maxima)
+            out, post_max = mlp_layer(self.fp8_mlp, i, norm(x), mlp[2 * i], mlp[2 * i + 1])
+            post_maxima.append(post_max)
             x = m["resid_mlp"] * x + m["post_mlp"] * out if row.mudd else resid[i, 1] * x + post[i, 1] * out
             if row.save_skip:
                 skip_src = x
@@ -2530,24 +2532,11 @@ class GPT(nn.Module):
                 h = x
         if fp8:  # every layer has read its act scale: now the next forward's, in one write
             self.fp8_mlp.update_act_scales(post_maxima)
-        return norm(self.post_loop(x, cache0, h, mudd_in, ve[0], skip_src))
-
-    def logits(self, input_ids, cu_seqlens, bigram_ids, masks: dict | None = None) -> torch.Tensor:
-        """Softcapped fp32 logits (T, Vp) of the plain bf16 head (evaluation and tests)."""
-        return triton_kernels.softcap(self.hidden(input_ids, cu_seqlens, bigram_ids, masks=masks) @ self.lm_head)
-
-    def forward(self, input_ids, target_ids, cu_seqlens, bigram_ids, mtp_weights=None, loss_scale: float = 1.0,
-                prefix_weight=None, masks: dict | None = None):
-        """Training (mtp_weights (K,) fp32 given): (objective, next_token), the objective loss_scale * sum
-        over tokens of the softcapped multi-token CE plus, with prefix_weight (0-D fp32) given, the
-        prefix-token term (record #89's loss, to backpropagate), and next_token the sum over tokens of
-        the plain next-token CE of the same logits, evaluation's measure (0-D fp32, no gradient, from
-        the loss kernel's pass); FP8 head and MLPs on capable GPUs. Evaluation (mtp_weights None):
-        mean next-token fp32 CE. masks: attention_masks(cu_seqlens, T), required when compiled on CUDA."""
+        x = norm(self.post_loop(x, cache0, h, mudd_in, ve[0], skip_src))
+        if target_ids is None:
+            return x
         if mtp_weights is None:
-            return self.evaluation_loss(self.hidden(input_ids, cu_seqlens, bigram_ids, masks=masks), target_ids)
-        fp8 = self.args.fp8 and _native_fp8(input_ids.device)
-        x = self.hidden(input_ids, cu_seqlens, bigram_ids, fp8=fp8, masks=masks)
+            return self.evaluation_loss(x, target_ids)
         targets = target_ids.view(-1)
         prefix_ids = None if prefix_weight is None else self.prefix_table[targets.long()]
         # the loss kernel's stored gradient assumes exactly this upstream gradient, loss_scale per token
@@ -2555,6 +2544,15 @@ class GPT(nn.Module):
         loss, next_token = HEAD_LOSSES["fp8" if fp8 else x.device.type](
             self, x, targets, mtp_weights, prefix_ids, prefix_weight, loss_scale)
         return loss.sum() * loss_scale, next_token.sum()
+
+    def hidden(self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor, bigram_ids: torch.Tensor,
+               masks: dict | None = None) -> torch.Tensor:
+        """Final normalised hidden states (T, D) (bf16 MLPs), the input of the LM head."""
+        return self.forward(input_ids, None, cu_seqlens, bigram_ids, masks=masks)
+
+    def logits(self, input_ids, cu_seqlens, bigram_ids, masks: dict | None = None) -> torch.Tensor:
+        """Softcapped fp32 logits (T, Vp) of the plain bf16 head (evaluation and tests)."""
+        return triton_kernels.softcap(self.hidden(input_ids, cu_seqlens, bigram_ids, masks=masks) @ self.lm_head)
 
     def evaluation_loss(self, x: torch.Tensor, target_ids: torch.Tensor) -> torch.Tensor:
         """Mean next-token fp32 CE of the bf16 head on x (T, D), in chunks: full fp32 logits of a long
@@ -2587,6 +2585,13 @@ def bf16_head(model: GPT, x, targets, mtp_weights, prefix_ids, prefix_weight, lo
                                             grad_scale=loss_scale, next_token=True)
 
 
+def bf16_mlp(state: FP8MLPState, layer: int, x: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor):
+    """The bf16 MLP in FP8MLPState.mlp's form (its FP8 state unused): (y, None)."""
+    return triton_kernels.relu2_mlp(x, w_up, w_down), None
+
+
+# The MLP of every layer by kind: "fp8" (training on a GPU with FP8 tensor cores, record #89), else "bf16".
+MLPS = dict(fp8=FP8MLPState.mlp, bf16=bf16_mlp)
 # The head's training loss by where it runs: "fp8" (args.fp8 on a GPU with FP8 tensor cores), else the
 # device type; evaluation's summed CE of a chunk of logits by device type. The CPU's own (the head
 # fused into the loss's row blocks; log-probabilities in cache-sized blocks) add themselves below the fence.
@@ -4965,6 +4970,18 @@ def _fp8_mlp_cpu(x, w_up, w_down, x_f8, up_f8, up_dequant, down_f8_t, down_scale
     post, post_f8, post_max = triton_kernels.relu2_fp8_up_partials(x_f8, up_f8, up_dequant, act_scale,
                                                                    fast_accum=fast_accum)
     return _scaled_matmul(post_f8, down_f8_t.mT, act_scale, down_scale, torch.bfloat16, fast_accum=True), post, post_max
+
+
+# ---- The FP8 head on a CPU: emulated (tests, host-dispatch counts) ---------------------------------
+
+@fp8_head_loss.register_kernel("cpu")
+def _fp8_head_loss_cpu(x, w, x_f8, w_f8, targets, mtp_weights, prefix_ids, prefix_weight, x_s, w_s, grad_s,
+                       grad_scale):
+    """fp8_head_loss on CPU tensors: the float8 matmul emulated (_scaled_matmul), the loss kernel's CPU twin."""
+    _check_fp8_head_args(x, w, x_f8, w_f8)
+    logits = _scaled_matmul(x_f8, w_f8, x_s, w_s, torch.bfloat16, fast_accum=True)
+    return triton_kernels.softcapped_ce_mtp_e5m2(logits, targets, mtp_weights, prefix_ids, prefix_weight,
+                                                 grad_scale, grad_s)
 
 
 # ---- One training step without a Trainer (tests, benchmarks, the GPU check) ----------------------
