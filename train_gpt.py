@@ -551,9 +551,8 @@ fp8_head_loss.register_autograd(_fp8_head_loss_autograd, setup_context=_fp8_head
 def fp8_mlp(x: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, x_f8: torch.Tensor, up_f8: torch.Tensor,
             up_dequant: torch.Tensor, down_f8_t: torch.Tensor, down_scale: torch.Tensor, act_scale: torch.Tensor,
             fast_accum: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """relu(x w_up^T)^2 w_down in FP8 from the e4m3 operands and 0-D fp32 scales: (y (T, D) bf16, post
-    (T, H) bf16, maxima of post over parts (P,) fp32); x, w_up, w_down (bf16) serve the backward. CUDA's
-    kernel (the CPU's emulation is registered below the fence)."""
+    """relu(x w_up^T)^2 w_down in FP8 (e4m3 operands, 0-D fp32 scales): (y (T, D) bf16, post (T, H) bf16,
+    maxima of post over parts (P,) fp32); x, w_up, w_down (bf16) serve the backward. CPU: below the fence."""
     grid, args, meta, (post, post_f8, post_max) = triton_kernels.fp8_up_kernel_args(x_f8, up_f8, up_dequant,
                                                                                     act_scale, fast_accum)
     triton_kernels._fp8_relu2_kernel[grid](*args, **meta)  # the up-projection kernel: post, post_f8, post_max
