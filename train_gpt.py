@@ -455,8 +455,10 @@ def fp8_head_loss(x: torch.Tensor, w: torch.Tensor, x_f8: torch.Tensor, w_f8: to
     the loss (the loss kernel's rule): use it as sum(loss) * grad_scale, grad_s = FP8_HEAD_GRAD_SCALE * grad_scale."""
     _check_fp8_head_args(x, w, x_f8, w_f8)
     logits = _scaled_matmul(x_f8, w_f8, x_s, w_s, torch.bfloat16, fast_accum=True)
-    return triton_kernels.softcapped_ce_mtp_e5m2(logits, targets, mtp_weights, prefix_ids, prefix_weight,
-                                                 grad_scale, grad_s)
+    grid, args, meta, outputs = triton_kernels.ce_kernel_args(logits, targets, mtp_weights, prefix_ids,
+                                                             prefix_weight, grad_scale, 1.0 / grad_s)
+    triton_kernels._ce_mtp_kernel[grid](*args, **meta)  # the loss kernel (CUDA; the CPU's twin below the fence)
+    return outputs
 
 
 @fp8_head_loss.register_fake
@@ -511,10 +513,11 @@ fp8_head_loss.register_autograd(_fp8_head_loss_autograd, setup_context=_fp8_head
 def fp8_mlp(x: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, x_f8: torch.Tensor, up_f8: torch.Tensor,
             up_dequant: torch.Tensor, down_f8_t: torch.Tensor, down_scale: torch.Tensor, act_scale: torch.Tensor,
             fast_accum: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """relu(x w_up^T)^2 w_down in FP8 from the e4m3 operands and 0-D fp32 scales: (y (T, D) bf16, post
-    (T, H) bf16, maxima of post over parts (P,) fp32); x, w_up, w_down (bf16) serve the backward. CUDA's
-    kernel (the CPU's emulation is registered below the fence)."""
-    post, post_f8, post_max = triton_kernels.relu2_fp8_up_triton(x_f8, up_f8, up_dequant, act_scale, fast_accum=fast_accum)
+    """relu(x w_up^T)^2 w_down in FP8 (e4m3 operands, 0-D fp32 scales): (y (T, D) bf16, post (T, H) bf16,
+    maxima of post over parts (P,) fp32); x, w_up, w_down (bf16) serve the backward. CPU: below the fence."""
+    grid, args, meta, (post, post_f8, post_max) = triton_kernels.fp8_up_kernel_args(x_f8, up_f8, up_dequant,
+                                                                                    act_scale, fast_accum)
+    triton_kernels._fp8_relu2_kernel[grid](*args, **meta)  # the up-projection kernel: post, post_f8, post_max
     y = _scaled_matmul(post_f8, down_f8_t.mT, act_scale, down_scale, torch.bfloat16, fast_accum=True)
     return y, post, post_max
 
@@ -616,22 +619,6 @@ def _as_bank(G: torch.Tensor) -> torch.Tensor:
     return G.reshape(-1, G.size(-2), G.size(-1))
 
 
-def _gram_of(X: torch.Tensor, left: bool) -> torch.Tensor:
-    """X X^T (left) or X^T X, with the symmetric Triton kernels on CUDA."""
-    k = X.size(-2) if left else X.size(-1)
-    out = X.new_empty(X.size(0), k, k)
-    if X.is_cuda:
-        return triton_kernels.XXT(X, out) if left else triton_kernels.XTX(X, out)
-    return torch.bmm(X, X.mT, out=out) if left else torch.bmm(X.mT, X, out=out)
-
-
-def _poly_of_gram(A: torch.Tensor, b: float, c: float) -> torch.Tensor:
-    """b A + c A^2 for a symmetric A (Triton kernel on CUDA)."""
-    if A.is_cuda:
-        return triton_kernels.ba_plus_cAA(A, c, b, torch.empty_like(A))
-    return torch.baddbmm(A, A, A, beta=b, alpha=c)
-
-
 def polar_express(G: torch.Tensor, coeffs=POLAR_EXPRESS_COEFFS, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """Polar Express orthogonalization of a matrix or a bank of matrices, in bf16 (the record's).
 
@@ -646,8 +633,11 @@ def polar_express(G: torch.Tensor, coeffs=POLAR_EXPRESS_COEFFS, dtype: torch.dty
     X = X / (X.norm(dim=(-2, -1), keepdim=True) * 1.02 + 1e-6)
     wide = X.size(-2) <= X.size(-1)
     split = X.size(-2) > 1024
+    gram = triton_kernels.XXT if wide else triton_kernels.XTX  # symmetric Triton kernels on CUDA
+    k = X.size(-2) if wide else X.size(-1)
     for a, b, c in coeffs:
-        B = _poly_of_gram(_gram_of(X, left=wide), b, c)
+        A = gram(X, X.new_empty(X.size(0), k, k))
+        B = triton_kernels.ba_plus_cAA(A, c, b, torch.empty_like(A))  # b A + c A^2
         if split:
             X = a * X + (torch.bmm(B, X) if wide else torch.bmm(X, B))
         else:
@@ -1292,17 +1282,6 @@ class NorMuonAdam:
                 gathers[slot.label] = done
         return gathers
 
-    def _normuon_work(self, slot: Slot, grad: torch.Tensor, hp: torch.Tensor, after_update=None):
-        """Update the local shard of a NorMuon label; return a function that completes its all_gather (or None)."""
-        st = self.state[slot.label]
-        shard = slot.local_shard()
-        if shard.size(0):  # a balanced bank may give this rank none of its matrices
-            self._normuon_fn(grad, st["momentum_buffer"], st["second_moment"], shard, st.get("mantissa"),
-                             self._matrix_lr[slot.label], hp, self.orthogonalize)
-        if after_update is not None:  # on the owned matrices, before they are gathered
-            after_update(slot, shard, st.get("mantissa"))
-        return self.exchange.gather(slot, shard)
-
     @torch.no_grad()
     def step(self, do_adam: bool = True, lr_scale: float = 1.0, momentum: float | None = None,
              after_update: dict | None = None) -> None:
@@ -1335,10 +1314,18 @@ class NorMuonAdam:
         for group in self._adam_groups(active):
             gathers.update(self._adam_work(group, reduced, hps))
         for label in self.work_order:
-            if label in reduced and self.slots[label].cfg.optimizer == "normuon":
-                done = self._normuon_work(self.slots[label], reduced[label](), hps[label], after_update.get(label))
-                if done is not None:
-                    gathers[label] = done
+            if label not in reduced or self.slots[label].cfg.optimizer != "normuon":
+                continue
+            slot, st, grad = self.slots[label], self.state[label], reduced[label]()
+            shard = slot.local_shard()
+            if shard.size(0):  # a balanced bank may give this rank none of its matrices
+                self._normuon_fn(grad, st["momentum_buffer"], st["second_moment"], shard, st.get("mantissa"),
+                                 self._matrix_lr[label], hps[label], self.orthogonalize)
+            if label in after_update:  # on the owned matrices, before they are gathered
+                after_update[label](slot, shard, st.get("mantissa"))
+            done = self.exchange.gather(slot, shard)
+            if done is not None:
+                gathers[label] = done
         # phase 3: finalize. The head's gather is waited on first, so the tied embedding is refreshed
         # while the other gathers are still in flight.
         if self.tied and do_adam:
@@ -1998,25 +1985,22 @@ class GPT(nn.Module):
         with torch.no_grad():
             model.lm_head_f8_t.copy_(fp8_head_weight(model.lm_head))
 
-    def _mlp(self, i: int, xn: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor,
-             post_maxima: list | None) -> torch.Tensor:
-        """post_maxima: a list for the FP8 MLPs (training on GPUs with FP8 tensor cores, record #89), to
-        which this layer's maxima of post are appended; None for the bf16 MLP."""
-        if post_maxima is not None:
-            y, post_max = self.fp8_mlp.mlp(i, xn, w_up, w_down)
-            post_maxima.append(post_max)
-            return y
-        return triton_kernels.relu2_mlp(xn, w_up, w_down)
-
-    def hidden(self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor, bigram_ids: torch.Tensor,
-               fp8: bool = False, masks: dict | None = None) -> torch.Tensor:
-        """Final normalised hidden states (T, D), the input of the LM head; fp8: FP8 MLPs (training);
-        masks: attention_masks(cu_seqlens, T), built here when not given (eager use)."""
+    def forward(self, input_ids, target_ids, cu_seqlens, bigram_ids, mtp_weights=None, loss_scale: float = 1.0,
+                prefix_weight=None, masks: dict | None = None):
+        """Training (mtp_weights (K,) fp32 given): (objective, next_token), the objective loss_scale * sum
+        over tokens of the softcapped multi-token CE plus, with prefix_weight (0-D fp32) given, the
+        prefix-token term (record #89's loss, to backpropagate), and next_token the sum over tokens of
+        the plain next-token CE of the same logits, evaluation's measure (0-D fp32, no gradient, from
+        the loss kernel's pass); FP8 head and MLPs on capable GPUs. Evaluation (mtp_weights None):
+        mean next-token fp32 CE. target_ids None: the final normalised hidden states (T, D), the input
+        of the LM head. masks: attention_masks(cu_seqlens, T), built here when not given (eager use),
+        required when compiled on CUDA."""
         a = self.args
         H, hd = a.num_heads, a.head_dim
         ids = input_ids.view(-1)
         T = ids.numel()
         doc = document_ids(cu_seqlens, T)
+        fp8 = mtp_weights is not None and a.fp8 and _native_fp8(ids.device)  # training on GPUs with FP8
 
         e = F.embedding(ids, self.embed)
         dt = e.dtype
@@ -2040,7 +2024,7 @@ class GPT(nn.Module):
         if masks is None:
             masks = self.attention_masks(cu_seqlens, T)
         skip_src = h = mudd_in = None
-        post_maxima = [] if fp8 else None
+        mlp_layer, post_maxima = MLPS["fp8" if fp8 else "bf16"], []
         for i, row in enumerate(self.layers):
             if i == self.post_gates_layer:
                 gates[1] = self._mudd_gate(1, x)  # from the raw residual entering this layer
@@ -2062,7 +2046,8 @@ class GPT(nn.Module):
                 x = resid[i, 0] * x + post[i, 0] * y + coef("x0", i) * x0
                 if i > 0:
                     x = x + coef("bigram", i) * xb
-            out = self._mlp(i, norm(x), mlp[2 * i], mlp[2 * i + 1], post_maxima)
+            out, post_max = mlp_layer(self.fp8_mlp, i, norm(x), mlp[2 * i], mlp[2 * i + 1])
+            post_maxima.append(post_max)
             x = m["resid_mlp"] * x + m["post_mlp"] * out if row.mudd else resid[i, 1] * x + post[i, 1] * out
             if row.save_skip:
                 skip_src = x
@@ -2070,24 +2055,11 @@ class GPT(nn.Module):
                 h = x
         if fp8:  # every layer has read its act scale: now the next forward's, in one write
             self.fp8_mlp.update_act_scales(post_maxima)
-        return norm(self.post_loop(x, cache0, h, mudd_in, ve[0], skip_src))
-
-    def logits(self, input_ids, cu_seqlens, bigram_ids, masks: dict | None = None) -> torch.Tensor:
-        """Softcapped fp32 logits (T, Vp) of the plain bf16 head (evaluation and tests)."""
-        return triton_kernels.softcap(self.hidden(input_ids, cu_seqlens, bigram_ids, masks=masks) @ self.lm_head)
-
-    def forward(self, input_ids, target_ids, cu_seqlens, bigram_ids, mtp_weights=None, loss_scale: float = 1.0,
-                prefix_weight=None, masks: dict | None = None):
-        """Training (mtp_weights (K,) fp32 given): (objective, next_token), the objective loss_scale * sum
-        over tokens of the softcapped multi-token CE plus, with prefix_weight (0-D fp32) given, the
-        prefix-token term (record #89's loss, to backpropagate), and next_token the sum over tokens of
-        the plain next-token CE of the same logits, evaluation's measure (0-D fp32, no gradient, from
-        the loss kernel's pass); FP8 head and MLPs on capable GPUs. Evaluation (mtp_weights None):
-        mean next-token fp32 CE. masks: attention_masks(cu_seqlens, T), required when compiled on CUDA."""
+        x = norm(self.post_loop(x, cache0, h, mudd_in, ve[0], skip_src))
+        if target_ids is None:
+            return x
         if mtp_weights is None:
-            return self.evaluation_loss(self.hidden(input_ids, cu_seqlens, bigram_ids, masks=masks), target_ids)
-        fp8 = self.args.fp8 and _native_fp8(input_ids.device)
-        x = self.hidden(input_ids, cu_seqlens, bigram_ids, fp8=fp8, masks=masks)
+            return self.evaluation_loss(x, target_ids)
         targets = target_ids.view(-1)
         prefix_ids = None if prefix_weight is None else self.prefix_table[targets.long()]
         # the loss kernel's stored gradient assumes exactly this upstream gradient, loss_scale per token
@@ -2095,6 +2067,15 @@ class GPT(nn.Module):
         loss, next_token = HEAD_LOSSES["fp8" if fp8 else x.device.type](
             self, x, targets, mtp_weights, prefix_ids, prefix_weight, loss_scale)
         return loss.sum() * loss_scale, next_token.sum()
+
+    def hidden(self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor, bigram_ids: torch.Tensor,
+               masks: dict | None = None) -> torch.Tensor:
+        """Final normalised hidden states (T, D) (bf16 MLPs), the input of the LM head."""
+        return self.forward(input_ids, None, cu_seqlens, bigram_ids, masks=masks)
+
+    def logits(self, input_ids, cu_seqlens, bigram_ids, masks: dict | None = None) -> torch.Tensor:
+        """Softcapped fp32 logits (T, Vp) of the plain bf16 head (evaluation and tests)."""
+        return triton_kernels.softcap(self.hidden(input_ids, cu_seqlens, bigram_ids, masks=masks) @ self.lm_head)
 
     def evaluation_loss(self, x: torch.Tensor, target_ids: torch.Tensor) -> torch.Tensor:
         """Mean next-token fp32 CE of the bf16 head on x (T, D), in chunks: full fp32 logits of a long
@@ -2127,6 +2108,13 @@ def bf16_head(model: GPT, x, targets, mtp_weights, prefix_ids, prefix_weight, lo
                                             grad_scale=loss_scale, next_token=True)
 
 
+def bf16_mlp(state: FP8MLPState, layer: int, x: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor):
+    """The bf16 MLP in FP8MLPState.mlp's form (its FP8 state unused): (y, None)."""
+    return triton_kernels.relu2_mlp(x, w_up, w_down), None
+
+
+# The MLP of every layer by kind: "fp8" (training on a GPU with FP8 tensor cores, record #89), else "bf16".
+MLPS = dict(fp8=FP8MLPState.mlp, bf16=bf16_mlp)
 # The head's training loss by where it runs: "fp8" (args.fp8 on a GPU with FP8 tensor cores), else the
 # device type; evaluation's summed CE of a chunk of logits by device type. The CPU's own (the head
 # fused into the loss's row blocks; log-probabilities in cache-sized blocks) add themselves below the fence.
@@ -2654,11 +2642,12 @@ def begin_step(opt: NorMuonAdam, batches: list[Batch], plan: StepPlan, mtp: torc
         opt.prepare_sparse("bigram_embed", b.bigram_ids, launch=plan.do_adam and i == len(batches) - 1)
 
 
-def train_step(model_fn, opt: NorMuonAdam, batches: list[Batch], plan: StepPlan, mtp: torch.Tensor,
-               prefix: torch.Tensor, grad_scale: float, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Forward and backward of this rank's micro-batches, then one optimizer step. mtp (K,) and prefix
-    (0-D) are device tensors that receive this step's loss weights. Returns this rank's (summed training
-    objective times grad_scale, summed next-token loss), 0-D tensors; nothing here waits for the GPU."""
+def forward_backward(model_fn, opt: NorMuonAdam, batches: list[Batch], plan: StepPlan, mtp: torch.Tensor,
+                     prefix: torch.Tensor, grad_scale: float,
+                     device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Forward and backward of this rank's micro-batches (the optimizer step is the caller's). mtp (K,) and
+    prefix (0-D) are device tensors that receive this step's loss weights. Returns this rank's (summed
+    training objective times grad_scale, summed next-token loss), 0-D tensors; nothing here waits for the GPU."""
     begin_step(opt, batches, plan, mtp, prefix)
     loss, next_token = torch.zeros((), device=device), torch.zeros((), device=device)
     for i, b in enumerate(batches):
@@ -2672,7 +2661,6 @@ def train_step(model_fn, opt: NorMuonAdam, batches: list[Batch], plan: StepPlan,
             micro.backward()
         loss += micro.detach()
         next_token += micro_next_token
-    opt.step(plan.do_adam, lr_scale=plan.lr_mult, momentum=plan.momentum)
     return loss, next_token
 
 
@@ -2746,7 +2734,7 @@ class StepGraphs:
             torch._foreach_zero_(fresh)
 
     def _forward_backward(self, entry: _StepBuffers) -> None:
-        """train_step's forward and backward of every micro-batch, on the static buffers."""
+        """forward_backward's forward and backward of every micro-batch, on the static buffers."""
         entry.loss.zero_()
         entry.next_token.zero_()
         for b in entry.batches:
@@ -2796,11 +2784,10 @@ class StepGraphs:
         entry.graph = graph
 
     def step(self, batches: list[Batch], plan: StepPlan, key: tuple, capture: bool = False) -> tuple:
-        """train_step's step on the static buffers of `key`: its forward+backward replayed where
-        captured, captured and checked first when `capture` (the untimed warm-up) and the key has no
-        graph yet, run uncaptured otherwise; then the optimizer step. Returns train_step's (summed
-        objective, summed next-token loss) as new 0-D tensors (the static ones: overwritten by the next
-        replay)."""
+        """forward_backward on the static buffers of `key`: replayed where captured, captured and checked
+        first when `capture` (the untimed warm-up) and the key has no graph yet, run uncaptured otherwise;
+        the optimizer step is the caller's. Returns forward_backward's (summed objective, summed next-token
+        loss) as new 0-D tensors (the static ones: overwritten by the next replay)."""
         begin_step(self.opt, batches, plan, self.mtp, self.prefix)
         entry = self._buffers(key, batches)
         host = step_buffer(batches)
@@ -2818,9 +2805,7 @@ class StepGraphs:
                 self.failure = str(e)
         else:
             self._forward_backward(entry)
-        loss, next_token = entry.loss.clone(), entry.next_token.clone()
-        self.opt.step(plan.do_adam, lr_scale=plan.lr_mult, momentum=plan.momentum)
-        return loss, next_token
+        return entry.loss.clone(), entry.next_token.clone()
 
 
 def compile_counts() -> dict:
@@ -2890,8 +2875,9 @@ class Trainer:
         if graphs is not None:  # the warm-up captures each key's graph (and checks it against the uncaptured step)
             objective, next_token = graphs.step(batches, plan, step_graph_key(plan, request, self.accum), capture=warm_up)
         else:
-            objective, next_token = train_step(self.model_fn, self.opt, batches, plan, self.mtp, self.prefix,
-                                               self.grad_scale, d.device)
+            objective, next_token = forward_backward(self.model_fn, self.opt, batches, plan, self.mtp, self.prefix,
+                                                     self.grad_scale, d.device)
+        self.opt.step(plan.do_adam, lr_scale=plan.lr_mult, momentum=plan.momentum)
         if step == untie_step(args) and self.opt.tied:  # (a benchmark may have untied already)
             self.opt.untie()
         self.batches = batches  # the benchmarks count the step's documents
@@ -3434,6 +3420,18 @@ def _normalized_bank(G: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     G3 = _as_bank(G)
     norm = G3.float().norm(dim=(-2, -1), keepdim=True)
     return (G3.float() / (norm * 1.02 + 1e-6)).to(dtype)
+
+
+def _gram_of(X: torch.Tensor, left: bool) -> torch.Tensor:
+    """X X^T (left) or X^T X of a bank (b, m, n), by the symmetric Triton kernels on CUDA."""
+    k = X.size(-2) if left else X.size(-1)
+    out = X.new_empty(X.size(0), k, k)
+    return triton_kernels.XXT(X, out) if left else triton_kernels.XTX(X, out)
+
+
+def _poly_of_gram(A: torch.Tensor, b: float, c: float) -> torch.Tensor:
+    """b A + c A^2 for a symmetric bank A (b, m, m)."""
+    return triton_kernels.ba_plus_cAA(A, c, b, torch.empty_like(A))
 
 
 def gram_newton_schulz(G: torch.Tensor, coeffs=POLAR_EXPRESS_COEFFS, restart_after: int = 2,
@@ -4588,6 +4586,28 @@ def cpu_peak_memory() -> str:
     """train()'s last log line on a CPU."""
     import resource
     return f"peak memory (max RSS of rank 0): {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024} MiB"
+
+
+# ---- The FP8 head on a CPU: emulated (tests, host-dispatch counts) ---------------------------------
+
+@fp8_head_loss.register_kernel("cpu")
+def _fp8_head_loss_cpu(x, w, x_f8, w_f8, targets, mtp_weights, prefix_ids, prefix_weight, x_s, w_s, grad_s,
+                       grad_scale):
+    """fp8_head_loss on CPU tensors: the float8 matmul emulated (_scaled_matmul), the loss kernel's CPU twin."""
+    _check_fp8_head_args(x, w, x_f8, w_f8)
+    logits = _scaled_matmul(x_f8, w_f8, x_s, w_s, torch.bfloat16, fast_accum=True)
+    return triton_kernels.softcapped_ce_mtp_e5m2(logits, targets, mtp_weights, prefix_ids, prefix_weight,
+                                                 grad_scale, grad_s)
+
+
+# ---- One training step without a Trainer (tests, benchmarks, the GPU check) ----------------------
+
+def train_step(model_fn, opt: NorMuonAdam, batches: list[Batch], plan: StepPlan, mtp: torch.Tensor,
+               prefix: torch.Tensor, grad_scale: float, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """forward_backward, then the optimizer step, as Trainer.step runs them; forward_backward's losses."""
+    loss, next_token = forward_backward(model_fn, opt, batches, plan, mtp, prefix, grad_scale, device)
+    opt.step(plan.do_adam, lr_scale=plan.lr_mult, momentum=plan.momentum)
+    return loss, next_token
 
 
 if __name__ == "__main__":

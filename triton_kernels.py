@@ -1,15 +1,17 @@
 """Fused kernels for train_gpt.py, each beside a plain-PyTorch reference of the same function.
 
 Every public function `name(...)` dispatches on the device of its main input: CUDA tensors run the
-Triton kernel (`name_triton`), anything else runs `name_reference` (or, for the MLP and the
-cross-entropy, a torch twin of the kernel that saves what the kernel saves), so the same model code
-trains anywhere and the CPU demo stays fast. The `name_triton` functions always take the Triton path; on a
-CPU tensor that only works under the Triton interpreter (TRITON_INTERPRET=1 set before this module
-is imported), which is how the tests prove the kernels on machines without a GPU.
+Triton kernel (the symmetric products: at the shapes kernel_choice gives it), anything else runs torch
+ops (for the MLP and the cross-entropy, a torch twin of the kernel that saves what the kernel saves), so
+the same model code trains anywhere and the CPU demo stays fast. The `name_triton` functions always
+take the Triton path; on a CPU tensor that only works under the Triton interpreter (TRITON_INTERPRET=1
+set before this module is imported), which is how the tests prove the kernels on machines without a GPU.
 
 Kernels are launched from `torch.library.custom_op`s in the `speedrun` namespace, each with a fake
 (meta) implementation and, where gradients flow, a registered autograd formula, so `torch.compile`d
-model code treats them as opaque ops instead of trying to trace into Triton launches.
+model code treats them as opaque ops instead of trying to trace into Triton launches. An op's body
+launches its kernel itself, `kernel[grid](*args, **meta)`, with what a `*_args` helper computes from
+the op's inputs (checks, tiles, outputs): public function, op, kernel.
 
 Design notes (Hopper, sm_90):
   * The matmul kernels are persistent: one program per SM walks a list of output tiles, so tile
@@ -209,8 +211,22 @@ def _as_batched(t: Tensor) -> tuple[int, int, int, int]:
     return t.shape[0], t.stride(0), t.stride(1), t.stride(2)
 
 
-def _launch_sym(A: Tensor, out: Tensor, mode: str, alpha: float = 1.0, beta: float = 0.0,
-                config: dict | None = None) -> None:
+def _check_sym_shapes(name: str, A: Tensor, out: Tensor, n_out: int) -> None:
+    if A.dim() not in (2, 3):
+        raise ValueError(f"{name}: A must be 2-D (m, n) or batched 3-D (b, m, n), got shape {tuple(A.shape)}")
+    want = (*A.shape[:-2], n_out, n_out)
+    if tuple(out.shape) != want:
+        raise ValueError(f"{name}: out must have shape {want} for A of shape {tuple(A.shape)}, got {tuple(out.shape)}")
+
+
+def _sym_args(A: Tensor, out: Tensor, mode: str, alpha: float = 1.0, beta: float = 0.0,
+              config: dict | None = None) -> tuple[tuple, tuple, dict]:
+    """The symmetric kernel's (grid, arguments, meta-parameters) for out = A A^T ("xxt"), A^T A ("xtx") or
+    alpha A A + beta A ("aa"), once A and out pass the checks; config: tiles other than _sym_config's."""
+    if mode == "aa" and (A.dim() not in (2, 3) or A.shape[-1] != A.shape[-2]):
+        raise ValueError(f"ba_plus_cAA: A must be square (m, m) or batched (b, m, m), got shape {tuple(A.shape)}")
+    name = dict(xxt="XXT", xtx="XTX", aa="ba_plus_cAA")[mode]
+    _check_sym_shapes(name, A, out, A.shape[-2] if mode == "xxt" else A.shape[-1])
     _check_runnable(_sym_mm_kernel, A, out)
     if _overlaps(A, out):
         raise ValueError("triton_kernels: `out` must not overlap `A` (the kernel reads A while writing out)")
@@ -229,28 +245,28 @@ def _launch_sym(A: Tensor, out: Tensor, mode: str, alpha: float = 1.0, beta: flo
     cfg = dict(config) if config is not None else _sym_config(N, nb, A.device)
     nt = triton.cdiv(N, cfg["BLOCK"])
     grid = (_num_programs(A.device, nb * nt * (nt + 1) // 2),)
-    _sym_mm_kernel[grid](
-        A, A, A, out, N, K, nb,
-        *x_strides, *y_strides, sab, sam, san, sob, som, son,
-        float(alpha), float(beta),
-        HAS_Z=(mode == "aa"), FP64=(A.dtype == torch.float64), PREC=_dot_precision(A.dtype),
-        **cfg,
-    )
+    args = (A, A, A, out, N, K, nb, *x_strides, *y_strides, sab, sam, san, sob, som, son,
+            float(alpha), float(beta))
+    meta = dict(HAS_Z=(mode == "aa"), FP64=(A.dtype == torch.float64), PREC=_dot_precision(A.dtype), **cfg)
+    return grid, args, meta
 
 
 @torch.library.custom_op("speedrun::xxt", mutates_args=("out",))
 def _xxt_op(A: Tensor, out: Tensor) -> None:
-    _launch_sym(A, out, "xxt")
+    grid, args, meta = _sym_args(A, out, "xxt")
+    _sym_mm_kernel[grid](*args, **meta)
 
 
 @torch.library.custom_op("speedrun::xtx", mutates_args=("out",))
 def _xtx_op(A: Tensor, out: Tensor) -> None:
-    _launch_sym(A, out, "xtx")
+    grid, args, meta = _sym_args(A, out, "xtx")
+    _sym_mm_kernel[grid](*args, **meta)
 
 
 @torch.library.custom_op("speedrun::ba_plus_caa", mutates_args=("out",))
 def _ba_plus_caa_op(A: Tensor, alpha: float, beta: float, out: Tensor) -> None:
-    _launch_sym(A, out, "aa", alpha, beta)
+    grid, args, meta = _sym_args(A, out, "aa", alpha, beta)
+    _sym_mm_kernel[grid](*args, **meta)
 
 
 @_xxt_op.register_fake
@@ -268,33 +284,20 @@ def _(A, alpha, beta, out):
     return None
 
 
-def _check_sym_shapes(name: str, A: Tensor, out: Tensor, n_out: int) -> None:
-    if A.dim() not in (2, 3):
-        raise ValueError(f"{name}: A must be 2-D (m, n) or batched 3-D (b, m, n), got shape {tuple(A.shape)}")
-    want = (*A.shape[:-2], n_out, n_out)
-    if tuple(out.shape) != want:
-        raise ValueError(f"{name}: out must have shape {want} for A of shape {tuple(A.shape)}, got {tuple(out.shape)}")
-
-
 def XXT_triton(A: Tensor, out: Tensor) -> Tensor:
     """Triton path of `XXT`; runs on CUDA, or on CPU under TRITON_INTERPRET=1."""
-    _check_sym_shapes("XXT", A, out, A.shape[-2])
     torch.ops.speedrun.xxt(A, out)
     return out
 
 
 def XTX_triton(A: Tensor, out: Tensor) -> Tensor:
     """Triton path of `XTX`; runs on CUDA, or on CPU under TRITON_INTERPRET=1."""
-    _check_sym_shapes("XTX", A, out, A.shape[-1])
     torch.ops.speedrun.xtx(A, out)
     return out
 
 
 def ba_plus_cAA_triton(A: Tensor, alpha: float, beta: float, out: Tensor) -> Tensor:
     """Triton path of `ba_plus_cAA`; runs on CUDA, or on CPU under TRITON_INTERPRET=1."""
-    if A.dim() not in (2, 3) or A.shape[-1] != A.shape[-2]:
-        raise ValueError(f"ba_plus_cAA: A must be square (m, m) or batched (b, m, m), got shape {tuple(A.shape)}")
-    _check_sym_shapes("ba_plus_cAA", A, out, A.shape[-1])
     torch.ops.speedrun.ba_plus_caa(A, float(alpha), float(beta), out)
     return out
 
@@ -371,11 +374,12 @@ def XXT(A: Tensor, out: Tensor) -> Tensor:
     """out = A @ A^T; A (m, n) or (b, m, n), out (m, m) or (b, m, m), any float dtype; returns out.
 
     On CUDA only the lower-triangle tiles are multiplied (fp32 accumulation) and mirrored, except at
-    shapes where kernel_choice gives torch's matmul. `out` must not overlap `A`.
+    shapes where kernel_choice gives torch's matmul, which other devices run. `out` must not overlap `A`.
     """
     if _runs_kernel("XXT", A):
-        return XXT_triton(A, out)
-    return torch.matmul(A, A.mT, out=out) if A.is_cuda else XXT_reference(A, out)
+        torch.ops.speedrun.xxt(A, out)
+        return out
+    return torch.matmul(A, A.mT, out=out)
 
 
 def XTX(A: Tensor, out: Tensor) -> Tensor:
@@ -384,23 +388,22 @@ def XTX(A: Tensor, out: Tensor) -> Tensor:
     The symmetric form for tall matrices (rows > cols), same triangle trick (and table) as `XXT`.
     """
     if _runs_kernel("XTX", A):
-        return XTX_triton(A, out)
-    return torch.matmul(A.mT, A, out=out) if A.is_cuda else XTX_reference(A, out)
+        torch.ops.speedrun.xtx(A, out)
+        return out
+    return torch.matmul(A.mT, A, out=out)
 
 
 def ba_plus_cAA(A: Tensor, alpha: float, beta: float, out: Tensor) -> Tensor:
     """out = alpha * A @ A + beta * A for symmetric A (m, m) or (b, m, m); returns out.
 
-    This is the `b*A + c*A^2` step of Polar Express (alpha = c, beta = b). A must be symmetric:
-    only half of the product is computed (torch's baddbmm where kernel_choice says so). `out` must
-    not overlap `A`.
+    This is the `b*A + c*A^2` step of Polar Express (alpha = c, beta = b). A must be symmetric: on
+    CUDA only half of the product is computed, except where kernel_choice gives torch's baddbmm, which
+    other devices run. `out` must not overlap `A`.
     """
     if _runs_kernel("ba_plus_cAA", A):
-        return ba_plus_cAA_triton(A, alpha, beta, out)
-    if A.is_cuda:
-        fn = torch.baddbmm if A.dim() == 3 else torch.addmm
-        return fn(A, A, A, beta=beta, alpha=alpha, out=out)
-    return ba_plus_cAA_reference(A, alpha, beta, out)
+        torch.ops.speedrun.ba_plus_caa(A, float(alpha), float(beta), out)
+        return out
+    return (torch.baddbmm if A.dim() == 3 else torch.addmm)(A, A, A, beta=beta, alpha=alpha, out=out)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -487,37 +490,30 @@ def _mm_config(M: int, N: int, K: int, device: torch.device) -> dict:
     return dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=4)
 
 
-def _launch_mm(a: Tensor, b: Tensor, c: Tensor, epilogue: int, aux: Tensor | None = None,
-               config: dict | None = None) -> Tensor:
-    """c = epilogue(a @ b) for 2-D a (M, K), b (K, N) (any strides), c (M, N)."""
+def _mm_args(a: Tensor, b: Tensor, c: Tensor, epilogue: int, aux: Tensor | None = None,
+             config: dict | None = None) -> tuple[tuple, tuple, dict]:
+    """The MLP kernel's (grid, arguments, meta-parameters) for c = epilogue(a @ b), 2-D a (M, K), b (K, N)
+    (any strides), c (M, N); config: tiles other than _mm_config's."""
     _check_runnable(_mm_epilogue_kernel, a, b, c)
     M, K = a.shape
     N = b.shape[1]
     cfg = dict(config) if config is not None else _mm_config(M, N, K, a.device)
     tiles = triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"])
     aux_t = aux if aux is not None else c
-    _mm_epilogue_kernel[(_num_programs(a.device, tiles),)](
-        a, b, c, aux_t, M, N, K,
-        a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0), c.stride(1),
-        aux_t.stride(0), aux_t.stride(1),
-        EPILOGUE=epilogue, FP64=(a.dtype == torch.float64), PREC=_dot_precision(a.dtype),
-        **cfg,
-    )
-    return c
+    args = (a, b, c, aux_t, M, N, K, a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0), c.stride(1),
+            aux_t.stride(0), aux_t.stride(1))
+    return ((_num_programs(a.device, tiles),), args,
+            dict(EPILOGUE=epilogue, FP64=(a.dtype == torch.float64), PREC=_dot_precision(a.dtype), **cfg))
 
 
-def _relu2_post(x: Tensor, w_up: Tensor, kernel: bool) -> Tensor:
-    """post = relu(x @ w_up^T)^2 in x's dtype: the fused kernel, or the same math in torch ops."""
-    if kernel:
-        post = torch.empty(x.shape[0], w_up.shape[0], dtype=x.dtype, device=x.device)
-        return _launch_mm(x, w_up.mT, post, _EPI_RELU2)
+def _relu2_post(x: Tensor, w_up: Tensor) -> Tensor:
+    """The kernel's post = relu(x @ w_up^T)^2 in torch ops (the CPU's twin)."""
     return torch.relu(x @ w_up.mT).square()
 
 
-def _relu2_dpre(dy: Tensor, w_down: Tensor, post: Tensor, kernel: bool) -> Tensor:
-    """dpre = 2 (dy @ w_down^T) sqrt(post): relu(pre) = sqrt(post), so the backward needs no pre."""
-    if kernel:
-        return _launch_mm(dy, w_down.mT, torch.empty_like(post), _EPI_RELU2_GRAD, aux=post)
+def _relu2_dpre(dy: Tensor, w_down: Tensor, post: Tensor) -> Tensor:
+    """The kernel's dpre = 2 (dy @ w_down^T) sqrt(post) in torch ops (the CPU's twin): relu(pre) = sqrt(post),
+    so the backward needs no pre."""
     acc = torch.promote_types(post.dtype, torch.float32)  # one rounding at the end, as in the kernel
     return (2.0 * (dy @ w_down.mT).to(acc) * post.to(acc).sqrt()).to(post.dtype)
 
@@ -526,8 +522,13 @@ def _relu2_dpre(dy: Tensor, w_down: Tensor, post: Tensor, kernel: bool) -> Tenso
 # both keep only the post-activation for the backward, so a CPU run saves what a GPU run saves.
 @torch.library.custom_op("speedrun::relu2_mlp_fwd", mutates_args=())
 def _relu2_mlp_fwd_op(x: Tensor, w_up: Tensor, w_down: Tensor, kernel: bool) -> tuple[Tensor, Tensor]:
-    """Returns (y, post): post = relu(x @ w_up^T)^2, y = post @ w_down."""
-    post = _relu2_post(x, w_up, kernel)
+    """Returns (y, post): post = relu(x @ w_up^T)^2 in x's dtype, y = post @ w_down."""
+    if kernel:
+        post = torch.empty(x.shape[0], w_up.shape[0], dtype=x.dtype, device=x.device)
+        grid, args, meta = _mm_args(x, w_up.mT, post, _EPI_RELU2)
+        _mm_epilogue_kernel[grid](*args, **meta)
+    else:
+        post = _relu2_post(x, w_up)
     return post @ w_down, post
 
 
@@ -538,16 +539,23 @@ def _(x, w_up, w_down, kernel):
 
 
 @torch.library.custom_op("speedrun::relu2_mlp_bwd", mutates_args=())
-def _relu2_mlp_bwd_op(dy: Tensor, x: Tensor, w_up: Tensor, w_down: Tensor, post: Tensor,
-                      kernel: bool) -> tuple[Tensor, Tensor, Tensor]:
-    """Returns (dx, dw_up, dw_down) from the saved post-activation alone."""
+def relu2_mlp_backward(dy: Tensor, x: Tensor, w_up: Tensor, w_down: Tensor, post: Tensor,
+                       use_kernel: bool | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """(dx, dw_up, dw_down) of relu2_mlp for 2-D x from its post-activation alone; also the FP8 MLP's
+    backward. use_kernel: dpre by the Triton kernel (default on CUDA) or its torch twin. (Not `kernel`:
+    inductor passes a default it fills in by name, and its fallback takes `kernel` itself.)"""
     dy = dy.to(x.dtype)
-    dpre = _relu2_dpre(dy, w_down, post, kernel)
+    if x.is_cuda if use_kernel is None else use_kernel:
+        dpre = torch.empty_like(post)
+        grid, args, meta = _mm_args(dy, w_down.mT, dpre, _EPI_RELU2_GRAD, aux=post)
+        _mm_epilogue_kernel[grid](*args, **meta)
+    else:
+        dpre = _relu2_dpre(dy, w_down, post)
     return dpre @ w_up, dpre.mT @ x, post.mT @ dy
 
 
-@_relu2_mlp_bwd_op.register_fake
-def _(dy, x, w_up, w_down, post, kernel):
+@relu2_mlp_backward.register_fake
+def _(dy, x, w_up, w_down, post, use_kernel=None):
     return torch.empty_like(x), torch.empty_like(w_up), torch.empty_like(w_down)
 
 
@@ -561,27 +569,27 @@ def _relu2_mlp_setup(ctx, inputs, output):
 
 def _relu2_mlp_backward(ctx, dy, _dpost):
     x, w_up, w_down, post = ctx.saved_tensors
-    return *torch.ops.speedrun.relu2_mlp_bwd(dy, x, w_up, w_down, post, ctx.kernel), None
+    return *relu2_mlp_backward(dy, x, w_up, w_down, post, ctx.kernel), None
 
 
 _relu2_mlp_fwd_op.register_autograd(_relu2_mlp_backward, setup_context=_relu2_mlp_setup)
 
 
-def _relu2_mlp(x: Tensor, w_up: Tensor, w_down: Tensor, kernel: bool) -> Tensor:
+def _mlp_rows(x: Tensor, w_up: Tensor, w_down: Tensor) -> Tensor:
+    """x (..., D) as (rows, D), once x, w_up and w_down pass relu2_mlp's checks."""
     if w_up.dim() != 2 or w_down.dim() != 2 or w_up.shape != w_down.shape:
         raise ValueError(f"relu2_mlp: w_up and w_down must both be (H, D), got {tuple(w_up.shape)} and {tuple(w_down.shape)}")
     if x.shape[-1] != w_up.shape[1]:
         raise ValueError(f"relu2_mlp: x has {x.shape[-1]} features but the weights expect D={w_up.shape[1]}")
     if not (x.dtype == w_up.dtype == w_down.dtype):
         raise ValueError(f"relu2_mlp: x, w_up, w_down must share one dtype, got {x.dtype}, {w_up.dtype}, {w_down.dtype}")
-    lead = x.shape[:-1]
-    y, _ = torch.ops.speedrun.relu2_mlp_fwd(x.reshape(-1, x.shape[-1]), w_up, w_down, kernel)
-    return y.reshape(*lead, w_down.shape[1])
+    return x.reshape(-1, x.shape[-1])
 
 
 def relu2_mlp_triton(x: Tensor, w_up: Tensor, w_down: Tensor) -> Tensor:
     """Triton path of `relu2_mlp`; runs on CUDA, or on CPU under TRITON_INTERPRET=1."""
-    return _relu2_mlp(x, w_up, w_down, kernel=True)
+    y, _ = torch.ops.speedrun.relu2_mlp_fwd(_mlp_rows(x, w_up, w_down), w_up, w_down, True)
+    return y.reshape(*x.shape[:-1], w_down.shape[1])
 
 
 def relu2_mlp(x: Tensor, w_up: Tensor, w_down: Tensor) -> Tensor:
@@ -592,12 +600,8 @@ def relu2_mlp(x: Tensor, w_up: Tensor, w_down: Tensor) -> Tensor:
     first matmul and the squared ReLU are one kernel, and dpre is fused into the backward's matmul;
     elsewhere the same math runs in torch ops.
     """
-    return _relu2_mlp(x, w_up, w_down, kernel=x.is_cuda)
-
-
-def relu2_mlp_backward(dy: Tensor, x: Tensor, w_up: Tensor, w_down: Tensor, post: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """(dx, dw_up, dw_down) of relu2_mlp for 2-D x from its post-activation; also the FP8 MLP's backward."""
-    return torch.ops.speedrun.relu2_mlp_bwd(dy, x, w_up, w_down, post, x.is_cuda)
+    y, _ = torch.ops.speedrun.relu2_mlp_fwd(_mlp_rows(x, w_up, w_down), w_up, w_down, x.is_cuda)
+    return y.reshape(*x.shape[:-1], w_down.shape[1])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -701,9 +705,11 @@ def _check_fp8_up_args(x_f8: Tensor, w_up_f8: Tensor, dequant: Tensor, act_scale
             raise ValueError(f"relu2_fp8_up: {name} must be one float32 value, got {t.dtype} with {t.numel()} elements")
 
 
-def relu2_fp8_up_triton(x_f8: Tensor, w_up_f8: Tensor, dequant: Tensor, act_scale: Tensor,
-                        config: dict | None = None, fast_accum: bool = True) -> tuple[Tensor, Tensor, Tensor]:
-    """Triton path of `relu2_fp8_up`: (post, post_f8, per-program maxima of post (programs,) fp32)."""
+def fp8_up_kernel_args(x_f8: Tensor, w_up_f8: Tensor, dequant: Tensor, act_scale: Tensor, fast_accum: bool = True,
+                       config: dict | None = None) -> tuple[tuple, tuple, dict, tuple[Tensor, Tensor, Tensor]]:
+    """The up-projection kernel's (grid, arguments, meta-parameters) and its outputs, allocated: post (T, H)
+    bf16, post_f8 (T, H) e4m3 and the per-program maxima of post (programs,) fp32; config: tiles other
+    than _fp8_up_config's. The operands are checked here (CUDA, or CPU under the interpreter)."""
     _check_fp8_up_args(x_f8, w_up_f8, dequant, act_scale)
     _check_runnable(_fp8_relu2_kernel, x_f8, w_up_f8, dequant, act_scale)
     M, K = x_f8.shape
@@ -714,12 +720,17 @@ def relu2_fp8_up_triton(x_f8: Tensor, w_up_f8: Tensor, dequant: Tensor, act_scal
     post_f8 = torch.empty(M, N, dtype=torch.float8_e4m3fn, device=x_f8.device)
     partial = torch.empty(programs, dtype=torch.float32, device=x_f8.device)
     b = w_up_f8.mT  # (K, N), K contiguous per column: the operand order fp8 tensor cores read
-    _fp8_relu2_kernel[(programs,)](
-        x_f8, b, post, post_f8, partial, dequant, act_scale, M, N, K,
-        x_f8.stride(0), x_f8.stride(1), b.stride(0), b.stride(1),
-        post.stride(0), post.stride(1), post_f8.stride(0), post_f8.stride(1), FAST_ACC=bool(fast_accum), **cfg,
-    )
-    return post, post_f8, partial
+    args = (x_f8, b, post, post_f8, partial, dequant, act_scale, M, N, K, x_f8.stride(0), x_f8.stride(1),
+            b.stride(0), b.stride(1), post.stride(0), post.stride(1), post_f8.stride(0), post_f8.stride(1))
+    return (programs,), args, dict(FAST_ACC=bool(fast_accum), **cfg), (post, post_f8, partial)
+
+
+def relu2_fp8_up_triton(x_f8: Tensor, w_up_f8: Tensor, dequant: Tensor, act_scale: Tensor,
+                        config: dict | None = None, fast_accum: bool = True) -> tuple[Tensor, Tensor, Tensor]:
+    """Triton path of `relu2_fp8_up`: (post, post_f8, per-program maxima of post (programs,) fp32)."""
+    grid, args, meta, outputs = fp8_up_kernel_args(x_f8, w_up_f8, dequant, act_scale, fast_accum, config)
+    _fp8_relu2_kernel[grid](*args, **meta)
+    return outputs
 
 
 def relu2_fp8_up_partial_count(M: int, N: int, device: torch.device) -> int:
@@ -754,8 +765,11 @@ def relu2_fp8_up(x_f8: Tensor, w_up_f8: Tensor, dequant: Tensor, act_scale: Tens
     differentiable: the FP8 MLP op around it owns the (bf16) backward. CUDA runs the kernel (the maximum
     is reduced from per-program partials on the device, no host sync), other devices the reference.
     """
-    post, post_f8, partial = relu2_fp8_up_partials(x_f8, w_up_f8, dequant, act_scale, fast_accum=fast_accum)
-    return post, post_f8, partial.amax()
+    if x_f8.is_cuda:
+        post, post_f8, partial = relu2_fp8_up_triton(x_f8, w_up_f8, dequant, act_scale, fast_accum=fast_accum)
+        return post, post_f8, partial.amax()
+    _check_fp8_up_args(x_f8, w_up_f8, dequant, act_scale)
+    return relu2_fp8_up_reference(x_f8, w_up_f8, dequant, act_scale)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1025,35 +1039,44 @@ def _grad_dtype(logits: Tensor, grad_mul: float) -> torch.dtype:
     return torch.float8_e5m2 if grad_mul > 0 else logits.dtype
 
 
-@torch.library.custom_op("speedrun::softcapped_ce_mtp_fwd", mutates_args=())
-def _ce_mtp_fwd_op(logits: Tensor, targets: Tensor, mtp_weights: Tensor, prefix_ids: Tensor | None,
-                   prefix_weight: Tensor | None, grad_scale: float, grad_mul: float = 0.0) -> tuple[Tensor, Tensor, Tensor]:
-    """Returns (per-token loss (T,) fp32, per-token next-token loss (T,) fp32, the record's dlogits
-    (T, V) in the logits' dtype, or in e5m2 times grad_mul, saturated, when grad_mul > 0)."""
-    return _launch_ce(logits, targets, mtp_weights, prefix_ids, prefix_weight, grad_scale, grad_mul)
-
-
-def _launch_ce(logits: Tensor, targets: Tensor, mtp_weights: Tensor, prefix_ids: Tensor | None,
-               prefix_weight: Tensor | None, grad_scale: float, grad_mul: float = 0.0,
-               config: dict | None = None) -> tuple[Tensor, Tensor, Tensor]:
-    """The loss kernel's launch, with _ce_config's tiles unless `config` gives others (the GPU
-    check's kernel-tuning sweep)."""
-    extra = () if prefix_ids is None else (prefix_ids, prefix_weight)
+def ce_kernel_args(logits: Tensor, targets: Tensor, mtp_weights: Tensor, prefix_ids: Tensor | None,
+                   prefix_weight: Tensor | None, grad_scale: float, grad_mul: float = 0.0,
+                   config: dict | None = None) -> tuple[tuple, tuple, dict, tuple[Tensor, Tensor, Tensor]]:
+    """The loss kernel's (grid, arguments, meta-parameters) and its outputs, allocated: the per-token loss
+    (T,) fp32, the next-token loss (T,) fp32 and dlogits (T, V) (_grad_dtype), once the inputs pass
+    softcapped_ce_mtp's checks; config: tiles other than _ce_config's (the GPU check's tuning sweep)."""
+    _check_ce_args(logits, targets, mtp_weights, prefix_ids, prefix_weight, grad_scale)
+    if not (math.isfinite(grad_mul) and grad_mul >= 0):
+        raise ValueError(f"softcapped_ce_mtp: grad_mul must be a finite number >= 0, got {grad_mul}")
+    if logits.stride(1) != 1:
+        logits = logits.contiguous()
+    targets, mtp_weights, prefix_ids, prefix_weight = _ce_inputs(targets, mtp_weights, prefix_ids, prefix_weight)
+    has_prefix = prefix_ids is not None
+    extra = (prefix_ids, prefix_weight) if has_prefix else ()
     _check_runnable(_ce_mtp_kernel, logits, targets, mtp_weights, *extra)
     T, V = logits.shape
     K = mtp_weights.shape[0]
     loss = torch.empty(T, dtype=torch.float32, device=logits.device)
     next_token = torch.empty(T, dtype=torch.float32, device=logits.device)
     grad = torch.empty((T, V), dtype=_grad_dtype(logits, grad_mul), device=logits.device)
-    has_prefix = prefix_ids is not None
-    if T > 0:
-        _ce_mtp_kernel[(T,)](
-            logits, targets, mtp_weights, prefix_ids if has_prefix else targets,
-            prefix_weight if has_prefix else mtp_weights, loss, next_token, grad, T, V, logits.stride(0), grad.stride(0), grad_scale,
-            float(grad_mul), K=K, HAS_PREFIX=has_prefix, J_POW2=max(2, triton.next_power_of_2(K + has_prefix)),
-            GRAD_E5M2=grad_mul > 0, **(config or _ce_config(V, logits.device)),
-        )
-    return loss, next_token, grad
+    args = (logits, targets, mtp_weights, prefix_ids if has_prefix else targets,
+            prefix_weight if has_prefix else mtp_weights, loss, next_token, grad, T, V, logits.stride(0),
+            grad.stride(0), float(grad_scale), float(grad_mul))
+    meta = dict(K=K, HAS_PREFIX=has_prefix, J_POW2=max(2, triton.next_power_of_2(K + has_prefix)),
+                GRAD_E5M2=grad_mul > 0, **(config or _ce_config(V, logits.device)))
+    return (T,), args, meta, (loss, next_token, grad)
+
+
+@torch.library.custom_op("speedrun::softcapped_ce_mtp_fwd", mutates_args=())
+def _ce_mtp_fwd_op(logits: Tensor, targets: Tensor, mtp_weights: Tensor, prefix_ids: Tensor | None,
+                   prefix_weight: Tensor | None, grad_scale: float, grad_mul: float = 0.0) -> tuple[Tensor, Tensor, Tensor]:
+    """Returns (per-token loss (T,) fp32, per-token next-token loss (T,) fp32, the record's dlogits
+    (T, V) in the logits' dtype, or in e5m2 times grad_mul, saturated, when grad_mul > 0)."""
+    grid, args, meta, outputs = ce_kernel_args(logits, targets, mtp_weights, prefix_ids, prefix_weight, grad_scale,
+                                               grad_mul)
+    if grid[0]:  # no rows: nothing to launch (an empty tensor has no address for the kernel)
+        _ce_mtp_kernel[grid](*args, **meta)
+    return outputs
 
 
 @_ce_mtp_fwd_op.register_fake
@@ -1092,10 +1115,9 @@ def softcapped_ce_mtp_triton(logits: Tensor, targets: Tensor, mtp_weights: Tenso
                              next_token: bool = False) -> Tensor | tuple[Tensor, Tensor]:
     """Triton path of `softcapped_ce_mtp`; runs on CUDA, or on CPU under TRITON_INTERPRET=1."""
     _check_ce_args(logits, targets, mtp_weights, prefix_ids, prefix_weight, grad_scale)
-    if logits.stride(1) != 1:
-        logits = logits.contiguous()
     loss, nt, _ = torch.ops.speedrun.softcapped_ce_mtp_fwd(
-        logits, *_ce_inputs(targets, mtp_weights, prefix_ids, prefix_weight), float(grad_scale))
+        logits if logits.stride(1) == 1 else logits.contiguous(),
+        *_ce_inputs(targets, mtp_weights, prefix_ids, prefix_weight), float(grad_scale))
     return (loss, nt) if next_token else loss
 
 
@@ -1294,9 +1316,11 @@ def softcapped_ce_mtp(logits: Tensor, targets: Tensor, mtp_weights: Tensor, pref
     cross-entropy lse(z_t) - z_t[targets[t]] of the same z (the k = 0 term without its weight, what
     evaluation measures per token), computed by the same pass, without a gradient.
     """
-    if logits.is_cuda:
-        return softcapped_ce_mtp_triton(logits, targets, mtp_weights, prefix_ids, prefix_weight, grad_scale, next_token)
-    return softcapped_ce_mtp_rows(logits, targets, mtp_weights, prefix_ids, prefix_weight, grad_scale, next_token)
+    _check_ce_args(logits, targets, mtp_weights, prefix_ids, prefix_weight, grad_scale)
+    op = torch.ops.speedrun.softcapped_ce_mtp_fwd if logits.is_cuda else torch.ops.speedrun.softcapped_ce_mtp_rows
+    loss, nt, _ = op(logits if logits.stride(1) == 1 else logits.contiguous(),
+                     *_ce_inputs(targets, mtp_weights, prefix_ids, prefix_weight), float(grad_scale))
+    return (loss, nt) if next_token else loss
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1343,27 +1367,32 @@ def _transpose_kernel(
         tl.store(dst, tile_t.to(dst_ptr.dtype.element_ty), mask=ok_t)
 
 
-def _launch_transpose(src: Tensor, dst: Tensor, add: bool) -> None:
+def _transpose_args(src: Tensor, dst: Tensor, add: bool) -> tuple[tuple, tuple, dict]:
+    """The transpose kernel's (grid, arguments, meta-parameters) for dst (+)= src^T, once src and dst pass
+    the checks."""
+    if src.dim() != 2 or dst.dim() != 2 or tuple(dst.shape) != (src.shape[1], src.shape[0]):
+        raise ValueError(f"{'transpose_add' if add else 'transpose_copy'}: need 2-D src (m, n) and dst (n, m), "
+                         f"got {tuple(src.shape)} and {tuple(dst.shape)}")
     _check_runnable(_transpose_kernel, src, dst)
     if _overlaps(src, dst):
         raise ValueError("triton_kernels: transpose `dst` must not overlap `src`")
     M, N = src.shape
     block = 64 if src.is_cuda else 32
     grid = (triton.cdiv(M, block), triton.cdiv(N, block))
-    _transpose_kernel[grid](
-        src, dst, M, N, src.stride(0), src.stride(1), dst.stride(0), dst.stride(1),
-        ADD=add, BLOCK_M=block, BLOCK_N=block, num_warps=4,
-    )
+    args = (src, dst, M, N, src.stride(0), src.stride(1), dst.stride(0), dst.stride(1))
+    return grid, args, dict(ADD=add, BLOCK_M=block, BLOCK_N=block, num_warps=4)
 
 
 @torch.library.custom_op("speedrun::transpose_copy", mutates_args=("dst",))
 def _transpose_copy_op(src: Tensor, dst: Tensor) -> None:
-    _launch_transpose(src, dst, add=False)
+    grid, args, meta = _transpose_args(src, dst, add=False)
+    _transpose_kernel[grid](*args, **meta)
 
 
 @torch.library.custom_op("speedrun::transpose_add", mutates_args=("dst",))
 def _transpose_add_op(src: Tensor, dst: Tensor) -> None:
-    _launch_transpose(src, dst, add=True)
+    grid, args, meta = _transpose_args(src, dst, add=True)
+    _transpose_kernel[grid](*args, **meta)
 
 
 @_transpose_copy_op.register_fake
@@ -1376,21 +1405,14 @@ def _(src, dst):
     return None
 
 
-def _check_transpose(name: str, src: Tensor, dst: Tensor) -> None:
-    if src.dim() != 2 or dst.dim() != 2 or tuple(dst.shape) != (src.shape[1], src.shape[0]):
-        raise ValueError(f"{name}: need 2-D src (m, n) and dst (n, m), got {tuple(src.shape)} and {tuple(dst.shape)}")
-
-
 def transpose_copy_triton(src: Tensor, dst: Tensor) -> Tensor:
     """Triton path of `transpose_copy`; runs on CUDA, or on CPU under TRITON_INTERPRET=1."""
-    _check_transpose("transpose_copy", src, dst)
     torch.ops.speedrun.transpose_copy(src, dst)
     return dst
 
 
 def transpose_add_triton(src: Tensor, dst: Tensor) -> Tensor:
     """Triton path of `transpose_add`; runs on CUDA, or on CPU under TRITON_INTERPRET=1."""
-    _check_transpose("transpose_add", src, dst)
     torch.ops.speedrun.transpose_add(src, dst)
     return dst
 
@@ -1401,9 +1423,10 @@ def transpose_copy(src: Tensor, dst: Tensor) -> Tensor:
     Used to copy the LM head (768, 50304) into the tied embedding (50304, 768) with tiled,
     coalesced reads and writes on CUDA.
     """
-    if src.is_cuda:
-        return transpose_copy_triton(src, dst)
-    return transpose_copy_reference(src, dst)
+    if not src.is_cuda:
+        return transpose_copy_reference(src, dst)
+    torch.ops.speedrun.transpose_copy(src, dst)
+    return dst
 
 
 def transpose_add(src: Tensor, dst: Tensor) -> Tensor:
@@ -1411,6 +1434,7 @@ def transpose_add(src: Tensor, dst: Tensor) -> Tensor:
 
     Folds the tied embedding's gradient into the LM head's gradient on CUDA.
     """
-    if src.is_cuda:
-        return transpose_add_triton(src, dst)
-    return transpose_add_reference(src, dst)
+    if not src.is_cuda:
+        return transpose_add_reference(src, dst)
+    torch.ops.speedrun.transpose_add(src, dst)
+    return dst

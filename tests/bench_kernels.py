@@ -152,10 +152,14 @@ def bench_ce(tk, bench, tokens: int) -> None:
 
     _row(f"softcapped_ce_mtp e5m2 gradient {T}x{V}", fused, bench(separate), T * V * 5, "GB/s")
     # the kernel alone: read the bf16 row twice, write the gradient once (bf16, or e5m2 for the FP8 head)
-    inputs = tk._ce_inputs(targets, w, prefix_ids, pi)
     gpu = torch.cuda.get_device_name()
+
+    def loss_kernel(grad_mul):
+        grid, args, meta, _ = tk.ce_kernel_args(x, targets, w, prefix_ids, pi, 1.0, grad_mul)
+        tk._ce_mtp_kernel[grid](*args, **meta)
+
     for tag, grad_mul, grad_bytes in (("bf16", 0.0, 2), ("e5m2", 448 / 0.75, 1)):
-        ms = bench(lambda: tk._launch_ce(x, *inputs, 1.0, grad_mul))
+        ms = bench(lambda: loss_kernel(grad_mul))
         print(bandwidth_line(f"loss kernel alone, {tag} gradient {T}x{V}", ms, T * V * (4 + grad_bytes), gpu))
 
 

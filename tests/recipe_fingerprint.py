@@ -31,14 +31,14 @@ FLAGS = ["--preset", "test", "--num_iterations", "9", "--extension_iterations", 
 
 def fingerprint() -> dict:
     losses = []
-    train_step = tg.train_step
+    forward_backward = tg.forward_backward
 
-    def recording_train_step(*args, **kwargs):
-        loss = train_step(*args, **kwargs)
+    def recording_forward_backward(*args, **kwargs):
+        loss = forward_backward(*args, **kwargs)
         losses.append(float(loss[0].detach().double()))  # the objective
         return loss
 
-    tg.train_step = recording_train_step
+    tg.forward_backward = recording_forward_backward
     with tempfile.TemporaryDirectory() as tmp:
         args = tg.parse_args(FLAGS + ["--log_dir", os.path.join(tmp, "logs"),
                                       "--checkpoint_dir", os.path.join(tmp, "ckpt")])

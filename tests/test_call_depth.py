@@ -127,7 +127,7 @@ def test_custom_op_and_nested_function():
 
 
 def test_hand_off_table_with_partial_and_the_fence():
-    r = run('''
+    src = '''
         import functools
         import triton_kernels
 
@@ -142,10 +142,11 @@ def test_hand_off_table_with_partial_and_the_fence():
 
         LOSSES = {"a": functools.partial(long_way, scale=2.0), "b": other}
 
-        def train():
+        def train(kind):
             for step in range(3):
                 LOSSES["a"](step)
                 shortcut(step)
+                CALL
 
         # What the record does not run
 
@@ -153,10 +154,16 @@ def test_hand_off_table_with_partial_and_the_fence():
             triton_kernels.launch(x)
 
         LOSSES["c"] = shortcut
-    ''')
+    '''
+    r = run(src.replace("CALL", "pass"))
     # below the fence: shortcut is not followed, so the table's partial gives the chain
     assert r.kernels["_k"].chain == ["long_way", "step_one", "launch", "_k[grid]"]
-    assert r.kernels["_k2"].chain == ["other", "launch2", "_k2[grid]"]  # every entry of the table
+    assert r.kernels["_k2"].depth is None  # a key the call fixes enters its entry alone
+    r = run(src.replace("CALL", "LOSSES[kind](step)"))
+    assert r.kernels["_k2"].chain == ["other", "launch2", "_k2[grid]"]  # any other key: every entry of the table
+    r = run(src.replace("CALL", "pick = LOSSES['b' if kind is None else 'a']\n                pick(step)")
+            .replace("def train(kind):", "def train(kind=None):"))
+    assert r.kernels["_k2"].chain == ["other", "launch2", "_k2[grid]"]  # a local bound to a table's entry
 
 
 def test_backward_enters_registered_backwards():
@@ -247,6 +254,24 @@ def test_stored_callable_table(monkeypatch):
         run(src)
 
 
+def test_a_launch_of_the_kernel_modules_kernel_from_the_other_module():
+    r = run('''
+        import torch
+        import triton_kernels
+
+        @torch.library.custom_op("speedrun::body", mutates_args=())
+        def body(x: torch.Tensor) -> torch.Tensor:
+            triton_kernels._k2[(1,)](x)
+            return x
+
+        def train():
+            for step in range(3):
+                body(step)
+    ''')
+    assert r.kernels["_k2"].chain == ["body", "_k2[grid]"]
+    assert r.kernels["_k2"].calls[1].module == "train_gpt"
+
+
 SPEEDRUN_KERNELS = {
     "_sym_mm_kernel": "the symmetric matmul (Polar Express's Gram products)",
     "_fp8_relu2_kernel": "the FP8 up-projection",
@@ -267,6 +292,12 @@ def test_real_files_reach_every_kernel_the_speedrun_launches(tmp_path):
     gram = r.kernels["_sym_mm_kernel"].chain
     assert "polar_express" in gram and "NorMuonAdam.step" in gram
     assert "GPT.forward" in r.kernels["_fp8_relu2_kernel"].chain
+    # issue #78, item 2: at most 6 calls, the Gram kernel's 7 aside (its cuBLAS shapes stay in the compiled
+    # graph: the choice is made before its custom op, one call above the launch)
+    assert {k: r.kernels[k].depth for k in SPEEDRUN_KERNELS} == {
+        "_sym_mm_kernel": 7, "_fp8_relu2_kernel": 6, "_ce_mtp_kernel": 6, "_transpose_kernel": 5, "_mm_epilogue_kernel": 6}
+    assert r.kernels["_fp8_relu2_kernel"].chain[-3:] == ["FP8MLPState.mlp", "fp8_mlp", "_fp8_relu2_kernel[grid]"]
+    assert r.kernels["_ce_mtp_kernel"].chain[-3:] == ["fp8_head", "fp8_head_loss", "_ce_mtp_kernel[grid]"]
     assert r.maximum.depth == max(k.depth for k in r.kernels.values())
     out = tmp_path / "depth.json"
     assert C.main(["--json", str(out), "--max", str(r.maximum.depth)]) == 0

@@ -71,6 +71,7 @@ def test_static_buffer_step_equals_train_step_bit_for_bit(tmp_path):
         batches_a, batches_b = loader_a.next_step(*request), loader_b.next_step(*request)
         loss_a = torch.stack(tg.train_step(model_a, opt_a, batches_a, plan, mtp_a, prefix_a, scale, CPU))
         loss_b = torch.stack(graphs.step(batches_b, plan, tg.step_graph_key(plan, request, accum)))
+        opt_b.step(plan.do_adam, lr_scale=plan.lr_mult, momentum=plan.momentum)  # Trainer.step's, after the graphs'
         if step == tg.untie_step(args):
             opt_a.untie()
             opt_b.untie()
@@ -151,10 +152,10 @@ def run_train(tmp_path, monkeypatch, graphs: bool, *flags):
     """train() of 3 small steps with the compile warm-up (torch.compile as the identity), recording
     every step's loss; graphs: StepGraphs forced on (without capture: a CPU)."""
     losses, made = [], []
-    train_step, step = tg.train_step, tg.StepGraphs.step
+    forward_backward, step = tg.forward_backward, tg.StepGraphs.step
 
-    def recording_train_step(*a, **k):
-        out = train_step(*a, **k)
+    def recording_forward_backward(*a, **k):
+        out = forward_backward(*a, **k)
         losses.append(torch.stack(out))  # (objective, next-token loss)
         return out
 
@@ -164,7 +165,7 @@ def run_train(tmp_path, monkeypatch, graphs: bool, *flags):
         losses.append(torch.stack(out))
         return out
 
-    monkeypatch.setattr(tg, "train_step", recording_train_step)
+    monkeypatch.setattr(tg, "forward_backward", recording_forward_backward)
     monkeypatch.setattr(tg.StepGraphs, "step", recording_step)
     monkeypatch.setattr(torch, "compile", lambda model, **kwargs: model)
     if graphs:
@@ -180,7 +181,7 @@ def run_train(tmp_path, monkeypatch, graphs: bool, *flags):
 
 
 def test_train_through_step_graphs_equals_train_step(tmp_path, monkeypatch):
-    """train() on a CPU with --cuda_graphs true (the default) runs train_step, as with false; forced
+    """train() on a CPU with --cuda_graphs true (the default) runs forward_backward, as with false; forced
     through StepGraphs it runs the same warm-up, restores the same state (gradients the warm-up left
     are zeroed in place in the static tensors) and logs the same losses to the bit."""
     with monkeypatch.context() as m:
@@ -217,6 +218,7 @@ def test_compiled_step_through_static_buffers_equals_train_step(tmp_path):
         model_b.set_windows(*plan.windows)
         loss_a = torch.stack(tg.train_step(fn_a, opt_a, loader_a.next_step(*request), plan, mtp_a, prefix_a, scale, CPU))
         loss_b = torch.stack(graphs.step(loader_b.next_step(*request), plan, tg.step_graph_key(plan, request, 2)))
+        opt_b.step(plan.do_adam, lr_scale=plan.lr_mult, momentum=plan.momentum)
         assert torch.equal(loss_a, loss_b), step
         assert all(torch.equal(pa, pb) for pa, pb in zip(model_a.parameters(), model_b.parameters())), step
     assert tg.compile_counts()["graph_breaks"] == 0

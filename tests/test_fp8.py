@@ -386,6 +386,29 @@ def test_fp8_mlp_forward_backward_match_float64_emulation(headroom):
         assert (got.double() - want).abs().max() <= 2e-2 * want.abs().max()
 
 
+def test_fp8_ops_cuda_bodies_launch_their_kernels():
+    """fp8_mlp's and fp8_head_loss's own bodies (the CUDA kernels; CPU tensors take the kernels registered
+    below the fence) launch the up-projection and the loss kernel themselves: run here on CPU tensors
+    under the Triton interpreter (conftest.py), they give the bits of the kernels' Triton paths around
+    the same emulated float8 matmuls."""
+    tk = tg.triton_kernels
+    x, w_up, w_down, _ = mlp_inputs(seed=2)
+    operands = mlp_op_operands(fp8_state(w_up, w_down), x)
+    y, post, post_max = tg.fp8_mlp._init_fn(x, w_up, w_down, *operands)  # the decorated function: CUDA's body
+    x_f8, up_f8, dequant, down_f8_t, down_scale, act_scale = operands
+    want_post, want_post_f8, want_max = tk.relu2_fp8_up_triton(x_f8, up_f8, dequant, act_scale)
+    assert torch.equal(post, want_post) and torch.equal(post_max, want_max) and post_max.shape == (3,)
+    assert torch.equal(y, tg._scaled_matmul(want_post_f8, down_f8_t.mT, act_scale, down_scale, torch.bfloat16, True))
+    x, w, targets, mtp, prefix, pi = _head_inputs()
+    x_f8, w_f8 = tg._quantize_fp8(x, 0.1, E4M3), tg._quantize_fp8(w.T, 0.01, E4M3).T
+    got = tg.fp8_head_loss._init_fn(x, w, x_f8, w_f8, targets, mtp, prefix, pi, 0.1, 0.01, 1e-4, 0.5)
+    logits = tg._scaled_matmul(x_f8, w_f8, 0.1, 0.01, torch.bfloat16, True)
+    want = tk.softcapped_ce_mtp_e5m2(logits, targets, mtp, prefix, pi, 0.5, 1e-4, kernel=True)
+    assert got[2].dtype == torch.float8_e5m2
+    assert all(torch.equal(a.view(torch.uint8) if a.dtype == torch.float8_e5m2 else a,
+                           b.view(torch.uint8) if b.dtype == torch.float8_e5m2 else b) for a, b in zip(got, want))
+
+
 def test_fp8_mlp_backward_is_the_post_only_bf16_backward():
     """The FP8 op's gradients are exactly relu2_mlp_backward's from the post it returned."""
     x, w_up, w_down, dy = mlp_inputs(seed=1)
@@ -529,7 +552,7 @@ def test_model_training_forward_takes_the_fp8_mlp_path(monkeypatch):
     FP8 state, close to the bf16 MLPs; evaluation and --fp8 false stay bf16."""
     calls = []
     real = tg.FP8MLPState.mlp
-    monkeypatch.setattr(tg.FP8MLPState, "mlp", lambda self, layer, *a: calls.append(layer) or real(self, layer, *a))
+    monkeypatch.setitem(tg.MLPS, "fp8", lambda self, layer, *a: calls.append(layer) or real(self, layer, *a))
     monkeypatch.setattr(tg, "_native_fp8", lambda device: True)
     monkeypatch.setattr(tg, "fp8_matmul", lambda x, w, *scales: x @ w)  # the head in bf16: compare MLPs only
     losses, grads = {}, {}

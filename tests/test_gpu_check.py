@@ -74,7 +74,7 @@ def covering(sources) -> dict[str, list[str]]:
 
 
 def test_renaming_private_helpers_changes_no_tag():
-    """Every private helper of the two files that holds a CUDA branch (_launch_transpose, _ce_config,
+    """Every private helper of the two files that holds a CUDA branch (_transpose_args, _ce_config,
     ShardExchange._plan_sparse, ...) renamed at once, definitions and uses: the same CUDA paths, each
     covered by the same checks, and every path still covered."""
     import re
@@ -88,7 +88,7 @@ def test_renaming_private_helpers_changes_no_tag():
                 helpers.append(f.name)
                 text = re.sub(rf"\b{f.name}\b", f.name + "_renamed", text)
         renamed[name] = text
-    assert len(helpers) >= 15 and {"_launch_transpose", "_ce_config", "_plan_sparse", "_native_fp8"} <= set(helpers)
+    assert len(helpers) >= 15 and {"_transpose_args", "_ce_config", "_plan_sparse", "_native_fp8"} <= set(helpers)
     assert all(h + "_renamed" in renamed["train_gpt.py"] + renamed["triton_kernels.py"] for h in helpers)
     assert covering(renamed) == covering(src)
     assert C.coverage(G.CHECKS, sources=renamed) == (set(), set())

@@ -191,7 +191,7 @@ def record_forward(model, ids, cu, big):
             att = model._attention(10, tg.norm(cache[7]), ve[4], g_ve, v_mudd, doc, rope, masks, coef, w)
             x = m[8] * x + m[9] * att + m[10] * cache[0]
             x = x + m[11] * xb
-        out = model._mlp(i, tg.norm(x), mlp[2 * i], mlp[2 * i + 1], None)  # the fused MLP kernel, tested on its own
+        out = tg.triton_kernels.relu2_mlp(tg.norm(x), mlp[2 * i], mlp[2 * i + 1])  # the fused MLP kernel, tested on its own
         x = m[12] * x + m[13] * out if i == 10 else resid[i, 1] * x + postl[i, 1] * out
         if i in (3, 7):
             cache[i] = x

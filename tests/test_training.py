@@ -113,7 +113,7 @@ def train_signalled(rank, world_size, argv, signalled_rank, call):
     import train_gpt as tg
     handler = signal.getsignal(signal.SIGTERM)
     if rank == signalled_rank:
-        tg.train_step = on_call(tg.train_step, call, lambda: signal.raise_signal(signal.SIGTERM))
+        tg.forward_backward = on_call(tg.forward_backward, call, lambda: signal.raise_signal(signal.SIGTERM))
     try:
         tg.train(tg.parse_args(argv), tg.DistInfo(rank, world_size, rank, torch.device("cpu")))
         status = 0

@@ -272,7 +272,8 @@ def test_symmetric_gpu_tile_config():
     for cfg in (dict(BLOCK=128, BLOCK_K=64, num_warps=8, num_stages=4),
                 dict(BLOCK=64, BLOCK_K=64, num_warps=4, num_stages=4)):
         out = nan_like((2, 200, 200), torch.float32)
-        tk._launch_sym(A, out, "xxt", config=cfg)
+        grid, args, meta = tk._sym_args(A, out, "xxt", config=cfg)
+        tk._sym_mm_kernel[grid](*args, **meta)
         assert_close_rel(out, xxt64(A), TOL[torch.float32])
         assert_exactly_symmetric(out)
 
@@ -311,7 +312,7 @@ def test_triton_path_on_cpu_without_interpreter_is_refused(monkeypatch):
 
 
 # ----------------------------------------------------------------------------------------------
-# Public dispatch: CPU tensors always take the torch reference
+# Public dispatch: CPU tensors always take the torch path (references, torch's matmul, CPU twins)
 # ----------------------------------------------------------------------------------------------
 
 
@@ -319,9 +320,9 @@ def test_public_functions_use_reference_on_cpu(monkeypatch):
     def boom(*args, **kwargs):
         raise AssertionError("Triton path taken for a CPU tensor")
 
-    for name in ("_launch_sym", "_launch_mm", "_launch_transpose", "XXT_triton", "XTX_triton",
-                 "ba_plus_cAA_triton", "relu2_mlp_triton", "softcapped_ce_mtp_triton",
-                 "transpose_copy_triton", "transpose_add_triton"):
+    for name in ("_sym_args", "_mm_args", "_transpose_args", "ce_kernel_args", "fp8_up_kernel_args", "XXT_triton",
+                 "XTX_triton", "ba_plus_cAA_triton", "relu2_mlp_triton", "softcapped_ce_mtp_triton",
+                 "relu2_fp8_up_triton", "transpose_copy_triton", "transpose_add_triton"):
         monkeypatch.setattr(tk, name, boom)
     A = torch.randn(6, 6)
     S = A @ A.T
@@ -330,6 +331,8 @@ def test_public_functions_use_reference_on_cpu(monkeypatch):
     tk.ba_plus_cAA(S, 1.0, 2.0, torch.empty(6, 6))
     tk.relu2_mlp(torch.randn(3, 6), torch.randn(5, 6), torch.randn(5, 6))
     tk.softcapped_ce_mtp(torch.randn(4, 9), torch.randint(0, 9, (4,)), torch.ones(2))
+    tk.softcapped_ce_mtp_e5m2(torch.randn(4, 9), torch.randint(0, 9, (4,)), torch.ones(2), None, None, 1.0, 2.0)
+    tk.relu2_mlp_backward(torch.randn(3, 6), torch.randn(3, 6), torch.randn(5, 6), torch.randn(5, 6), torch.rand(3, 5))
     tk.transpose_copy(A, torch.empty(6, 6))
     tk.transpose_add(A, torch.empty(6, 6))
 
@@ -378,8 +381,9 @@ def test_mlp_batched_leading_dims_and_gpu_config():
     # the large-shape H100 tiles (128x256x64) on a ragged problem
     a, b = torch.randn(150, 70), torch.randn(70, 300)
     c = nan_like((150, 300), torch.float32)
-    tk._launch_mm(a, b, c, tk._EPI_RELU2, config=dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8,
-                                                      num_warps=8, num_stages=3))
+    grid, args, meta = tk._mm_args(a, b, c, tk._EPI_RELU2, config=dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64,
+                                                                    GROUP_M=8, num_warps=8, num_stages=3))
+    tk._mm_epilogue_kernel[grid](*args, **meta)
     assert_close_rel(c, torch.relu(a @ b).square(), TOL[torch.float32])
 
 
@@ -394,6 +398,16 @@ def _saved_while(fn):
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = fn()
     return out, saved
+
+
+def test_mlp_backward_op_compiles_with_inductor_its_default_left_out():
+    """The FP8 MLP's backward calls relu2_mlp_backward without use_kernel, and inductor hands the default
+    to its fallback kernel by name: a parameter named `kernel` would clash with the fallback's own."""
+    x, wu, wd = torch.randn(8, 6), torch.randn(5, 6), torch.randn(5, 6)
+    post, dy = torch.relu(x @ wu.T).square(), torch.randn(8, 6)
+    want = tk.relu2_mlp_backward(dy, x, wu, wd, post)
+    got = torch.compile(lambda *a: tk.relu2_mlp_backward(*a), backend="inductor", fullgraph=True)(dy, x, wu, wd, post)
+    assert all(torch.equal(a, b) for a, b in zip(want, got))
 
 
 @pytest.mark.parametrize("impl", ["triton", "torch"])

@@ -9,7 +9,8 @@ train_gpt.py and triton_kernels.py built with Python's ast module. Neither file 
 
 What is counted. The training loop is the `for step in ...` loop inside train_gpt.train(); the calls made
 in its body are the first calls of every chain. A kernel is a @triton.jit function of triton_kernels.py
-launched as `kernel[grid](...)`; that launch is the chain's last call. The depth of a kernel is the
+launched as `kernel[grid](...)` (or `triton_kernels.kernel[grid](...)` in train_gpt.py); that launch is
+the chain's last call. The depth of a kernel is the
 number of calls in the shortest chain from the loop to one of its launches (breadth-first; among chains
 of equal length, the one whose calls run first). The @triton.jit functions that are never launched
 (device helpers called inside kernels) are listed apart.
@@ -31,7 +32,9 @@ and ends there):
     `@torch.library.custom_op("speedrun::NAME")`, enter that function.
   * hand-off tables: a module-level dict of functions (a literal or `dict(...)`) called through a
     subscript, `HEAD_LOSSES[...](...)`, enters every function its literal lists (functools.partial
-    followed to its function): HEAD_LOSSES, ATTEND, ATTENTION_MASKS, ORTHOGONALIZERS, EVALUATION_CE today.
+    followed to its function), or the entry of the key alone where the call fixes the key (below):
+    HEAD_LOSSES, MLPS, ATTEND, ATTENTION_MASKS, ORTHOGONALIZERS, EVALUATION_CE today. A local bound to a
+    table's entry (`layer = MLPS[...]`) takes the key as the call that uses it knows it.
   * stored callables that are called under another name: STORED_CALLABLES below, each entry with the
     line of code that stores it (the tool stops with an error when the class or function no longer
     has that attribute or parameter, so the table cannot go stale silently).
@@ -46,17 +49,17 @@ not run (CPU twins, checkpoints, the alternatives). Where a function branches on
 shorter chain is reported: the chain is printed so that a reader can see which side it took. A branch
 that the call fixes is followed on its known side only: a parameter passed a constant or left at its
 constant default, and locals computed from those (`[] if fp8 else None`), decide `if x is None:`, `if
-flag:` and `a if flag else b`, and a return on the known side ends the function there. So evaluate()'s
-GPT.forward (no mtp_weights) stops at the evaluation loss and never reaches the training head or the FP8
-MLP, which training reaches through train_step. One over-approximation is left: `t.backward()` enters
-every registered backward, so the MLP kernel's chain may go through the bf16 MLP's backward
-(triton_kernels' relu2_mlp op, trained where FP8 is off) although the FP8 speedrun's goes through
-fp8_mlp's, one call longer.
+flag:`, `a if flag else b`, `a and b` and a table's key, and a return on the known side ends the function
+there. So evaluate()'s GPT.forward (no mtp_weights) takes the bf16 MLP (MLPS["bf16"]) and stops at the
+evaluation loss, never reaching the training head or the FP8 MLP, which training reaches through
+forward_backward. One over-approximation is left: `t.backward()` enters every registered backward, so
+the MLP kernel's chain may go through the bf16 MLP's backward (triton_kernels' relu2_mlp op, trained
+where FP8 is off) although the FP8 speedrun's goes through fp8_mlp's (today both are as long).
 
 Not resolved statically (listed at the end of the output for the functions the search reached): calls of
 callables that arrive as data: the waits ShardExchange returns (`reduced[label]()`, `done()`), closures
-passed on (GPT.hidden's `coef`), flex attention's compiled function and mask function, torch's matmul
-picked into `fn`; and, not listed, the post-accumulate-grad hooks of reductions_on_backward. In today's
+passed on (GPT.forward's `coef`), flex attention's compiled function and mask function, torch's
+baddbmm or addmm picked in ba_plus_cAA; and, not listed, the post-accumulate-grad hooks of reductions_on_backward. In today's
 code none of them launches a Triton kernel (the hooks' reductions, with the tied fold's transpose, are
 the ones NorMuonAdam.step launches directly), but the list says where to look when the code changes.
 """
@@ -79,7 +82,7 @@ GRAM_KERNEL = "_sym_mm_kernel"  # XXT / XTX (the Gram matrix) and b A + c A^2 of
 TYPED_NAMES = {
     # Trainer.__init__: self.model_fn = compile_model(model) if args.compile else model. torch.compile's
     # wrapper calls GPT.forward and forwards attribute reads (batch_masks) to the GPT; passed on as the
-    # unannotated `model_fn` of train_step, evaluate and StepGraphs.__init__ (self.model_fn there).
+    # unannotated `model_fn` of forward_backward, evaluate and StepGraphs.__init__ (self.model_fn there).
     "model_fn": "GPT",
 }
 
@@ -94,7 +97,7 @@ STORED_CALLABLES = {
     # NorMuonAdam.__init__: self.orthogonalize = orthogonalizer_of(orthogonalizer); build_optimizer
     # passes functools.partial(ORTHOGONALIZERS[args.orthogonalizer], dtype=...)
     ("NorMuonAdam", "orthogonalize"): ("table:ORTHOGONALIZERS",),
-    # _normuon_update's parameter `orthogonalize`: NorMuonAdam._normuon_work passes self.orthogonalize
+    # _normuon_update's parameter `orthogonalize`: NorMuonAdam.step passes self.orthogonalize
     ("_normuon_update", "orthogonalize"): ("table:ORTHOGONALIZERS",),
     # NorMuonAdam.reductions_on_backward: BackwardReductions(..., functools.partial(self._launch_reduction, ...))
     ("BackwardReductions", "launch"): ("NorMuonAdam._launch_reduction",),
@@ -126,7 +129,7 @@ class Module:
     classes: dict = field(default_factory=dict)  # name -> ast.ClassDef
     kernels: set = field(default_factory=set)  # @triton.jit function names
     ops: dict = field(default_factory=dict)  # "ns.name" -> qualname of the custom op's function
-    tables: dict = field(default_factory=dict)  # name -> [value expressions]
+    tables: dict = field(default_factory=dict)  # name -> [(key or None, value expression)]
     backwards: list = field(default_factory=list)  # (qualname, line of the registration)
     imports: dict = field(default_factory=dict)  # local name -> module name, or (module, attribute)
 
@@ -146,11 +149,12 @@ def _custom_op_name(dec) -> str | None:
     return None
 
 
-def _dict_values(value) -> list | None:
+def _dict_items(value) -> list | None:
+    """(key, value expression) of a dict literal or dict(...) call, the key None where it is no constant."""
     if isinstance(value, ast.Dict):
-        return list(value.values)
+        return [(k.value if isinstance(k, ast.Constant) else None, v) for k, v in zip(value.keys, value.values)]
     if isinstance(value, ast.Call) and isinstance(value.func, ast.Name) and value.func.id == "dict" and not value.args:
-        return [kw.value for kw in value.keywords]
+        return [(kw.arg, kw.value) for kw in value.keywords]
     return None
 
 
@@ -191,10 +195,10 @@ def load_module(name: str, source: str, fence_marker: str | None = FENCE) -> Mod
                 m.backwards.append((f"{node.name}.backward", node.lineno))
         elif isinstance(node, (ast.Assign, ast.AnnAssign)):
             targets = node.targets if isinstance(node, ast.Assign) else [node.target]
-            values = _dict_values(node.value) if node.value is not None else None
+            items = _dict_items(node.value) if node.value is not None else None
             for t in targets:
-                if isinstance(t, ast.Name) and values is not None:
-                    m.tables[t.id] = values
+                if isinstance(t, ast.Name) and items is not None:
+                    m.tables[t.id] = items
         elif isinstance(node, ast.Expr) and isinstance(node.value, ast.Call):
             call = node.value
             if isinstance(call.func, ast.Attribute) and call.func.attr == "register_autograd" and call.args:
@@ -208,6 +212,21 @@ def load_module(name: str, source: str, fence_marker: str | None = FENCE) -> Mod
             for a in node.names:
                 m.imports[a.asname or a.name] = (node.module, a.name)
     return m
+
+
+def _launched_kernel(func, m: Module, modules: dict) -> tuple | None:
+    """(module, kernel) when a call's function is a launch, `kernel[grid]` of a @triton.jit function of m
+    or `module.kernel[grid]` of an imported module's."""
+    if not isinstance(func, ast.Subscript):
+        return None
+    target = func.value
+    if isinstance(target, ast.Name) and target.id in m.kernels:
+        return m.name, target.id
+    if isinstance(target, ast.Attribute) and isinstance(target.value, ast.Name):
+        other = m.imports.get(target.value.id)
+        if isinstance(other, str) and other in modules and target.attr in modules[other].kernels:
+            return other, target.attr
+    return None
 
 
 def _directly_in(outer, inner) -> bool:
@@ -335,10 +354,12 @@ class CallGraph:
                         out.append((mname, t))
         return out
 
-    def _table(self, module: str, name: str) -> list:
+    def _table(self, module: str, name: str, key=None) -> list:
+        """The functions of a table's entries: the entry of `key` alone when the key is known."""
         out = []
-        for v in self.modules[module].tables[name]:
-            out += self._refs(v, module, None)
+        for k, v in self.modules[module].tables[name]:
+            if not isinstance(key, str) or k == key:
+                out += self._refs(v, module, None)
         return out
 
     # -- types ------------------------------------------------------------------------------------
@@ -464,10 +485,11 @@ class CallGraph:
         return None
 
     # -- calls ------------------------------------------------------------------------------------
-    def _refs(self, expr, module: str, f: Func | None) -> list:
-        """The functions an expression that names a callable can denote (not calling it)."""
+    def _refs(self, expr, module: str, f: Func | None, env: dict | None = None) -> list:
+        """The functions an expression that names a callable can denote (not calling it); env: what is
+        known of the names where it is called (a table's key)."""
         if isinstance(expr, ast.IfExp):
-            return self._refs(expr.body, module, f) + self._refs(expr.orelse, module, f)
+            return self._refs(expr.body, module, f, env) + self._refs(expr.orelse, module, f, env)
         if isinstance(expr, ast.Call):
             name = ast.unparse(expr.func)
             if name in ("functools.partial", "partial", "torch.compile") and expr.args:
@@ -476,7 +498,7 @@ class CallGraph:
         if isinstance(expr, ast.Subscript) and isinstance(expr.value, ast.Name):
             m = self.modules[module]
             if expr.value.id in m.tables and not (f and self._scope(f, expr.value.id)):
-                return self._table(module, expr.value.id)
+                return self._table(module, expr.value.id, const_value(expr.slice, env or {}))
             return []
         if isinstance(expr, ast.Name):
             if f is not None:
@@ -515,14 +537,16 @@ class CallGraph:
             return []
         return []
 
-    def _resolve(self, call: ast.Call, f: Func | None, module: str | None = None, record: bool = True) -> list:
+    def _resolve(self, call: ast.Call, f: Func | None, module: str | None = None, record: bool = True,
+                 env: dict | None = None) -> list:
         module = f.module if f is not None else module
         func = call.func
         m = self.modules[module]
+        launch = _launched_kernel(func, m, self.modules)
+        if launch is not None:
+            return [("launch", *launch)]
         if isinstance(func, ast.Subscript) and isinstance(func.value, ast.Name):
-            if func.value.id in m.kernels:
-                return [("launch", module, func.value.id)]
-            refs = self._refs(func, module, f)
+            refs = self._refs(func, module, f, env)
             if not refs and record:
                 self._note(module, call, f)
             return Indirect(refs)
@@ -534,7 +558,7 @@ class CallGraph:
                 if stored is not None:
                     return Indirect(stored)
                 if kind == "local":
-                    refs = [r for v in payload if not isinstance(v, tuple) for r in self._refs(v, module, g)]
+                    refs = [r for v in payload if not isinstance(v, tuple) for r in self._refs(v, module, g, env)]
                     if refs:
                         return Indirect(refs)
                 t = self._type(func, f)
@@ -601,7 +625,7 @@ class CallGraph:
     def _edges_of(self, calls, f: Func) -> list[Edge]:
         out = []
         for call, env in calls:
-            resolved = self._resolve(call, f)
+            resolved = self._resolve(call, f, env=env)
             for callee in resolved:
                 if callee[0] in self.modules:  # a function: what the call tells of its parameters
                     known = () if isinstance(resolved, Indirect) else self._known_args(call, env, callee)
@@ -866,11 +890,12 @@ def analyze(sources: dict[str, str], loop_module: str = "train_gpt", loop_functi
                 queue.append(e.callee)
     km = modules[kernel_module]
     launched = set()
-    for f in km.functions.values():
-        for call in _calls_in(f.node.body):
-            if isinstance(call.func, ast.Subscript) and isinstance(call.func.value, ast.Name) \
-                    and call.func.value.id in km.kernels:
-                launched.add(call.func.value.id)
+    for m in modules.values():
+        for f in m.functions.values():
+            for call in _calls_in(f.node.body):
+                launch = _launched_kernel(call.func, m, modules)
+                if launch is not None and launch[0] == kernel_module:
+                    launched.add(launch[1])
     kernels = {}
     for k in sorted(launched, key=lambda k: km.functions[k].node.lineno):
         node = ("launch", kernel_module, k)
