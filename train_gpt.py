@@ -2665,7 +2665,7 @@ def forward_backward(model_fn, opt: NorMuonAdam, batches: list[Batch], plan: Ste
 
 
 def use_cuda_graphs(args: Hyperparameters, device: torch.device) -> bool:
-    """--cuda_graphs takes effect on a CUDA device with --compile true; elsewhere train_step runs."""
+    """--cuda_graphs takes effect on a CUDA device with --compile true; elsewhere forward_backward runs."""
     return bool(args.cuda_graphs and args.compile and device.type == "cuda")
 
 
@@ -2687,12 +2687,12 @@ class _StepBuffers:
 
 
 class StepGraphs:
-    """train_step with its forward+backward replayed as one CUDA graph per shape key (step_graph_key), as
+    """forward_backward replayed as one CUDA graph per shape key (step_graph_key), as
     record #92 captures its steps (one GPU's step is host-bound). Per key, static buffers: the staged
     micro-batches (one host-to-device copy a step), the losses; every .grad is static too, zeroed in place
     once the optimizer consumed it. Not captured: the optimizer step (host-built hyperparameters, a
-    data-dependent bigram exchange, NCCL, state replaced by untie and load_state_dict); it runs after the
-    replay and launches the reductions itself. capture=False (CPUs) runs the same code without graphs."""
+    data-dependent bigram exchange, NCCL, state replaced by untie and load_state_dict): Trainer.step runs
+    it after the replay, and it launches the reductions itself. capture=False (CPUs) runs the same code without graphs."""
 
     def __init__(self, model: nn.Module, model_fn, opt: NorMuonAdam, mtp: torch.Tensor, prefix: torch.Tensor,
                  grad_scale: float, device: torch.device, capture: bool | None = None):
