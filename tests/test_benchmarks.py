@@ -812,22 +812,22 @@ def test_an_interrupted_recipe_run_resumes_from_its_newest_checkpoint(tmp_path, 
     flags = ["--preset", "test", "--run", "recipe", "--tokens", "12000", "--evals", "4", "--val_tokens", "1024",
              "--cpu_dtype", "fp32"]  # not timed at start-up: the two runs must compute alike
     te.main([*flags, "--save", str(tmp_path / "whole")])
-    train_step, handler = tg.train_step, signal.getsignal(signal.SIGTERM)
+    forward_backward, handler = tg.forward_backward, signal.getsignal(signal.SIGTERM)
     folder = tmp_path / "resumed"
-    monkeypatch.setattr(tg, "train_step", on_call(train_step, 5, lambda: signal.raise_signal(signal.SIGTERM)))
+    monkeypatch.setattr(tg, "forward_backward", on_call(forward_backward, 5, lambda: signal.raise_signal(signal.SIGTERM)))
     capsys.readouterr()
     with pytest.raises(SystemExit) as stopped:  # in step 5 of 11
         te.main([*flags, "--save", str(folder)])
     assert stopped.value.code == 143 and signal.getsignal(signal.SIGTERM) == handler
     assert "  stopped at step 5 of 11; the same command continues from " in capsys.readouterr().out
-    monkeypatch.setattr(tg, "train_step", dies_on_call(train_step, 4))  # in step 9: its 4th of this sitting
+    monkeypatch.setattr(tg, "forward_backward", dies_on_call(forward_backward, 4))  # in step 9: its 4th of this sitting
     with pytest.raises(KeyboardInterrupt):
         te.main([*flags, "--save", str(folder)])
     assert te.newest_checkpoint(str(folder / "partial" / "recipe_s0"))[0] == 8  # 9+2 steps: one checkpoint a step
     kept = glob.glob(str(folder / "partial" / "recipe_s0" / "*" / "step_*"))
     # the one the second sitting resumed from, and that sitting's newest 2 (the first sitting's step 4 is gone)
     assert sorted(map(os.path.basename, kept)) == ["step_000005", "step_000007", "step_000008"]
-    monkeypatch.setattr(tg, "train_step", train_step)
+    monkeypatch.setattr(tg, "forward_backward", forward_backward)
     capsys.readouterr()
     te.main(["--load", str(folder)])
     assert "stopped midway, continued by the same command: recipe_s0 at step 8" in capsys.readouterr().out
