@@ -1987,14 +1987,11 @@ class GPT(nn.Module):
 
     def forward(self, input_ids, target_ids, cu_seqlens, bigram_ids, mtp_weights=None, loss_scale: float = 1.0,
                 prefix_weight=None, masks: dict | None = None):
-        """Training (mtp_weights (K,) fp32 given): (objective, next_token), the objective loss_scale * sum
-        over tokens of the softcapped multi-token CE plus, with prefix_weight (0-D fp32) given, the
-        prefix-token term (record #89's loss, to backpropagate), and next_token the sum over tokens of
-        the plain next-token CE of the same logits, evaluation's measure (0-D fp32, no gradient, from
-        the loss kernel's pass); FP8 head and MLPs on capable GPUs. Evaluation (mtp_weights None):
-        mean next-token fp32 CE. target_ids None: the final normalised hidden states (T, D), the input
-        of the LM head. masks: attention_masks(cu_seqlens, T), built here when not given (eager use),
-        required when compiled on CUDA."""
+        """Training (mtp_weights (K,) given): (objective, next_token), 0-D fp32 sums over tokens: loss_scale x
+        record #89's loss (softcapped multi-token CE, plus the prefix term with prefix_weight) and the plain
+        next-token CE of the same logits (no gradient); FP8 head and MLPs on capable GPUs. Evaluation
+        (mtp_weights None): mean next-token CE. target_ids None: the final normed hidden states (T, D).
+        masks: attention_masks(cu_seqlens, T), built here when not given, required when compiled on CUDA."""
         a = self.args
         H, hd = a.num_heads, a.head_dim
         ids = input_ids.view(-1)
