@@ -8,10 +8,10 @@ custom-op crossings, per phase, on the CUDA code path forced onto CPU tensors (i
     python tests/benchmarks/host_dispatch.py --model_masks      # the masks built by the model in the step, as before the loader built them
     python tests/benchmarks/host_dispatch.py --smoke            # tooling check (tests): 4 layers, 1 step
 
-What is counted. One training step is what train_gpt.train()'s run_step does: train_gpt.train_step (every
+What is counted. One training step is what train_gpt.Trainer.step does without CUDA graphs: forward_backward (every
 micro-batch's transfer (Batch.to: one copy of its staged buffer and a view per tensor), attention masks
 (GPT.batch_masks: BlockMasks around the block indices the loader built on its thread, as on CUDA),
-forward and backward, the loss sum, then NorMuonAdam.step), then the FP8 re-quantization of the weights
+forward and backward, the loss sum), NorMuonAdam.step, then the FP8 re-quantization of the weights
 (GPT.quantize_fp8) and the loss's scaling. Counted, for that step:
   * aten ops dispatched outside compiled graphs: every aten:: call the profiler records that is not inside
     a compiled graph (CompiledFunction / CompiledFunctionBackward, inductor's "## Call CompiledFxGraph"),
@@ -321,7 +321,7 @@ def cuda_path_on_cpu(backend: str):
 
 
 class StepRunner:
-    """train()'s run_step on one rank at tiny widths, compiled as on CUDA; step(i) runs training step i
+    """Trainer.step (uncaptured) on one rank at tiny widths, compiled as on CUDA; step(i) runs training step i
     with its phases marked."""
 
     def __init__(self, args: T.Hyperparameters, backend: str = "inductor", seed: int = 0):
@@ -356,7 +356,7 @@ class StepRunner:
         return out
 
     def step(self, step: int, batches: list[T.Batch]):
-        """One run_step: train_step, then the FP8 re-quantization, then the loss's scaling."""
+        """One Trainer.step: train_step (forward_backward, NorMuonAdam.step), then the FP8 re-quantization, then the loss's scaling."""
         args, model = self.args, self.model
         plan = T.plan_step(args, step)
         model.set_windows(*plan.windows)
