@@ -1515,7 +1515,7 @@ def block_mask_indices(doc_ids: torch.Tensor, window, pos_div: int = 1,
     def listed(blocks, cols):
         # each row's blocks first, ascending (flex's kernels read a row, stride 1, only up to its count)
         out = torch.zeros(nb, nb, dtype=torch.int32, device=dev)
-        out[:, :band] = cols.gather(1, torch.argsort(~blocks, dim=1, stable=True))
+        out[:, :band] = cols.gather(1, torch.argsort((~blocks).to(torch.uint8), dim=1, stable=True))  # any device
         return blocks.sum(1, dtype=torch.int32)[None, None], out[None, None]
 
     kv = k.flip(1)  # key blocks ascending
