@@ -765,11 +765,8 @@ def relu2_fp8_up(x_f8: Tensor, w_up_f8: Tensor, dequant: Tensor, act_scale: Tens
     differentiable: the FP8 MLP op around it owns the (bf16) backward. CUDA runs the kernel (the maximum
     is reduced from per-program partials on the device, no host sync), other devices the reference.
     """
-    if x_f8.is_cuda:
-        post, post_f8, partial = relu2_fp8_up_triton(x_f8, w_up_f8, dequant, act_scale, fast_accum=fast_accum)
-        return post, post_f8, partial.amax()
-    _check_fp8_up_args(x_f8, w_up_f8, dequant, act_scale)
-    return relu2_fp8_up_reference(x_f8, w_up_f8, dequant, act_scale)
+    post, post_f8, partial = relu2_fp8_up_partials(x_f8, w_up_f8, dequant, act_scale, fast_accum=fast_accum)
+    return post, post_f8, partial.amax()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1114,11 +1111,7 @@ def softcapped_ce_mtp_triton(logits: Tensor, targets: Tensor, mtp_weights: Tenso
                              prefix_weight: Tensor | None = None, grad_scale: float = 1.0,
                              next_token: bool = False) -> Tensor | tuple[Tensor, Tensor]:
     """Triton path of `softcapped_ce_mtp`; runs on CUDA, or on CPU under TRITON_INTERPRET=1."""
-    _check_ce_args(logits, targets, mtp_weights, prefix_ids, prefix_weight, grad_scale)
-    loss, nt, _ = torch.ops.speedrun.softcapped_ce_mtp_fwd(
-        logits if logits.stride(1) == 1 else logits.contiguous(),
-        *_ce_inputs(targets, mtp_weights, prefix_ids, prefix_weight), float(grad_scale))
-    return (loss, nt) if next_token else loss
+    return softcapped_ce_mtp(logits, targets, mtp_weights, prefix_ids, prefix_weight, grad_scale, next_token, kernel=True)
 
 
 # The CPU twin of the kernel: the same one-pass algorithm (loss and dlogits together, per block of rows,
@@ -1264,10 +1257,7 @@ def softcapped_ce_mtp_rows(logits: Tensor, targets: Tensor, mtp_weights: Tensor,
                            prefix_weight: Tensor | None = None, grad_scale: float = 1.0,
                            next_token: bool = False) -> Tensor | tuple[Tensor, Tensor]:
     """CPU path of `softcapped_ce_mtp`: the kernel's fused algorithm in torch ops, block of rows at a time."""
-    _check_ce_args(logits, targets, mtp_weights, prefix_ids, prefix_weight, grad_scale)
-    loss, nt, _ = torch.ops.speedrun.softcapped_ce_mtp_rows(
-        logits, *_ce_inputs(targets, mtp_weights, prefix_ids, prefix_weight), float(grad_scale))
-    return (loss, nt) if next_token else loss
+    return softcapped_ce_mtp(logits, targets, mtp_weights, prefix_ids, prefix_weight, grad_scale, next_token, kernel=False)
 
 
 def softcapped_ce_mtp_e5m2(logits: Tensor, targets: Tensor, mtp_weights: Tensor, prefix_ids: Tensor | None,
@@ -1301,8 +1291,8 @@ def softcapped_ce_mtp_e5m2_reference(logits: Tensor, targets: Tensor, mtp_weight
 
 
 def softcapped_ce_mtp(logits: Tensor, targets: Tensor, mtp_weights: Tensor, prefix_ids: Tensor | None = None,
-                      prefix_weight: Tensor | None = None, grad_scale: float = 1.0,
-                      next_token: bool = False) -> Tensor | tuple[Tensor, Tensor]:
+                      prefix_weight: Tensor | None = None, grad_scale: float = 1.0, next_token: bool = False,
+                      kernel: bool | None = None) -> Tensor | tuple[Tensor, Tensor]:
     """Per-token softcapped cross-entropy with multi-token prediction and the prefix-token term; (T,) fp32.
 
     logits (T, V) (bf16 in training), targets (T,) int with targets[t] the token after position t,
@@ -1314,12 +1304,13 @@ def softcapped_ce_mtp(logits: Tensor, targets: Tensor, mtp_weights: Tensor, pref
     gradient are computed in one pass over the logits (Triton on CUDA, the CPU twin elsewhere).
     next_token=True: returns (loss, next_token_loss), the second (T,) fp32 the plain next-token
     cross-entropy lse(z_t) - z_t[targets[t]] of the same z (the k = 0 term without its weight, what
-    evaluation measures per token), computed by the same pass, without a gradient.
+    evaluation measures per token), computed by the same pass, without a gradient. kernel: the Triton
+    kernel (default on CUDA; softcapped_ce_mtp_triton) or the CPU twin (softcapped_ce_mtp_rows).
     """
     _check_ce_args(logits, targets, mtp_weights, prefix_ids, prefix_weight, grad_scale)
-    op = torch.ops.speedrun.softcapped_ce_mtp_fwd if logits.is_cuda else torch.ops.speedrun.softcapped_ce_mtp_rows
-    loss, nt, _ = op(logits if logits.stride(1) == 1 else logits.contiguous(),
-                     *_ce_inputs(targets, mtp_weights, prefix_ids, prefix_weight), float(grad_scale))
+    op = (torch.ops.speedrun.softcapped_ce_mtp_fwd if (logits.is_cuda if kernel is None else kernel)
+          else torch.ops.speedrun.softcapped_ce_mtp_rows)
+    loss, nt, _ = op(logits, *_ce_inputs(targets, mtp_weights, prefix_ids, prefix_weight), float(grad_scale))
     return (loss, nt) if next_token else loss
 
 

@@ -80,7 +80,7 @@ CHECKS: tuple[Check, ...] = (
           "within the bound of a 13-bit running sum of the float64 result; with fp32 promotion within it too and "
           "at most half the fast error against the fp32 reference; the e4m3 copy and the amax, and the partial "
           "maxima the FP8 MLP reduces after all layers (their count, their max equal to the amax)",
-          (K + "_fp8_relu2_kernel", TK + "fp8_up_kernel_args", TK + "relu2_fp8_up", TK + "relu2_fp8_up_partials",
+          (K + "_fp8_relu2_kernel", TK + "fp8_up_kernel_args", TK + "relu2_fp8_up_partials",
            TK + "relu2_fp8_up_partial_count")),
     Check("fp8-head", 60, "the FP8 LM head with the loss (16384 x 768 x 50304): loss, e5m2 gradient, dx and dw "
           "through torch._scaled_mm against the emulation; the plain fp8_mm op too",
