@@ -912,10 +912,11 @@ class OwnershipLayout:
         shard[:slot.real_rows] = per_matrix[slot.lo:slot.lo + slot.real_rows]
         return shard.to(torch.float32).view(-1, 1, 1).to(slot.param.device)
 
-    def new_state(self, label: str) -> dict[str, torch.Tensor]:
-        """Zero state of the owned shard; NorMuon's second moment has one entry per row of the longer side."""
+    def new_state(self, label: str, device: torch.device | None = None) -> dict[str, torch.Tensor]:
+        """Zero state of the owned shard (on the parameter's device unless given; "meta": shapes and dtypes
+        only); NorMuon's second moment has one entry per row of the longer side."""
         slot = self.slots[label]
-        shard, dev = (slot.shard_rows, *slot.shape[1:]), slot.param.device
+        shard, dev = (slot.shard_rows, *slot.shape[1:]), device or slot.param.device
         if slot.cfg.optimizer == "adam":
             return {"exp_avg": torch.zeros(shard, dtype=torch.float32, device=dev),
                     "exp_avg_sq": torch.zeros(shard, dtype=torch.float32, device=dev)}
@@ -3419,18 +3420,6 @@ def _normalized_bank(G: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return (G3.float() / (norm * 1.02 + 1e-6)).to(dtype)
 
 
-def _gram_of(X: torch.Tensor, left: bool) -> torch.Tensor:
-    """X X^T (left) or X^T X of a bank (b, m, n), by the symmetric Triton kernels on CUDA."""
-    k = X.size(-2) if left else X.size(-1)
-    out = X.new_empty(X.size(0), k, k)
-    return triton_kernels.XXT(X, out) if left else triton_kernels.XTX(X, out)
-
-
-def _poly_of_gram(A: torch.Tensor, b: float, c: float) -> torch.Tensor:
-    """b A + c A^2 for a symmetric bank A (b, m, m)."""
-    return triton_kernels.ba_plus_cAA(A, c, b, torch.empty_like(A))
-
-
 def gram_newton_schulz(G: torch.Tensor, coeffs=POLAR_EXPRESS_COEFFS, restart_after: int = 2,
                        dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """The same polynomial iteration, run on the small Gram matrix instead of the full matrix.
@@ -3451,15 +3440,15 @@ def gram_newton_schulz(G: torch.Tensor, coeffs=POLAR_EXPRESS_COEFFS, restart_aft
         X = X.mT.contiguous()
     s = X.size(-2)
     eye = torch.eye(s, dtype=X.dtype, device=X.device)
-    R = _gram_of(X, left=True)
+    R = triton_kernels.XXT(X, X.new_empty(X.size(0), s, s))
     Q = None
     last = len(coeffs) - 1
     for i, (a, b, c) in enumerate(coeffs):
         if i == restart_after and Q is not None:
             X = torch.bmm(Q, X)
-            R = _gram_of(X, left=True)
+            R = triton_kernels.XXT(X, X.new_empty(X.size(0), s, s))
             Q = None
-        Z = _poly_of_gram(R, b, c) + a * eye
+        Z = triton_kernels.ba_plus_cAA(R, c, b, torch.empty_like(R)) + a * eye  # b R + c R^2 + a I
         Q = Z if Q is None else torch.bmm(Z, Q)
         if i < last:
             R = torch.bmm(torch.bmm(Z, R), Z)
@@ -4439,7 +4428,7 @@ def _check_state_dict(opt: NorMuonAdam, sd: dict) -> None:
     if set(sd["state"]) != set(opt.state):
         raise ValueError(f"load_state_dict: labels {sorted(sd['state'])} differ from this optimizer's {sorted(opt.state)}")
     for label, saved in sd["state"].items():
-        ref = opt.layout.new_state(label)
+        ref = opt.layout.new_state(label, torch.device("meta"))  # what load_state_dict allocates, unallocated
         if saved and set(saved) != set(ref):
             raise ValueError(f"load_state_dict: {label!r} has state {sorted(saved)}, expected {sorted(ref)}")
         for name, t in saved.items():

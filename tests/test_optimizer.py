@@ -12,6 +12,7 @@ import contextlib
 import dataclasses
 import math
 import os
+import re
 import sys
 
 import pytest
@@ -761,6 +762,32 @@ def test_load_state_dict_rejects_other_world_size():
         opt.load_state_dict(sd)
     assert "\n" not in str(e.value)
 
+
+
+@pytest.mark.parametrize("label,name,change,message", [
+    ("mlp_bank", "second_moment", lambda t: t.new_zeros(t.shape[0], 1, 16),
+     "'mlp_bank'.second_moment is (24, 1, 16) torch.float32, expected (24, 32, 1) torch.float32"),
+    ("gates", "exp_avg", lambda t: t.double(), "'gates'.exp_avg is (4, 12) torch.float64, expected (4, 12) torch.float32"),
+    ("qk_bank", "mantissa", None, "'qk_bank' has state ['momentum_buffer', 'second_moment'], expected"),
+])
+def test_load_state_dict_refuses_other_shapes_names_and_dtypes_and_keeps_its_state(label, name, change, message):
+    """A state whose shard shapes, dtypes or names differ from the optimizer's (new_state's) is refused with
+    one line naming the label and what was expected, before any label's state is replaced."""
+    params = make_params()
+    opt = build(params)
+    drive(opt, params, lambda s: step_grads(s, 1)[0], steps=range(2))
+    before = opt.state_dict()
+    sd = opt.state_dict()
+    if change is None:
+        del sd["state"][label][name]
+    else:
+        sd["state"][label][name] = change(sd["state"][label][name])
+    with pytest.raises(ValueError, match=re.escape(message)) as e:
+        opt.load_state_dict(sd)
+    assert "\n" not in str(e.value)
+    for lab, st in opt.state_dict()["state"].items():  # nothing replaced, not even the labels checked first
+        for n, t in st.items():
+            assert torch.equal(t, before["state"][lab][n]), (lab, n)
 
 def test_compiled_step_never_recompiles_on_schedule_changes():
     """Compiled, each label's update is one graph (fullgraph: a graph break would raise here), and
