@@ -1114,7 +1114,11 @@ class ShardExchange:
             return self.comm.all_gather(slot.label, view, shard).wait  # in place: shard is a slice of view
         full = shard.new_empty((slot.shard_rows * self.world_size, *slot.shape[1:]))
         work = self.comm.all_gather(slot.label, full, shard)
-        return lambda: (work.wait(), view.copy_(full[:slot.rows]))
+
+        def finish():
+            work.wait()
+            view.copy_(full[:slot.rows])
+        return finish
 
     def full_tensor(self, slot: Slot, shard: torch.Tensor) -> torch.Tensor:
         """All rows of a sharded fp32 state tensor (rows, *inner), gathered from every rank."""
