@@ -7,11 +7,13 @@ the same model code trains anywhere and the CPU demo stays fast. The `name_trito
 take the Triton path; on a CPU tensor that only works under the Triton interpreter (TRITON_INTERPRET=1
 set before this module is imported), which is how the tests prove the kernels on machines without a GPU.
 
-Kernels are launched from `torch.library.custom_op`s in the `speedrun` namespace, each with a fake
-(meta) implementation and, where gradients flow, a registered autograd formula, so `torch.compile`d
+The model's kernels are launched from `torch.library.custom_op`s in the `speedrun` namespace, each with
+a fake (meta) implementation and, where gradients flow, a registered autograd formula, so `torch.compile`d
 model code treats them as opaque ops instead of trying to trace into Triton launches. An op's body
 launches its kernel itself, `kernel[grid](*args, **meta)`, with what a `*_args` helper computes from
-the op's inputs (checks, tiles, outputs): public function, op, kernel.
+the op's inputs (checks, tiles, outputs): public function, op, kernel. The symmetric products of Polar
+Express have no op: the public function launches the kernel, and the optimizer's compiled update traces
+the launch into its graph as a user-defined Triton kernel (no gradient flows there).
 
 Design notes (Hopper, sm_90):
   * The matmul kernels are persistent: one program per SM walks a list of output tiles, so tile
@@ -54,6 +56,7 @@ def _is_interpreted(kernel) -> bool:
     return type(kernel).__name__ == "InterpretedFunction"
 
 
+@torch.compiler.assume_constant_result  # read at trace time: a launch traced into a compiled graph (XXT) stays in it
 @functools.lru_cache(maxsize=None)
 def _cuda_sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
@@ -227,9 +230,10 @@ def _sym_args(A: Tensor, out: Tensor, mode: str, alpha: float = 1.0, beta: float
         raise ValueError(f"ba_plus_cAA: A must be square (m, m) or batched (b, m, m), got shape {tuple(A.shape)}")
     name = dict(xxt="XXT", xtx="XTX", aa="ba_plus_cAA")[mode]
     _check_sym_shapes(name, A, out, A.shape[-2] if mode == "xxt" else A.shape[-1])
-    _check_runnable(_sym_mm_kernel, A, out)
-    if _overlaps(A, out):
-        raise ValueError("triton_kernels: `out` must not overlap `A` (the kernel reads A while writing out)")
+    if not torch.compiler.is_compiling():  # data pointers do not trace: a compiled caller's `out` is its own
+        _check_runnable(_sym_mm_kernel, A, out)
+        if _overlaps(A, out):
+            raise ValueError("triton_kernels: `out` must not overlap `A` (the kernel reads A while writing out)")
     nb, sab, sam, san = _as_batched(A)
     _, sob, som, son = _as_batched(out)
     m, n = A.shape[-2], A.shape[-1]
@@ -251,55 +255,19 @@ def _sym_args(A: Tensor, out: Tensor, mode: str, alpha: float = 1.0, beta: float
     return grid, args, meta
 
 
-@torch.library.custom_op("speedrun::xxt", mutates_args=("out",))
-def _xxt_op(A: Tensor, out: Tensor) -> None:
-    grid, args, meta = _sym_args(A, out, "xxt")
-    _sym_mm_kernel[grid](*args, **meta)
-
-
-@torch.library.custom_op("speedrun::xtx", mutates_args=("out",))
-def _xtx_op(A: Tensor, out: Tensor) -> None:
-    grid, args, meta = _sym_args(A, out, "xtx")
-    _sym_mm_kernel[grid](*args, **meta)
-
-
-@torch.library.custom_op("speedrun::ba_plus_caa", mutates_args=("out",))
-def _ba_plus_caa_op(A: Tensor, alpha: float, beta: float, out: Tensor) -> None:
-    grid, args, meta = _sym_args(A, out, "aa", alpha, beta)
-    _sym_mm_kernel[grid](*args, **meta)
-
-
-@_xxt_op.register_fake
-def _(A, out):
-    return None
-
-
-@_xtx_op.register_fake
-def _(A, out):
-    return None
-
-
-@_ba_plus_caa_op.register_fake
-def _(A, alpha, beta, out):
-    return None
-
-
 def XXT_triton(A: Tensor, out: Tensor) -> Tensor:
-    """Triton path of `XXT`; runs on CUDA, or on CPU under TRITON_INTERPRET=1."""
-    torch.ops.speedrun.xxt(A, out)
-    return out
+    """`XXT` on the Triton kernel at every shape; runs on CUDA, or on CPU under TRITON_INTERPRET=1."""
+    return XXT(A, out, kernel=True)
 
 
 def XTX_triton(A: Tensor, out: Tensor) -> Tensor:
-    """Triton path of `XTX`; runs on CUDA, or on CPU under TRITON_INTERPRET=1."""
-    torch.ops.speedrun.xtx(A, out)
-    return out
+    """`XTX` on the Triton kernel at every shape; runs on CUDA, or on CPU under TRITON_INTERPRET=1."""
+    return XTX(A, out, kernel=True)
 
 
 def ba_plus_cAA_triton(A: Tensor, alpha: float, beta: float, out: Tensor) -> Tensor:
-    """Triton path of `ba_plus_cAA`; runs on CUDA, or on CPU under TRITON_INTERPRET=1."""
-    torch.ops.speedrun.ba_plus_caa(A, float(alpha), float(beta), out)
-    return out
+    """`ba_plus_cAA` on the Triton kernel at every shape; runs on CUDA, or on CPU under TRITON_INTERPRET=1."""
+    return ba_plus_cAA(A, alpha, beta, out, kernel=True)
 
 
 # Per GPU and shape, the Triton kernel or torch (cuBLAS). The triangle trick halves the FLOPs, but at the
@@ -365,43 +333,53 @@ def gpu_name_of(t: Tensor) -> str:
     return _gpu_name(t.device.index if t.device.index is not None else torch.cuda.current_device())
 
 
-def _runs_kernel(name: str, A: Tensor) -> bool:
-    """A CUDA tensor whose shape the table does not give to torch."""
+def _runs_kernel(name: str, A: Tensor, kernel: bool | None) -> bool:
+    """kernel if given, else: a CUDA tensor whose shape the table does not give to torch."""
+    if kernel is not None:
+        return kernel
     return A.is_cuda and kernel_choice(name, tuple(A.shape), gpu_name_of(A)) == "triton"
 
 
-def XXT(A: Tensor, out: Tensor) -> Tensor:
+# The three products launch the kernel themselves, no custom op between: under torch.compile (Polar Express
+# in the optimizer's compiled update) dynamo traces the launch into the graph as a user-defined Triton
+# kernel, as record #89 does (PR #350's XXT), so the update crosses no op boundary.
+
+def XXT(A: Tensor, out: Tensor, kernel: bool | None = None) -> Tensor:
     """out = A @ A^T; A (m, n) or (b, m, n), out (m, m) or (b, m, m), any float dtype; returns out.
 
     On CUDA only the lower-triangle tiles are multiplied (fp32 accumulation) and mirrored, except at
-    shapes where kernel_choice gives torch's matmul, which other devices run. `out` must not overlap `A`.
+    shapes where kernel_choice gives torch's matmul, which other devices run (kernel=True: the Triton
+    kernel at every shape, False: torch). `out` must not overlap `A`.
     """
-    if _runs_kernel("XXT", A):
-        torch.ops.speedrun.xxt(A, out)
+    if _runs_kernel("XXT", A, kernel):
+        grid, args, meta = _sym_args(A, out, "xxt")
+        _sym_mm_kernel[grid](*args, **meta)
         return out
     return torch.matmul(A, A.mT, out=out)
 
 
-def XTX(A: Tensor, out: Tensor) -> Tensor:
+def XTX(A: Tensor, out: Tensor, kernel: bool | None = None) -> Tensor:
     """out = A^T @ A; A (m, n) or (b, m, n), out (n, n) or (b, n, n); returns out.
 
     The symmetric form for tall matrices (rows > cols), same triangle trick (and table) as `XXT`.
     """
-    if _runs_kernel("XTX", A):
-        torch.ops.speedrun.xtx(A, out)
+    if _runs_kernel("XTX", A, kernel):
+        grid, args, meta = _sym_args(A, out, "xtx")
+        _sym_mm_kernel[grid](*args, **meta)
         return out
     return torch.matmul(A.mT, A, out=out)
 
 
-def ba_plus_cAA(A: Tensor, alpha: float, beta: float, out: Tensor) -> Tensor:
+def ba_plus_cAA(A: Tensor, alpha: float, beta: float, out: Tensor, kernel: bool | None = None) -> Tensor:
     """out = alpha * A @ A + beta * A for symmetric A (m, m) or (b, m, m); returns out.
 
     This is the `b*A + c*A^2` step of Polar Express (alpha = c, beta = b). A must be symmetric: on
     CUDA only half of the product is computed, except where kernel_choice gives torch's baddbmm, which
     other devices run. `out` must not overlap `A`.
     """
-    if _runs_kernel("ba_plus_cAA", A):
-        torch.ops.speedrun.ba_plus_caa(A, float(alpha), float(beta), out)
+    if _runs_kernel("ba_plus_cAA", A, kernel):
+        grid, args, meta = _sym_args(A, out, "aa", alpha, beta)
+        _sym_mm_kernel[grid](*args, **meta)
         return out
     return (torch.baddbmm if A.dim() == 3 else torch.addmm)(A, A, A, beta=beta, alpha=alpha, out=out)
 

@@ -58,11 +58,12 @@ TK, TG = "cuda:triton_kernels.py:", "cuda:train_gpt.py:"
 
 CHECKS: tuple[Check, ...] = (
     # -- kernels: every Triton kernel, the FP8 ops and flex attention against references ------------------
-    Check("triton-symmetric", 60, "XXT, XTX, ba_plus_cAA kernels on the NorMuon banks (64x256x768, 24x768x768, "
+    Check("triton-symmetric", 120, "XXT, XTX, ba_plus_cAA kernels on the NorMuon banks (64x256x768, 24x768x768, "
           "24x3072x768) in bf16 and fp32 against float64; outputs bitwise symmetric; the public functions (which "
-          "may take torch at a listed shape) and Polar Express on CUDA against the CPU path",
-          (K + "_sym_mm_kernel", OP + "xxt", OP + "xtx", OP + "ba_plus_caa", TK + "XXT", TK + "XTX", TK + "ba_plus_cAA",
-           TK + "gpu_name_of")),
+          "may take torch at a listed shape) and Polar Express on CUDA against the CPU path; the optimizer's "
+          "compiled NorMuon update (inductor, fullgraph) with every product on the kernel, traced into its graph, "
+          "against the same update eager",
+          (K + "_sym_mm_kernel", TK + "XXT", TK + "XTX", TK + "ba_plus_cAA", TK + "gpu_name_of")),
     Check("triton-mlp", 60, "relu2_mlp forward and backward (49152 x 768 -> 3072) in bf16 and fp32 against float64",
           (K + "_mm_epilogue_kernel", K + "_grouped_tile", OP + "relu2_mlp_fwd", OP + "relu2_mlp_bwd",
            TK + "relu2_mlp")),
@@ -226,9 +227,36 @@ def check_triton_symmetric(res: Result) -> None:
             e = rel_err(fn(G), fn(G.cpu()).cuda())
             require(e < 5e-2, f"{name} {bank}: CUDA vs CPU relative difference {e:.2e}")  # 5 bf16 iterations
             worst[f"{name}_{bank}"] = e
-    res.set(errors=worst, summary=f"worst relative error bf16 {max(v for k, v in worst.items() if 'bf16' in k):.1e}, "
+    # The compiled update as the optimizer runs it, every product on the kernel: the launches traced into
+    # one graph (a graph break is an error), against the eager update from the same state
+    import triton.testing
+    compiled_ms = {}
+    normuon, _ = T.update_functions(compile=True)
+    hp = torch.tensor([0.02, 0.0, 0.95, 0.95, 0.0], device="cuda")
+    saved, tk.USE_KERNEL_TABLE = tk.USE_KERNEL_TABLE, False
+    try:
+        for bank, (k, rows, cols) in banks.items():
+            side = (k, 1, cols) if rows < cols else (k, rows, 1)
+            state = [torch.randn(k, rows, cols, device="cuda", generator=g), torch.zeros(k, rows, cols, device="cuda"),
+                     torch.zeros(side, device="cuda"),
+                     torch.randn(k, rows, cols, device="cuda", generator=g)]  # an fp32 parameter: the update exact
+            runs = {}
+            for how, fn in (("eager", T._normuon_update), ("compiled", normuon)):
+                grad, buf, sm, p = (t.clone() for t in state)
+                fn(grad, buf, sm, p, None, torch.ones(k, 1, 1, device="cuda"), hp, T.polar_express)
+                runs[how] = p
+            e = rel_err(runs["compiled"] - state[3], runs["eager"] - state[3])
+            compiled_ms[bank] = triton.testing.do_bench(
+                lambda: normuon(*state, None, torch.ones(k, 1, 1, device="cuda"), hp, T.polar_express), warmup=10, rep=50)
+            require(e < 5e-2, f"compiled NorMuon update, {bank} bank: the update differs from eager by {e:.2e}")
+            worst[f"compiled_update_{bank}"] = e
+    finally:
+        tk.USE_KERNEL_TABLE = saved
+    res.set(errors=worst, compiled_update_ms=compiled_ms,
+            summary=f"worst relative error bf16 {max(v for k, v in worst.items() if 'bf16' in k):.1e}, "
             f"fp32 {max(v for k, v in worst.items() if 'fp32' in k):.1e}; Polar Express / auto CUDA vs CPU "
-            f"{max(v for k, v in worst.items() if 'polar' in k or 'auto' in k):.1e}")
+            f"{max(v for k, v in worst.items() if 'polar' in k or 'auto' in k):.1e}; compiled update (kernels "
+            f"traced) vs eager {max(v for k, v in worst.items() if 'compiled' in k):.1e}")
 
 
 def check_triton_mlp(res: Result) -> None:

@@ -267,3 +267,69 @@ def test_loader_built_masks_train_exactly_like_the_models_own(flex_on_cpu):
     assert grads_model.keys() == grads_loader.keys() and len(grads_model) > 10
     for name in grads_model:
         assert torch.equal(grads_model[name], grads_loader[name]), name
+
+
+# The optimizer's compiled NorMuon update as dynamo and AOT autograd see it on a GPU machine: dynamo treats
+# a `kernel[grid](...)` launch as a user-defined Triton kernel only where a Triton GPU backend exists (and
+# not under the interpreter), so the trace runs in a fresh process with has_triton() answering True and
+# every symmetric product sent to the kernel; the compiler keeps the graphs and runs nothing.
+_POLAR_EXPRESS_TRACE = r"""
+import json, sys
+import torch.utils._triton as triton_utils
+triton_utils.has_triton = lambda: True
+import torch
+from torch._dynamo.backends.common import aot_autograd
+sys.path.insert(0, sys.argv[1])
+import triton_kernels as tk
+import train_gpt as tg
+
+dynamo_graphs, forward_graphs = [], []
+
+def forward_compiler(gm, example_inputs):
+    forward_graphs.append(gm)
+    outputs = [n.meta["val"] for n in gm.graph.output_node().args[0]]
+    return lambda *args: [torch.zeros(o.shape, dtype=o.dtype) for o in outputs]
+
+def backend(gm, example_inputs):
+    dynamo_graphs.append(gm)
+    return aot_autograd(fw_compiler=forward_compiler)(gm, example_inputs)
+
+for name in ("XXT", "XTX", "ba_plus_cAA"):  # the public function with the kernel at every shape
+    fn = getattr(tk, name)
+    setattr(tk, name, lambda *args, _fn=fn: _fn(*args, kernel=True))
+normuon, _ = tg.update_functions(compile=backend)
+k, results = 2, {}
+for rows, cols in ((64, 96), (96, 64)):  # wide: XXT; tall: XTX
+    torch._dynamo.reset()
+    dynamo_graphs.clear(); forward_graphs.clear()
+    side = (k, 1, cols) if rows < cols else (k, rows, 1)
+    normuon(torch.randn(k, rows, cols), torch.zeros(k, rows, cols), torch.zeros(side),
+            torch.randn(k, rows, cols, dtype=torch.bfloat16), None, torch.ones(k, 1, 1),
+            torch.tensor([0.01, 0.0, 0.95, 0.95, 0.0]), tg.polar_express)
+    targets = lambda gs: [str(n.target) for g in gs for n in g.graph.nodes if n.op == "call_function"]
+    results[f"{rows}x{cols}"] = dict(dynamo_graphs=len(dynamo_graphs), forward_graphs=len(forward_graphs),
+                                     dynamo=targets(dynamo_graphs), aot=targets(forward_graphs))
+print(json.dumps(results))
+"""
+
+
+def test_polar_express_kernel_launches_trace_into_the_compiled_update():
+    """On CUDA the symmetric products launch _sym_mm_kernel inside the compiled NorMuon update (record #89's
+    way: no custom-op crossing, dynamo sees the launch): the update must stay one graph (fullgraph: a
+    graph break is an error), with the 5 Polar Express iterations' 10 launches (Gram + b A + c A^2) as
+    Triton kernel nodes dynamo traced and AOT autograd functionalised, and no custom op of ours."""
+    import json
+    import os
+    import subprocess
+    import sys
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-c", _POLAR_EXPRESS_TRACE, repo], env=env, capture_output=True,
+                         text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    results = json.loads(out.stdout.strip().splitlines()[-1])
+    for shape, r in results.items():
+        assert (r["dynamo_graphs"], r["forward_graphs"]) == (1, 1), shape
+        assert r["dynamo"].count("triton_kernel_wrapper_mutation") == 10, (shape, r["dynamo"])
+        assert r["aot"].count("triton_kernel_wrapper_functional") == 10, (shape, r["aot"])
+        assert not [t for t in r["dynamo"] + r["aot"] if "speedrun" in t], shape
