@@ -779,11 +779,16 @@ def _adam_update_group(grads, exp_avgs, exp_avg_sqs, params, hps):
         _adam_update(grad, exp_avg, exp_avg_sq, param, hp)
 
 
+# The updates run uncompiled (compile=False), by kind. The record always compiles; the CPU's Adam, sliced
+# to keep its temporaries in cache, replaces the "adam" entry below the fence.
+UNCOMPILED_UPDATES = {"normuon": _normuon_update, "adam": _adam_update_group}
+
+
 def update_functions(compile=False):
-    """(NorMuon update, Adam group update): eager (Adam sliced, for CPUs) for compile=False, else compiled
-    (inductor for True, or the backend given) fullgraph: one graph per label and per Adam group."""
+    """(NorMuon update, Adam group update): UNCOMPILED_UPDATES for compile=False, else compiled (inductor
+    for True, or the backend given) fullgraph: one graph per label and per Adam group."""
     if not compile:
-        return _normuon_update, _adam_update_group_sliced
+        return UNCOMPILED_UPDATES["normuon"], UNCOMPILED_UPDATES["adam"]
     backend = "inductor" if compile is True else compile
     return (torch.compile(_normuon_update, dynamic=False, backend=backend, fullgraph=True),
             torch.compile(_adam_update_group, dynamic=True, backend=backend, fullgraph=True))
@@ -3073,6 +3078,9 @@ def _adam_update_group_sliced(grads, exp_avgs, exp_avg_sqs, params, hps):
     CPU nothing that grouping would save, and slicing keeps the temporaries in cache)."""
     for grad, exp_avg, exp_avg_sq, param, hp in zip(grads, exp_avgs, exp_avg_sqs, params, hps):
         _adam_update_sliced(grad, exp_avg, exp_avg_sq, param, hp)
+
+
+UNCOMPILED_UPDATES["adam"] = _adam_update_group_sliced
 
 
 # ---- Balanced ownership: banks without padding ----------------------------------------------

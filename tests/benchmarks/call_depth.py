@@ -92,7 +92,8 @@ STORED_CALLABLES = {
     # NorMuonAdam.__init__: self._normuon_fn, self._adam_fn = update_functions(compile); update_functions
     # returns _normuon_update (torch.compile'd on CUDA, as it is otherwise) ...
     ("NorMuonAdam", "_normuon_fn"): ("_normuon_update",),
-    # ... and _adam_update_group compiled (CUDA); eager, _adam_update_group_sliced, below the fence (CPU runs)
+    # ... and _adam_update_group compiled (CUDA); uncompiled, UNCOMPILED_UPDATES["adam"]: the sliced one that
+    # the part below the fence puts there (CPU runs)
     ("NorMuonAdam", "_adam_fn"): ("_adam_update_group",),
     # NorMuonAdam.__init__: self.orthogonalize = orthogonalizer_of(orthogonalizer); build_optimizer
     # passes functools.partial(ORTHOGONALIZERS[args.orthogonalizer], dtype=...)
