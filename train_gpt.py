@@ -3073,14 +3073,14 @@ def _adam_update_sliced(grad, exp_avg, exp_avg_sq, param, hp):
         _adam_update(*(t[a: a + ADAM_CPU_CHUNK] for t in flat), hp)
 
 
-def _adam_update_group_sliced(grads, exp_avgs, exp_avg_sqs, params, hps):
+def adam_update_group_sliced(grads, exp_avgs, exp_avg_sqs, params, hps):
     """_adam_update_group on a CPU: label by label, each sliced (eager, one call per label costs the
     CPU nothing that grouping would save, and slicing keeps the temporaries in cache)."""
     for grad, exp_avg, exp_avg_sq, param, hp in zip(grads, exp_avgs, exp_avg_sqs, params, hps):
         _adam_update_sliced(grad, exp_avg, exp_avg_sq, param, hp)
 
 
-UNCOMPILED_UPDATES["adam"] = _adam_update_group_sliced
+UNCOMPILED_UPDATES["adam"] = adam_update_group_sliced
 
 
 # ---- Balanced ownership: banks without padding ----------------------------------------------

@@ -338,7 +338,7 @@ def test_sliced_cpu_adam_is_bit_identical(dtype, monkeypatch):
         assert torch.equal(a, b)
     assert not torch.equal(whole[3], param)  # the update did move the parameter
     # the optimizer's uncompiled Adam (a CPU run) is the sliced one: the hand-off from below the fence
-    assert T.update_functions(compile=False) == (T._normuon_update, T._adam_update_group_sliced)
+    assert T.update_functions(compile=False) == (T._normuon_update, T.adam_update_group_sliced)
 
 
 def test_one_adam_step_of_the_record():
