@@ -449,8 +449,9 @@ def fp8_head_loss(x: torch.Tensor, w: torch.Tensor, x_f8: torch.Tensor, w_f8: to
                   grad_scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-token training loss (T,) fp32 of logits = x_f8 (T, K) @ w_f8 (K, N, column-major) in float8
     with scales x_s, w_s (triton_kernels.softcapped_ce_mtp's loss), the per-token next-token loss (T,)
-    fp32 (no gradient), and the loss's gradient dlogits / grad_s in e5m2, which the backward reads. x (T, K) and w (K, N) are the bf16 tensors x_f8 and w_f8
-    were quantised from: the forward reads only their shapes; they are the inputs that receive dx (bf16)
+    fp32 (no gradient), and the loss's gradient dlogits / grad_s in e5m2, which the backward reads.
+    x (T, K) and w (K, N) are the bf16 tensors x_f8 and w_f8 were quantised from: the forward reads
+    only their shapes; they are the inputs that receive dx (bf16)
     and dw (fp32 cast to w's dtype). The backward uses the stored gradient whatever gradient reaches
     the loss (the loss kernel's rule): use it as sum(loss) * grad_scale, grad_s = FP8_HEAD_GRAD_SCALE * grad_scale."""
     _check_fp8_head_args(x, w, x_f8, w_f8)
@@ -558,13 +559,15 @@ class FP8MLPState(nn.Module):
         self.register_buffer("down_next_scale", torch.ones(slots))  # headroom scale for the next quantize
         self.register_buffer("act_scale", torch.ones(slots))
 
-    def mlp(self, layer: int, x: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def mlp(self, layer: int, x: torch.Tensor, w_up, w_down) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer `layer`'s MLP on x (T, D) bf16 with its mlp_bank entries w_up, w_down (H, D): (y, maxima
         of post). x's amax and cast are plain torch, fused by the compiled graph into the norm before."""
         H, D = self.up_f8.shape[1:]
-        if x.shape[1:] != (D,) or {w_up.shape, w_down.shape} != {(H, D)} or {x.dtype, w_up.dtype, w_down.dtype} != {torch.bfloat16}:
+        dtypes = {x.dtype, w_up.dtype, w_down.dtype}
+        if x.shape[1:] != (D,) or {w_up.shape, w_down.shape} != {(H, D)} or dtypes != {torch.bfloat16}:
             raise ValueError(f"FP8MLPState.mlp: x must be (T, {D}), w_up and w_down ({H}, {D}), all bf16; got x "
-                             f"{tuple(x.shape)} {x.dtype}, w_up {tuple(w_up.shape)} {w_up.dtype}, w_down {tuple(w_down.shape)} {w_down.dtype}")
+                             f"{tuple(x.shape)} {x.dtype}, w_up {tuple(w_up.shape)} {w_up.dtype}, "
+                             f"w_down {tuple(w_down.shape)} {w_down.dtype}")
         xd = x.detach()  # x's gradient comes through the op's x argument (the bf16 backward)
         amax_x = xd.abs().amax().float()  # current scaling of the up-projection's input (record #89)
         x_f8 = (xd.float() * (E4M3_MAX / amax_x)).to(torch.float8_e4m3fn)
@@ -1967,7 +1970,8 @@ class GPT(nn.Module):
         if ve is not None:
             if ve_gate is None:  # 2 sigmoid(W [x[:C/2], ve[:C/2]]): one gate per head, 1 at init
                 half = a.gate_channels // 2
-                ve_gate = 2 * self._gate(self.ve_gate_bank[self.ve_slot[i]], torch.cat([xn[:, :half], ve[:, :half]], dim=-1))
+                gate_in = torch.cat([xn[:, :half], ve[:, :half]], dim=-1)
+                ve_gate = 2 * self._gate(self.ve_gate_bank[self.ve_slot[i]], gate_in)
             ve_v = ve_gate[..., None] * ve.view(T, H, hd)
             aux_v = ve_v if aux_v is None else ve_v + aux_v  # v + (g ve + MUDD's V): the record's order of sums
         if aux_v is not None:
