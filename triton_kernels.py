@@ -7,13 +7,14 @@ the same model code trains anywhere and the CPU demo stays fast. The `name_trito
 take the Triton path; on a CPU tensor that only works under the Triton interpreter (TRITON_INTERPRET=1
 set before this module is imported), which is how the tests prove the kernels on machines without a GPU.
 
-The model's kernels are launched from `torch.library.custom_op`s in the `speedrun` namespace, each with
-a fake (meta) implementation and, where gradients flow, a registered autograd formula, so `torch.compile`d
-model code treats them as opaque ops instead of trying to trace into Triton launches. An op's body
-launches its kernel itself, `kernel[grid](*args, **meta)`, with what a `*_args` helper computes from
-the op's inputs (checks, tiles, outputs): public function, op, kernel. The symmetric products of Polar
-Express have no op: the public function launches the kernel, and the optimizer's compiled update traces
-the launch into its graph as a user-defined Triton kernel (no gradient flows there).
+The symmetric products of Polar Express launch their kernel from the public function itself: the
+optimizer's compiled update traces the launch into its graph as a user-defined Triton kernel (no
+gradient flows there), as record #89 does. The other kernels are launched from
+`torch.library.custom_op`s in the `speedrun` namespace, each with a fake (meta) implementation and,
+where gradients flow, a registered autograd formula, so `torch.compile`d model code treats them as
+opaque ops instead of trying to trace into Triton launches. An op's body launches its kernel itself,
+`kernel[grid](*args, **meta)`, with what a `*_args` helper computes from the op's inputs (checks,
+tiles, outputs): public function, op, kernel.
 
 Design notes (Hopper, sm_90):
   * The matmul kernels are persistent: one program per SM walks a list of output tiles, so tile
