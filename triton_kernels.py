@@ -343,7 +343,7 @@ def _runs_kernel(name: str, A: Tensor, kernel: bool | None) -> bool:
 
 # The three products launch the kernel themselves, no custom op between: under torch.compile (Polar Express
 # in the optimizer's compiled update) dynamo traces the launch into the graph as a user-defined Triton
-# kernel, as record #89 does (PR #350's XXT), so the update crosses no op boundary.
+# kernel, as record #89 does (modded-nanogpt PR #342's XXT), so the update crosses no op boundary.
 
 def XXT(A: Tensor, out: Tensor, kernel: bool | None = None) -> Tensor:
     """out = A @ A^T; A (m, n) or (b, m, n), out (m, m) or (b, m, m), any float dtype; returns out.
