@@ -435,7 +435,9 @@ def fp8_head_weight(w: torch.Tensor) -> torch.Tensor:
     return _quantize_fp8(w.T, FP8_HEAD_W_SCALE, torch.float8_e4m3fn)
 
 
-def _check_fp8_head_args(x: torch.Tensor, w: torch.Tensor, x_f8: torch.Tensor, w_f8: torch.Tensor) -> None:
+def _check_fp8_head_args(x: torch.Tensor, w: torch.Tensor, x_f8: torch.Tensor, w_f8: torch.Tensor, grad_s) -> None:
+    if not (math.isfinite(grad_s) and grad_s > 0):  # the kernel stores the gradient times 1 / grad_s
+        raise ValueError(f"fp8_head_loss: grad_s must be a finite number > 0, got {grad_s}")
     for name, t, ref in (("x_f8", x_f8, x), ("w_f8", w_f8, w)):
         if t.dtype != torch.float8_e4m3fn or t.shape != ref.shape:
             raise ValueError(f"fp8_head_loss: {name} must be float8_e4m3fn of shape {tuple(ref.shape)},"
@@ -454,7 +456,7 @@ def fp8_head_loss(x: torch.Tensor, w: torch.Tensor, x_f8: torch.Tensor, w_f8: to
     only their shapes; they are the inputs that receive dx (bf16)
     and dw (fp32 cast to w's dtype). The backward uses the stored gradient whatever gradient reaches
     the loss (the loss kernel's rule): use it as sum(loss) * grad_scale, grad_s = FP8_HEAD_GRAD_SCALE * grad_scale."""
-    _check_fp8_head_args(x, w, x_f8, w_f8)
+    _check_fp8_head_args(x, w, x_f8, w_f8, grad_s)
     logits = _scaled_matmul(x_f8, w_f8, x_s, w_s, torch.bfloat16, fast_accum=True)
     grid, args, meta, outputs = triton_kernels.ce_kernel_args(logits, targets, mtp_weights, prefix_ids,
                                                              prefix_weight, grad_scale, 1.0 / grad_s)
@@ -465,7 +467,7 @@ def fp8_head_loss(x: torch.Tensor, w: torch.Tensor, x_f8: torch.Tensor, w_f8: to
 @fp8_head_loss.register_fake
 def _fp8_head_loss_fake(x, w, x_f8, w_f8, targets, mtp_weights, prefix_ids, prefix_weight, x_s, w_s, grad_s,
                         grad_scale):
-    _check_fp8_head_args(x, w, x_f8, w_f8)
+    _check_fp8_head_args(x, w, x_f8, w_f8, grad_s)
     (M, _), N = x.shape, w.shape[1]
     return (x.new_empty((M,), dtype=torch.float32), x.new_empty((M,), dtype=torch.float32),
             x.new_empty((M, N), dtype=torch.float8_e5m2))
@@ -4596,7 +4598,7 @@ def cpu_peak_memory() -> str:
 def _fp8_head_loss_cpu(x, w, x_f8, w_f8, targets, mtp_weights, prefix_ids, prefix_weight, x_s, w_s, grad_s,
                        grad_scale):
     """fp8_head_loss on CPU tensors: the float8 matmul emulated (_scaled_matmul), the loss kernel's CPU twin."""
-    _check_fp8_head_args(x, w, x_f8, w_f8)
+    _check_fp8_head_args(x, w, x_f8, w_f8, grad_s)
     logits = _scaled_matmul(x_f8, w_f8, x_s, w_s, torch.bfloat16, fast_accum=True)
     return triton_kernels.softcapped_ce_mtp_e5m2(logits, targets, mtp_weights, prefix_ids, prefix_weight,
                                                  grad_scale, grad_s)

@@ -655,7 +655,7 @@ def test_fp8_head_graph_path_is_bitwise_the_quantise_inside_op():
     assert a.grad.dtype == b.grad.dtype == torch.bfloat16 and (b.grad != 0).any()
 
 
-def test_fp8_head_loss_rejects_operands_of_the_wrong_shape_or_dtype():
+def test_fp8_head_loss_rejects_operands_of_the_wrong_shape_or_dtype_and_a_bad_grad_scale():
     x, w, targets, mtp, prefix, pi = _head_inputs(T=32, K=32, N=48)
     x_f8, w_f8 = tg.fp8_head_input(x), tg.fp8_head_weight(w).T
     for bad, message in (((x_f8[:16], w_f8), "x_f8 must be float8_e4m3fn of shape \\(32, 32\\)"),
@@ -663,6 +663,9 @@ def test_fp8_head_loss_rejects_operands_of_the_wrong_shape_or_dtype():
                          ((x.clone(), w_f8), "x_f8 must be float8_e4m3fn")):
         with pytest.raises(ValueError, match=message):
             tg.fp8_head_loss(x, w, *bad, targets, mtp, prefix, pi, 0.1, 0.01, 1e-4, 1.0)
+    for grad_s in (0.0, -1e-4, float("inf")):  # the CUDA body divides by it before any kernel checks it
+        with pytest.raises(ValueError, match=r"fp8_head_loss: grad_s must be a finite number > 0, got"):
+            tg.fp8_head_loss(x, w, x_f8, w_f8, targets, mtp, prefix, pi, 0.1, 0.01, grad_s, 1.0)
 
 
 def test_model_fp8_head_is_bitwise_the_quantise_inside_op_and_reads_the_step_copy(monkeypatch):
