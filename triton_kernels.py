@@ -57,10 +57,16 @@ def _is_interpreted(kernel) -> bool:
     return type(kernel).__name__ == "InterpretedFunction"
 
 
-@torch.compiler.assume_constant_result  # read at trace time: a launch traced into a compiled graph (XXT) stays in it
 @functools.lru_cache(maxsize=None)
-def _cuda_sm_count(index: int) -> int:
+def _cuda_sm_count_cached(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+# Read at trace time, so that a launch traced into a compiled graph (XXT's) stays in it. Not on the cached
+# function itself: dynamo ignores assume_constant_result on an lru_cache wrapper and traces into it.
+@torch.compiler.assume_constant_result
+def _cuda_sm_count(index: int) -> int:
+    return _cuda_sm_count_cached(index)
 
 
 def _num_programs(device: torch.device, tiles: int) -> int:

@@ -12,6 +12,7 @@ Tolerances (max abs error relative to the largest reference magnitude):
   fp64: 1e-12
 """
 import os
+import types
 
 import pytest
 import torch
@@ -1013,6 +1014,25 @@ def test_gpu_name_is_read_at_trace_time():
     compiled = torch.compile(lambda x: x + len(tk._gpu_name(0)), backend="eager", fullgraph=True)
     assert compiled(torch.zeros(2)).shape == (2,)
     assert torch.compile(lambda x: x + len(tk.gpu_name_of(x)), backend="eager", fullgraph=True)(torch.zeros(2)).tolist() == [0, 0]
+
+
+def test_cuda_grid_size_is_read_at_trace_time(monkeypatch):
+    """XXT's launch is traced into the compiled NorMuon update on CUDA: its tiles and persistent grid read
+    the GPU's SM count, which must be a trace-time constant (a driver query does not trace: it would
+    break the fullgraph update). The query is stood in for by one that dynamo cannot trace either."""
+    def device_properties(index):
+        open(os.devnull).close()  # file I/O: a graph break wherever dynamo traces into it
+        return types.SimpleNamespace(multi_processor_count=132)
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", device_properties)
+    cuda = torch.device("cuda", 0)
+    tk._cuda_sm_count_cached.cache_clear()
+    try:
+        fn = torch.compile(lambda x: x + tk._num_programs(cuda, 1000) + tk._sym_config(768, 24, cuda)["BLOCK"],
+                           backend="eager", fullgraph=True)
+        assert fn(torch.zeros(2)).tolist() == [132 + 128] * 2  # 24 banks x 21 tiles of 128 fill 132 SMs
+    finally:
+        tk._cuda_sm_count_cached.cache_clear()  # (a GPU machine's own count next)
 
 
 @pytest.mark.parametrize("threads", [1, 2])
