@@ -8,6 +8,11 @@ counts and indices, and the tensors the mask_mod captures, only from buffers wit
 flex_attention refuses a CPU backward, so these tests trace the CUDA attention path on CPU tensors with
 that refusal switched off; tracing never runs a CUDA kernel.
 """
+import json
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 import torch.nn.attention.flex_attention as flex_module
@@ -318,10 +323,6 @@ def test_polar_express_kernel_launches_trace_into_the_compiled_update():
     way: no custom-op crossing, dynamo sees the launch): the update must stay one graph (fullgraph: a
     graph break is an error), with the 5 Polar Express iterations' 10 launches (Gram + b A + c A^2) as
     Triton kernel nodes dynamo traced and AOT autograd functionalised, and no custom op of ours."""
-    import json
-    import os
-    import subprocess
-    import sys
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     out = subprocess.run([sys.executable, "-c", _POLAR_EXPRESS_TRACE, repo], env=env, capture_output=True,
