@@ -765,7 +765,6 @@ def test_load_state_dict_rejects_other_world_size():
     assert "\n" not in str(e.value)
 
 
-
 @pytest.mark.parametrize("label,name,change,message", [
     ("mlp_bank", "second_moment", lambda t: t.new_zeros(t.shape[0], 1, 16),
      "'mlp_bank'.second_moment is (24, 1, 16) torch.float32, expected (24, 32, 1) torch.float32"),
@@ -790,6 +789,7 @@ def test_load_state_dict_refuses_other_shapes_names_and_dtypes_and_keeps_its_sta
     for lab, st in opt.state_dict()["state"].items():  # nothing replaced, not even the labels checked first
         for n, t in st.items():
             assert torch.equal(t, before["state"][lab][n]), (lab, n)
+
 
 def test_compiled_step_never_recompiles_on_schedule_changes():
     """Compiled, each label's update is one graph (fullgraph: a graph break would raise here), and
