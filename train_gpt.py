@@ -46,11 +46,9 @@ _AT_LEAST_0, _AT_LEAST_1 = dict(lo=0, integer=True), dict(lo=1, integer=True)
 _RATE, _FRACTION, _MOMENTUM = dict(lo=0), dict(lo=0, hi=1), dict(lo=0, hi=1, hi_open=True)
 _WINDOWS = dict(lo=1, integer=True, shape=(2,))
 
-
 def knob(default, allowed: dict | None = None):
     """A field whose numbers check_args checks against FlagRange(**allowed) (one line naming the flag if not)."""
     return dataclasses.field(default=default, metadata={"allowed": allowed} if allowed else {})
-
 
 # -- stages: what changes along the run ---------------------------------------------------------
 
@@ -68,7 +66,6 @@ class Stage:
     prefix_start: float = knob(0.0, _RATE)       # weight of the prefix-token term (record #89), likewise
     prefix_end: float = knob(0.0, _RATE)
 
-
 STAGES = (  # three equal stages (423, 424, 423 of 1270 steps), then the 15-step extension
     Stage(1 / 3, batch_tokens=131_072, max_doc_len=896, windows=(1, 3), lr_mult=1.0,
           mtp_start=(1.0, 0.5, 0.25), mtp_end=(1.0, 0.5, 0.0), prefix_start=0.25, prefix_end=0.25),
@@ -80,11 +77,9 @@ STAGES = (  # three equal stages (423, 424, 423 of 1270 steps), then the 15-step
           mtp_start=(1.0, 0.0, 0.0), mtp_end=(1.0, 0.0, 0.0)),
 )
 
-
 # -- layers: what each layer does ---------------------------------------------------------------
 
 ATTENTION_KINDS = ("plain", "paired", "none")
-
 
 @dataclass(frozen=True)
 class Layer:
@@ -105,7 +100,6 @@ class Layer:
     def __str__(self) -> str:
         """The row in --layers words: 'attn long offset ve gate dc from_h mudd'."""
         return " ".join(word for word, (name, value) in LAYER_WORDS.items() if getattr(self, name) == value)
-
 
 LAYERS = (
     Layer("paired", "short"),                                                            # 0
@@ -156,7 +150,6 @@ SCATTER_ORDER = ("qk_bank", "vo_bank", "mlp_bank", "scalars", "smear_gate", "ve_
 WORK_ORDER = ("scalars", "smear_gate", "ve_gate_bank", "mudd_b2", "mudd_gate_b2", "_mudd_gate_scale",
               "post_lambdas", "resid_lambdas", "mudd_w2", "mudd_gate_w2", "value_embeds", "bigram_embed",
               "mudd_w1", "mudd_gate_w1", "lm_head", "embed", "qk_bank", "vo_bank", "mlp_bank")
-
 
 # -- run knobs ----------------------------------------------------------------------------------
 
@@ -232,9 +225,7 @@ class Hyperparameters:
     def num_layers(self) -> int:
         return len(self.layers)
 
-
 PRESETS: dict[str, dict] = {"speedrun": {}}  # --preset; the CPU demo's and the tests' are below the fence
-
 
 # -- recipe constants: FP8 scales, Polar Express, MUDD biases, initial values -----------------
 
@@ -274,7 +265,6 @@ MUDD_GATE_BIASES = {"gate": 2.5, "bigram": 0.5, "skip": 5.0, "dc_w1": 10.0}
 INIT = dict(projection_std=0.5, lm_head_std=0.005, value_embed_std=0.01, qkv_lambda=0.5, o_lambda=1.0,
             skip_lambda=-1.5, resid_lambda=math.sqrt(1.1), post_lambda=1.0, mudd_gate_scale=0.1)
 
-
 # ----------------------------------------------------------------------------------------------
 # Distributed setup
 # ----------------------------------------------------------------------------------------------
@@ -289,7 +279,6 @@ class DistInfo:
     @property
     def is_master(self) -> bool:
         return self.rank == 0
-
 
 def setup_distributed(force_cpu: bool = False) -> DistInfo:
     """Process group from torchrun's environment (NCCL on CUDA, gloo on CPU); plain `python`: world size 1."""
@@ -309,17 +298,14 @@ def setup_distributed(force_cpu: bool = False) -> DistInfo:
             dist.init_process_group("gloo")
     return DistInfo(rank, world_size, local_rank, device)
 
-
 def cuda_synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
 
 def copy_from_host_(dst: torch.Tensor, src: torch.Tensor) -> None:
     """dst.copy_(src) without making the host wait: a CUDA copy goes non-blocking through pinned memory (a copy
     from pageable memory would drain the queue of launched kernels; the caching allocator keeps the buffer)."""
     dst.copy_(src.pin_memory() if dst.is_cuda else src, non_blocking=True)
-
 
 # ----------------------------------------------------------------------------------------------
 # FP8 custom ops: y = x @ w with float8 inputs and static scales
@@ -340,13 +326,11 @@ FP8_SCALE_SLOT = SCALE_ALIGN_BYTES // 4  # fp32 entries per per-layer scale: eac
 FP8_SCALE_FLOOR = 1e-12  # an all-zero tensor (W2 at init) still gets a finite scale
 E4M3_MAX = triton_kernels.E4M3_MAX
 
-
 def _quantize_fp8(t: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
     """t / scale cast to `dtype`, always returned row-major contiguous whatever t's strides are."""
     buf = torch.empty(t.shape, dtype=t.dtype, device=t.device)
     torch.div(t, scale, out=buf)
     return buf.to(dtype)
-
 
 def check_scaled_mm_args(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor) -> None:
     """Raise ValueError unless the operands suit cuBLAS's tensor-wise FP8 GEMM, on every device (a CPU
@@ -377,11 +361,9 @@ def check_scaled_mm_args(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor
                              f" not {SCALE_ALIGN_BYTES}-byte aligned (cuBLASLt rejects it with CUBLAS_STATUS_NOT_SUPPORTED);"
                              " keep every scale in its own 16-byte slot (FP8MLPState) or pass a fresh tensor")
 
-
 def _native_fp8(device: torch.device) -> bool:
     """FP8 tensor cores exist from compute capability 8.9 (Ada, Hopper) on."""
     return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
-
 
 def _scaled_matmul(a: torch.Tensor, b: torch.Tensor, scale_a: float | torch.Tensor, scale_b: float | torch.Tensor,
                    out_dtype: torch.dtype, fast_accum: bool) -> torch.Tensor:
@@ -395,13 +377,11 @@ def _scaled_matmul(a: torch.Tensor, b: torch.Tensor, scale_a: float | torch.Tens
         return torch._scaled_mm(a, b, sa, sb, out_dtype=out_dtype, use_fast_accum=fast_accum)
     return ((a.float() @ b.float()) * (sa * sb)).to(out_dtype)
 
-
 def _fp8_transposed(t: torch.Tensor) -> torch.Tensor:
     """t^T as a contiguous copy, through the tiled transpose kernel on CUDA (float8 moved as bytes)."""
     out = torch.empty(t.shape[::-1], dtype=t.dtype, device=t.device)
     triton_kernels.transpose_copy(t.view(torch.uint8), out.view(torch.uint8))
     return out
-
 
 def fp8_matmul_grads(g_f8: torch.Tensor, x_f8: torch.Tensor, w_f8: torch.Tensor, x_s: float, w_s: float,
                      grad_s: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -412,14 +392,12 @@ def fp8_matmul_grads(g_f8: torch.Tensor, x_f8: torch.Tensor, w_f8: torch.Tensor,
                             fast_accum=False)
     return grad_x, grad_w
 
-
 # ---- FP8 LM head with the training loss (record #89) --------------------------------------------
 # The head's matmul and the softcapped multi-token loss in one op: the loss kernel writes dlogits
 # straight into e5m2 (divided by grad_s, saturating), the operand of the backward matmuls, so no
 # logits-sized gradient is written in bf16, then scaled and cast in passes of its own. The op gets both
 # operands already in e4m3: x_f8 = e4m3(x / x_s) from the compiled graph (fp8_head_input), w_f8 =
 # e4m3(w / w_s) made once per optimizer step (GPT.quantize_fp8, fp8_head_weight), not per micro-batch.
-
 
 def fp8_head_input(x: torch.Tensor) -> torch.Tensor:
     """x (T, D) / FP8_HEAD_X_SCALE cast to e4m3, the quotient rounded to x's dtype (bf16) first, as the
@@ -428,12 +406,10 @@ def fp8_head_input(x: torch.Tensor) -> torch.Tensor:
     Detached: x's gradient comes through fp8_head_loss's x argument."""
     return (x.detach().float() / FP8_HEAD_X_SCALE).to(x.dtype).to(torch.float8_e4m3fn)
 
-
 def fp8_head_weight(w: torch.Tensor) -> torch.Tensor:
     """The LM head w (D, V) / FP8_HEAD_W_SCALE in e4m3, returned as its transpose (V, D) row-major, so
     that .T is the column-major (D, V) operand cuBLAS wants."""
     return _quantize_fp8(w.T, FP8_HEAD_W_SCALE, torch.float8_e4m3fn)
-
 
 def _check_fp8_head_args(x: torch.Tensor, w: torch.Tensor, x_f8: torch.Tensor, w_f8: torch.Tensor, grad_s) -> None:
     if not (math.isfinite(grad_s) and grad_s > 0):  # the kernel stores the gradient times 1 / grad_s
@@ -442,7 +418,6 @@ def _check_fp8_head_args(x: torch.Tensor, w: torch.Tensor, x_f8: torch.Tensor, w
         if t.dtype != torch.float8_e4m3fn or t.shape != ref.shape:
             raise ValueError(f"fp8_head_loss: {name} must be float8_e4m3fn of shape {tuple(ref.shape)},"
                              f" got {t.dtype} {tuple(t.shape)}")
-
 
 @torch.library.custom_op("speedrun::fp8_head_loss", mutates_args=())
 def fp8_head_loss(x: torch.Tensor, w: torch.Tensor, x_f8: torch.Tensor, w_f8: torch.Tensor, targets: torch.Tensor,
@@ -463,7 +438,6 @@ def fp8_head_loss(x: torch.Tensor, w: torch.Tensor, x_f8: torch.Tensor, w_f8: to
     triton_kernels._ce_mtp_kernel[grid](*args, **meta)  # the loss kernel (CUDA; the CPU's twin below the fence)
     return outputs
 
-
 @fp8_head_loss.register_fake
 def _fp8_head_loss_fake(x, w, x_f8, w_f8, targets, mtp_weights, prefix_ids, prefix_weight, x_s, w_s, grad_s,
                         grad_scale):
@@ -472,18 +446,15 @@ def _fp8_head_loss_fake(x, w, x_f8, w_f8, targets, mtp_weights, prefix_ids, pref
     return (x.new_empty((M,), dtype=torch.float32), x.new_empty((M,), dtype=torch.float32),
             x.new_empty((M, N), dtype=torch.float8_e5m2))
 
-
 @torch.library.custom_op("speedrun::fp8_head_loss_backward", mutates_args=())
 def fp8_head_loss_backward(g_f8: torch.Tensor, x_f8: torch.Tensor, w_f8: torch.Tensor, x_s: float, w_s: float,
                            grad_s: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(dx bf16, dw fp32) of fp8_head_loss from its saved e5m2 gradient (fp8_matmul_grads)."""
     return fp8_matmul_grads(g_f8, x_f8, w_f8, x_s, w_s, grad_s)
 
-
 @fp8_head_loss_backward.register_fake
 def _fp8_head_loss_backward_fake(g_f8, x_f8, w_f8, x_s, w_s, grad_s):
     return (x_f8.new_empty(x_f8.shape, dtype=torch.bfloat16), w_f8.new_empty(w_f8.shape, dtype=torch.float32))
-
 
 def _fp8_head_loss_setup_context(ctx, inputs, output):
     x, w, x_f8, w_f8, _, _, _, _, x_s, w_s, grad_s, _ = inputs
@@ -493,15 +464,12 @@ def _fp8_head_loss_setup_context(ctx, inputs, output):
     ctx.scales = (x_s, w_s, grad_s)
     ctx.dtypes = (x.dtype, w.dtype)
 
-
 def _fp8_head_loss_autograd(ctx, _grad_loss, _grad_next_token, _grad_g):
     x_f8, w_f8, g_f8 = ctx.saved_tensors
     grad_x, grad_w = fp8_head_loss_backward(g_f8, x_f8, w_f8, *ctx.scales)
     return grad_x.to(ctx.dtypes[0]), grad_w.to(ctx.dtypes[1]), *(None,) * 10
 
-
 fp8_head_loss.register_autograd(_fp8_head_loss_autograd, setup_context=_fp8_head_loss_setup_context)
-
 
 # ---- FP8 MLP (record #89, modded-nanogpt PR #342) ---------------------------------------------
 # Training forward only. Up: x_f8 = e4m3(x * 448 / amax|x|) (its current amax, in the traced graph),
@@ -524,26 +492,21 @@ def fp8_mlp(x: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, x_f8: tor
     y = _scaled_matmul(post_f8, down_f8_t.mT, act_scale, down_scale, torch.bfloat16, fast_accum=True)
     return y, post, post_max
 
-
 @fp8_mlp.register_fake
 def _fp8_mlp_fake(x, w_up, w_down, x_f8, up_f8, up_dequant, down_f8_t, down_scale, act_scale, fast_accum=True):
     T, H = x.shape[0], up_f8.shape[0]
     return (x.new_empty((T, down_f8_t.shape[0]), dtype=torch.bfloat16), x.new_empty((T, H), dtype=torch.bfloat16),
             x.new_empty((triton_kernels.relu2_fp8_up_partial_count(T, H, x.device),), dtype=torch.float32))
 
-
 def _fp8_mlp_setup_context(ctx, inputs, output):
     ctx.mark_non_differentiable(*output[1:])  # post and its maxima
     ctx.save_for_backward(*inputs[:3], output[1])  # x, w_up, w_down, post
-
 
 def _fp8_mlp_autograd(ctx, grad_y, grad_post, grad_max):
     x, w_up, w_down, post = ctx.saved_tensors
     return *triton_kernels.relu2_mlp_backward(grad_y, x, w_up, w_down, post), *(None,) * 7
 
-
 fp8_mlp.register_autograd(_fp8_mlp_autograd, setup_context=_fp8_mlp_setup_context)
-
 
 class FP8MLPState(nn.Module):
     """Per-layer FP8 state of the MLPs (persistent: the warm-up's reset and checkpoints restore it), its
@@ -603,7 +566,6 @@ class FP8MLPState(nn.Module):
         self.down_scale[:, 0] = scale
         self.down_next_scale[:, 0] = amax * (FP8_DOWN_W_HEADROOM / E4M3_MAX)
 
-
 # ----------------------------------------------------------------------------------------------
 # Orthogonalization: Polar Express
 # ----------------------------------------------------------------------------------------------
@@ -616,13 +578,11 @@ class FP8MLPState(nn.Module):
 # in roughly [1e-3, 1] into a narrow band around 1. Dividing by ||G||_F * 1.02 first guarantees the
 # spectral norm is < 1.
 
-
 def _as_bank(G: torch.Tensor) -> torch.Tensor:
     """G (..., m, n) as a 3-D (batch, m, n) view, or a one-line error for a vector."""
     if G.ndim < 2:
         raise ValueError(f"orthogonalization needs matrices (..., m, n); got shape {tuple(G.shape)}")
     return G.reshape(-1, G.size(-2), G.size(-1))
-
 
 def polar_express(G: torch.Tensor, coeffs=POLAR_EXPRESS_COEFFS, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """Polar Express orthogonalization of a matrix or a bank of matrices, in bf16 (the record's).
@@ -649,11 +609,9 @@ def polar_express(G: torch.Tensor, coeffs=POLAR_EXPRESS_COEFFS, dtype: torch.dty
             X = torch.baddbmm(X, B, X, beta=a) if wide else torch.baddbmm(X, X, B, beta=a)
     return X.reshape(G.shape)
 
-
 # The orthogonalizers by name (--orthogonalizer); the record's is Polar Express, and the alternatives
 # below the fence add themselves to this table.
 ORTHOGONALIZERS = {"polar_express": polar_express}
-
 
 def orthogonalizer_of(orthogonalizer):
     """A callable as it is, a name of ORTHOGONALIZERS as its function, else a one-line error."""
@@ -662,7 +620,6 @@ def orthogonalizer_of(orthogonalizer):
     if orthogonalizer in ORTHOGONALIZERS:
         return ORTHOGONALIZERS[orthogonalizer]
     raise ValueError(f"NorMuonAdam: orthogonalizer={orthogonalizer!r}; choose one of {sorted(ORTHOGONALIZERS)}")
-
 
 # ----------------------------------------------------------------------------------------------
 # Optimizer: one fused NorMuon + Adam step that owns all communication
@@ -681,7 +638,6 @@ def orthogonalizer_of(orthogonalizer):
 # updates accumulate as in fp32 at half the memory: the parameter is the value's top half (truncated).
 # Adam computes in fp32 and rounds to nearest into the parameter (the record's two rules).
 
-
 @dataclass(frozen=True)
 class ParamConfig:
     """How one labelled parameter is optimized and communicated (a row of the record's param_table)."""
@@ -696,7 +652,6 @@ class ParamConfig:
     def __post_init__(self):
         _check_param_config(self)  # below the fence
 
-
 def lr_multipliers(cfg: ParamConfig, shape: tuple) -> torch.Tensor:
     """A label's lr over its optimizer's base lr x schedule, float64. NorMuon, shape (matrices, rows, cols):
     per matrix lr_mul x sqrt(max(1, rows/cols)) (record #89's shape factor) x matrix_lr_mul; Adam: lr_mul."""
@@ -705,7 +660,6 @@ def lr_multipliers(cfg: ParamConfig, shape: tuple) -> torch.Tensor:
     n, r, c = shape
     per_matrix = torch.tensor(cfg.matrix_lr_mul or [1.0] * n, dtype=torch.float64)
     return per_matrix * cfg.lr_mul * max(1.0, r / c) ** 0.5
-
 
 # ---- Update math: pure functions of one shard, no communication -------------------------------
 
@@ -717,7 +671,6 @@ def _master_fp32(param: torch.Tensor, mantissa: torch.Tensor | None) -> torch.Te
     low = mantissa.view(torch.int16).to(torch.int32) & 0xFFFF
     return (high | low).view(torch.float32)
 
-
 def _store_master(value: torch.Tensor, param: torch.Tensor, mantissa: torch.Tensor | None) -> None:
     """Write an fp32 value back: high half into the bf16 parameter, low half into the mantissa."""
     if mantissa is None:
@@ -726,7 +679,6 @@ def _store_master(value: torch.Tensor, param: torch.Tensor, mantissa: torch.Tens
     bits = value.view(torch.int32)
     param.view(torch.int16).copy_((bits >> 16).to(torch.int16))
     mantissa.view(torch.int16).copy_(bits.to(torch.int16))  # int32 -> int16 keeps the low 16 bits
-
 
 def normuon_variance_reduction(O: torch.Tensor, second_moment: torch.Tensor, beta2) -> torch.Tensor:
     """NorMuon's normalization of O (bf16, (k, rows, cols)), in place, as the record: O / sqrt(EMA of mean(O^2)
@@ -740,7 +692,6 @@ def normuon_variance_reduction(O: torch.Tensor, second_moment: torch.Tensor, bet
     new_norm = ((mean_sq * size) * step.square()).sum(dim=(-2, -1), keepdim=True).sqrt()
     return O.mul_((step * (norm / new_norm.clamp_min(1e-10))).to(O.dtype))
 
-
 def _normuon_update(grad, momentum_buf, second_moment, param, mantissa, matrix_lr, hp, orthogonalize):
     """One NorMuon step on a shard of matrices (k, rows, cols), in place, as record #89. hp: 0-d fp32 entries
     (no recompiles as the schedules move) [lr, wd * wd_mul * lr, momentum, beta2]; matrix_lr (k, 1, 1)."""
@@ -749,13 +700,11 @@ def _normuon_update(grad, momentum_buf, second_moment, param, mantissa, matrix_l
     O = normuon_variance_reduction(orthogonalize(g), second_moment, beta2).float()
     _cautious_step(O, param, mantissa, lr * matrix_lr, decay)
 
-
 def _nesterov_momentum(grad, momentum_buf, momentum) -> torch.Tensor:
     """fp32 momentum EMA of grad, in place, and the Nesterov look-ahead along it (elementwise)."""
     g = grad.float()
     momentum_buf.lerp_(g, 1 - momentum)
     return g.lerp(momentum_buf, momentum)
-
 
 def _cautious_step(O, param, mantissa, eff_lr, decay) -> None:
     """P = P - P * [O*P >= 0] * decay * eff_lr - O * eff_lr on the fp32 master, in place (elementwise)."""
@@ -763,7 +712,6 @@ def _cautious_step(O, param, mantissa, eff_lr, decay) -> None:
     mask = (O * p >= 0).float()  # cautious decay (>= 0: a zero update, e.g. bank padding, still decays)
     p = p - p * mask * (decay * eff_lr) - O * eff_lr
     _store_master(p, param, mantissa)
-
 
 def _adam_update(grad, exp_avg, exp_avg_sq, param, hp):
     """One Adam step with cautious weight decay (arXiv 2411.16085) on a shard, in place, as record #89.
@@ -777,17 +725,14 @@ def _adam_update(grad, exp_avg, exp_avg_sq, param, hp):
     u = u + (u * p > 0).float() * decay * p
     param.copy_(p - u)
 
-
 def _adam_update_group(grads, exp_avgs, exp_avg_sqs, params, hps):
     """_adam_update per label, the same bits; compiled, one launch for all (a GPU step is host-bound)."""
     for grad, exp_avg, exp_avg_sq, param, hp in zip(grads, exp_avgs, exp_avg_sqs, params, hps):
         _adam_update(grad, exp_avg, exp_avg_sq, param, hp)
 
-
 # The updates run uncompiled (compile=False), by kind. The record always compiles; the CPU's Adam, sliced
 # to keep its temporaries in cache, replaces the "adam" entry below the fence.
 UNCOMPILED_UPDATES = {"normuon": _normuon_update, "adam": _adam_update_group}
-
 
 def update_functions(compile=False):
     """(NorMuon update, Adam group update): UNCOMPILED_UPDATES for compile=False, else compiled (inductor
@@ -798,17 +743,14 @@ def update_functions(compile=False):
     return (torch.compile(_normuon_update, dynamic=False, backend=backend, fullgraph=True),
             torch.compile(_adam_update_group, dynamic=True, backend=backend, fullgraph=True))
 
-
 def normuon_hyperparams(lr: float, wd: float, wd_mul: float, momentum: float, beta2: float) -> list[float]:
     """_normuon_update's hp row, padded with a 0 to Adam's length (one tensor holds every label's row)."""
     return [lr, wd * wd_mul * lr, momentum, beta2, 0.0]
-
 
 def adam_hyperparams(lr: float, t: int, betas: tuple, wd: float, wd_mul: float, eps: float) -> list[float]:
     """_adam_update's hp row for its t-th update (t from 1): the bias corrections folded into the step size."""
     b1, b2 = betas
     return [lr * math.sqrt(1.0 - b2 ** t) / (1.0 - b1 ** t), lr * lr * wd * wd_mul, b1, b2, eps]
-
 
 def hyperparam_tensors(labels, rows, device: torch.device) -> dict[str, torch.Tensor]:
     """Every label's hp row in one host->device copy (pinned, non-blocking on CUDA); a row view per label."""
@@ -819,7 +761,6 @@ def hyperparam_tensors(labels, rows, device: torch.device) -> dict[str, torch.Te
         hp = hp.pin_memory().to(device, non_blocking=True)
     return {label: hp[i] for i, label in enumerate(labels)}
 
-
 # ---- Layout: which rank owns which rows of every label ------------------------------------
 
 def padded_splits(n: int, world_size: int, label: str = "bank") -> tuple[int, ...]:
@@ -829,12 +770,10 @@ def padded_splits(n: int, world_size: int, label: str = "bank") -> tuple[int, ..
                          f" pad the bank with zero matrices to a multiple of {world_size} or use ownership='balanced'")
     return (n // world_size,) * world_size
 
-
 # Bank ownership by name (--bank_ownership): (sharded NorMuon banks' Slots, world size, orthogonalizer) ->
 # label -> matrices per rank. The record's is "padded"; "balanced" adds itself below the fence.
 OWNERSHIPS = {"padded": lambda banks, world_size, orthogonalizer: {
     label: padded_splits(slot.rows, world_size, label) for label, slot in banks.items()}}
-
 
 @dataclass(frozen=True)
 class Slot:
@@ -883,7 +822,6 @@ class Slot:
         shard[:self.real_rows] = view[self.lo:self.lo + self.real_rows]
         return shard
 
-
 def row_slot(label: str, p: torch.Tensor, cfg: ParamConfig, world_size: int, rank: int) -> Slot:
     """A label's Slot before bank ownership: (matrices, rows, cols) or (rows, last dim); ceil(rows / W) a rank."""
     if cfg.optimizer == "normuon":
@@ -895,7 +833,6 @@ def row_slot(label: str, p: torch.Tensor, cfg: ParamConfig, world_size: int, ran
     lo = rank * k if sharded else 0
     real = max(0, min(k, shape[0] - lo))
     return Slot(label, p, cfg, shape, k, lo, real, sharded, world_size)
-
 
 class OwnershipLayout:
     """Which rows of every label `rank` of `world_size` ranks owns (slots), planned without a process group;
@@ -944,14 +881,12 @@ class OwnershipLayout:
         mine[:slot.real_rows] = full[slot.lo:slot.lo + slot.real_rows]
         return mine
 
-
 # ---- Comms: collectives per label, and the exchange each Slot needs ----------------------------
 
 # torch >= 2.12 names these reduce_scatter_single / all_gather_single and deprecates the *_tensor names,
 # the only ones torch 2.11 has.
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
 
 class CommLayer:
     """Async collectives, counting the bytes this rank sends (as ring / direct algorithms do) per label and per
@@ -1011,7 +946,6 @@ class CommLayer:
         self._count(label, "all_to_all", sent)
         return self._launch(dist.all_to_all_single, out, inp, out_splits, in_splits)
 
-
 @dataclass
 class _SparsePlan:
     """Row exchange for one sharded_sparse table, planned from the rows touched since its last step."""
@@ -1021,7 +955,6 @@ class _SparsePlan:
     recv_counts: list | None = None
     recv_rows: torch.Tensor | None = None
     rows_work: object = None
-
 
 class ShardExchange:
     """A Slot's reduction (scatter) and all_gather (gather), each returning its wait. sharded_sparse tables
@@ -1138,7 +1071,6 @@ class ShardExchange:
         self.comm.all_gather(slot.label, full, shard.contiguous()).wait()
         return full[:slot.rows]
 
-
 class BackwardReductions:
     """Phase 1 from post-accumulate-grad hooks in the last backward, as modded-nanogpt's DistAdam before record
     #89 (which launches after it: the same numbers). In `order`, a label launches once its needs[label] hooks
@@ -1162,7 +1094,6 @@ class BackwardReductions:
             if not final and not self.fired.issuperset(self.needs[label]):
                 return
             self.launched[label] = self.launch(label)
-
 
 # ---- NorMuonAdam: the orchestrator ----------------------------------------------------------
 
@@ -1388,7 +1319,6 @@ class NorMuonAdam:
         self.exchange.declared = {label: [ids.clone()] for label, ids in sd["sparse_rows"].items()}
         self.exchange.plans.clear()
 
-
 # ----------------------------------------------------------------------------------------------
 # Model
 # ----------------------------------------------------------------------------------------------
@@ -1414,11 +1344,9 @@ EVAL_CHUNK_TOKENS = 8192  # evaluation computes logits and cross-entropy this ma
 RMS_NORM_EPS = torch.finfo(torch.float32).eps  # F.rms_norm's own default for bf16 inputs (the record's)
 DC_CHUNK = 128  # query tokens per band of the DC term
 
-
 def norm(x: torch.Tensor) -> torch.Tensor:
     """Weightless RMS norm over the last dim, eps = fp32 machine epsilon whatever the dtype."""
     return F.rms_norm(x, (x.size(-1),), eps=RMS_NORM_EPS)
-
 
 def mudd_gate_layout(layers: tuple, num_heads: int) -> tuple[dict, dict]:
     """{(kind, layer): (start, width)} of each per-token coefficient in MUDD gates 0 and 1 (the layers before
@@ -1434,7 +1362,6 @@ def mudd_gate_layout(layers: tuple, num_heads: int) -> tuple[dict, dict]:
         starts = np.cumsum([0] + [width for _, _, width in entries]).tolist()
         layouts.append({(kind, i): (start, width) for (kind, i, width), start in zip(entries, starts)})
     return layouts[0], layouts[1]
-
 
 # -- embeddings ---------------------------------------------------------------------------------
 
@@ -1452,12 +1379,10 @@ def bigram_hash(tokens, bigram_vocab_size: int) -> torch.Tensor:
     out[1:] = int32(int32(36313 * t[1:]) ^ int32(27191 * prev)) % mod
     return out
 
-
 def bigram_sign_index(ids: torch.Tensor) -> torch.Tensor:
     """Row of the +-1 sign table per position: 0, then (tok[t-1] XOR tok[t]) mod 8192 (no sentinel)."""
     ids = ids.to(torch.int64)
     return torch.cat([torch.zeros_like(ids[:1]), torch.bitwise_xor(ids[:-1], ids[1:]) % BIGRAM_SIGN_ROWS])
-
 
 # -- attention masks ----------------------------------------------------------------------------
 # Slot q sees slot k iff q >= k, q - k <= window (window + 1 keys, the record's window_size=(window, 0)) and
@@ -1469,14 +1394,12 @@ def document_ids(cu_seqlens: torch.Tensor, num_tokens: int) -> torch.Tensor:
     pos = torch.arange(num_tokens, dtype=cu_seqlens.dtype, device=cu_seqlens.device)
     return torch.searchsorted(cu_seqlens, pos, right=True) - 1
 
-
 def attention_mask_mod(doc_ids: torch.Tensor, window, pos_div: int = 1):
     """The one definition of who may attend to whom (above), as a flex_attention mask_mod."""
     def mask_mod(b, h, q_idx, kv_idx):
         dq, dk = (q_idx, kv_idx) if pos_div == 1 else (q_idx // pos_div, kv_idx // pos_div)
         return (q_idx >= kv_idx) & (q_idx - kv_idx <= window) & (doc_ids[dq] == doc_ids[dk])
     return mask_mod
-
 
 def banded_attention_mask(doc_ids: torch.Tensor, window, pos_div: int, chunk: int, span: int) -> torch.Tensor:
     """attention_mask_mod in bands, (n/chunk, 1, chunk, chunk + span): band c holds query slots
@@ -1487,18 +1410,15 @@ def banded_attention_mask(doc_ids: torch.Tensor, window, pos_div: int, chunk: in
     allowed = attention_mask_mod(doc_ids, window, pos_div)(0, 0, q[:, :, None], k.clamp(min=0)[:, None, :])
     return (allowed & (k >= 0)[:, None, :])[:, None]
 
-
 def _bands(t: torch.Tensor, chunk: int, span: int) -> torch.Tensor:
     """(n, F) -> (n/chunk, chunk + span, F), overlapping views: band c = rows [c*chunk - span, (c+1)*chunk)."""
     return F.pad(t, (0, 0, span, 0)).unfold(0, chunk + span, chunk).transpose(1, 2)
-
 
 # A flex_attention BlockMask's eight int32 tensors, in its constructor's order: per query block the key
 # blocks that are partial (the mask_mod decides) and full (every pair passes), counts (1, 1, nb) and
 # indices (1, 1, nb, nb); then the same per key block (the backward's dk/dv loop).
 BlockMaskIndices = NamedTuple("BlockMaskIndices", [(name, torch.Tensor) for name in (
     "kv_num", "kv_idx", "full_kv_num", "full_kv_idx", "q_num", "q_idx", "full_q_num", "full_q_idx")])
-
 
 def block_mask_indices(doc_ids: torch.Tensor, window, pos_div: int = 1,
                        block_size: int = FLEX_BLOCK_SIZE) -> BlockMaskIndices:
@@ -1537,7 +1457,6 @@ def block_mask_indices(doc_ids: torch.Tensor, window, pos_div: int = 1,
     return BlockMaskIndices(*listed(partial.flip(1), kv), *listed(all_pass.flip(1), kv),
                             *listed(q_valid & partial[q, b], q), *listed(q_valid & all_pass[q, b], q))
 
-
 def block_attention_mask(doc_ids: torch.Tensor, window, pos_div: int = 1, block_size: int = FLEX_BLOCK_SIZE,
                          indices: BlockMaskIndices | None = None) -> BlockMask:
     """flex_attention's BlockMask: the block indices (block_mask_indices unless given) and the mask_mod,
@@ -1548,12 +1467,10 @@ def block_attention_mask(doc_ids: torch.Tensor, window, pos_div: int = 1, block_
     return BlockMask((n, n), *indices, BLOCK_SIZE=(block_size, block_size),
                      mask_mod=attention_mask_mod(doc_ids, window, pos_div))
 
-
 def attention_kinds(layers: tuple) -> list[tuple[bool, int]]:
     """Every (long window?, slots per token) the layer table attends with, sorted: one mask each."""
     return sorted({(row.window == "long", 2 if row.attention == "paired" else 1)
                    for row in layers if row.attention != "none"})
-
 
 def flex_mask_spec(args: "Hyperparameters", windows: tuple, kernels: dict | None = None) -> tuple | None:
     """(block size, ((long?, slots per token, window in slots), ...)) of the kinds that run flex (kernels;
@@ -1562,12 +1479,10 @@ def flex_mask_spec(args: "Hyperparameters", windows: tuple, kernels: dict | None
                   if kernels is None or kernels[long, r] == "flex")
     return (FLEX_BLOCK_SIZE, kinds) if kinds else None
 
-
 # {torch.cuda.get_device_name(): {(long window?, slots per token): "flex" | "varlen"}}, the faster at the
 # speedrun's shapes as the GPU check times them; a GPU or kind not listed runs flex.
 ATTENTION_KERNEL_CHOICE: dict[str, dict[tuple[bool, int], str]] = {}
 GPU_ATTENTION_KERNELS = ("flex", "varlen")
-
 
 def attention_kernels(args: "Hyperparameters", device: torch.device) -> dict[tuple[bool, int], str]:
     """Every layer kind's attention kernel: SDPA on CPUs, else --attention_kernel ("auto": the GPU's table)."""
@@ -1581,18 +1496,15 @@ def attention_kernels(args: "Hyperparameters", device: torch.device) -> dict[tup
     table = ATTENTION_KERNEL_CHOICE.get(torch.cuda.get_device_name(device), {})
     return {kind: table.get(kind, "flex") for kind in kinds}
 
-
 def flex_mask(doc_ids: torch.Tensor, window: torch.Tensor, span: int, pos_div: int) -> BlockMask:
     """flex_attention's BlockMask of one layer kind, its block indices built here."""
     return block_attention_mask(doc_ids, window, pos_div, indices=block_mask_indices(doc_ids, span, pos_div))
-
 
 # One layer kind's mask by kernel name from (doc_ids, window as a 0-d int tensor and as an int, slots per
 # token); START_MASKS from (cu_seqlens, longest document, window, slots per token). The CPU's SDPA and
 # torch's varlen_attn add themselves below the fence.
 ATTENTION_MASKS = {"flex": flex_mask}
 START_MASKS = {}
-
 
 def attention_mask(doc_ids: torch.Tensor, window: torch.Tensor, span: int, pos_div: int, kernel: str):
     """One layer kind's mask for the attention kernel that will run (ATTENTION_MASKS)."""
@@ -1604,17 +1516,14 @@ def attention_mask(doc_ids: torch.Tensor, window: torch.Tensor, span: int, pos_d
                          f" {', '.join([*START_MASKS, *ATTENTION_MASKS])}")
     return ATTENTION_MASKS[kernel](doc_ids, window, span, pos_div)
 
-
 @functools.lru_cache(maxsize=None)
 def compiled_flex_attention():
     """flex_attention compiled once, for CUDA calls outside a compiled graph (eager, it materialises scores)."""
     return torch.compile(flex_attention, dynamic=False)
 
-
 def _runs_compiled_flex(q: torch.Tensor) -> bool:
     """A CUDA call outside a compiled graph (inside one, flex_attention is traced into the graph)."""
     return q.is_cuda and not torch.compiler.is_compiling()
-
 
 def flex_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask: BlockMask,
                 scale: torch.Tensor) -> torch.Tensor:
@@ -1626,26 +1535,21 @@ def flex_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask: B
     fn = compiled_flex_attention() if _runs_compiled_flex(q) else flex_attention
     return fn(q, k, v, score_mod=scaled, block_mask=block_mask, scale=1.0)
 
-
 def as_slots(t: torch.Tensor, r: int) -> torch.Tensor:
     """(T, H, hd) -> (1, H/r, r*T, hd): r slots per token, each holding H/r of its heads."""
     T, H, hd = t.shape
     return t.reshape(r * T, H // r, hd).transpose(0, 1).unsqueeze(0)
 
-
 def from_slots(y: torch.Tensor, T: int) -> torch.Tensor:
     """as_slots undone: (1, H/r, r*T, hd) -> (T, H, hd)."""
     return y[0].transpose(0, 1).reshape(T, -1, y.shape[-1])
-
 
 def flex_attend_tokens(q, k, v, mask: BlockMask, r: int, scale: torch.Tensor, scale_value: float) -> torch.Tensor:
     """flex_attend of (T, H, hd) q, k, v at r slots per token."""
     return from_slots(flex_attend(as_slots(q, r), as_slots(k, r), as_slots(v, r), mask, scale), q.shape[0])
 
-
 # How each kernel attends, by the type of its mask (the CPU's and varlen's add themselves below the fence).
 ATTEND = {BlockMask: flex_attend_tokens}
-
 
 # -- rotary embeddings and YaRN -------------------------------------------------------------------
 
@@ -1653,14 +1557,12 @@ def rotary_base_frequencies(head_dim: int) -> torch.Tensor:
     """(head_dim/4,) angular frequencies (1/1024)^linspace(0, 1), one per rotated pair (half of each head)."""
     return (1 / 1024) ** torch.linspace(0, 1, head_dim // 4, dtype=torch.float32)
 
-
 def yarn_update(freq: torch.Tensor, attn_scale: float, old: int, new: int) -> tuple[torch.Tensor, float]:
     """The record's YaRN step (Yarn.apply) for a long window grown from `old` to `new` tokens: slow
     frequencies interpolated by old/new, fast ones kept; the softmax scale times 1 + 0.2 ln(new/old)."""
     ratio = old / new
     w = ((old * freq / (2 * math.pi) - 1) / 31).clamp(0, 1)
     return freq * (ratio + w * (1 - ratio)), attn_scale * (1 + 0.2 * math.log(new / old))
-
 
 def yarn_state(args: Hyperparameters, long_blocks: int) -> tuple[torch.Tensor, float]:
     """Rotary frequencies and softmax scale at a long window of `long_blocks` blocks: yarn_update at each
@@ -1677,7 +1579,6 @@ def yarn_state(args: Hyperparameters, long_blocks: int) -> tuple[torch.Tensor, f
             old = new
     return freq, scale
 
-
 def rotary_tables(freq: torch.Tensor, T: int, num_heads: int, dtype: torch.dtype) -> dict[str, tuple]:
     """cos/sin tables at packed-buffer positions (not reset per document, as in the record): "plain"
     (T, hd/4) at position t; "paired" (T, H, hd/4), head h at position 2t + (h mod 2) (record #89 rotates
@@ -1686,7 +1587,6 @@ def rotary_tables(freq: torch.Tensor, T: int, num_heads: int, dtype: torch.dtype
     cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
     parity = torch.arange(num_heads, device=freq.device) % 2
     return {"plain": (cos[:T], sin[:T]), "paired": tuple(t.view(T, 2, -1)[:, parity] for t in (cos, sin))}
-
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate the first half of each head of x (T, H, hd) as hd/4 interleaved pairs (2j, 2j+1)."""
@@ -1697,7 +1597,6 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     rot = torch.stack([x0 * c + x1 * s, x1 * c - x0 * s], dim=-1).view(T, H, hd // 2)
     return torch.cat([rot, rest], dim=-1)
 
-
 # -- attention extras: key offset, XSA, DC -------------------------------------------------------
 
 def key_offset(k: torch.Tensor) -> torch.Tensor:
@@ -1705,12 +1604,10 @@ def key_offset(k: torch.Tensor) -> torch.Tensor:
     rot, rest = k.split(k.shape[-1] // 2, dim=-1)
     return torch.cat([rot, torch.cat([rest[:1], rest[:-1]])], dim=-1)
 
-
 def xsa(y: torch.Tensor, v: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor:
     """y - tanh(alpha) <y, v> / max(|v|^2, 1e-8) v per token and head; y, v (T, H, hd), alpha (T, H)."""
     vv = (v * v).sum(-1, keepdim=True).clamp_min(1e-8)
     return y - torch.tanh(alpha)[..., None] * ((y * v).sum(-1, keepdim=True) / vv) * v
-
 
 def dc_term(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_ids: torch.Tensor,
             w1: torch.Tensor, w2: torch.Tensor, window: int, scale=1.0) -> torch.Tensor:
@@ -1732,7 +1629,6 @@ def dc_term(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_ids: torch.Te
     out = torch.bmm(a, _bands(v.reshape(n, H * hd), DC_CHUNK, span)).view(n, H, hd)[:T]
     return out * w2[..., None]
 
-
 # -- the model ------------------------------------------------------------------------------------
 
 def bank_padding(n: int, world_size: int, args: Hyperparameters) -> int:
@@ -1740,7 +1636,6 @@ def bank_padding(n: int, world_size: int, args: Hyperparameters) -> int:
     if args.bank_ownership not in OWNERSHIPS:
         raise ValueError(f"model config: --bank_ownership {args.bank_ownership!r} is not one of {', '.join(OWNERSHIPS)}")
     return -(-n // world_size) * world_size if args.bank_ownership == "padded" else n
-
 
 class GPT(nn.Module):
     """The speedrun transformer (the layout comment above), its banks padded for world_size ranks. dtype:
@@ -2100,7 +1995,6 @@ class GPT(nn.Module):
             total = total + EVALUATION_CE[logits.device.type](logits, t)
         return total / x.shape[0]
 
-
 def fp8_head(model: GPT, x, targets, mtp_weights, prefix_ids, prefix_weight, loss_scale):
     """The FP8 head's training loss (GPUs with FP8 tensor cores, record #89's): x quantised here, in the
     graph; lm_head's copy as quantize_fp8 made it after the last step. (loss, next-token loss) per token."""
@@ -2109,22 +2003,18 @@ def fp8_head(model: GPT, x, targets, mtp_weights, prefix_ids, prefix_weight, los
         FP8_HEAD_X_SCALE, FP8_HEAD_W_SCALE, FP8_HEAD_GRAD_SCALE * float(loss_scale), float(loss_scale))
     return loss, next_token
 
-
 def bf16_evaluation_ce(logits: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
     """Evaluation's summed next-token CE of a chunk of bf16 logits, softcapped in fp32."""
     return F.cross_entropy(triton_kernels.softcap(logits), t, reduction="sum")
-
 
 def bf16_head(model: GPT, x, targets, mtp_weights, prefix_ids, prefix_weight, loss_scale):
     """The bf16 head's training loss: the logits, then the loss kernel. (loss, next-token loss) per token."""
     return triton_kernels.softcapped_ce_mtp(x @ model.lm_head, targets, mtp_weights, prefix_ids, prefix_weight,
                                             grad_scale=loss_scale, next_token=True)
 
-
 def bf16_mlp(state: FP8MLPState, layer: int, x: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor):
     """The bf16 MLP in FP8MLPState.mlp's form (its FP8 state unused): (y, None)."""
     return triton_kernels.relu2_mlp(x, w_up, w_down), None
-
 
 # The MLP of every layer by kind: "fp8" (training on a GPU with FP8 tensor cores, record #89), else "bf16".
 MLPS = dict(fp8=FP8MLPState.mlp, bf16=bf16_mlp)
@@ -2134,7 +2024,6 @@ MLPS = dict(fp8=FP8MLPState.mlp, bf16=bf16_mlp)
 HEAD_LOSSES = dict(fp8=fp8_head, cuda=bf16_head)
 EVALUATION_CE = dict(cuda=bf16_evaluation_ce)
 
-
 # ----------------------------------------------------------------------------------------------
 # Shard files: 256 x int32 header + uint16 GPT-2 token ids
 # ----------------------------------------------------------------------------------------------
@@ -2143,10 +2032,8 @@ SHARD_MAGIC, SHARD_VERSION, SHARD_HEADER_INTS = 20240520, 1, 256
 SHARD_HEADER_BYTES = SHARD_HEADER_INTS * 4
 BOS_ID = 50256  # <|endoftext|> starts every document
 
-
 class ShardError(ValueError):
     """A shard file that is not what the format promises; the message names the file."""
-
 
 def read_shard_header(path: str) -> int:
     """Validate a shard's header against its size; return its token count."""
@@ -2168,12 +2055,10 @@ def read_shard_header(path: str) -> int:
                          " truncated or corrupt, re-create or re-download it")
     return num_tokens
 
-
 def read_shard(path: str) -> torch.Tensor:
     """A whole shard as a uint16 tensor (validated first)."""
     data = np.fromfile(path, dtype="<u2", count=read_shard_header(path), offset=SHARD_HEADER_BYTES)
     return torch.from_numpy(data.astype(np.uint16, copy=False))
-
 
 def find_shards(pattern: str, what: str) -> list[str]:
     """Sorted shard paths for a glob, or a one-line error that says how to make them."""
@@ -2185,7 +2070,6 @@ def find_shards(pattern: str, what: str) -> list[str]:
         raise SystemExit(f"error: no {what} shards match {pattern!r}; create them with `python data/{hint}`"
                          f" or point --{what}_files at existing shards")
     return files
-
 
 def build_prefix_table(encoding, padded_vocab_size: int) -> torch.Tensor:
     """table[T] (int64, (padded_vocab_size,)) = id of the longest proper byte-prefix of token T that is a token
@@ -2203,7 +2087,6 @@ def build_prefix_table(encoding, padded_vocab_size: int) -> torch.Tensor:
                 table[token] = prefix
                 break
     return torch.tensor(table, dtype=torch.int64)
-
 
 # ----------------------------------------------------------------------------------------------
 # Data loader: BOS-aligned packed batches with document boundaries and bigram ids
@@ -2271,9 +2154,7 @@ class Batch:
         staged = (self if self.staged is not None else self.stage()).staged
         return self.unstage(staged.to(device, non_blocking=True))  # pinned: asynchronous with the queued work
 
-
 STAGE_ALIGN = 128  # bytes between a staged batch's tensors: inductor, cuBLAS, Triton assume 16-byte alignment
-
 
 def stage_step(batches: list[Batch]) -> list[Batch]:
     """A step's micro-batches staged into consecutive slices of one pinned buffer (StepGraphs copies it whole)."""
@@ -2281,7 +2162,6 @@ def stage_step(batches: list[Batch]) -> list[Batch]:
     joint = torch.empty(sum(sizes), dtype=torch.uint8, pin_memory=torch.cuda.is_available())
     starts = np.cumsum([0, *sizes])
     return [b.stage(joint[a:a + n]) for b, a, n in zip(batches, starts.tolist(), sizes)]
-
 
 def step_buffer(batches: list[Batch]) -> torch.Tensor:
     """A step's staged bytes as one host buffer: stage_step's joint buffer itself, else a packed copy."""
@@ -2294,15 +2174,12 @@ def step_buffer(batches: list[Batch]) -> torch.Tensor:
         at += buf.numel()
     return first.as_strided((total,), (1,), first.storage_offset())
 
-
 def _staged_bytes(t: torch.Tensor) -> int:
     return -(-t.numel() * t.element_size() // STAGE_ALIGN) * STAGE_ALIGN
-
 
 def max_docs_for(num_tokens: int) -> int:
     """Document-boundary capacity of T tokens (a static shape); rare extra documents merge into the last."""
     return num_tokens // 8 + 16
-
 
 def make_batch(buf: np.ndarray, bigram_vocab_size: int, mask_spec: tuple | None = None,
                max_doc_len: int | None = None) -> Batch:
@@ -2324,11 +2201,9 @@ def make_batch(buf: np.ndarray, bigram_vocab_size: int, mask_spec: tuple | None 
         batch = dataclasses.replace(batch, mask_spec=mask_spec, doc_ids=doc.to(torch.int32), block_masks=masks)
     return batch
 
-
 def _load_shard_with_index(path: str) -> tuple[np.ndarray, np.ndarray]:
     tokens = read_shard(path).numpy()
     return tokens, np.flatnonzero(tokens == BOS_ID)
-
 
 class DocumentLoader:
     """BOS-aligned training batches. Every rank walks the same document index (all shards in order, looping):
@@ -2415,7 +2290,6 @@ class DocumentLoader:
         self.shard, self.doc = state["shard"], state["doc"]
         self._open(self.shard)
 
-
 def validation_batches(pattern: str, num_tokens: int, seq_len: int, bigram_vocab_size: int,
                        rank: int, world_size: int) -> list[Batch]:
     """The val shards' first num_tokens tokens in seq_len sequences dealt round-robin to ranks (any world size)."""
@@ -2435,7 +2309,6 @@ def validation_batches(pattern: str, num_tokens: int, seq_len: int, bigram_vocab
     return [make_batch(stream[i * seq_len:(i + 1) * seq_len + 1], bigram_vocab_size)
             for i in range(rank, num_tokens // seq_len, world_size)]
 
-
 # ----------------------------------------------------------------------------------------------
 # Schedule: what every step runs with
 # ----------------------------------------------------------------------------------------------
@@ -2453,7 +2326,6 @@ class StepPlan:
     prefix_weight: float      # weight of the prefix-token term
     do_adam: bool             # Adam parameters step on odd steps; their gradients accumulate meanwhile
 
-
 def stage_bounds(args: Hyperparameters) -> tuple[int, ...]:
     """First step of every stage row, then the run's end: (0, 423, 847, 1270, 1285) for the speedrun."""
     n, bounds, done = args.num_iterations, [0], 0.0
@@ -2462,17 +2334,14 @@ def stage_bounds(args: Hyperparameters) -> tuple[int, ...]:
         bounds.append(round(done * n))
     return (*bounds, n, n + args.extension_iterations)
 
-
 def untie_step(args: Hyperparameters) -> int:
     """The last tied step: the last scheduled stage's first step made odd (847, an Adam step); the embedding
     then takes the head's Adam state, transposed, and its first own update is 849."""
     step = stage_bounds(args)[-3]
     return step if step % 2 else step + 1
 
-
 def total_steps(args: Hyperparameters) -> int:
     return args.num_iterations + args.extension_iterations
-
 
 def plan_step(args: Hyperparameters, step: int) -> StepPlan:
     """Everything that changes with the step (record #89's schedule). Speedrun: lr multiplier the stage's until
@@ -2504,7 +2373,6 @@ def plan_step(args: Hyperparameters, step: int) -> StepPlan:
     return StepPlan(step, stage, row.batch_tokens, row.max_doc_len, tuple(row.windows),
                     lr_mult, momentum, tuple(float(w) for w in mtp), float(prefix), step % 2 == 1)
 
-
 def schedule_tokens(args: Hyperparameters) -> list[int]:
     """Global tokens trained before each step, then the run's total (total_steps + 1 entries)."""
     cumulative = [0]
@@ -2512,18 +2380,15 @@ def schedule_tokens(args: Hyperparameters) -> list[int]:
         cumulative.append(cumulative[-1] + plan_step(args, step).batch_tokens)
     return cumulative
 
-
 def eta_seconds(cumulative: list[int], first: int, done: int, elapsed_ms: float) -> float:
     """Seconds left once steps first..done-1 took elapsed_ms: time per token so far x the tokens still to train."""
     trained = cumulative[done] - cumulative[first]
     return elapsed_ms / 1000 * (cumulative[-1] - cumulative[done]) / max(1, trained)
 
-
 def batch_request(args: Hyperparameters, plan: StepPlan, slots: int, device: torch.device) -> tuple:
     """DocumentLoader.next_step's arguments for a step; on CUDA the loader also builds the flex block masks."""
     spec = flex_mask_spec(args, plan.windows, attention_kernels(args, device)) if device.type == "cuda" else None
     return plan.batch_tokens // slots, plan.max_doc_len, slots, spec
-
 
 def warmup_steps(args: Hyperparameters) -> list[int]:
     """The steps the compile warm-up runs (the record's 14): 0, 1 and two either side of each stage start,
@@ -2533,22 +2398,18 @@ def warmup_steps(args: Hyperparameters) -> list[int]:
         steps |= {b - 2, b - 1, b, b + 1}
     return sorted(s for s in steps if 0 <= s < total_steps(args))
 
-
 def grad_accum_steps(args: Hyperparameters, world_size: int) -> int:
     """Accumulation steps per rank, so that the global batch is the same for any world size."""
     return max(1, -(-args.micro_batches // world_size))
-
 
 # ----------------------------------------------------------------------------------------------
 # Training: optimizer wiring, logging, evaluation, the loop
 # ----------------------------------------------------------------------------------------------
 
-
 # The ablation flags' changes of the per-label configs, (args, configs) -> configs, and each
 # --matrix_optimizer's NorMuon beta2: filled below the fence; the record's flags change nothing.
 CONFIG_CHANGES: list = []
 NORMUON_BETA2_OF = {"normuon": NORMUON_BETA2}
-
 
 def optimizer_configs(args: Hyperparameters, model: "GPT") -> dict[str, ParamConfig]:
     """Per-label optimizer settings: PARAM_TABLE's rows, then CONFIG_CHANGES."""
@@ -2559,7 +2420,6 @@ def optimizer_configs(args: Hyperparameters, model: "GPT") -> dict[str, ParamCon
     for change in CONFIG_CHANGES:
         configs = change(args, configs)
     return configs
-
 
 def build_optimizer(args: Hyperparameters, model: "GPT", device: torch.device,
                     comm: CommLayer | None = None) -> NorMuonAdam:
@@ -2572,7 +2432,6 @@ def build_optimizer(args: Hyperparameters, model: "GPT", device: torch.device,
                        normuon_lr=args.muon_lr, normuon_wd=args.muon_wd, adam_lr=args.adam_lr, adam_wd=args.adam_wd,
                        tied=("embed", "lm_head"), ownership=args.bank_ownership,
                        compile=args.compile and device.type == "cuda", comm=comm)
-
 
 class RunLog:
     """What rank 0 reports: logs/<run_id>.txt (both source files, versions, hardware, hyperparameters, then
@@ -2624,7 +2483,6 @@ class RunLog:
         self.write(line)
         self.show(line, final=True)
 
-
 @torch.no_grad()
 def evaluate(model_fn, batches: list[Batch], device: torch.device) -> float:
     """Mean next-token cross-entropy over every validation token (all ranks' sequences together)."""
@@ -2638,12 +2496,10 @@ def evaluate(model_fn, batches: list[Batch], device: torch.device) -> float:
         dist.all_reduce(sums)
     return (sums[0] / sums[1]).item()
 
-
 def grad_scale_for(args: Hyperparameters, world_size: int) -> float:
     """Loss scale of every micro-batch, world_size / micro_batches (1 on 8 GPUs): the loss is a sum over
     tokens (the record's), and this keeps the averaged gradient the record's at any world size."""
     return world_size / args.micro_batches
-
 
 def begin_step(opt: NorMuonAdam, batches: list[Batch], plan: StepPlan, mtp: torch.Tensor, prefix: torch.Tensor) -> None:
     """What a step does before its first forward: the step's loss weights into the device tensors mtp
@@ -2653,7 +2509,6 @@ def begin_step(opt: NorMuonAdam, batches: list[Batch], plan: StepPlan, mtp: torc
         copy_from_host_(dst, torch.tensor(value, dtype=torch.float32))
     for i, b in enumerate(batches):
         opt.prepare_sparse("bigram_embed", b.bigram_ids, launch=plan.do_adam and i == len(batches) - 1)
-
 
 def forward_backward(model_fn, opt: NorMuonAdam, batches: list[Batch], plan: StepPlan, mtp: torch.Tensor,
                      prefix: torch.Tensor, grad_scale: float,
@@ -2676,11 +2531,9 @@ def forward_backward(model_fn, opt: NorMuonAdam, batches: list[Batch], plan: Ste
         next_token += micro_next_token
     return loss, next_token
 
-
 def use_cuda_graphs(args: Hyperparameters, device: torch.device) -> bool:
     """--cuda_graphs takes effect on a CUDA device with --compile true; elsewhere forward_backward runs."""
     return bool(args.cuda_graphs and args.compile and device.type == "cuda")
-
 
 def step_graph_key(plan: StepPlan, request: tuple, micro_batches: int) -> tuple:
     """What a step's captured forward+backward depends on beyond its buffers' values: the windows (numbers
@@ -2689,7 +2542,6 @@ def step_graph_key(plan: StepPlan, request: tuple, micro_batches: int) -> tuple:
     tokens, max_doc_len, _, spec = request
     return (tuple(plan.windows), tokens, max_doc_len, micro_batches, spec)
 
-
 @dataclass
 class _StepBuffers:
     input: torch.Tensor    # the whole step's staged bytes on the device (uint8)
@@ -2697,7 +2549,6 @@ class _StepBuffers:
     loss: torch.Tensor     # 0-D fp32: the step's summed objective, written by the forward+backward
     next_token: torch.Tensor  # 0-D fp32: the step's summed next-token loss
     graph: object = None   # torch.cuda.CUDAGraph of the forward+backward, once captured and checked
-
 
 class StepGraphs:
     """forward_backward replayed as one CUDA graph per shape key (step_graph_key), as
@@ -2820,20 +2671,17 @@ class StepGraphs:
             self._forward_backward(entry)
         return entry.loss.clone(), entry.next_token.clone()
 
-
 def compile_counts() -> dict:
     """Graphs torch.compile has made and graph breaks it has met in this process so far."""
     from torch._dynamo.utils import counters
     return dict(graphs=int(counters["stats"]["unique_graphs"]),
                 graph_breaks=int(sum(counters["graph_break"].values())))
 
-
 def compile_model(model: nn.Module):
     """The model compiled whole (fullgraph: a graph break is an error), one graph per shape: the record
     raises dynamo's recompile limit to 64, every schedule variant being a graph of its own."""
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     return torch.compile(model, dynamic=False, fullgraph=True)
-
 
 class Trainer:
     """The step train() runs (the benchmarks and the GPU check time it), with what it needs built once:
@@ -2924,7 +2772,6 @@ class Trainer:
             notes.append(f"cuda graphs: {self.graphs.captured()} step shapes captured in the warm-up, each replay "
                          "equal to the uncaptured step")
         return notes
-
 
 def train(args: Hyperparameters, d: DistInfo) -> float:
     """The whole run; returns the final validation loss."""
@@ -3029,11 +2876,9 @@ def train(args: Hyperparameters, d: DistInfo) -> float:
             print(sample_after_training(model, args, d.device))  # below the fence
     return val_loss
 
-
 # ----------------------------------------------------------------------------------------------
 # main
 # ----------------------------------------------------------------------------------------------
-
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
@@ -3044,7 +2889,6 @@ def main(argv: list[str] | None = None) -> None:
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
-
 
 # ----------------------------------------------------------------------------------------------
 # What the record does not run
@@ -3066,7 +2910,6 @@ def main(argv: list[str] | None = None) -> None:
 
 ADAM_CPU_CHUNK = 1 << 16  # elements per slice of the CPU Adam update (its temporaries stay in cache)
 
-
 def _adam_update_sliced(grad, exp_avg, exp_avg_sq, param, hp):
     """_adam_update one flat slice at a time on a CPU. The update is elementwise, so the result is the
     same bits; full-size temporaries would instead be allocated, page-faulted and streamed from memory
@@ -3078,16 +2921,13 @@ def _adam_update_sliced(grad, exp_avg, exp_avg_sq, param, hp):
     for a in range(0, grad.numel(), ADAM_CPU_CHUNK):
         _adam_update(*(t[a: a + ADAM_CPU_CHUNK] for t in flat), hp)
 
-
 def adam_update_group_sliced(grads, exp_avgs, exp_avg_sqs, params, hps):
     """_adam_update_group on a CPU: label by label, each sliced (eager, one call per label costs the
     CPU nothing that grouping would save, and slicing keeps the temporaries in cache)."""
     for grad, exp_avg, exp_avg_sq, param, hp in zip(grads, exp_avgs, exp_avg_sqs, params, hps):
         _adam_update_sliced(grad, exp_avg, exp_avg_sq, param, hp)
 
-
 UNCOMPILED_UPDATES["adam"] = adam_update_group_sliced
-
 
 # ---- Balanced ownership: banks without padding ----------------------------------------------
 # OwnershipLayout(ownership="balanced") gives each rank whole matrices by FLOPs, for any world size;
@@ -3111,7 +2951,6 @@ def balanced_splits(banks: dict[str, tuple[int, int]], world_size: int) -> dict[
         heapq.heappush(heap, (work + cost, r))
     return {label: tuple(c) for label, c in counts.items()}
 
-
 # ---- One rank of a larger world, in one process ----------------------------------------------
 # tests/benchmarks/step_timing.py --as_rank_of N times rank 0's share of an N-rank step on one device:
 # NorMuonAdam(comm=SimulatedComm(N)) updates rank 0's shards and launches every collective an N-rank
@@ -3125,7 +2964,6 @@ class _CompletedWork:
 
     def is_completed(self) -> bool:
         return True
-
 
 class SimulatedComm(CommLayer):
     """Rank `rank` of `world_size` ranks in one process, no process group: every collective completes at
@@ -3180,13 +3018,11 @@ class SimulatedComm(CommLayer):
                 out[at:at + n].copy_(mine)
             at += n
 
-
 # ---- QK-Clip (MuonClip) ----------------------------------------------------------------------
 # Caps a head's attention logits by scaling its Q and K rows after the NorMuon update. No record
 # uses it; NorMuonAdam.step(after_update=qk_clip_hooks(...)) applies it.
 
 QK_CLIP_TAU = 100.0  # MuonClip's threshold on the largest pre-softmax attention logit
-
 
 def qk_clip_(param, mantissa, max_logits, tau: float) -> None:
     """QK-Clip (MuonClip) on the owned matrices of a Q or K weight bank (k, rows, cols), in place:
@@ -3196,7 +3032,6 @@ def qk_clip_(param, mantissa, max_logits, tau: float) -> None:
     (MuonClip, Kimi K2, arXiv 2507.20534)."""
     scale = (tau / max_logits.float().clamp_min(tau)).sqrt()
     _store_master(_master_fp32(param, mantissa) * scale, param, mantissa)
-
 
 def qk_clip_hooks(max_logits: dict, tau: float = QK_CLIP_TAU) -> dict:
     """NorMuonAdam.step's after_update for QK-Clip: label of a Q or K bank -> the step's largest
@@ -3208,11 +3043,9 @@ def qk_clip_hooks(max_logits: dict, tau: float = QK_CLIP_TAU) -> dict:
         return hook
     return {label: clip(m) for label, m in max_logits.items()}
 
-
 # ---- CPU compute dtype -------------------------------------------------------------------------
 
 CPU_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
-
 
 def cpu_model(cpu_name_file: str = "/proc/cpuinfo") -> str:
     """The CPU's model name (for logs), or the platform's processor string."""
@@ -3225,7 +3058,6 @@ def cpu_model(cpu_name_file: str = "/proc/cpuinfo") -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
-
 
 def matmul_gflops(dtype: torch.dtype, m: int, k: int, n: int, seconds: float = 0.15) -> float:
     """GFLOP/s of an (m, k) x (k, n) matmul in `dtype` on this CPU, timed for about `seconds`."""
@@ -3240,7 +3072,6 @@ def matmul_gflops(dtype: torch.dtype, m: int, k: int, n: int, seconds: float = 0
         if elapsed >= seconds or reps >= 1000:
             return 2 * m * k * n * reps / elapsed / 1e9
 
-
 def cpu_dtype_rates(model_dim: int, mlp_hidden: int) -> tuple[dict[str, float], str]:
     """GFLOP/s of the MLP matmul of 256 tokens in each CPU dtype (by name), and the shape and rates as text."""
     shape = (256, model_dim, mlp_hidden)
@@ -3248,13 +3079,11 @@ def cpu_dtype_rates(model_dim: int, mlp_hidden: int) -> tuple[dict[str, float], 
     return rates, (f"{'x'.join(map(str, shape))} matmul GFLOP/s per process: "
                    + ", ".join(f"{name} {rate:.1f}" for name, rate in rates.items()))
 
-
 def fastest_cpu_dtype(model_dim: int, mlp_hidden: int) -> tuple[str, str]:
     """The CPU dtype (by name) that runs the MLP matmul faster here, and the timing as a log clause."""
     rates, figures = cpu_dtype_rates(model_dim, mlp_hidden)
     best = max(rates, key=rates.get)
     return best, f"{best} (auto: {figures}; capability {torch.backends.cpu.get_cpu_capability()}) on {cpu_model()}"
-
 
 def choose_cpu_dtype(args: Hyperparameters) -> tuple[torch.dtype, str]:
     """The dtype of the model's bf16 parameters on a CPU, and a line saying why.
@@ -3266,7 +3095,6 @@ def choose_cpu_dtype(args: Hyperparameters) -> tuple[torch.dtype, str]:
         return CPU_DTYPES[args.cpu_dtype], f"cpu dtype {args.cpu_dtype} (--cpu_dtype) on {cpu_model()}"
     name, why = fastest_cpu_dtype(args.model_dim, args.mlp_hidden)
     return CPU_DTYPES[name], f"cpu dtype {why}"
-
 
 def checkpoint_cpu_dtype(args: Hyperparameters) -> tuple[torch.dtype, str] | None:
     """With --resume and --cpu_dtype auto, the dtype the checkpoint's model was trained in (its weight
@@ -3281,7 +3109,6 @@ def checkpoint_cpu_dtype(args: Hyperparameters) -> tuple[torch.dtype, str] | Non
         return None
     return CPU_DTYPES[name], f"cpu dtype {name} (the checkpoint's: --resume {args.resume}) on {cpu_model()}"
 
-
 def compute_dtype(args: Hyperparameters, d: DistInfo) -> tuple[torch.dtype, str | None]:
     """The model's compute dtype: bf16 on GPUs; on CPUs rank 0's choose_cpu_dtype, taken by every rank
     (timings differ between processes), with its log line."""
@@ -3295,12 +3122,10 @@ def compute_dtype(args: Hyperparameters, d: DistInfo) -> tuple[torch.dtype, str 
         dist.broadcast_object_list(choice, src=0)
     return getattr(torch, choice[0][0]), choice[0][1]
 
-
 # ---- Tensor-parallel orthogonalization and NorMuon ------------------------------------------
 # (the modes of Megatron-LM's TensorParallelMuon)
 
 TP_MODES = ("duplicated", "distributed", "blockwise")
-
 
 def tensor_parallel_orthogonalize(shard: torch.Tensor, mode: str, shard_dim: int, group=None,
                                   dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
@@ -3336,13 +3161,11 @@ def tensor_parallel_orthogonalize(shard: torch.Tensor, mode: str, shard_dim: int
         X = a * X + (X @ B if rows else B @ X)
     return X.to(dtype).reshape(shard.shape)
 
-
 def _gather_shards(shard: torch.Tensor, dim: int, group) -> torch.Tensor:
     """The whole tensor from every rank's equal shard along dim (all_gather, concatenated in rank order)."""
     parts = [torch.empty_like(shard) for _ in range(dist.get_world_size(group))]
     dist.all_gather(parts, shard.contiguous(), group=group)
     return torch.cat(parts, dim=dim)
-
 
 def _tp_layout(shard: torch.Tensor, mode: str, shard_dim: int, group) -> tuple[int, int, int, int]:
     """(dim, world size, rows, cols) of the matrix a shard belongs to; blockwise treats the shard as the matrix."""
@@ -3354,7 +3177,6 @@ def _tp_layout(shard: torch.Tensor, mode: str, shard_dim: int, group) -> tuple[i
     W = 1 if mode == "blockwise" else dist.get_world_size(group)
     rows, cols = shard.size(-2) * (W if dim == shard.ndim - 2 else 1), shard.size(-1) * (W if dim == shard.ndim - 1 else 1)
     return dim, W, rows, cols
-
 
 def tensor_parallel_normuon_state(shard: torch.Tensor, mode: str, shard_dim: int, group=None) -> dict[str, torch.Tensor]:
     """Zero state for tensor_parallel_normuon_update of this shard: the momentum (the shard's shape),
@@ -3372,7 +3194,6 @@ def tensor_parallel_normuon_state(shard: torch.Tensor, mode: str, shard_dim: int
     if shard.dtype == torch.bfloat16:
         st["mantissa"] = torch.zeros(shard.shape, dtype=torch.uint16, device=shard.device)
     return st
-
 
 def _split_variance_reduction(O, second_moment, beta2, dim: int, rows: int, cols: int, group) -> torch.Tensor:
     """normuon_variance_reduction of the whole matrix, computed on its shard O: where the reduced dim
@@ -3392,7 +3213,6 @@ def _split_variance_reduction(O, second_moment, beta2, dim: int, rows: int, cols
         dist.all_reduce(norms, group=group)
     norm, new_norm = norms.sqrt()
     return O.mul_((step * (norm / new_norm.clamp_min(1e-10))).to(O.dtype))
-
 
 def tensor_parallel_normuon_update(grad, momentum_buf, second_moment, param, mantissa, matrix_lr, hp, mode: str,
                                    shard_dim: int, group=None, dtype: torch.dtype = torch.bfloat16) -> None:
@@ -3421,7 +3241,6 @@ def tensor_parallel_normuon_update(grad, momentum_buf, second_moment, param, man
         O = _split_variance_reduction(O, second_moment, beta2, dim, rows, cols, group)
     _cautious_step(O.float(), param, mantissa, lr * matrix_lr, decay)
 
-
 # ---- Gram Newton-Schulz and the measured "auto" choice (alternatives to polar_express) -------
 
 # Gram Newton-Schulz: the iteration on the Gram matrix of Dao-AILab/gram-newton-schulz, with the
@@ -3436,7 +3255,6 @@ def _normalized_bank(G: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     G3 = _as_bank(G)
     norm = G3.float().norm(dim=(-2, -1), keepdim=True)
     return (G3.float() / (norm * 1.02 + 1e-6)).to(dtype)
-
 
 def gram_newton_schulz(G: torch.Tensor, coeffs=POLAR_EXPRESS_COEFFS, restart_after: int = 2,
                        dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
@@ -3475,7 +3293,6 @@ def gram_newton_schulz(G: torch.Tensor, coeffs=POLAR_EXPRESS_COEFFS, restart_aft
         X = X.mT
     return X.to(dtype).reshape(G.shape)
 
-
 # Measured choice of "auto", per GPU: (rows, cols) of a bank's matrices -> (Polar Express ms, Gram
 # Newton-Schulz ms) for one rank's shard. Only repeatable measurements are listed: on one H100 80GB HBM3
 # (tests/bench_optimizer.py, torch 2.11, 2026-11-24) the 768 x 768 banks gave 1.25 and 2.45 ms for the
@@ -3483,7 +3300,6 @@ def gram_newton_schulz(G: torch.Tensor, coeffs=POLAR_EXPRESS_COEFFS, restart_aft
 # 1.28 ms either way (launch-bound), and 3 and 24 matrices of 3072 x 768 favoured opposite ones, so none
 # is listed. The rest follow the FLOP count. The GPU check's kernel-choice check times every bank again.
 ORTHOGONALIZER_MS = {"H100": {(3072, 768): (1.971, 1.218)}, "H200": {}}
-
 
 def auto_orthogonalizer(rows: int, cols: int, gpu_name: str = "") -> str:
     """The name "auto" runs for (rows, cols) matrices: the faster measured one on a GPU whose table has
@@ -3493,7 +3309,6 @@ def auto_orthogonalizer(rows: int, cols: int, gpu_name: str = "") -> str:
     if times is not None:
         return "polar_express" if times[0] <= times[1] else "gram_newton_schulz"
     return "gram_newton_schulz" if max(rows, cols) >= 2 * min(rows, cols) else "polar_express"
-
 
 def orthogonalize_auto(G: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """Per bank shape, Gram Newton-Schulz or Polar Express (auto_orthogonalizer).
@@ -3506,9 +3321,7 @@ def orthogonalize_auto(G: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> 
     name = auto_orthogonalizer(m, n, triton_kernels.gpu_name_of(G))
     return (gram_newton_schulz if name == "gram_newton_schulz" else polar_express)(G, dtype=dtype)
 
-
 ORTHOGONALIZERS.update(gram_newton_schulz=gram_newton_schulz, auto=orthogonalize_auto)
-
 
 def orthogonalization_flops(rows: int, cols: int, orthogonalizer="polar_express") -> int:
     """FLOPs to orthogonalize one rows x cols matrix, counted like torch's FlopCounterMode (2 per
@@ -3525,17 +3338,14 @@ def orthogonalization_flops(rows: int, cols: int, orthogonalizer="polar_express"
         return 8 * s * s * L + 32 * s ** 3
     return len(POLAR_EXPRESS_COEFFS) * (4 * s * s * L + 2 * s ** 3)
 
-
 # ---- Checkpoints and signals (a speedrun saves none) -----------------------------------------
 
 CHECKPOINT_FORMAT = 5  # 3: the record-#89 model (layer table, MUDD, FP8 MLP state); 4: FP8 scales in 16-byte
 #                        slots; 5: the stage and layer rows in the saved settings
 
-
 # Fields that may differ between a checkpoint and the run resuming from it.
 RESUMABLE_CHANGES = {"resume", "save_every", "keep_checkpoints", "val_loss_every", "log_dir", "checkpoint_dir",
                      "run_id", "compile", "cuda_graphs"}
-
 
 def save_checkpoint(path: str, step: int, model: nn.Module, opt: NorMuonAdam, loader: DocumentLoader,
                     args: Hyperparameters, d: DistInfo) -> None:
@@ -3565,20 +3375,17 @@ def save_checkpoint(path: str, step: int, model: nn.Module, opt: NorMuonAdam, lo
     if dist.is_initialized():
         dist.barrier()
 
-
 def whole_checkpoints(run_dir: str) -> list[tuple[int, str]]:
     """(step, path) of every whole checkpoint of a run (its step_N directories), oldest first; one still
     being written (step_N.tmp) and any other file are not checkpoints."""
     return sorted((int(e[5:]), os.path.join(run_dir, e)) for e in os.listdir(run_dir)
                   if e.startswith("step_") and e[5:].isdecimal())
 
-
 def prune_checkpoints(run_dir: str, keep: int) -> None:
     """Delete all but the newest `keep` whole checkpoints of a run, so that frequent checkpoints of a long
     run take bounded disk."""
     for _, path in whole_checkpoints(run_dir)[:-keep]:
         shutil.rmtree(path)
-
 
 class StopOnSignal:
     """While enabled (a run that checkpoints, in the main thread), SIGINT (Ctrl-C) and SIGTERM (kill, a
@@ -3636,7 +3443,6 @@ class StopOnSignal:
             self.done[i].synchronize()  # the end of step - 2: step - 1 is queued behind it
         return int(self.host[i])
 
-
 def load_checkpoint(path: str, model: nn.Module, opt: NorMuonAdam, loader: DocumentLoader,
                     args: Hyperparameters, d: DistInfo) -> int:
     """Restore everything a step depends on; returns the step to continue from. Refuses a checkpoint of
@@ -3672,7 +3478,6 @@ def load_checkpoint(path: str, model: nn.Module, opt: NorMuonAdam, loader: Docum
         p.grad = mine["grads"].get(name)
     return meta["step"]
 
-
 # ---- Sampling, shard writing, CPU memory -----------------------------------------------------
 
 def generate(model: "GPT", prompt: str, new_tokens: int, device: torch.device, seed: int = 0) -> str:
@@ -3688,7 +3493,6 @@ def generate(model: "GPT", prompt: str, new_tokens: int, device: torch.device, s
             tokens.append(int(top.indices[torch.multinomial(torch.softmax(top.values, -1), 1, generator=gen)]))
     return enc.decode(tokens[1:])
 
-
 def write_shard(path: str, tokens) -> None:
     """Write tokens (any int sequence < 2**16) atomically: a temporary file renamed into place."""
     tokens = np.asarray(tokens)
@@ -3701,7 +3505,6 @@ def write_shard(path: str, tokens) -> None:
         f.write(header.tobytes())
         f.write(tokens.astype("<u2").tobytes())
     os.replace(tmp, path)
-
 
 def keep_freed_memory() -> bool:
     """CPU training: tell glibc to keep freed memory in the process heap. By default it maps every large
@@ -3721,7 +3524,6 @@ def keep_freed_memory() -> bool:
     mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
     M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4  # glibc's <malloc.h>
     return bool(mallopt(M_MMAP_MAX, 0)) and bool(mallopt(M_TRIM_THRESHOLD, 2**31 - 1))
-
 
 # ---- Flag parsing and validation -------------------------------------------------------------
 
@@ -3743,7 +3545,6 @@ def _parse_value(name: str, text: str, default):
     except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
         kind = "true/false" if isinstance(default, bool) else type(default).__name__
         raise SystemExit(f"error: --{name} {text!r} is not a valid {kind} (default: {default!r})")
-
 
 def parse_args(argv: list[str] | None = None) -> Hyperparameters:
     """`--preset NAME`, then `--field value` for any Hyperparameters field, `--stage_<column>` with one
@@ -3786,7 +3587,6 @@ def parse_args(argv: list[str] | None = None) -> Hyperparameters:
     except ValueError as e:
         raise SystemExit(f"error: {e}") from None
 
-
 def check_args(args: Hyperparameters, world_size: int) -> None:
     """Every flag and shard checked at start-up, before the process group, model, loader or log:
     a bad one stops the run with one line naming it (SystemExit), never a traceback from later on."""
@@ -3818,7 +3618,6 @@ def check_args(args: Hyperparameters, world_size: int) -> None:
         raise SystemExit(f"error: --val_tokens {args.val_tokens} needs {args.val_tokens + 1} tokens but the val shards"
                          f" {args.val_files!r} hold {tokens['val']}; lower --val_tokens")
 
-
 def check_stages(stages) -> None:
     """One-line ValueErrors naming the flag: every column in range, the shares, one extension row last."""
     if not isinstance(stages, tuple) or len(stages) < 2 or not all(isinstance(r, Stage) for r in stages):
@@ -3837,7 +3636,6 @@ def check_stages(stages) -> None:
         raise ValueError(f"--stage_share {tuple(shares)!r}: the scheduled stages' shares must add up to 1")
     if len({len(r.mtp_start) for r in stages} | {len(r.mtp_end) for r in stages}) != 1:
         raise ValueError("--stage_mtp_start and --stage_mtp_end must give the same number (>= 1) of weights")
-
 
 def check_layers(layers) -> None:
     """One-line ValueErrors naming --layers and the row: a table the model can build."""
@@ -3876,7 +3674,6 @@ def check_layers(layers) -> None:
     if not where("value_embed"):
         raise ValueError("--layers: at least one row must take a value embedding (the post-loop MUDD mixing reads table 0)")
 
-
 def _check_model_args(args: Hyperparameters, world_size: int) -> None:
     """One-line ValueErrors naming the flag, before any tensor is allocated."""
     def fail(msg):
@@ -3911,7 +3708,6 @@ def _check_model_args(args: Hyperparameters, world_size: int) -> None:
     except ValueError as e:
         fail(str(e))
 
-
 # ---- The generic FP8 matmul: any linear layer (the record's FP8 layers have their own ops) ------
 
 @torch.library.custom_op("speedrun::fp8_mm", mutates_args=())
@@ -3925,14 +3721,12 @@ def fp8_mm(x: torch.Tensor, w: torch.Tensor, x_s: float, w_s: float, grad_s: flo
     y = _scaled_matmul(x_f8, w_f8, x_s, w_s, torch.bfloat16, fast_accum=True)
     return y, x_f8, w_f8
 
-
 @fp8_mm.register_fake
 def _fp8_mm_fake(x, w, x_s, w_s, grad_s):
     M, K = x.shape
     N = w.shape[1]
     return (x.new_empty((M, N), dtype=torch.bfloat16), x.new_empty((M, K), dtype=torch.float8_e4m3fn),
             w.new_empty((N, K), dtype=torch.float8_e4m3fn).T)
-
 
 @torch.library.custom_op("speedrun::fp8_mm_backward", mutates_args=())
 def fp8_mm_backward(g: torch.Tensor, x_f8: torch.Tensor, w_f8: torch.Tensor, x_s: float, w_s: float,
@@ -3943,12 +3737,10 @@ def fp8_mm_backward(g: torch.Tensor, x_f8: torch.Tensor, w_f8: torch.Tensor, x_s
     fp8_matmul_grads."""
     return fp8_matmul_grads(_quantize_fp8(g, grad_s, torch.float8_e5m2), x_f8, w_f8, x_s, w_s, grad_s)
 
-
 @fp8_mm_backward.register_fake
 def _fp8_mm_backward_fake(g, x_f8, w_f8, x_s, w_s, grad_s):
     return (x_f8.new_empty(x_f8.shape, dtype=torch.bfloat16),
             w_f8.new_empty(w_f8.shape, dtype=torch.float32))
-
 
 def _fp8_mm_setup_context(ctx, inputs, output):
     x, w, x_s, w_s, grad_s = inputs
@@ -3958,21 +3750,17 @@ def _fp8_mm_setup_context(ctx, inputs, output):
     ctx.scales = (x_s, w_s, grad_s)
     ctx.dtypes = (x.dtype, w.dtype)
 
-
 def _fp8_mm_autograd(ctx, grad_y, grad_x_f8, grad_w_f8):
     x_f8, w_f8 = ctx.saved_tensors
     grad_x, grad_w = fp8_mm_backward(grad_y, x_f8, w_f8, *ctx.scales)
     return grad_x.to(ctx.dtypes[0]), grad_w.to(ctx.dtypes[1]), None, None, None
 
-
 fp8_mm.register_autograd(_fp8_mm_autograd, setup_context=_fp8_mm_setup_context)
-
 
 def fp8_matmul(x: torch.Tensor, w: torch.Tensor, x_s: float, w_s: float, grad_s: float) -> torch.Tensor:
     """x (..., K) @ w (K, N) -> (..., N) bf16 through the float8 op (differentiable in x and w)."""
     y = fp8_mm(x.reshape(-1, x.shape[-1]), w, x_s, w_s, grad_s)[0]
     return y.view(*x.shape[:-1], w.shape[1])
-
 
 @dataclass(frozen=True)
 class FlagRange:
@@ -4013,12 +3801,10 @@ class FlagRange:
         count = "a tuple of" if self.shape == (None,) else " x ".join(str(n or "K") for n in self.shape)
         return f"{count} {'integers' if self.integer else 'finite numbers'} {bounds}"
 
-
 def flag_range(field: dataclasses.Field) -> FlagRange | None:
     """A knob's allowed values (knob's `allowed` fields), None for a field without a range."""
     allowed = field.metadata.get("allowed")
     return FlagRange(**allowed) if allowed else None
-
 
 # ---- Ablations (--ablate): each switches one component off by editing rows -------------------
 
@@ -4027,14 +3813,12 @@ def _layers_with(args: Hyperparameters, **fields) -> Hyperparameters:
     return dataclasses.replace(args, layers=tuple(
         row if row.attention == "none" else dataclasses.replace(row, **fields) for row in args.layers))
 
-
 def _fixed_windows(args: Hyperparameters) -> Hyperparameters:
     """The last scheduled stage's windows from step 0 to the end (final validation too), at the YaRN
     reference itself: no YaRN step ever."""
     last = args.stages[-2].windows
     return dataclasses.replace(args, stages=restaged(args.stages, windows=(last,) * len(args.stages)),
                                windows_init=last, final_val_windows=last)
-
 
 ABLATIONS = {
     "xsa": lambda a: _layers_with(a, xsa=False),
@@ -4051,7 +3835,6 @@ ABLATIONS = {
     "window_schedule": _fixed_windows,
 }
 
-
 def ablated(args: Hyperparameters, names) -> Hyperparameters:
     """args with the named ABLATIONS applied in order (--ablate xsa,dc)."""
     for name in names:
@@ -4059,7 +3842,6 @@ def ablated(args: Hyperparameters, names) -> Hyperparameters:
             raise ValueError(f"--ablate {name!r} is not one of {', '.join(ABLATIONS)}")
         args = ABLATIONS[name](args)
     return args
-
 
 # ---- The command line: --layers words, --stage_<column> columns ------------------------------
 
@@ -4071,7 +3853,6 @@ LAYER_WORDS = {
     "mudd": ("mudd", True), "save_skip": ("save_skip", True), "save_h": ("save_h", True),
     "post_gates": ("post_gates", True),
 }
-
 
 def layers_from_words(rows) -> tuple:
     """--layers' strings as Layer rows (check_layers checks them)."""
@@ -4093,7 +3874,6 @@ def layers_from_words(rows) -> tuple:
         layers.append(Layer(**fields))
     return tuple(layers)
 
-
 def restaged(stages: tuple, **columns) -> tuple:
     """The rows with whole columns replaced, one value per row: restaged(STAGES, batch_tokens=(...))."""
     for name, values in columns.items():
@@ -4103,10 +3883,8 @@ def restaged(stages: tuple, **columns) -> tuple:
     return tuple(dataclasses.replace(row, **{name: values[i] for name, values in columns.items()})
                  for i, row in enumerate(stages))
 
-
 _STAGE_COLUMNS = [f.name for f in dataclasses.fields(Stage)]
 _ROW_FIELDS = ("stages", "layers")  # set through --stage_<column> and --layers, not whole
-
 
 # ---- Presets: "demo" trains on a CPU in minutes, "test" is tiny --------------------------------
 
@@ -4147,7 +3925,6 @@ PRESETS.update({
     ),
 })
 
-
 # ---- The CPU's attention: SDPA, banded where that saves work ---------------------------------
 
 def dense_attention_mask(doc_ids: torch.Tensor, window, pos_div: int = 1) -> torch.Tensor:
@@ -4155,9 +3932,7 @@ def dense_attention_mask(doc_ids: torch.Tensor, window, pos_div: int = 1) -> tor
     idx = torch.arange(doc_ids.numel() * pos_div, device=doc_ids.device)
     return attention_mask_mod(doc_ids, window, pos_div)(0, 0, idx[:, None], idx[None, :])
 
-
 CPU_ATTENTION_CHUNK = 256  # query slots per band of the CPU attention
-
 
 def banded_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, span: int,
                      scale: float = 1.0) -> torch.Tensor:
@@ -4176,14 +3951,12 @@ def banded_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     y = F.scaled_dot_product_attention(qb, bands(k), bands(v), attn_mask=mask, scale=scale)
     return y.transpose(0, 1).reshape(1, H, n, hd)
 
-
 def attention_band(n: int, span: int) -> int:
     """Chunk for banded_attention of n slots with this span, or 0 where dense attention is as cheap."""
     for chunk in (CPU_ATTENTION_CHUNK, CPU_ATTENTION_CHUNK // 2, CPU_ATTENTION_CHUNK // 4):
         if n % chunk == 0 and chunk + span < n // 2:
             return chunk
     return 0
-
 
 class SDPAMask(NamedTuple):
     """The CPU attention's mask of one layer kind: banded_attention_mask's bands (chunk > 0) or a dense
@@ -4194,13 +3967,11 @@ class SDPAMask(NamedTuple):
     chunk: int
     fp32: bool = False
 
-
 def sdpa_mask(doc_ids: torch.Tensor, window: torch.Tensor, span: int, pos_div: int, fp32: bool = False) -> SDPAMask:
     """The SDPA kernel's mask of one layer kind: bands where attention_band finds them, else dense."""
     chunk = attention_band(doc_ids.numel() * pos_div, span)
     mask = banded_attention_mask(doc_ids, window, pos_div, chunk, span) if chunk else dense_attention_mask(doc_ids, window, pos_div)
     return SDPAMask(mask, span, chunk, fp32)
-
 
 def sdpa_attend_tokens(q, k, v, mask: SDPAMask, r: int, scale: torch.Tensor, scale_value: float) -> torch.Tensor:
     """SDPA of (T, H, hd) q, k, v at r slots per token (banded where the mask is), the scale as a number:
@@ -4212,10 +3983,8 @@ def sdpa_attend_tokens(q, k, v, mask: SDPAMask, r: int, scale: torch.Tensor, sca
         y = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask.mask, scale=scale_value)
     return from_slots(y.to(q.dtype), q.shape[0])
 
-
 ATTENTION_MASKS.update(sdpa=sdpa_mask, sdpa_fp32=functools.partial(sdpa_mask, fp32=True))
 ATTEND[SDPAMask] = sdpa_attend_tokens
-
 
 # ---- Ablations of the optimizer: the banks' optimizer, switched-off components ---------------
 
@@ -4229,7 +3998,6 @@ ADAMW_BANK_BETAS = (0.9, 0.95)
 NORMUON_BETA2_OF.update(muon=1.0, adamw=NORMUON_BETA2)
 MATRIX_OPTIMIZERS = tuple(NORMUON_BETA2_OF)
 
-
 def adamw_bank_configs(args: Hyperparameters, configs: dict[str, ParamConfig]) -> dict[str, ParamConfig]:
     """--matrix_optimizer adamw: the banks move to Adam, stepping on every step."""
     if args.matrix_optimizer != "adamw":
@@ -4242,7 +4010,6 @@ def adamw_bank_configs(args: Hyperparameters, configs: dict[str, ParamConfig]) -
                                              betas=ADAMW_BANK_BETAS, every_step=True)
                           for label in ("qk_bank", "vo_bank", "mlp_bank")}}
 
-
 def switched_off_configs(args: Hyperparameters, configs: dict[str, ParamConfig]) -> dict[str, ParamConfig]:
     """Parameters of a switched-off component get lr and decay multipliers of 0 (they receive no
     gradient and must not drift)."""
@@ -4252,9 +4019,7 @@ def switched_off_configs(args: Hyperparameters, configs: dict[str, ParamConfig])
     return {label: dataclasses.replace(cfg, lr_mul=0.0, wd_mul=0.0) if off.get(label) else cfg
             for label, cfg in configs.items()}
 
-
 CONFIG_CHANGES.extend([adamw_bank_configs, switched_off_configs])
-
 
 # ---- Ablations of the model: components switched off ------------------------------------------
 
@@ -4265,19 +4030,15 @@ CONFIG_CHANGES.extend([adamw_bank_configs, switched_off_configs])
 def _zero_value_embeddings(model: GPT, ids: torch.Tensor) -> list[torch.Tensor]:
     return [model.embed.new_zeros(ids.numel(), model.args.model_dim)] * model.value_embeds.shape[0]
 
-
 def _unsigned_bigram_features(model: GPT, ids: torch.Tensor, bigram_ids: torch.Tensor) -> torch.Tensor:
     return F.embedding(bigram_ids.view(-1), model.bigram_embed)
-
 
 def _zero_bigram_features(model: GPT, ids: torch.Tensor, bigram_ids: torch.Tensor) -> torch.Tensor:
     return model.embed.new_zeros(ids.numel(), model.args.model_dim)
 
-
 def _constant_mudd_mlp(model: GPT, x: torch.Tensor, w1, w2, b2: torch.Tensor, scale) -> torch.Tensor:
     """--mudd false: the learned constants b2 * scale, the same for every token."""
     return (b2 * scale).expand(x.shape[0], b2.shape[0])
-
 
 SWITCHED_OFF = {  # switch: (the GPT method it replaces, the stand-in)
     "value_embeds": ("value_embeddings", _zero_value_embeddings),
@@ -4289,13 +4050,11 @@ SWITCHED_OFF = {  # switch: (the GPT method it replaces, the stand-in)
     "mudd": ("_mudd_mlp", _constant_mudd_mlp),
 }
 
-
 def switch_off_components(model: GPT) -> None:
     """The stand-in of every component whose switch is off, bound to the model."""
     for switch, (method, stand_in) in SWITCHED_OFF.items():
         if not getattr(model.args, switch):
             setattr(model, method, types.MethodType(stand_in, model))
-
 
 # ---- The CPU's head and evaluation loss ------------------------------------------------------
 
@@ -4304,17 +4063,14 @@ def cpu_head(model: GPT, x, targets, mtp_weights, prefix_ids, prefix_weight, los
     return triton_kernels.softcapped_ce_mtp_head_rows(x, model.lm_head, targets, mtp_weights, prefix_ids, prefix_weight,
                                                       grad_scale=loss_scale, next_token=True)
 
-
 def cpu_evaluation_ce(logits: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
     """The same bits as the GPU's, in cache-sized blocks (the plain form inside a compiled graph)."""
     if torch.compiler.is_compiling():
         return bf16_evaluation_ce(logits, t)
     return F.nll_loss(triton_kernels.softcap_log_probs(logits), t, reduction="sum")
 
-
 HEAD_LOSSES["cpu"] = cpu_head
 EVALUATION_CE["cpu"] = cpu_evaluation_ce
-
 
 # ---- The FP8 MLP on a CPU: emulated (tests, host-dispatch counts) ---------------------------------
 
@@ -4326,14 +4082,12 @@ def _fp8_mlp_cpu(x, w_up, w_down, x_f8, up_f8, up_dequant, down_f8_t, down_scale
                                                                    fast_accum=fast_accum)
     return _scaled_matmul(post_f8, down_f8_t.mT, act_scale, down_scale, torch.bfloat16, fast_accum=True), post, post_max
 
-
 # ---- Data: the offline GPT-2 tokenizer, the batch split's start-up check -----------------------
 
 # GPT-2 BPE, built offline from the rank file shipped in data/ (same ranks as tiktoken's "gpt2").
 GPT2_TIKTOKEN_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "gpt2.tiktoken")
 GPT2_TIKTOKEN_SHA256 = "306cd27f03c1a714eca7108e03d66b7dc042abe8c258b44c199a7ed9838dd930"
 GPT2_SPLIT_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
-
 
 def gpt2_encoding(rank_file: str | None = GPT2_TIKTOKEN_FILE):
     """The GPT-2 tokenizer. With a rank file (default: the shipped copy, sha256-checked) no network is
@@ -4353,7 +4107,6 @@ def gpt2_encoding(rank_file: str | None = GPT2_TIKTOKEN_FILE):
     return tiktoken.Encoding("gpt2", pat_str=GPT2_SPLIT_PATTERN, mergeable_ranks=load_tiktoken_bpe(rank_file),
                              special_tokens={"<|endoftext|>": BOS_ID}, explicit_n_vocab=50257)
 
-
 def check_batch_split(args: Hyperparameters, world_size: int) -> int:
     """grad_accum_steps, or a start-up error where a stage's batch does not split into ranks x accumulation steps."""
     accum = grad_accum_steps(args, world_size)
@@ -4365,14 +4118,12 @@ def check_batch_split(args: Hyperparameters, world_size: int) -> int:
                              f"{args.micro_batches} or batch sizes divisible by {slots}")
     return accum
 
-
 # ---- The optimizer's argument checks and balanced ownership ----------------------------------
 # ParamConfig, NorMuonAdam and its load_state_dict check their arguments here (the record's pass every
 # check); "balanced" bank ownership adds itself to OWNERSHIPS.
 
 OPTIMIZER_KINDS = ("normuon", "adam")
 COMMS_MODES = ("none", "replicated", "sharded", "sharded_sparse")
-
 
 def _check_param_config(cfg: ParamConfig) -> None:
     """ParamConfig's one-line errors; stores betas and matrix_lr_mul as tuples of floats."""
@@ -4392,7 +4143,6 @@ def _check_param_config(cfg: ParamConfig) -> None:
     object.__setattr__(cfg, "betas", betas)
     if cfg.matrix_lr_mul is not None:
         object.__setattr__(cfg, "matrix_lr_mul", tuple(float(m) for m in cfg.matrix_lr_mul))
-
 
 def _check_optimizer_args(opt: NorMuonAdam, params: dict, configs: dict, tied) -> None:
     """NorMuonAdam's one-line errors: configs and both orders name params' labels exactly once, parameters
@@ -4437,7 +4187,6 @@ def _check_optimizer_args(opt: NorMuonAdam, params: dict, configs: dict, tied) -
     if embed.dtype != head.dtype:
         raise ValueError("NorMuonAdam: tied embedding and head must have the same dtype")
 
-
 def _check_state_dict(opt: NorMuonAdam, sd: dict) -> None:
     """NorMuonAdam.load_state_dict's one-line errors unless sd is a state_dict() of the same layout."""
     if sd.get("world_size") != opt.world_size or sd.get("rank") != opt.rank:
@@ -4454,16 +4203,13 @@ def _check_state_dict(opt: NorMuonAdam, sd: dict) -> None:
                 raise ValueError(f"load_state_dict: {label!r}.{name} is {tuple(t.shape)} {t.dtype},"
                                  f" expected {tuple(ref[name].shape)} {ref[name].dtype}")
 
-
 def _balanced_ownership(banks: dict, world_size: int, orthogonalizer) -> dict[str, tuple[int, ...]]:
     """OWNERSHIPS["balanced"]: balanced_splits of the banks, a matrix costed by orthogonalization_flops (FLOP-
     sorted owners as in Motif-Technologies/optimizer)."""
     return balanced_splits({label: (slot.rows, orthogonalization_flops(*slot.shape[1:], orthogonalizer))
                             for label, slot in banks.items()}, world_size)
 
-
 OWNERSHIPS["balanced"] = _balanced_ownership
-
 
 # ---- torch's varlen attention: the alternative GPU kernel (--attention_kernel varlen) -------------
 
@@ -4475,11 +4221,9 @@ class VarlenMask(NamedTuple):
     max_seqlen: int
     window: int
 
-
 def varlen_mask(cu_seqlens: torch.Tensor, max_doc_len: int, window: int, r: int) -> VarlenMask:
     """One layer kind's VarlenMask at r slots per token, from document starts in tokens."""
     return VarlenMask(cu_seqlens * r if r > 1 else cu_seqlens, max_doc_len * r, window)
-
 
 def varlen_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: VarlenMask, scale: float) -> torch.Tensor:
     """torch.nn.attention.varlen.varlen_attn (flash attention on CUDA; torch >= 2.11) of (n, H, hd) q, k, v:
@@ -4488,16 +4232,13 @@ def varlen_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Varle
     return varlen_attn(q, k, v, mask.cu_seqlens, mask.cu_seqlens, mask.max_seqlen, mask.max_seqlen,
                        scale=scale, window_size=(mask.window, 0))
 
-
 def varlen_attend_tokens(q, k, v, mask: VarlenMask, r: int, scale: torch.Tensor, scale_value: float) -> torch.Tensor:
     """varlen_attend of (T, H, hd) q, k, v at r slots per token, the fp32 scale as a number."""
     T, H, hd = q.shape
     return varlen_attend(*(t.reshape(r * T, H // r, hd) for t in (q, k, v)), mask, scale_value).reshape(T, H, hd)
 
-
 START_MASKS["varlen"] = varlen_mask
 ATTEND[VarlenMask] = varlen_attend_tokens
-
 
 # ---- Parameter shapes without memory (tests, the fidelity table) -------------------------------
 
@@ -4506,7 +4247,6 @@ def count_parameters(args: Hyperparameters, world_size: int = 1) -> dict[str, tu
     with torch.device("meta"):
         model = GPT(args, world_size)
     return {label: tuple(p.shape) for label, p in model.params_by_label().items()}
-
 
 # ---- train()'s resume, checkpoints and signals ----------------------------------------------
 
@@ -4519,7 +4259,6 @@ def resume_step(args: Hyperparameters, d: DistInfo, model: nn.Module, opt: NorMu
     if opt.tied and step > untie_step(args):
         raise SystemExit(f"error: checkpoint at step {step} is past the untie step but still tied")
     return step
-
 
 class RunCheckpoints(StopOnSignal):
     """train()'s --save_every checkpoints (the newest --keep_checkpoints kept) and, with them, its stop on
@@ -4557,7 +4296,6 @@ class RunCheckpoints(StopOnSignal):
             raise SystemExit(128 + stopping)
         return seconds
 
-
 # ---- The step graphs' replay check, the sample, the CPU's peak memory ---------------------------
 
 def replay_mismatch(got: dict, ref: dict, again: dict) -> str:
@@ -4578,19 +4316,16 @@ def replay_mismatch(got: dict, ref: dict, again: dict) -> str:
             return f"{name} differs from the uncaptured step's by {off:.3g} (two uncaptured runs: by {noise:.3g})"
     return ""
 
-
 def sample_after_training(model: GPT, args: Hyperparameters, device: torch.device) -> str:
     """--sample_tokens: a continuation of "ROMEO:\n", as train() prints it."""
     prompt = "ROMEO:\n"
     return (f"sample ({args.sample_tokens} tokens after {prompt!r}):\n"
             + generate(model, prompt, args.sample_tokens, device, seed=args.seed))
 
-
 def cpu_peak_memory() -> str:
     """train()'s last log line on a CPU."""
     import resource
     return f"peak memory (max RSS of rank 0): {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024} MiB"
-
 
 # ---- The FP8 head on a CPU: emulated (tests, host-dispatch counts) ---------------------------------
 
@@ -4603,7 +4338,6 @@ def _fp8_head_loss_cpu(x, w, x_f8, w_f8, targets, mtp_weights, prefix_ids, prefi
     return triton_kernels.softcapped_ce_mtp_e5m2(logits, targets, mtp_weights, prefix_ids, prefix_weight,
                                                  grad_scale, grad_s)
 
-
 # ---- One training step without a Trainer (tests, benchmarks, the GPU check) ----------------------
 
 def train_step(model_fn, opt: NorMuonAdam, batches: list[Batch], plan: StepPlan, mtp: torch.Tensor,
@@ -4612,7 +4346,6 @@ def train_step(model_fn, opt: NorMuonAdam, batches: list[Batch], plan: StepPlan,
     loss, next_token = forward_backward(model_fn, opt, batches, plan, mtp, prefix, grad_scale, device)
     opt.step(plan.do_adam, lr_scale=plan.lr_mult, momentum=plan.momentum)
     return loss, next_token
-
 
 if __name__ == "__main__":
     main()
