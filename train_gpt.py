@@ -1071,30 +1071,6 @@ class ShardExchange:
         self.comm.all_gather(slot.label, full, shard.contiguous()).wait()
         return full[:slot.rows]
 
-class BackwardReductions:
-    """Phase 1 from post-accumulate-grad hooks in the last backward, as modded-nanogpt's DistAdam before record
-    #89 (which launches after it: the same numbers). In `order`, a label launches once its needs[label] hooks
-    (the tied head's: the embedding's too) and every label before it have fired: the same order on every rank."""
-
-    def __init__(self, order, needs: dict[str, tuple[str, ...]], launch):
-        self.order, self.needs, self.launch = list(order), needs, launch
-        self.fired: set[str] = set()
-        self.launched: dict = {}  # label -> the function that waits for its reduction (ShardExchange.scatter)
-
-    def hook(self, label: str):
-        def on_final_grad(_param):
-            self.fired.add(label)
-            self.advance()
-        return on_final_grad
-
-    def advance(self, final: bool = False) -> None:
-        """Launch, in order, every ready label (final: every label left, after the backward)."""
-        while len(self.launched) < len(self.order):
-            label = self.order[len(self.launched)]
-            if not final and not self.fired.issuperset(self.needs[label]):
-                return
-            self.launched[label] = self.launch(label)
-
 # ---- NorMuonAdam: the orchestrator ----------------------------------------------------------
 
 class NorMuonAdam:
@@ -1129,7 +1105,7 @@ class NorMuonAdam:
         self._matrix_lr = {label: self.layout.matrix_lr(label) for label, slot in self.slots.items()
                            if slot.cfg.optimizer == "normuon"}
         self._normuon_fn, self._adam_fn = update_functions(compile)
-        self._on_backward: tuple[bool, dict] | None = None  # (do_adam, reductions) launched from hooks
+        self._on_backward: tuple[bool, dict] | None = None  # (do_adam, reductions): reductions_on_backward
 
     def prepare_sparse(self, label: str, row_ids, launch: bool = False) -> None:
         """Declare all rows (or none: the nonzero ones are sent) that a micro-batch's gradient of a sharded_sparse
@@ -1176,35 +1152,6 @@ class NorMuonAdam:
         slot = self.slots[label]
         return self.exchange.scatter(slot, slot.grad_view())
 
-    @contextlib.contextmanager
-    def reductions_on_backward(self, do_adam: bool):
-        """Around the last micro-batch's backward: launch the step's reductions from gradient hooks
-        (BackwardReductions); the next step(do_adam) waits on them. One rank: nothing to do."""
-        do_adam = bool(do_adam)
-        if self._on_backward is not None:
-            raise ValueError("reductions_on_backward: this step's reductions are already launched; call step() first")
-        if self.world_size == 1:
-            yield
-            return
-        active = self._active(do_adam)
-        head = self.tied[1] if self.tied and do_adam else None
-        needs = {label: (label, self.tied[0]) if label == head else (label,) for label in active}
-        launch = BackwardReductions(active, needs, functools.partial(self._launch_reduction, do_adam=do_adam))
-        handles = []
-        try:
-            for label in dict.fromkeys(n for ns in needs.values() for n in ns):
-                p = self.slots[label].param
-                if p.requires_grad:
-                    handles.append(p.register_post_accumulate_grad_hook(launch.hook(label)))
-                else:  # no gradient will come: ready now
-                    launch.fired.add(label)
-            yield
-        finally:
-            for h in handles:
-                h.remove()
-        launch.advance(final=True)
-        self._on_backward = (do_adam, launch.launched)
-
     def _adam_groups(self, active) -> list[list[str]]:
         """The step's Adam labels in work_order, one update call per group: unsharded first (landed first)."""
         adam = [label for label in self.work_order if label in active and self.slots[label].cfg.optimizer == "adam"]
@@ -1246,14 +1193,9 @@ class NorMuonAdam:
         momentum = self.normuon_momentum if momentum is None else momentum
         active = self._active(do_adam)
         hps = self._hyperparams(active, float(lr_scale), float(momentum))
-        # phase 1: scatter, unless reductions_on_backward launched it during the backward
-        if self._on_backward is not None:
-            launched_adam, reduced = self._on_backward
-            self._on_backward = None
-            if launched_adam != bool(do_adam):
-                raise ValueError(f"NorMuonAdam.step: do_adam={do_adam} but reductions_on_backward launched"
-                                 f" the reductions of a do_adam={launched_adam} step")
-        else:
+        # phase 1: scatter, unless reductions_on_backward (below the fence) launched it during the backward
+        reduced = launched_reductions(self, do_adam)
+        if reduced is None:
             reduced = {label: self._launch_reduction(label, do_adam) for label in active}
         # phase 2: work. Adam in at most two calls (_adam_groups), then the NorMuon banks in work_order.
         gathers = {}
@@ -2163,17 +2105,6 @@ def stage_step(batches: list[Batch]) -> list[Batch]:
     starts = np.cumsum([0, *sizes])
     return [b.stage(joint[a:a + n]) for b, a, n in zip(batches, starts.tolist(), sizes)]
 
-def step_buffer(batches: list[Batch]) -> torch.Tensor:
-    """A step's staged bytes as one host buffer: stage_step's joint buffer itself, else a packed copy."""
-    bufs = [b.staged if b.staged is not None else b.stage().staged for b in batches]
-    first, total = bufs[0], sum(buf.numel() for buf in bufs)
-    at = first.data_ptr()
-    for buf in bufs:
-        if buf.untyped_storage().data_ptr() != first.untyped_storage().data_ptr() or buf.data_ptr() != at:
-            return torch.cat(bufs)
-        at += buf.numel()
-    return first.as_strided((total,), (1,), first.storage_offset())
-
 def _staged_bytes(t: torch.Tensor) -> int:
     return -(-t.numel() * t.element_size() // STAGE_ALIGN) * STAGE_ALIGN
 
@@ -2525,151 +2456,11 @@ def forward_backward(model_fn, opt: NorMuonAdam, batches: list[Batch], plan: Ste
                                            loss_scale=grad_scale, prefix_weight=prefix, masks=masks)
         # The last backward launches each gradient's reduction as soon as that gradient is final.
         last = i == len(batches) - 1
-        with opt.reductions_on_backward(plan.do_adam) if last else contextlib.nullcontext():
+        with reductions_on_backward(opt, plan.do_adam) if last else contextlib.nullcontext():
             micro.backward()
         loss += micro.detach()
         next_token += micro_next_token
     return loss, next_token
-
-def use_cuda_graphs(args: Hyperparameters, device: torch.device) -> bool:
-    """--cuda_graphs takes effect on a CUDA device with --compile true; elsewhere forward_backward runs."""
-    return bool(args.cuda_graphs and args.compile and device.type == "cuda")
-
-def step_graph_key(plan: StepPlan, request: tuple, micro_batches: int) -> tuple:
-    """What a step's captured forward+backward depends on beyond its buffers' values: the windows (numbers
-    in the graph), the loader request's shapes and this rank's micro-batch count. Adam parity and the
-    untie change only the optimizer step, which runs after the replay."""
-    tokens, max_doc_len, _, spec = request
-    return (tuple(plan.windows), tokens, max_doc_len, micro_batches, spec)
-
-@dataclass
-class _StepBuffers:
-    input: torch.Tensor    # the whole step's staged bytes on the device (uint8)
-    batches: list          # each micro-batch's tensors as views of `input`
-    loss: torch.Tensor     # 0-D fp32: the step's summed objective, written by the forward+backward
-    next_token: torch.Tensor  # 0-D fp32: the step's summed next-token loss
-    graph: object = None   # torch.cuda.CUDAGraph of the forward+backward, once captured and checked
-
-class StepGraphs:
-    """forward_backward replayed as one CUDA graph per shape key (step_graph_key), as
-    record #92 captures its steps (one GPU's step is host-bound). Per key, static buffers: the staged
-    micro-batches (one host-to-device copy a step), the losses; every .grad is static too, zeroed in place
-    once the optimizer consumed it. Not captured: the optimizer step (host-built hyperparameters, a
-    data-dependent bigram exchange, NCCL, state replaced by untie and load_state_dict): Trainer.step runs
-    it after the replay, and it launches the reductions itself. capture=False (CPUs) runs the same code without graphs."""
-
-    def __init__(self, model: nn.Module, model_fn, opt: NorMuonAdam, mtp: torch.Tensor, prefix: torch.Tensor,
-                 grad_scale: float, device: torch.device, capture: bool | None = None):
-        self.model, self.model_fn, self.opt = model, model_fn, opt
-        self.mtp, self.prefix, self.grad_scale, self.device = mtp, prefix, grad_scale, device
-        self.capture = device.type == "cuda" if capture is None else capture
-        self.named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-        self.grads = [torch.zeros_like(p) for _, p in self.named]  # the graphs accumulate into these
-        self.buffers: dict[tuple, _StepBuffers] = {}
-        self.pool = None
-        self.failure = ""  # why a capture failed its check (the run then goes on without graphs)
-
-    def captured(self) -> int:
-        return sum(e.graph is not None for e in self.buffers.values())
-
-    def _buffers(self, key: tuple, batches: list[Batch]) -> _StepBuffers:
-        entry = self.buffers.get(key)
-        if entry is None:
-            sizes = [b.staged_bytes() for b in batches]
-            buf = torch.empty(sum(sizes), dtype=torch.uint8, device=self.device)
-            starts = np.cumsum([0, *sizes]).tolist()
-            views = [b.unstage(buf[a:a + n]) for b, a, n in zip(batches, starts, sizes)]
-            entry = self.buffers[key] = _StepBuffers(buf, views, torch.zeros((), device=self.device),
-                                                     torch.zeros((), device=self.device))
-        return entry
-
-    def _bind_grads(self) -> None:
-        """Each .grad its static tensor: zeroed where the optimizer consumed it, loaded where a checkpoint set
-        it (pending Adam gradients)."""
-        fresh = []
-        for (_, p), g in zip(self.named, self.grads):
-            if p.grad is not g:
-                if p.grad is None:
-                    fresh.append(g)
-                else:
-                    g.copy_(p.grad)
-                p.grad = g
-        if fresh:
-            torch._foreach_zero_(fresh)
-
-    def _forward_backward(self, entry: _StepBuffers) -> None:
-        """forward_backward's forward and backward of every micro-batch, on the static buffers."""
-        entry.loss.zero_()
-        entry.next_token.zero_()
-        for b in entry.batches:
-            masks = self.model_fn.batch_masks(b)
-            micro, micro_next_token = self.model_fn(b.inputs, b.targets, b.cu_seqlens, b.bigram_ids, mtp_weights=self.mtp,
-                                                    loss_scale=self.grad_scale, prefix_weight=self.prefix, masks=masks)
-            micro.backward()
-            entry.loss += micro.detach()
-            entry.next_token += micro_next_token
-
-    def _state(self, entry: _StepBuffers) -> dict[str, torch.Tensor]:
-        """What a forward+backward writes: the losses, the gradients, the model's buffers (FP8 scales)."""
-        grads = {f"grad of {n}": g for (n, _), g in zip(self.named, self.grads)}
-        return {"loss": entry.loss, "next-token loss": entry.next_token, **grads, **dict(self.model.named_buffers())}
-
-    def _capture(self, entry: _StepBuffers) -> None:
-        """Capture entry's forward+backward after two uncaptured runs from the same state on a side stream
-        (PyTorch's warm-up), and raise with the reason where a replay differs from them (replay_mismatch)."""
-        state = self._state(entry)
-        before = {k: t.clone() for k, t in state.items()}
-        runs = []
-        side, main = torch.cuda.Stream(self.device), torch.cuda.current_stream(self.device)
-        side.wait_stream(main)
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                for k, t in state.items():
-                    t.copy_(before[k])
-                self._forward_backward(entry)
-                runs.append({k: t.clone() for k, t in state.items()})
-            for k, t in state.items():
-                t.copy_(before[k])
-        main.wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        self.pool = self.pool or torch.cuda.graph_pool_handle()
-        try:
-            # thread_local: the loader's threads may allocate pinned memory meanwhile
-            with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
-                self._forward_backward(entry)
-            graph.replay()
-            why = replay_mismatch(state, *runs)
-        except Exception as e:  # reported; the step runs uncaptured
-            why = f"capture failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-        if why:
-            for k, t in state.items():  # the uncaptured step's result stands
-                t.copy_(runs[0][k])
-            raise RuntimeError(why)
-        entry.graph = graph
-
-    def step(self, batches: list[Batch], plan: StepPlan, key: tuple, capture: bool = False) -> tuple:
-        """forward_backward on the static buffers of `key`: replayed where captured, captured and checked
-        first when `capture` (the untimed warm-up) and the key has no graph yet, run uncaptured otherwise;
-        the optimizer step is the caller's. Returns forward_backward's (summed objective, summed next-token
-        loss) as new 0-D tensors (the static ones: overwritten by the next replay)."""
-        begin_step(self.opt, batches, plan, self.mtp, self.prefix)
-        entry = self._buffers(key, batches)
-        host = step_buffer(batches)
-        if host.numel() != entry.input.numel():
-            raise ValueError(f"StepGraphs: the step's batches take {host.numel()} staged bytes, key {key} was made"
-                             f" for {entry.input.numel()}; the key must fix every micro-batch's shapes")
-        self._bind_grads()
-        entry.input.copy_(host, non_blocking=True)  # the step's one host-to-device copy
-        if entry.graph is not None:
-            entry.graph.replay()
-        elif capture and self.capture and not self.failure:
-            try:
-                self._capture(entry)
-            except RuntimeError as e:
-                self.failure = str(e)
-        else:
-            self._forward_backward(entry)
-        return entry.loss.clone(), entry.next_token.clone()
 
 def compile_counts() -> dict:
     """Graphs torch.compile has made and graph breaks it has met in this process so far."""
@@ -2697,8 +2488,7 @@ class Trainer:
         self.grad_scale = grad_scale_for(args, d.world_size)
         self.mtp = torch.zeros(len(args.stages[0].mtp_start), dtype=torch.float32, device=d.device)
         self.prefix = torch.zeros((), dtype=torch.float32, device=d.device)
-        self.graphs = (StepGraphs(model, self.model_fn, opt, self.mtp, self.prefix, self.grad_scale, d.device)
-                       if use_cuda_graphs(args, d.device) else None)
+        self.graphs = step_graphs(self)  # record #92's CUDA graphs where --cuda_graphs applies (below the fence)
         self.windows = None
         self.batches: list[Batch] = []
 
@@ -2898,7 +2688,7 @@ def main(argv: list[str] | None = None) -> None:
 # part fills (ORTHOGONALIZERS, ATTENTION_MASKS, ATTEND, HEAD_LOSSES, EVALUATION_CE, PRESETS,
 # CONFIG_CHANGES, NORMUON_BETA2_OF, OWNERSHIPS, START_MASKS, and fp8_mlp's CPU kernel) and one-line
 # hand-offs: switch_off_components, the argument and start-up checks, the tokenizer, the checkpoints,
-# the step graphs' replay check. The sliced Adam update and the CPU dtype choice
+# the step graphs (record #92's CUDA graphs). The sliced Adam update and the CPU dtype choice
 # serve CPU runs only (a GPU trains in bf16, its Adam compiled); balanced ownership replaces the
 # record's padding; SimulatedComm runs one rank of a larger world in one process (the per-rank
 # timing); QK-Clip is an optional step of the optimizer; tensor-parallel NorMuon splits one matrix over
@@ -4296,7 +4086,230 @@ class RunCheckpoints(StopOnSignal):
             raise SystemExit(128 + stopping)
         return seconds
 
-# ---- The step graphs' replay check, the sample, the CPU's peak memory ---------------------------
+# ---- Reductions launched from gradient hooks (record #89 launches them after the backward) ----
+
+class BackwardReductions:
+    """Phase 1 from post-accumulate-grad hooks in the last backward, as modded-nanogpt's DistAdam before record
+    #89 (which launches after it: the same numbers). In `order`, a label launches once its needs[label] hooks
+    (the tied head's: the embedding's too) and every label before it have fired: the same order on every rank."""
+
+    def __init__(self, order, needs: dict[str, tuple[str, ...]], launch):
+        self.order, self.needs, self.launch = list(order), needs, launch
+        self.fired: set[str] = set()
+        self.launched: dict = {}  # label -> the function that waits for its reduction (ShardExchange.scatter)
+
+    def hook(self, label: str):
+        def on_final_grad(_param):
+            self.fired.add(label)
+            self.advance()
+        return on_final_grad
+
+    def advance(self, final: bool = False) -> None:
+        """Launch, in order, every ready label (final: every label left, after the backward)."""
+        while len(self.launched) < len(self.order):
+            label = self.order[len(self.launched)]
+            if not final and not self.fired.issuperset(self.needs[label]):
+                return
+            self.launched[label] = self.launch(label)
+
+@contextlib.contextmanager
+def reductions_on_backward(opt: NorMuonAdam, do_adam: bool):
+    """Around the last micro-batch's backward: launch opt's reductions of the step from gradient hooks
+    (BackwardReductions); the next opt.step(do_adam) takes them (launched_reductions). One rank: nothing."""
+    do_adam = bool(do_adam)
+    if opt._on_backward is not None:
+        raise ValueError("reductions_on_backward: this step's reductions are already launched; call step() first")
+    if opt.world_size == 1:
+        yield
+        return
+    active = opt._active(do_adam)
+    head = opt.tied[1] if opt.tied and do_adam else None
+    needs = {label: (label, opt.tied[0]) if label == head else (label,) for label in active}
+    launch = BackwardReductions(active, needs, functools.partial(opt._launch_reduction, do_adam=do_adam))
+    handles = []
+    try:
+        for label in dict.fromkeys(n for ns in needs.values() for n in ns):
+            p = opt.slots[label].param
+            if p.requires_grad:
+                handles.append(p.register_post_accumulate_grad_hook(launch.hook(label)))
+            else:  # no gradient will come: ready now
+                launch.fired.add(label)
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+    launch.advance(final=True)
+    opt._on_backward = (do_adam, launch.launched)
+
+def launched_reductions(opt: NorMuonAdam, do_adam: bool) -> dict | None:
+    """The reductions reductions_on_backward launched for opt's next step (taken: launched once), else None."""
+    if opt._on_backward is None:
+        return None
+    (launched_adam, reduced), opt._on_backward = opt._on_backward, None
+    if launched_adam != bool(do_adam):
+        raise ValueError(f"NorMuonAdam.step: do_adam={do_adam} but reductions_on_backward launched"
+                         f" the reductions of a do_adam={launched_adam} step")
+    return reduced
+
+# ---- CUDA graphs (record #92): the forward+backward of each step shape replayed (--cuda_graphs) ----
+
+def use_cuda_graphs(args: Hyperparameters, device: torch.device) -> bool:
+    """--cuda_graphs takes effect on a CUDA device with --compile true; elsewhere forward_backward runs."""
+    return bool(args.cuda_graphs and args.compile and device.type == "cuda")
+
+def step_graphs(trainer: Trainer) -> StepGraphs | None:
+    """The Trainer's StepGraphs where use_cuda_graphs, else None (Trainer.step runs forward_backward)."""
+    t = trainer
+    if not use_cuda_graphs(t.args, t.d.device):
+        return None
+    return StepGraphs(t.model, t.model_fn, t.opt, t.mtp, t.prefix, t.grad_scale, t.d.device)
+
+def step_graph_key(plan: StepPlan, request: tuple, micro_batches: int) -> tuple:
+    """What a step's captured forward+backward depends on beyond its buffers' values: the windows (numbers
+    in the graph), the loader request's shapes and this rank's micro-batch count. Adam parity and the
+    untie change only the optimizer step, which runs after the replay."""
+    tokens, max_doc_len, _, spec = request
+    return (tuple(plan.windows), tokens, max_doc_len, micro_batches, spec)
+
+@dataclass
+class _StepBuffers:
+    input: torch.Tensor    # the whole step's staged bytes on the device (uint8)
+    batches: list          # each micro-batch's tensors as views of `input`
+    loss: torch.Tensor     # 0-D fp32: the step's summed objective, written by the forward+backward
+    next_token: torch.Tensor  # 0-D fp32: the step's summed next-token loss
+    graph: object = None   # torch.cuda.CUDAGraph of the forward+backward, once captured and checked
+
+class StepGraphs:
+    """forward_backward replayed as one CUDA graph per shape key (step_graph_key), as
+    record #92 captures its steps (one GPU's step is host-bound). Per key, static buffers: the staged
+    micro-batches (one host-to-device copy a step), the losses; every .grad is static too, zeroed in place
+    once the optimizer consumed it. Not captured: the optimizer step (host-built hyperparameters, a
+    data-dependent bigram exchange, NCCL, state replaced by untie and load_state_dict): Trainer.step runs
+    it after the replay, and it launches the reductions itself. capture=False (CPUs) runs the same code without graphs."""
+
+    def __init__(self, model: nn.Module, model_fn, opt: NorMuonAdam, mtp: torch.Tensor, prefix: torch.Tensor,
+                 grad_scale: float, device: torch.device, capture: bool | None = None):
+        self.model, self.model_fn, self.opt = model, model_fn, opt
+        self.mtp, self.prefix, self.grad_scale, self.device = mtp, prefix, grad_scale, device
+        self.capture = device.type == "cuda" if capture is None else capture
+        self.named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        self.grads = [torch.zeros_like(p) for _, p in self.named]  # the graphs accumulate into these
+        self.buffers: dict[tuple, _StepBuffers] = {}
+        self.pool = None
+        self.failure = ""  # why a capture failed its check (the run then goes on without graphs)
+
+    def captured(self) -> int:
+        return sum(e.graph is not None for e in self.buffers.values())
+
+    def _buffers(self, key: tuple, batches: list[Batch]) -> _StepBuffers:
+        entry = self.buffers.get(key)
+        if entry is None:
+            sizes = [b.staged_bytes() for b in batches]
+            buf = torch.empty(sum(sizes), dtype=torch.uint8, device=self.device)
+            starts = np.cumsum([0, *sizes]).tolist()
+            views = [b.unstage(buf[a:a + n]) for b, a, n in zip(batches, starts, sizes)]
+            entry = self.buffers[key] = _StepBuffers(buf, views, torch.zeros((), device=self.device),
+                                                     torch.zeros((), device=self.device))
+        return entry
+
+    def _bind_grads(self) -> None:
+        """Each .grad its static tensor: zeroed where the optimizer consumed it, loaded where a checkpoint set
+        it (pending Adam gradients)."""
+        fresh = []
+        for (_, p), g in zip(self.named, self.grads):
+            if p.grad is not g:
+                if p.grad is None:
+                    fresh.append(g)
+                else:
+                    g.copy_(p.grad)
+                p.grad = g
+        if fresh:
+            torch._foreach_zero_(fresh)
+
+    def _forward_backward(self, entry: _StepBuffers) -> None:
+        """forward_backward's forward and backward of every micro-batch, on the static buffers."""
+        entry.loss.zero_()
+        entry.next_token.zero_()
+        for b in entry.batches:
+            masks = self.model_fn.batch_masks(b)
+            micro, micro_next_token = self.model_fn(b.inputs, b.targets, b.cu_seqlens, b.bigram_ids, mtp_weights=self.mtp,
+                                                    loss_scale=self.grad_scale, prefix_weight=self.prefix, masks=masks)
+            micro.backward()
+            entry.loss += micro.detach()
+            entry.next_token += micro_next_token
+
+    def _state(self, entry: _StepBuffers) -> dict[str, torch.Tensor]:
+        """What a forward+backward writes: the losses, the gradients, the model's buffers (FP8 scales)."""
+        grads = {f"grad of {n}": g for (n, _), g in zip(self.named, self.grads)}
+        return {"loss": entry.loss, "next-token loss": entry.next_token, **grads, **dict(self.model.named_buffers())}
+
+    def _capture(self, entry: _StepBuffers) -> None:
+        """Capture entry's forward+backward after two uncaptured runs from the same state on a side stream
+        (PyTorch's warm-up), and raise with the reason where a replay differs from them (replay_mismatch)."""
+        state = self._state(entry)
+        before = {k: t.clone() for k, t in state.items()}
+        runs = []
+        side, main = torch.cuda.Stream(self.device), torch.cuda.current_stream(self.device)
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                for k, t in state.items():
+                    t.copy_(before[k])
+                self._forward_backward(entry)
+                runs.append({k: t.clone() for k, t in state.items()})
+            for k, t in state.items():
+                t.copy_(before[k])
+        main.wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        self.pool = self.pool or torch.cuda.graph_pool_handle()
+        try:
+            # thread_local: the loader's threads may allocate pinned memory meanwhile
+            with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+                self._forward_backward(entry)
+            graph.replay()
+            why = replay_mismatch(state, *runs)
+        except Exception as e:  # reported; the step runs uncaptured
+            why = f"capture failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        if why:
+            for k, t in state.items():  # the uncaptured step's result stands
+                t.copy_(runs[0][k])
+            raise RuntimeError(why)
+        entry.graph = graph
+
+    def step(self, batches: list[Batch], plan: StepPlan, key: tuple, capture: bool = False) -> tuple:
+        """forward_backward on the static buffers of `key`: replayed where captured, captured and checked
+        first when `capture` (the untimed warm-up) and the key has no graph yet, run uncaptured otherwise;
+        the optimizer step is the caller's. Returns forward_backward's (summed objective, summed next-token
+        loss) as new 0-D tensors (the static ones: overwritten by the next replay)."""
+        begin_step(self.opt, batches, plan, self.mtp, self.prefix)
+        entry = self._buffers(key, batches)
+        host = step_buffer(batches)
+        if host.numel() != entry.input.numel():
+            raise ValueError(f"StepGraphs: the step's batches take {host.numel()} staged bytes, key {key} was made"
+                             f" for {entry.input.numel()}; the key must fix every micro-batch's shapes")
+        self._bind_grads()
+        entry.input.copy_(host, non_blocking=True)  # the step's one host-to-device copy
+        if entry.graph is not None:
+            entry.graph.replay()
+        elif capture and self.capture and not self.failure:
+            try:
+                self._capture(entry)
+            except RuntimeError as e:
+                self.failure = str(e)
+        else:
+            self._forward_backward(entry)
+        return entry.loss.clone(), entry.next_token.clone()
+
+def step_buffer(batches: list[Batch]) -> torch.Tensor:
+    """A step's staged bytes as one host buffer: stage_step's joint buffer itself, else a packed copy."""
+    bufs = [b.staged if b.staged is not None else b.stage().staged for b in batches]
+    first, total = bufs[0], sum(buf.numel() for buf in bufs)
+    at = first.data_ptr()
+    for buf in bufs:
+        if buf.untyped_storage().data_ptr() != first.untyped_storage().data_ptr() or buf.data_ptr() != at:
+            return torch.cat(bufs)
+        at += buf.numel()
+    return first.as_strided((total,), (1,), first.storage_offset())
 
 def replay_mismatch(got: dict, ref: dict, again: dict) -> str:
     """'' when a replay's results `got` are the uncaptured step's `ref`: bit-identical wherever two uncaptured
@@ -4315,6 +4328,8 @@ def replay_mismatch(got: dict, ref: dict, again: dict) -> str:
         if not noise or not off <= 4 * noise:
             return f"{name} differs from the uncaptured step's by {off:.3g} (two uncaptured runs: by {noise:.3g})"
     return ""
+
+# ---- The sample, the CPU's peak memory ------------------------------------------------------
 
 def sample_after_training(model: GPT, args: Hyperparameters, device: torch.device) -> str:
     """--sample_tokens: a continuation of "ROMEO:\n", as train() prints it."""

@@ -858,7 +858,7 @@ class LaunchLog:
 
 def drive_backward(opt, params, grads_of_step, sparse_rows_of_step=None, hooked=True, log=None):
     """drive() with autograd: every step's gradients arrive as two micro-batches' backward passes of
-    half the gradient each; hooked: the last one under opt.reductions_on_backward, as train_step runs it."""
+    half the gradient each; hooked: the last one under T.reductions_on_backward, as train_step runs it."""
     for step in range(NUM_STEPS):
         do_adam = step % 2 == 1
         if sparse_rows_of_step is not None:
@@ -868,7 +868,7 @@ def drive_backward(opt, params, grads_of_step, sparse_rows_of_step=None, hooked=
         grads = grads_of_step(step)
         backward_loss(params, grads, 0.5).backward()
         log.events.append(("last backward", step))
-        with opt.reductions_on_backward(do_adam) if hooked else contextlib.nullcontext():
+        with T.reductions_on_backward(opt, do_adam) if hooked else contextlib.nullcontext():
             backward_loss(params, grads, 0.5).backward()
         log.events.append(("step", step))
         opt.step(do_adam=do_adam, lr_scale=1.0 - 0.05 * step, momentum=0.85 + 0.02 * step)
@@ -987,7 +987,7 @@ def firing_order_worker(rank, world_size):
     log = LaunchLog(opt, params)
     grads = step_grads(1, world_size)[1][rank]
     final_order = SCATTER_ORDER if rank == 0 else SCATTER_ORDER[::-1]
-    with opt.reductions_on_backward(True):
+    with T.reductions_on_backward(opt, True):
         backward_loss(params, grads, 1.0, final_order).backward()
     opt.step(do_adam=True)
     return [e for e in log.events if e[0] != "grad"], {k: p.data.clone() for k, p in params.items()}
@@ -1018,10 +1018,10 @@ def misuse_worker(rank, world_size):
     opt = build(params)
     grads = step_grads(1, world_size)[1][rank]
     errors = []
-    with opt.reductions_on_backward(True):
+    with T.reductions_on_backward(opt, True):
         backward_loss(params, grads, 1.0).backward()
     try:
-        with opt.reductions_on_backward(True):
+        with T.reductions_on_backward(opt, True):
             pass
     except ValueError as e:
         errors.append(str(e))
