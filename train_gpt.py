@@ -332,35 +332,6 @@ def _quantize_fp8(t: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Te
     torch.div(t, scale, out=buf)
     return buf.to(dtype)
 
-def check_scaled_mm_args(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor) -> None:
-    """Raise ValueError unless the operands suit cuBLAS's tensor-wise FP8 GEMM, on every device (a CPU
-    accepts layouts cuBLAS rejects): 2-D float8, not both e5m2; a (M, K) row-major, b (K, N) column-major;
-    M, K, N multiples of 16; each scale one fp32 value at a 16-byte aligned address."""
-    if a.dim() != 2 or b.dim() != 2:
-        raise ValueError(f"fp8 matmul: operands must be 2-D, got {tuple(a.shape)} and {tuple(b.shape)}")
-    if a.dtype not in _FP8_DTYPES or b.dtype not in _FP8_DTYPES:
-        raise ValueError(f"fp8 matmul: operands must be float8_e4m3fn/float8_e5m2, got {a.dtype} and {b.dtype}")
-    if a.dtype == torch.float8_e5m2 and b.dtype == torch.float8_e5m2:
-        raise ValueError("fp8 matmul: cuBLAS has no e5m2 x e5m2 GEMM; make one operand float8_e4m3fn")
-    (M, K), (K2, N) = a.shape, b.shape
-    if K != K2:
-        raise ValueError(f"fp8 matmul: inner dimensions differ: a is {tuple(a.shape)}, b is {tuple(b.shape)}")
-    if M % 16 or K % 16 or N % 16:
-        raise ValueError(f"fp8 matmul: M, K, N must be multiples of 16, got M={M} K={K} N={N};"
-                         " pad the token count / dims to a multiple of 16")
-    if a.stride(1) != 1 or a.stride(0) < K:
-        raise ValueError(f"fp8 matmul: first operand must be row-major, got strides {a.stride()}; use .contiguous()")
-    if b.stride(0) != 1 or b.stride(1) < K:
-        raise ValueError(f"fp8 matmul: second operand must be column-major, got strides {b.stride()};"
-                         " use .T.contiguous().T")
-    for name, s in (("scale_a", scale_a), ("scale_b", scale_b)):
-        if s.dtype != torch.float32 or s.numel() != 1:
-            raise ValueError(f"fp8 matmul: {name} must be a single float32 value, got {s.dtype} with {s.numel()} elements")
-        if s.data_ptr() % SCALE_ALIGN_BYTES:
-            raise ValueError(f"fp8 matmul: {name} sits at byte offset {s.storage_offset() * s.element_size()} of its storage,"
-                             f" not {SCALE_ALIGN_BYTES}-byte aligned (cuBLASLt rejects it with CUBLAS_STATUS_NOT_SUPPORTED);"
-                             " keep every scale in its own 16-byte slot (FP8MLPState) or pass a fresh tensor")
-
 def _native_fp8(device: torch.device) -> bool:
     """FP8 tensor cores exist from compute capability 8.9 (Ada, Hopper) on."""
     return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
@@ -410,14 +381,6 @@ def fp8_head_weight(w: torch.Tensor) -> torch.Tensor:
     """The LM head w (D, V) / FP8_HEAD_W_SCALE in e4m3, returned as its transpose (V, D) row-major, so
     that .T is the column-major (D, V) operand cuBLAS wants."""
     return _quantize_fp8(w.T, FP8_HEAD_W_SCALE, torch.float8_e4m3fn)
-
-def _check_fp8_head_args(x: torch.Tensor, w: torch.Tensor, x_f8: torch.Tensor, w_f8: torch.Tensor, grad_s) -> None:
-    if not (math.isfinite(grad_s) and grad_s > 0):  # the kernel stores the gradient times 1 / grad_s
-        raise ValueError(f"fp8_head_loss: grad_s must be a finite number > 0, got {grad_s}")
-    for name, t, ref in (("x_f8", x_f8, x), ("w_f8", w_f8, w)):
-        if t.dtype != torch.float8_e4m3fn or t.shape != ref.shape:
-            raise ValueError(f"fp8_head_loss: {name} must be float8_e4m3fn of shape {tuple(ref.shape)},"
-                             f" got {t.dtype} {tuple(t.shape)}")
 
 @torch.library.custom_op("speedrun::fp8_head_loss", mutates_args=())
 def fp8_head_loss(x: torch.Tensor, w: torch.Tensor, x_f8: torch.Tensor, w_f8: torch.Tensor, targets: torch.Tensor,
@@ -527,12 +490,7 @@ class FP8MLPState(nn.Module):
     def mlp(self, layer: int, x: torch.Tensor, w_up, w_down) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer `layer`'s MLP on x (T, D) bf16 with its mlp_bank entries w_up, w_down (H, D): (y, maxima
         of post). x's amax and cast are plain torch, fused by the compiled graph into the norm before."""
-        H, D = self.up_f8.shape[1:]
-        dtypes = {x.dtype, w_up.dtype, w_down.dtype}
-        if x.shape[1:] != (D,) or {w_up.shape, w_down.shape} != {(H, D)} or dtypes != {torch.bfloat16}:
-            raise ValueError(f"FP8MLPState.mlp: x must be (T, {D}), w_up and w_down ({H}, {D}), all bf16; got x "
-                             f"{tuple(x.shape)} {x.dtype}, w_up {tuple(w_up.shape)} {w_up.dtype}, "
-                             f"w_down {tuple(w_down.shape)} {w_down.dtype}")
+        _check_fp8_mlp_args(self, x, w_up, w_down)
         xd = x.detach()  # x's gradient comes through the op's x argument (the bf16 backward)
         amax_x = xd.abs().amax().float()  # current scaling of the up-projection's input (record #89)
         x_f8 = (xd.float() * (E4M3_MAX / amax_x)).to(torch.float8_e4m3fn)
@@ -543,8 +501,7 @@ class FP8MLPState(nn.Module):
 
     def update_act_scales(self, post_maxima: list[torch.Tensor]) -> None:
         """Every layer's next act scale from mlp()'s maxima of post, in one write after the last MLP (PR #342)."""
-        if len(post_maxima) != (L := self.act_scale.shape[0]):
-            raise ValueError(f"FP8MLPState.update_act_scales: post_maxima must hold {L} layers' maxima, got {len(post_maxima)}")
+        _check_post_maxima(self, post_maxima)
         amax = torch.stack(post_maxima).amax(dim=1)
         self.act_scale[:, 0] = amax.clamp_min(FP8_SCALE_FLOOR) * (FP8_ACT_HEADROOM / E4M3_MAX)
 
@@ -552,9 +509,8 @@ class FP8MLPState(nn.Module):
     def quantize(self, mlp_bank: torch.Tensor, bootstrap: bool) -> None:
         """The e4m3 copies from mlp_bank ([2i] = W1, [2i+1] = W2, (H, D)); W2 by its current amax / 448
         when bootstrap (steps < FP8_BOOTSTRAP_STEPS), else by the headroom scale the last call took."""
-        L, H, D = self.up_f8.shape
-        if mlp_bank.dim() != 3 or mlp_bank.shape[0] < 2 * L or tuple(mlp_bank.shape[1:]) != (H, D):
-            raise ValueError(f"FP8MLPState.quantize: mlp_bank must be (>= {2 * L}, {H}, {D}), got {tuple(mlp_bank.shape)}")
+        _check_mlp_bank(self, mlp_bank)
+        L = self.up_f8.shape[0]
         w_up, w_down = mlp_bank[0: 2 * L: 2], mlp_bank[1: 2 * L: 2]
         s1 = w_up.abs().amax(dim=(1, 2)).clamp_min(FP8_SCALE_FLOOR) / E4M3_MAX  # in the bank's dtype, as the record
         self.up_f8.copy_((w_up / s1[:, None, None]).to(torch.float8_e4m3fn))
@@ -970,9 +926,7 @@ class ShardExchange:
         """Record rows of a sharded_sparse table; launch=True also starts its exchange (a collective)."""
         if self.world_size == 1:
             return
-        if slot.label in self.plans:
-            raise ValueError(f"prepare_sparse: the row exchange of {slot.label!r} was already launched for this step;"
-                             " declare every row before launch=True")
+        _check_sparse_declaration(self, slot)
         ids = torch.as_tensor(row_ids).reshape(-1).to(device="cpu", dtype=torch.int64)
         self.declared.setdefault(slot.label, []).append(ids)
         if launch:
@@ -985,9 +939,7 @@ class ShardExchange:
         pending = self.declared.pop(slot.label, None)
         if pending:
             rows = torch.unique(torch.cat(pending))
-            if rows.numel() and (rows[0] < 0 or rows[-1] >= slot.rows):
-                raise ValueError(f"prepare_sparse: row ids of {slot.label!r} must be in [0, {slot.rows});"
-                                 f" got {int(rows[0])}..{int(rows[-1])}")
+            _check_sparse_rows(slot, rows)
         else:  # nothing declared: send the rows where this rank's gradient is nonzero
             rows = (grad != 0).flatten(1).any(dim=1).nonzero().view(-1).cpu()
         send_counts = torch.bincount(rows // k, minlength=W)
@@ -1110,10 +1062,8 @@ class NorMuonAdam:
     def prepare_sparse(self, label: str, row_ids, launch: bool = False) -> None:
         """Declare all rows (or none: the nonzero ones are sent) that a micro-batch's gradient of a sharded_sparse
         table touches. launch=True starts the exchange before the backward: a collective every rank calls."""
-        slot = self.slots.get(label)
-        if slot is None or slot.cfg.comms != "sharded_sparse":
-            raise ValueError(f"prepare_sparse: {label!r} is not a parameter with comms='sharded_sparse'")
-        self.exchange.declare_rows(slot, row_ids, launch)
+        _check_sparse_label(self, label)
+        self.exchange.declare_rows(self.slots[label], row_ids, launch)
 
     def _hyperparams(self, labels, lr_scale: float, momentum: float) -> dict[str, torch.Tensor]:
         rows = []
@@ -1187,9 +1137,7 @@ class NorMuonAdam:
         place) before they are gathered, e.g. qk_clip_hooks.
         """
         after_update = dict(after_update or {})
-        for label in after_update:
-            if label not in self.slots or self.slots[label].cfg.optimizer != "normuon":
-                raise ValueError(f"NorMuonAdam.step: after_update[{label!r}] needs a normuon label")
+        _check_after_update(self, after_update)
         momentum = self.normuon_momentum if momentum is None else momentum
         active = self._active(do_adam)
         hps = self._hyperparams(active, float(lr_scale), float(momentum))
@@ -1228,10 +1176,7 @@ class NorMuonAdam:
     @torch.no_grad()
     def untie(self) -> None:
         """Give the embedding its own Adam state: the head's, transposed and resharded (a collective)."""
-        if self.tied is None:
-            raise ValueError("NorMuonAdam.untie(): embedding and head are not tied")
-        if self._on_backward is not None:
-            raise ValueError("NorMuonAdam.untie(): reductions launched by reductions_on_backward are pending; call step() first")
+        _check_untie(self)
         e_label, h_label = self.tied
         e, h = self.slots[e_label], self.slots[h_label]
         self.state[e_label] = {name: self.layout.shard_of(e_label, self.exchange.full_tensor(h, shard)
@@ -1368,11 +1313,7 @@ def block_mask_indices(doc_ids: torch.Tensor, window, pos_div: int = 1,
     block pair in the causal window's band is empty, full or partial by its slot ranges and document ids
     (non-decreasing). window: a Python int or CPU 0-d tensor. The loader builds it on the host."""
     n = doc_ids.numel() * pos_div
-    if n % block_size:
-        raise ValueError(f"attention: sequence of {n} slots is not a multiple of the {block_size}-token"
-                         " attention block; make the tokens per rank a multiple of 128")
-    if isinstance(window, torch.Tensor) and window.device.type != "cpu":
-        raise ValueError("block_mask_indices: pass the window as a Python int (reading a device tensor waits for the GPU)")
+    _check_block_mask_args(n, block_size, window)
     nb, span, dev = n // block_size, int(window), doc_ids.device
     band = min(nb, (span + block_size - 1) // block_size + 2)
     first = torch.arange(nb, device=dev) * block_size
@@ -1450,12 +1391,7 @@ START_MASKS = {}
 
 def attention_mask(doc_ids: torch.Tensor, window: torch.Tensor, span: int, pos_div: int, kernel: str):
     """One layer kind's mask for the attention kernel that will run (ATTENTION_MASKS)."""
-    if kernel in START_MASKS:
-        raise ValueError(f"attention: {kernel} attention takes document starts, not ids:"
-                         " GPT.attention_masks builds it")
-    if kernel not in ATTENTION_MASKS:
-        raise ValueError(f"attention: kernel={kernel!r}; choose one of"
-                         f" {', '.join([*START_MASKS, *ATTENTION_MASKS])}")
+    _check_mask_kernel(kernel)
     return ATTENTION_MASKS[kernel](doc_ids, window, span, pos_div)
 
 @functools.lru_cache(maxsize=None)
@@ -1686,9 +1622,7 @@ class GPT(nn.Module):
     def set_windows(self, short_blocks: int, long_blocks: int, yarn_blocks: int | None = None) -> None:
         """Set the sliding windows (in window_block_size blocks) and the YaRN state of the long window
         yarn_blocks (default long_blocks; the final validation widens the window without a YaRN step)."""
-        for name, v in (("short", short_blocks), ("long", long_blocks), ("yarn", yarn_blocks)):
-            if v is not None and (not isinstance(v, (int, np.integer)) or v < 1):
-                raise ValueError(f"set_windows: {name} window must be a block count >= 1, got {v!r}")
+        _check_window_blocks(short=short_blocks, long=long_blocks, yarn=yarn_blocks)
         bs = self.args.window_block_size
         self.window_tokens = (int(short_blocks) * bs, int(long_blocks) * bs)  # as Python ints (mask shapes)
         copy_from_host_(self.windows, torch.tensor(self.window_tokens, dtype=torch.int32))
@@ -1753,9 +1687,7 @@ class GPT(nn.Module):
         mask tensors only as graph inputs ("convert FlexibleLayout to FixedLayout first", PyTorch issue 139836)."""
         kinds = attention_kinds(self.layers)
         kernels = attention_kernels(self.args, cu_seqlens.device) if kernel is None else dict.fromkeys(kinds, kernel)
-        if "flex" in kernels.values() and torch.compiler.is_compiling():
-            raise RuntimeError("attention_masks: build the flex masks outside the compiled model and pass"
-                               " forward(masks=model.attention_masks(cu_seqlens, T))")
+        _check_flex_outside_compile(kernels)
         doc_ids, indices = prebuilt or (None, {})
         masks = {}
         for (long, r), k in kernels.items():
@@ -1772,14 +1704,8 @@ class GPT(nn.Module):
 
     def batch_masks(self, batch: "Batch") -> dict:
         """attention_masks for one micro-batch, with the block masks the loader built on the host."""
-        prebuilt = None
-        if batch.block_masks is not None:
-            block_size, kinds = batch.mask_spec
-            if block_size != FLEX_BLOCK_SIZE or any(window != self.window_tokens[int(long)] for long, _, window in kinds):
-                raise ValueError(f"batch_masks: the batch's masks were built for (long?, slots per token, window) {kinds},"
-                                 f" the model attends at windows {self.window_tokens}; build batches with"
-                                 " flex_mask_spec(args, the step's windows) after set_windows")
-            prebuilt = (batch.doc_ids, batch.block_masks)
+        _check_batch_masks(self, batch)
+        prebuilt = None if batch.block_masks is None else (batch.doc_ids, batch.block_masks)
         return self.attention_masks(batch.cu_seqlens, batch.inputs.numel(), max_doc_len=batch.max_doc_len,
                                     prebuilt=prebuilt)
 
@@ -1974,31 +1900,8 @@ SHARD_MAGIC, SHARD_VERSION, SHARD_HEADER_INTS = 20240520, 1, 256
 SHARD_HEADER_BYTES = SHARD_HEADER_INTS * 4
 BOS_ID = 50256  # <|endoftext|> starts every document
 
-class ShardError(ValueError):
-    """A shard file that is not what the format promises; the message names the file."""
-
-def read_shard_header(path: str) -> int:
-    """Validate a shard's header against its size; return its token count."""
-    try:
-        size = os.path.getsize(path)
-    except OSError as e:
-        raise ShardError(f"{path}: cannot read shard ({e.strerror})") from None
-    if size < SHARD_HEADER_BYTES:
-        what = "empty file" if size == 0 else f"{size} bytes, shorter than the {SHARD_HEADER_BYTES}-byte header"
-        raise ShardError(f"{path}: not a token shard ({what}); re-create or re-download it")
-    magic, version, num_tokens = np.fromfile(path, dtype="<i4", count=3).tolist()
-    if magic != SHARD_MAGIC:
-        raise ShardError(f"{path}: bad magic {magic} (expected {SHARD_MAGIC}); not a token shard")
-    if version != SHARD_VERSION:
-        raise ShardError(f"{path}: unsupported shard version {version} (expected {SHARD_VERSION})")
-    if num_tokens <= 0 or size != SHARD_HEADER_BYTES + 2 * num_tokens:
-        need = SHARD_HEADER_BYTES + 2 * max(num_tokens, 0)
-        raise ShardError(f"{path}: header says {num_tokens} tokens ({need} bytes) but the file has {size} bytes;"
-                         " truncated or corrupt, re-create or re-download it")
-    return num_tokens
-
 def read_shard(path: str) -> torch.Tensor:
-    """A whole shard as a uint16 tensor (validated first)."""
+    """A whole shard as a uint16 tensor (read_shard_header validates it first, below the fence)."""
     data = np.fromfile(path, dtype="<u2", count=read_shard_header(path), offset=SHARD_HEADER_BYTES)
     return torch.from_numpy(data.astype(np.uint16, copy=False))
 
@@ -3907,6 +3810,147 @@ def check_batch_split(args: Hyperparameters, world_size: int) -> int:
                              f"{world_size} ranks x {accum} accumulation steps; use a world size that divides "
                              f"{args.micro_batches} or batch sizes divisible by {slots}")
     return accum
+
+# ---- Argument checks of the functions above (one-line errors for bad input) ---------------------
+
+def check_scaled_mm_args(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor) -> None:
+    """Raise ValueError unless the operands suit cuBLAS's tensor-wise FP8 GEMM, on every device (a CPU
+    accepts layouts cuBLAS rejects): 2-D float8, not both e5m2; a (M, K) row-major, b (K, N) column-major;
+    M, K, N multiples of 16; each scale one fp32 value at a 16-byte aligned address."""
+    if a.dim() != 2 or b.dim() != 2:
+        raise ValueError(f"fp8 matmul: operands must be 2-D, got {tuple(a.shape)} and {tuple(b.shape)}")
+    if a.dtype not in _FP8_DTYPES or b.dtype not in _FP8_DTYPES:
+        raise ValueError(f"fp8 matmul: operands must be float8_e4m3fn/float8_e5m2, got {a.dtype} and {b.dtype}")
+    if a.dtype == torch.float8_e5m2 and b.dtype == torch.float8_e5m2:
+        raise ValueError("fp8 matmul: cuBLAS has no e5m2 x e5m2 GEMM; make one operand float8_e4m3fn")
+    (M, K), (K2, N) = a.shape, b.shape
+    if K != K2:
+        raise ValueError(f"fp8 matmul: inner dimensions differ: a is {tuple(a.shape)}, b is {tuple(b.shape)}")
+    if M % 16 or K % 16 or N % 16:
+        raise ValueError(f"fp8 matmul: M, K, N must be multiples of 16, got M={M} K={K} N={N};"
+                         " pad the token count / dims to a multiple of 16")
+    if a.stride(1) != 1 or a.stride(0) < K:
+        raise ValueError(f"fp8 matmul: first operand must be row-major, got strides {a.stride()}; use .contiguous()")
+    if b.stride(0) != 1 or b.stride(1) < K:
+        raise ValueError(f"fp8 matmul: second operand must be column-major, got strides {b.stride()};"
+                         " use .T.contiguous().T")
+    for name, s in (("scale_a", scale_a), ("scale_b", scale_b)):
+        if s.dtype != torch.float32 or s.numel() != 1:
+            raise ValueError(f"fp8 matmul: {name} must be a single float32 value, got {s.dtype} with {s.numel()} elements")
+        if s.data_ptr() % SCALE_ALIGN_BYTES:
+            raise ValueError(f"fp8 matmul: {name} sits at byte offset {s.storage_offset() * s.element_size()} of its storage,"
+                             f" not {SCALE_ALIGN_BYTES}-byte aligned (cuBLASLt rejects it with CUBLAS_STATUS_NOT_SUPPORTED);"
+                             " keep every scale in its own 16-byte slot (FP8MLPState) or pass a fresh tensor")
+
+def _check_fp8_head_args(x: torch.Tensor, w: torch.Tensor, x_f8: torch.Tensor, w_f8: torch.Tensor, grad_s) -> None:
+    if not (math.isfinite(grad_s) and grad_s > 0):  # the kernel stores the gradient times 1 / grad_s
+        raise ValueError(f"fp8_head_loss: grad_s must be a finite number > 0, got {grad_s}")
+    for name, t, ref in (("x_f8", x_f8, x), ("w_f8", w_f8, w)):
+        if t.dtype != torch.float8_e4m3fn or t.shape != ref.shape:
+            raise ValueError(f"fp8_head_loss: {name} must be float8_e4m3fn of shape {tuple(ref.shape)},"
+                             f" got {t.dtype} {tuple(t.shape)}")
+
+def _check_fp8_mlp_args(state: FP8MLPState, x: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor) -> None:
+    H, D = state.up_f8.shape[1:]
+    dtypes = {x.dtype, w_up.dtype, w_down.dtype}
+    if x.shape[1:] != (D,) or {w_up.shape, w_down.shape} != {(H, D)} or dtypes != {torch.bfloat16}:
+        raise ValueError(f"FP8MLPState.mlp: x must be (T, {D}), w_up and w_down ({H}, {D}), all bf16; got x "
+                         f"{tuple(x.shape)} {x.dtype}, w_up {tuple(w_up.shape)} {w_up.dtype}, "
+                         f"w_down {tuple(w_down.shape)} {w_down.dtype}")
+
+def _check_post_maxima(state: FP8MLPState, post_maxima: list) -> None:
+    if len(post_maxima) != (L := state.act_scale.shape[0]):
+        raise ValueError(f"FP8MLPState.update_act_scales: post_maxima must hold {L} layers' maxima,"
+                         f" got {len(post_maxima)}")
+
+def _check_mlp_bank(state: FP8MLPState, mlp_bank: torch.Tensor) -> None:
+    L, H, D = state.up_f8.shape
+    if mlp_bank.dim() != 3 or mlp_bank.shape[0] < 2 * L or tuple(mlp_bank.shape[1:]) != (H, D):
+        raise ValueError(f"FP8MLPState.quantize: mlp_bank must be (>= {2 * L}, {H}, {D}), got {tuple(mlp_bank.shape)}")
+
+def _check_sparse_declaration(exchange: ShardExchange, slot: Slot) -> None:
+    if slot.label in exchange.plans:
+        raise ValueError(f"prepare_sparse: the row exchange of {slot.label!r} was already launched for this step;"
+                         " declare every row before launch=True")
+
+def _check_sparse_rows(slot: Slot, rows: torch.Tensor) -> None:
+    """rows: the sorted unique row ids declared for slot's table."""
+    if rows.numel() and (rows[0] < 0 or rows[-1] >= slot.rows):
+        raise ValueError(f"prepare_sparse: row ids of {slot.label!r} must be in [0, {slot.rows});"
+                         f" got {int(rows[0])}..{int(rows[-1])}")
+
+def _check_sparse_label(opt: NorMuonAdam, label: str) -> None:
+    slot = opt.slots.get(label)
+    if slot is None or slot.cfg.comms != "sharded_sparse":
+        raise ValueError(f"prepare_sparse: {label!r} is not a parameter with comms='sharded_sparse'")
+
+def _check_after_update(opt: NorMuonAdam, after_update: dict) -> None:
+    for label in after_update:
+        if label not in opt.slots or opt.slots[label].cfg.optimizer != "normuon":
+            raise ValueError(f"NorMuonAdam.step: after_update[{label!r}] needs a normuon label")
+
+def _check_untie(opt: NorMuonAdam) -> None:
+    if opt.tied is None:
+        raise ValueError("NorMuonAdam.untie(): embedding and head are not tied")
+    if opt._on_backward is not None:
+        raise ValueError("NorMuonAdam.untie(): reductions launched by reductions_on_backward are pending;"
+                         " call step() first")
+
+def _check_block_mask_args(n: int, block_size: int, window) -> None:
+    if n % block_size:
+        raise ValueError(f"attention: sequence of {n} slots is not a multiple of the {block_size}-token"
+                         " attention block; make the tokens per rank a multiple of 128")
+    if isinstance(window, torch.Tensor) and window.device.type != "cpu":
+        raise ValueError("block_mask_indices: pass the window as a Python int (reading a device tensor waits for the GPU)")
+
+def _check_mask_kernel(kernel: str) -> None:
+    if kernel in START_MASKS:
+        raise ValueError(f"attention: {kernel} attention takes document starts, not ids: GPT.attention_masks builds it")
+    if kernel not in ATTENTION_MASKS:
+        raise ValueError(f"attention: kernel={kernel!r}; choose one of {', '.join([*START_MASKS, *ATTENTION_MASKS])}")
+
+def _check_window_blocks(**blocks) -> None:
+    for name, v in blocks.items():
+        if v is not None and (not isinstance(v, (int, np.integer)) or v < 1):
+            raise ValueError(f"set_windows: {name} window must be a block count >= 1, got {v!r}")
+
+def _check_flex_outside_compile(kernels: dict) -> None:
+    if "flex" in kernels.values() and torch.compiler.is_compiling():
+        raise RuntimeError("attention_masks: build the flex masks outside the compiled model and pass"
+                           " forward(masks=model.attention_masks(cu_seqlens, T))")
+
+def _check_batch_masks(model: GPT, batch: Batch) -> None:
+    """A batch's host-built flex masks are the model's: its block size and current windows."""
+    if batch.block_masks is None:
+        return
+    block_size, kinds = batch.mask_spec
+    if block_size != FLEX_BLOCK_SIZE or any(window != model.window_tokens[int(long)] for long, _, window in kinds):
+        raise ValueError(f"batch_masks: the batch's masks were built for (long?, slots per token, window) {kinds},"
+                         f" the model attends at windows {model.window_tokens}; build batches with"
+                         " flex_mask_spec(args, the step's windows) after set_windows")
+
+class ShardError(ValueError):
+    """A shard file that is not what the format promises; the message names the file."""
+
+def read_shard_header(path: str) -> int:
+    """Validate a shard's header against its size; return its token count."""
+    try:
+        size = os.path.getsize(path)
+    except OSError as e:
+        raise ShardError(f"{path}: cannot read shard ({e.strerror})") from None
+    if size < SHARD_HEADER_BYTES:
+        what = "empty file" if size == 0 else f"{size} bytes, shorter than the {SHARD_HEADER_BYTES}-byte header"
+        raise ShardError(f"{path}: not a token shard ({what}); re-create or re-download it")
+    magic, version, num_tokens = np.fromfile(path, dtype="<i4", count=3).tolist()
+    if magic != SHARD_MAGIC:
+        raise ShardError(f"{path}: bad magic {magic} (expected {SHARD_MAGIC}); not a token shard")
+    if version != SHARD_VERSION:
+        raise ShardError(f"{path}: unsupported shard version {version} (expected {SHARD_VERSION})")
+    if num_tokens <= 0 or size != SHARD_HEADER_BYTES + 2 * num_tokens:
+        need = SHARD_HEADER_BYTES + 2 * max(num_tokens, 0)
+        raise ShardError(f"{path}: header says {num_tokens} tokens ({need} bytes) but the file has {size} bytes;"
+                         " truncated or corrupt, re-create or re-download it")
+    return num_tokens
 
 # ---- The optimizer's argument checks and balanced ownership ----------------------------------
 # ParamConfig, NorMuonAdam and its load_state_dict check their arguments here (the record's pass every
