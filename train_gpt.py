@@ -969,14 +969,8 @@ class ShardExchange:
             if not plan.dense:
                 return self._scatter_sparse(slot, g, plan)
         k = slot.shard_rows
-        if slot.uneven:
-            recv = g.new_empty((W * k, *slot.shape[1:]))
-            work = self.comm.reduce_scatter_uneven(label, recv, g, slot.splits)
-
-            def average():  # in fp32, rounded once to the gradient dtype, as in the sparse exchange
-                work.wait()
-                return (recv.view(W, k, *slot.shape[1:]).float().sum(0) / W).to(g.dtype)
-            return average
+        if slot.uneven:  # balanced ownership (below the fence)
+            return scatter_uneven(self.comm, slot, g)
         if not slot.even:
             padded = g.new_zeros((k * W, *slot.shape[1:]))
             padded[:slot.rows] = g
@@ -1394,15 +1388,6 @@ def attention_mask(doc_ids: torch.Tensor, window: torch.Tensor, span: int, pos_d
     _check_mask_kernel(kernel)
     return ATTENTION_MASKS[kernel](doc_ids, window, span, pos_div)
 
-@functools.lru_cache(maxsize=None)
-def compiled_flex_attention():
-    """flex_attention compiled once, for CUDA calls outside a compiled graph (eager, it materialises scores)."""
-    return torch.compile(flex_attention, dynamic=False)
-
-def _runs_compiled_flex(q: torch.Tensor) -> bool:
-    """A CUDA call outside a compiled graph (inside one, flex_attention is traced into the graph)."""
-    return q.is_cuda and not torch.compiler.is_compiling()
-
 def flex_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask: BlockMask,
                 scale: torch.Tensor) -> torch.Tensor:
     """flex_attention of (1, H, n, hd) q, k, v, the 0-d fp32 softmax scale applied to the fp32 scores
@@ -1410,7 +1395,7 @@ def flex_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask: B
     def scaled(score, b, h, q_idx, kv_idx):
         return score * scale
 
-    fn = compiled_flex_attention() if _runs_compiled_flex(q) else flex_attention
+    fn = compiled_flex_attention() if _runs_compiled_flex(q) else flex_attention  # --compile false: below the fence
     return fn(q, k, v, score_mod=scaled, block_mask=block_mask, scale=1.0)
 
 def as_slots(t: torch.Tensor, r: int) -> torch.Tensor:
@@ -1875,11 +1860,6 @@ def bf16_evaluation_ce(logits: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
     """Evaluation's summed next-token CE of a chunk of bf16 logits, softcapped in fp32."""
     return F.cross_entropy(triton_kernels.softcap(logits), t, reduction="sum")
 
-def bf16_head(model: GPT, x, targets, mtp_weights, prefix_ids, prefix_weight, loss_scale):
-    """The bf16 head's training loss: the logits, then the loss kernel. (loss, next-token loss) per token."""
-    return triton_kernels.softcapped_ce_mtp(x @ model.lm_head, targets, mtp_weights, prefix_ids, prefix_weight,
-                                            grad_scale=loss_scale, next_token=True)
-
 def bf16_mlp(state: FP8MLPState, layer: int, x: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor):
     """The bf16 MLP in FP8MLPState.mlp's form (its FP8 state unused): (y, None)."""
     return triton_kernels.relu2_mlp(x, w_up, w_down), None
@@ -1887,9 +1867,10 @@ def bf16_mlp(state: FP8MLPState, layer: int, x: torch.Tensor, w_up: torch.Tensor
 # The MLP of every layer by kind: "fp8" (training on a GPU with FP8 tensor cores, record #89), else "bf16".
 MLPS = dict(fp8=FP8MLPState.mlp, bf16=bf16_mlp)
 # The head's training loss by where it runs: "fp8" (args.fp8 on a GPU with FP8 tensor cores), else the
-# device type; evaluation's summed CE of a chunk of logits by device type. The CPU's own (the head
-# fused into the loss's row blocks; log-probabilities in cache-sized blocks) add themselves below the fence.
-HEAD_LOSSES = dict(fp8=fp8_head, cuda=bf16_head)
+# device type; evaluation's summed CE of a chunk of logits by device type. The bf16 head of GPUs without
+# FP8 and the CPU's own (the head fused into the loss's row blocks; log-probabilities in cache-sized
+# blocks) add themselves below the fence.
+HEAD_LOSSES = dict(fp8=fp8_head)
 EVALUATION_CE = dict(cuda=bf16_evaluation_ce)
 
 # ----------------------------------------------------------------------------------------------
@@ -2643,6 +2624,18 @@ def balanced_splits(banks: dict[str, tuple[int, int]], world_size: int) -> dict[
         counts[label][r] += 1
         heapq.heappush(heap, (work + cost, r))
     return {label: tuple(c) for label, c in counts.items()}
+
+def scatter_uneven(comm: CommLayer, slot: Slot, g: torch.Tensor):
+    """ShardExchange.scatter of a bank with uneven owned blocks: every rank's copy of this rank's block by
+    all_to_all, averaged in fp32 and rounded once to the gradient dtype (as the sparse exchange)."""
+    W, k = comm.world_size, slot.shard_rows
+    recv = g.new_empty((W * k, *slot.shape[1:]))
+    work = comm.reduce_scatter_uneven(slot.label, recv, g, slot.splits)
+
+    def average():
+        work.wait()
+        return (recv.view(W, k, *slot.shape[1:]).float().sum(0) / W).to(g.dtype)
+    return average
 
 # ---- One rank of a larger world, in one process ----------------------------------------------
 # tests/benchmarks/step_timing.py --as_rank_of N times rank 0's share of an N-rank step on one device:
@@ -4195,7 +4188,25 @@ def launched_reductions(opt: NorMuonAdam, do_adam: bool) -> dict | None:
                          f" the reductions of a do_adam={launched_adam} step")
     return reduced
 
-# ---- CUDA graphs (record #92): the forward+backward of each step shape replayed (--cuda_graphs) ----
+# ---- On GPUs, off the record's path: flex attention outside compiled graphs, the bf16 head -------
+
+@functools.lru_cache(maxsize=None)
+def compiled_flex_attention():
+    """flex_attention compiled once, for CUDA calls outside a compiled graph (eager, it materialises scores)."""
+    return torch.compile(flex_attention, dynamic=False)
+
+def _runs_compiled_flex(q: torch.Tensor) -> bool:
+    """A CUDA call outside a compiled graph (inside one, flex_attention is traced into the graph)."""
+    return q.is_cuda and not torch.compiler.is_compiling()
+
+def bf16_head(model: GPT, x, targets, mtp_weights, prefix_ids, prefix_weight, loss_scale):
+    """The bf16 head's training loss: the logits, then the loss kernel. (loss, next-token loss) per token."""
+    return triton_kernels.softcapped_ce_mtp(x @ model.lm_head, targets, mtp_weights, prefix_ids, prefix_weight,
+                                            grad_scale=loss_scale, next_token=True)
+
+HEAD_LOSSES.update(cuda=bf16_head)  # GPUs without FP8 tensor cores, or --fp8 false
+
+# ---- CUDA graphs (record #92): each step shape's forward+backward replayed (--cuda_graphs) --------
 
 def use_cuda_graphs(args: Hyperparameters, device: torch.device) -> bool:
     """--cuda_graphs takes effect on a CUDA device with --compile true; elsewhere forward_backward runs."""
