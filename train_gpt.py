@@ -586,7 +586,7 @@ def orthogonalizer_of(orthogonalizer):
 # ParamConfig; one NorMuonAdam.step() does all communication, in three phases:
 #   1 scatter (scatter_order, big banks first): launch each gradient's reduction: sharded reduce_scatter,
 #     replicated all_reduce, sharded_sparse all_to_all of the touched rows (or from gradient hooks during
-#     the backward: reductions_on_backward)
+#     the backward: reductions_on_backward, below the fence)
 #   2 work (work_order, small labels first): Adam in at most two calls, then each NorMuon bank: wait for
 #     the reduction, update the local shard, launch its all_gather
 #   3 finalize: wait for the gathers; refresh the tied embedding from the head
@@ -2572,7 +2572,7 @@ def main(argv: list[str] | None = None) -> None:
 # part fills (ORTHOGONALIZERS, ATTENTION_MASKS, ATTEND, HEAD_LOSSES, EVALUATION_CE, PRESETS,
 # CONFIG_CHANGES, NORMUON_BETA2_OF, OWNERSHIPS, START_MASKS, and fp8_mlp's CPU kernel) and one-line
 # hand-offs: switch_off_components, the argument and start-up checks, the tokenizer, the checkpoints,
-# the step graphs (record #92's CUDA graphs). The sliced Adam update and the CPU dtype choice
+# the step graphs (record #92's CUDA graphs), the reductions launched from backward hooks. The sliced Adam update and the CPU dtype choice
 # serve CPU runs only (a GPU trains in bf16, its Adam compiled); balanced ownership replaces the
 # record's padding; SimulatedComm runs one rank of a larger world in one process (the per-rank
 # timing); QK-Clip is an optional step of the optimizer; tensor-parallel NorMuon splits one matrix over
