@@ -2572,7 +2572,8 @@ def main(argv: list[str] | None = None) -> None:
 # part fills (ORTHOGONALIZERS, ATTENTION_MASKS, ATTEND, HEAD_LOSSES, EVALUATION_CE, PRESETS,
 # CONFIG_CHANGES, NORMUON_BETA2_OF, OWNERSHIPS, START_MASKS, and fp8_mlp's CPU kernel) and one-line
 # hand-offs: switch_off_components, the argument and start-up checks, the tokenizer, the checkpoints,
-# the step graphs (record #92's CUDA graphs), the reductions launched from backward hooks. The sliced Adam update and the CPU dtype choice
+# the step graphs (record #92's CUDA graphs, on by default on CUDA: the same numbers), the reductions
+# launched from backward hooks (the uncaptured step's). The sliced Adam update and the CPU dtype choice
 # serve CPU runs only (a GPU trains in bf16, its Adam compiled); balanced ownership replaces the
 # record's padding; SimulatedComm runs one rank of a larger world in one process (the per-rank
 # timing); QK-Clip is an optional step of the optimizer; tensor-parallel NorMuon splits one matrix over

@@ -59,9 +59,10 @@ where FP8 is off) although the FP8 speedrun's goes through fp8_mlp's (today both
 Not resolved statically (listed at the end of the output for the functions the search reached): calls of
 callables that arrive as data: the waits ShardExchange returns (`reduced[label]()`, `done()`), closures
 passed on (GPT.forward's `coef`), flex attention's compiled function and mask function, torch's
-baddbmm or addmm picked in ba_plus_cAA; and, not listed, the post-accumulate-grad hooks of reductions_on_backward (below the fence). In today's
-code none of them launches a Triton kernel (the hooks' reductions, with the tied fold's transpose, are
-the ones NorMuonAdam.step launches directly), but the list says where to look when the code changes.
+baddbmm or addmm picked in ba_plus_cAA; and, not listed, the post-accumulate-grad hooks of
+reductions_on_backward (below the fence). In today's code none of them launches a Triton kernel (the
+hooks' reductions, with the tied fold's transpose, are the ones NorMuonAdam.step launches directly),
+but the list says where to look when the code changes.
 """
 from __future__ import annotations
 
