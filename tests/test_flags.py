@@ -1,5 +1,6 @@
 """Start-up checks: a bad flag or shard stops the run at once with one line naming it, before the
-process group, model, loader or log exist (check_args in train_gpt.py)."""
+process group, model, loader or log exist (check_args in train_gpt.py); and a bad call of one of the
+speedrun's functions raises one line naming the function (their checks sit below the fence)."""
 import dataclasses
 import os
 import shutil
@@ -7,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -237,3 +239,66 @@ def test_layer_words_round_trip_to_the_records_rows():
     args = tg.parse_args(["--layers", repr(words)])
     assert args.layers == tg.LAYERS
     assert tg.parse_args(["--layers", repr(words[:6] + ("skip",) + words[7:])]).layers == tg.LAYERS
+
+
+# ----------------------------------------------------------------------------------------------
+# The first part's functions check their arguments below the fence: a bad call is one line
+# ----------------------------------------------------------------------------------------------
+
+def _sparse_optimizer(world_size=2):
+    """One sharded_sparse Adam table of 8 rows, rank 0 of world_size in one process."""
+    table = torch.nn.Parameter(torch.zeros(8, 4))
+    return tg.NorMuonAdam({"table": table}, {"table": tg.ParamConfig(optimizer="adam", comms="sharded_sparse")},
+                          scatter_order=["table"], work_order=["table"], comm=tg.SimulatedComm(world_size))
+
+
+def _declare_twice():
+    opt = _sparse_optimizer()
+    opt.prepare_sparse("table", [1, 2], launch=True)
+    opt.prepare_sparse("table", [3])
+
+
+def _fp8_state():
+    return tg.FP8MLPState(num_layers=2, hidden=32, dim=16)
+
+
+BAD_CALLS = {
+    "fp8 mlp input": (lambda: _fp8_state().mlp(0, torch.zeros(4, 8, dtype=torch.bfloat16),
+                                                torch.zeros(32, 16, dtype=torch.bfloat16),
+                                                torch.zeros(32, 16, dtype=torch.bfloat16)),
+                      r"FP8MLPState.mlp: x must be \(T, 16\), w_up and w_down \(32, 16\), all bf16; got x \(4, 8\)"),
+    "fp8 act scales": (lambda: _fp8_state().update_act_scales([torch.zeros(3)]),
+                       "FP8MLPState.update_act_scales: post_maxima must hold 2 layers' maxima, got 1"),
+    "fp8 quantize": (lambda: _fp8_state().quantize(torch.zeros(3, 32, 16), bootstrap=True),
+                     r"FP8MLPState.quantize: mlp_bank must be \(>= 4, 32, 16\), got \(3, 32, 16\)"),
+    "sparse label": (lambda: _sparse_optimizer().prepare_sparse("embed", [1]),
+                     "prepare_sparse: 'embed' is not a parameter with comms='sharded_sparse'"),
+    "sparse rows out of the table": (lambda: _sparse_optimizer().prepare_sparse("table", [2, 9], launch=True),
+                                     r"prepare_sparse: row ids of 'table' must be in \[0, 8\); got 2..9"),
+    "sparse rows after launch": (_declare_twice, "prepare_sparse: the row exchange of 'table' was already launched"),
+    "after_update of an adam label": (lambda: _sparse_optimizer().step(after_update={"table": print}),
+                                      r"NorMuonAdam.step: after_update\['table'\] needs a normuon label"),
+    "untie untied": (lambda: _sparse_optimizer().untie(), r"NorMuonAdam.untie\(\): embedding and head are not tied"),
+    "mask of a partial block": (lambda: tg.block_mask_indices(torch.zeros(100, dtype=torch.int64), 64),
+                                "attention: sequence of 100 slots is not a multiple of the 128-token attention block"),
+    "mask window on a device": (lambda: tg.block_mask_indices(torch.zeros(128, dtype=torch.int64),
+                                                              torch.tensor(64, device="meta")),
+                                "block_mask_indices: pass the window as a Python int"),
+    "varlen mask from ids": (lambda: tg.attention_mask(torch.zeros(128, dtype=torch.int64), torch.tensor(64), 64, 1,
+                                                       "varlen"),
+                             "attention: varlen attention takes document starts, not ids"),
+    "window of 0 blocks": (lambda: tg.GPT(tg.parse_args(["--preset", "test"])).set_windows(0, 3),
+                           "set_windows: short window must be a block count >= 1, got 0"),
+    "missing shard": (lambda: tg.read_shard(os.path.join(ROOT, "no_such_shard.bin")),
+                      "no_such_shard.bin: cannot read shard"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_CALLS)
+def test_bad_calls_stop_with_one_line_naming_the_function(case):
+    """Each argument check the first part of train_gpt.py calls in one line (its body below the fence):
+    the function's name and what it needs, in one line, before any work."""
+    call, message = BAD_CALLS[case]
+    with pytest.raises(ValueError, match=message) as e:
+        call()
+    assert "\n" not in str(e.value)
