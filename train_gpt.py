@@ -2573,644 +2573,202 @@ def main(argv: list[str] | None = None) -> None:
 # CONFIG_CHANGES, NORMUON_BETA2_OF, OWNERSHIPS, START_MASKS, and fp8_mlp's CPU kernel) and one-line
 # hand-offs: switch_off_components, the argument and start-up checks, the tokenizer, the checkpoints,
 # the step graphs (record #92's CUDA graphs, on by default on CUDA: the same numbers), the reductions
-# launched from backward hooks (the uncaptured step's). The sliced Adam update and the CPU dtype choice
-# serve CPU runs only (a GPU trains in bf16, its Adam compiled); balanced ownership replaces the
-# record's padding; SimulatedComm runs one rank of a larger world in one process (the per-rank
-# timing); QK-Clip is an optional step of the optimizer; tensor-parallel NorMuon splits one matrix over
-# ranks, where NorMuonAdam gives every matrix one owner; Gram Newton-Schulz is the alternative
-# orthogonalizer. Then what a speedrun never calls: checkpoints, sampling, flag parsing and
-# validation, the generic FP8 matmul, the small presets, ablations and the command line's row syntax.
-
-# ---- CPU-only helpers of the optimizer --------------------------------------------------------
-
-ADAM_CPU_CHUNK = 1 << 16  # elements per slice of the CPU Adam update (its temporaries stay in cache)
-
-def _adam_update_sliced(grad, exp_avg, exp_avg_sq, param, hp):
-    """_adam_update one flat slice at a time on a CPU. The update is elementwise, so the result is the
-    same bits; full-size temporaries would instead be allocated, page-faulted and streamed from memory
-    a dozen times per step, which made Adam over the embedding tables the CPU demo's slowest part."""
-    tensors = (grad, exp_avg, exp_avg_sq, param)
-    if grad.is_cuda or grad.numel() <= ADAM_CPU_CHUNK or not all(t.is_contiguous() for t in tensors):
-        return _adam_update(grad, exp_avg, exp_avg_sq, param, hp)
-    flat = [t.view(-1) for t in tensors]
-    for a in range(0, grad.numel(), ADAM_CPU_CHUNK):
-        _adam_update(*(t[a: a + ADAM_CPU_CHUNK] for t in flat), hp)
-
-def adam_update_group_sliced(grads, exp_avgs, exp_avg_sqs, params, hps):
-    """_adam_update_group on a CPU: label by label, each sliced (eager, one call per label costs the
-    CPU nothing that grouping would save, and slicing keeps the temporaries in cache)."""
-    for grad, exp_avg, exp_avg_sq, param, hp in zip(grads, exp_avgs, exp_avg_sqs, params, hps):
-        _adam_update_sliced(grad, exp_avg, exp_avg_sq, param, hp)
-
-UNCOMPILED_UPDATES["adam"] = adam_update_group_sliced
-
-# ---- Balanced ownership: banks without padding ----------------------------------------------
-# OwnershipLayout(ownership="balanced") gives each rank whole matrices by FLOPs, for any world size;
-# the record pads banks instead (padded_splits), so its runs never call this.
-
-def balanced_splits(banks: dict[str, tuple[int, int]], world_size: int) -> dict[str, tuple[int, ...]]:
-    """FLOP-balanced ownership of every matrix of every bank, for any world size, without padding.
-
-    banks: label -> (number of matrices, FLOPs of one). Longest-processing-time first over all banks
-    together: matrices by falling cost (ties in dict order), each to the rank with the least work so
-    far (the lowest rank on ties). The result is per label the count each rank owns; ownership within
-    a bank is contiguous in rank order, so the gradient rows a rank owns stay one slice of the bank.
-    """
-    counts = {label: [0] * world_size for label in banks}
-    heap = [(0, r) for r in range(world_size)]  # (load, rank): the least-loaded rank, lowest on ties
-    items = sorted(((cost, i, label) for i, (label, (n, cost)) in enumerate(banks.items()) for _ in range(n)),
-                   key=lambda t: (-t[0], t[1]))
-    for cost, _, label in items:
-        work, r = heapq.heappop(heap)
-        counts[label][r] += 1
-        heapq.heappush(heap, (work + cost, r))
-    return {label: tuple(c) for label, c in counts.items()}
-
-def scatter_uneven(comm: CommLayer, slot: Slot, g: torch.Tensor):
-    """ShardExchange.scatter of a bank with uneven owned blocks: every rank's copy of this rank's block by
-    all_to_all, averaged in fp32 and rounded once to the gradient dtype (as the sparse exchange)."""
-    W, k = comm.world_size, slot.shard_rows
-    recv = g.new_empty((W * k, *slot.shape[1:]))
-    work = comm.reduce_scatter_uneven(slot.label, recv, g, slot.splits)
-
-    def average():
-        work.wait()
-        return (recv.view(W, k, *slot.shape[1:]).float().sum(0) / W).to(g.dtype)
-    return average
-
-# ---- One rank of a larger world, in one process ----------------------------------------------
-# tests/benchmarks/step_timing.py --as_rank_of N times rank 0's share of an N-rank step on one device:
-# NorMuonAdam(comm=SimulatedComm(N)) updates rank 0's shards and launches every collective an N-rank
-# step launches, counted in bytes as CommLayer counts them, but none of them communicates.
-
-class _CompletedWork:
-    """The handle of a collective that is already done."""
-
-    def wait(self, timeout=None) -> bool:
-        return True
-
-    def is_completed(self) -> bool:
-        return True
-
-class SimulatedComm(CommLayer):
-    """Rank `rank` of `world_size` ranks in one process, no process group: every collective completes at
-    once with the output a real group gives when every other rank holds the same tensors as this one.
-    reduce_scatter (average): this rank's block of the input; all_reduce (average): the tensor as it is;
-    all_gather: the local shard in every rank's slot; all_to_all: each rank's block of the output is the
-    block this rank addresses to itself, where their sizes agree, and is left as it is where they do not
-    (the other owners' blocks of an uneven all_gather). Bytes are counted as the world_size-rank
-    collectives send them (CommLayer's counts), so bytes_sent and bytes_by_op are a real rank's.
-
-    With the same gradients on every rank, the shards this rank updates are a real run's rank `rank`'s
-    to the bit; the rows other ranks own are not (they hold copies of this rank's rows)."""
-
-    def __init__(self, world_size: int, rank: int = 0):
-        if not 0 <= rank < world_size:
-            raise ValueError(f"SimulatedComm: rank {rank} is not one of the {world_size} ranks")
-        super().__init__(None, world_size, rank)
-
-    def _launch(self, collective, *args, **kw):
-        stand_in = {_reduce_scatter: self._reduce_scatter, dist.all_reduce: self._all_reduce,
-                    _all_gather: self._all_gather, dist.all_to_all_single: self._all_to_all}[collective]
-        stand_in(*args, **kw)
-        return _CompletedWork()
-
-    def _reduce_scatter(self, out, inp, op=None):
-        out.copy_(inp.reshape(self.world_size, *out.shape)[self.rank])
-
-    def _all_reduce(self, t, op=None):
-        pass
-
-    def _all_gather(self, out, shard):
-        blocks, r = out.view(self.world_size, *shard.shape), self.rank
-        if blocks[r].data_ptr() == shard.data_ptr():  # in place: this rank's slot is the shard itself
-            for others in (blocks[:r], blocks[r + 1:]):  # (two copies, not one per rank: launches count)
-                others.copy_(shard.expand_as(others))
-        else:
-            blocks.copy_(shard.expand_as(blocks))
-
-    def _all_to_all(self, out, inp, out_splits=None, in_splits=None):
-        W = self.world_size
-        in_splits = in_splits or [inp.size(0) // W] * W
-        out_splits = out_splits or [out.size(0) // W] * W
-        lo = sum(in_splits[:self.rank])
-        mine = inp[lo:lo + in_splits[self.rank]]
-        if all(n == mine.size(0) for n in out_splits):
-            blocks = out.view(W, *mine.shape)
-            blocks.copy_(mine.expand_as(blocks))
-            return
-        at = 0
-        for n in out_splits:
-            if n == mine.size(0):
-                out[at:at + n].copy_(mine)
-            at += n
-
-# ---- QK-Clip (MuonClip) ----------------------------------------------------------------------
-# Caps a head's attention logits by scaling its Q and K rows after the NorMuon update. No record
-# uses it; NorMuonAdam.step(after_update=qk_clip_hooks(...)) applies it.
-
-QK_CLIP_TAU = 100.0  # MuonClip's threshold on the largest pre-softmax attention logit
-
-def qk_clip_(param, mantissa, max_logits, tau: float) -> None:
-    """QK-Clip (MuonClip) on the owned matrices of a Q or K weight bank (k, rows, cols), in place:
-    rows whose head's largest pre-softmax logit of the step exceeds tau are scaled by
-    sqrt(tau / max_logit), so that q.k of that head, scaled on both sides, peaks at tau. max_logits
-    broadcasts to (k, rows, 1) (one entry per head of those rows). Applied to the fp32 master value
-    (MuonClip, Kimi K2, arXiv 2507.20534)."""
-    scale = (tau / max_logits.float().clamp_min(tau)).sqrt()
-    _store_master(_master_fp32(param, mantissa) * scale, param, mantissa)
-
-def qk_clip_hooks(max_logits: dict, tau: float = QK_CLIP_TAU) -> dict:
-    """NorMuonAdam.step's after_update for QK-Clip: label of a Q or K bank -> the step's largest
-    logit per head, broadcastable to the bank's (matrices, rows, 1) and the same on every rank."""
-    def clip(m):
-        def hook(slot, shard, mantissa):
-            full = torch.broadcast_to(torch.as_tensor(m, device=shard.device), (slot.rows, slot.shape[1], 1))
-            qk_clip_(shard, mantissa, full[slot.lo: slot.lo + slot.shard_rows], tau)
-        return hook
-    return {label: clip(m) for label, m in max_logits.items()}
-
-# ---- CPU compute dtype -------------------------------------------------------------------------
-
-CPU_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
-
-def cpu_model(cpu_name_file: str = "/proc/cpuinfo") -> str:
-    """The CPU's model name (for logs), or the platform's processor string."""
-    import platform
-    try:
-        with open(cpu_name_file) as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-def matmul_gflops(dtype: torch.dtype, m: int, k: int, n: int, seconds: float = 0.15) -> float:
-    """GFLOP/s of an (m, k) x (k, n) matmul in `dtype` on this CPU, timed for about `seconds`."""
-    import time
-    a, b = torch.randn(m, k).to(dtype), torch.randn(k, n).to(dtype)
-    a @ b  # warm-up: thread pool, oneDNN primitive creation
-    reps, t0 = 0, time.perf_counter()
-    while True:
-        a @ b
-        reps += 1
-        elapsed = time.perf_counter() - t0
-        if elapsed >= seconds or reps >= 1000:
-            return 2 * m * k * n * reps / elapsed / 1e9
-
-def cpu_dtype_rates(model_dim: int, mlp_hidden: int) -> tuple[dict[str, float], str]:
-    """GFLOP/s of the MLP matmul of 256 tokens in each CPU dtype (by name), and the shape and rates as text."""
-    shape = (256, model_dim, mlp_hidden)
-    rates = {name: matmul_gflops(dtype, *shape) for name, dtype in CPU_DTYPES.items()}
-    return rates, (f"{'x'.join(map(str, shape))} matmul GFLOP/s per process: "
-                   + ", ".join(f"{name} {rate:.1f}" for name, rate in rates.items()))
-
-def fastest_cpu_dtype(model_dim: int, mlp_hidden: int) -> tuple[str, str]:
-    """The CPU dtype (by name) that runs the MLP matmul faster here, and the timing as a log clause."""
-    rates, figures = cpu_dtype_rates(model_dim, mlp_hidden)
-    best = max(rates, key=rates.get)
-    return best, f"{best} (auto: {figures}; capability {torch.backends.cpu.get_cpu_capability()}) on {cpu_model()}"
-
-def choose_cpu_dtype(args: Hyperparameters) -> tuple[torch.dtype, str]:
-    """The dtype of the model's bf16 parameters on a CPU, and a line saying why.
-
-    --cpu_dtype bf16 / fp32 forces it; auto times the model's MLP matmul shape in both and takes the
-    faster. CPU flags alone mislead: bf16 runs ~90x slower than fp32 on AVX2-only CPUs, a little slower
-    on AVX512-BF16 CPUs without AMX, and faster with AMX."""
-    if args.cpu_dtype != "auto":
-        return CPU_DTYPES[args.cpu_dtype], f"cpu dtype {args.cpu_dtype} (--cpu_dtype) on {cpu_model()}"
-    name, why = fastest_cpu_dtype(args.model_dim, args.mlp_hidden)
-    return CPU_DTYPES[name], f"cpu dtype {why}"
-
-def checkpoint_cpu_dtype(args: Hyperparameters) -> tuple[torch.dtype, str] | None:
-    """With --resume and --cpu_dtype auto, the dtype the checkpoint's model was trained in (its weight
-    banks: bf16 or fp32), so that a resumed run continues in it whatever a start-up timing would say;
-    None otherwise, or when the checkpoint cannot be read (load_checkpoint then says why)."""
-    if not args.resume or args.cpu_dtype != "auto":
-        return None
-    try:
-        state = torch.load(os.path.join(args.resume, "model.pt"), map_location="cpu", weights_only=False)["model"]
-        name = "bf16" if state["qk_bank"].dtype == torch.bfloat16 else "fp32"
-    except Exception:  # noqa: BLE001 -- load_checkpoint reports a missing or damaged checkpoint in one line
-        return None
-    return CPU_DTYPES[name], f"cpu dtype {name} (the checkpoint's: --resume {args.resume}) on {cpu_model()}"
-
-def compute_dtype(args: Hyperparameters, d: DistInfo) -> tuple[torch.dtype, str | None]:
-    """The model's compute dtype: bf16 on GPUs; on CPUs rank 0's choose_cpu_dtype, taken by every rank
-    (timings differ between processes), with its log line."""
-    if d.device.type != "cpu":
-        return torch.bfloat16, None
-    choice = [None]
-    if d.is_master:
-        dtype, note = checkpoint_cpu_dtype(args) or choose_cpu_dtype(args)
-        choice = [(str(dtype).removeprefix("torch."), note)]
-    if dist.is_initialized():
-        dist.broadcast_object_list(choice, src=0)
-    return getattr(torch, choice[0][0]), choice[0][1]
-
-# ---- Tensor-parallel orthogonalization and NorMuon ------------------------------------------
-# (the modes of Megatron-LM's TensorParallelMuon)
-
-TP_MODES = ("duplicated", "distributed", "blockwise")
-
-def tensor_parallel_orthogonalize(shard: torch.Tensor, mode: str, shard_dim: int, group=None,
-                                  dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """Polar Express of a matrix (or bank) split over the ranks of `group` along shard_dim (-2: row
-    shards, -1: column shards, equal sizes); returns this rank's shard of the result
-    (the modes of Megatron-LM's TensorParallelMuon).
-
-    duplicated   all_gather the whole matrix, run polar_express on it on every rank, keep the shard
-    distributed  the iteration on shards: the Gram matrix over the unsplit side, X^T X for row shards
-                 or X X^T for column shards, is a sum of per-shard products, all_reduced (fp32, as
-                 is the Frobenius norm); the same polynomial as polar_express, in fp32, cast to dtype
-    blockwise    polar_express of the shard alone: no communication, an approximation
-    """
-    if mode not in TP_MODES:
-        raise ValueError(f"tensor_parallel_orthogonalize: mode={mode!r}; choose one of {', '.join(TP_MODES)}")
-    dim = shard_dim % shard.ndim
-    if dim < shard.ndim - 2:
-        raise ValueError(f"tensor_parallel_orthogonalize: shard_dim must be -2 or -1, got {shard_dim}")
-    if mode == "blockwise":
-        return polar_express(shard, dtype=dtype)
-    W, rank = dist.get_world_size(group), dist.get_rank(group)
-    if mode == "duplicated":
-        return polar_express(_gather_shards(shard, dim, group), dtype=dtype).chunk(W, dim=dim)[rank].contiguous()
-    X = _as_bank(shard).float()
-    sq = X.square().sum(dim=(-2, -1), keepdim=True)
-    dist.all_reduce(sq, group=group)
-    X = X / (sq.sqrt() * 1.02 + 1e-6)
-    rows = dim == shard.ndim - 2  # row shards share the columns: X^T X is summed over the shards
-    for a, b, c in POLAR_EXPRESS_COEFFS:
-        A = X.mT @ X if rows else X @ X.mT
-        dist.all_reduce(A, group=group)
-        B = b * A + c * (A @ A)
-        X = a * X + (X @ B if rows else B @ X)
-    return X.to(dtype).reshape(shard.shape)
-
-def _gather_shards(shard: torch.Tensor, dim: int, group) -> torch.Tensor:
-    """The whole tensor from every rank's equal shard along dim (all_gather, concatenated in rank order)."""
-    parts = [torch.empty_like(shard) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(parts, shard.contiguous(), group=group)
-    return torch.cat(parts, dim=dim)
-
-def _tp_layout(shard: torch.Tensor, mode: str, shard_dim: int, group) -> tuple[int, int, int, int]:
-    """(dim, world size, rows, cols) of the matrix a shard belongs to; blockwise treats the shard as the matrix."""
-    if mode not in TP_MODES:
-        raise ValueError(f"tensor_parallel_normuon_update: mode={mode!r}; choose one of {', '.join(TP_MODES)}")
-    dim = shard_dim % shard.ndim
-    if shard.ndim < 2 or dim < shard.ndim - 2:
-        raise ValueError(f"tensor_parallel_normuon_update: shard_dim must be -2 or -1 of (..., rows, cols), got {shard_dim}")
-    W = 1 if mode == "blockwise" else dist.get_world_size(group)
-    rows, cols = shard.size(-2) * (W if dim == shard.ndim - 2 else 1), shard.size(-1) * (W if dim == shard.ndim - 1 else 1)
-    return dim, W, rows, cols
-
-def tensor_parallel_normuon_state(shard: torch.Tensor, mode: str, shard_dim: int, group=None) -> dict[str, torch.Tensor]:
-    """Zero state for tensor_parallel_normuon_update of this shard: the momentum (the shard's shape),
-    the second moment and, for a bf16 shard, the mantissa. The second moment has one entry per row of
-    the longer side of the whole matrix (of the shard, blockwise); distributed keeps only this rank's
-    entries when those rows are the split ones, duplicated keeps all of them on every rank."""
-    dim, W, rows, cols = _tp_layout(shard, mode, shard_dim, group)
-    per_row = rows >= cols
-    n = rows if per_row else cols
-    if mode == "distributed" and (dim == shard.ndim - 2) == per_row:
-        n //= W
-    lead = shard.shape[:-2]
-    st = {"momentum_buffer": torch.zeros(shard.shape, dtype=torch.float32, device=shard.device),
-          "second_moment": torch.zeros((*lead, n, 1) if per_row else (*lead, 1, n), dtype=torch.float32, device=shard.device)}
-    if shard.dtype == torch.bfloat16:
-        st["mantissa"] = torch.zeros(shard.shape, dtype=torch.uint16, device=shard.device)
-    return st
-
-def _split_variance_reduction(O, second_moment, beta2, dim: int, rows: int, cols: int, group) -> torch.Tensor:
-    """normuon_variance_reduction of the whole matrix, computed on its shard O: where the reduced dim
-    is split the per-row sums of O^2 are all_reduced; where the kept dim is split, each rank holds
-    its rows' statistics and the two Frobenius norms of the renormalisation are all_reduced."""
-    red = O.ndim - 1 if rows >= cols else O.ndim - 2
-    size = cols if rows >= cols else rows
-    sq = O.float().square().sum(dim=red, keepdim=True)
-    if red == dim:
-        dist.all_reduce(sq, group=group)
-    mean_sq = sq / size
-    second_moment.lerp_(mean_sq, 1 - beta2)
-    step = second_moment.clamp_min(1e-10).rsqrt()
-    norms = torch.stack([(mean_sq * size).sum(dim=(-2, -1), keepdim=True),
-                         ((mean_sq * size) * step.square()).sum(dim=(-2, -1), keepdim=True)])
-    if red != dim:
-        dist.all_reduce(norms, group=group)
-    norm, new_norm = norms.sqrt()
-    return O.mul_((step * (norm / new_norm.clamp_min(1e-10))).to(O.dtype))
-
-def tensor_parallel_normuon_update(grad, momentum_buf, second_moment, param, mantissa, matrix_lr, hp, mode: str,
-                                   shard_dim: int, group=None, dtype: torch.dtype = torch.bfloat16) -> None:
-    """One NorMuon step, as _normuon_update with Polar Express, on this rank's shard of a matrix (or
-    bank) split over the ranks of `group` along shard_dim (-2: row shards, -1: column shards, equal
-    sizes), in place. State from tensor_parallel_normuon_state; hp as _normuon_update's; matrix_lr
-    with the whole matrix's shape factor. Momentum and the cautious update are elementwise on the shard.
-
-    duplicated   all_gather the momentum-applied gradient; orthogonalization and variance reduction of
-                 the whole matrix on every rank; the unsharded update, bit for bit
-    distributed  tensor_parallel_orthogonalize's iteration on shards, then the variance reduction
-                 with statistics combined over the shards (_split_variance_reduction)
-    blockwise    _normuon_update of the shard as a matrix of its own: no communication, an approximation
-    """
-    dim, W, rows, cols = _tp_layout(grad, mode, shard_dim, group)
-    orthogonalize = functools.partial(polar_express, dtype=dtype)
-    if mode == "blockwise":
-        return _normuon_update(grad, momentum_buf, second_moment, param, mantissa, matrix_lr, hp, orthogonalize)
-    lr, decay, momentum, beta2 = hp[0], hp[1], hp[2], hp[3]
-    g = _nesterov_momentum(grad, momentum_buf, momentum)
-    if mode == "duplicated":
-        O = normuon_variance_reduction(orthogonalize(_gather_shards(g, dim, group)), second_moment, beta2)
-        O = O.chunk(W, dim=dim)[dist.get_rank(group)]
-    else:
-        O = tensor_parallel_orthogonalize(g, "distributed", shard_dim, group, dtype=dtype)
-        O = _split_variance_reduction(O, second_moment, beta2, dim, rows, cols, group)
-    _cautious_step(O.float(), param, mantissa, lr * matrix_lr, decay)
-
-# ---- Gram Newton-Schulz and the measured "auto" choice (alternatives to polar_express) -------
-
-# Gram Newton-Schulz: the iteration on the Gram matrix of Dao-AILab/gram-newton-schulz, with the
-# polynomials of polar_express.
-
-def _normalized_bank(G: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """G / (||G||_F * 1.02 + 1e-6) per matrix, as a 3-D (batch, m, n) tensor of `dtype`.
-
-    The norm is taken in fp32 whatever G's dtype: a bf16 norm of a large matrix is too coarse to
-    keep the spectral norm safely below 1.
-    """
-    G3 = _as_bank(G)
-    norm = G3.float().norm(dim=(-2, -1), keepdim=True)
-    return (G3.float() / (norm * 1.02 + 1e-6)).to(dtype)
-
-def gram_newton_schulz(G: torch.Tensor, coeffs=POLAR_EXPRESS_COEFFS, restart_after: int = 2,
-                       dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """The same polynomial iteration, run on the small Gram matrix instead of the full matrix.
-
-    Every iterate has the form X_k = Q_k X_0 (wide case; tall matrices are transposed views), so it
-    suffices to track the s x s left factor Q and the Gram matrix R = X_k X_k^T:
-        Z = a I + b R + c R^2,   Q <- Z Q,   R <- Z R Z.
-    The long dimension is touched only to form R, at the restart and at the end (X = Q X_0). For a
-    3072 x 768 MLP matrix that is ~30% fewer FLOPs than Polar Express. Errors in the accumulated Q
-    grow fastest during the first, steep iterations, so after `restart_after` iterations X is formed
-    explicitly and R recomputed from it. The Gram work runs in fp16 (all entries are bounded by a
-    few units; fp16 keeps 3 more mantissa bits than bf16); the result is bf16 with G's shape.
-    dtype=torch.float32 runs everything in fp32 and returns fp32 (the CPU fp32 mode).
-    """
-    X = _normalized_bank(G, torch.float16 if dtype == torch.bfloat16 else dtype)
-    tall = X.size(-2) > X.size(-1)
-    if tall:
-        X = X.mT.contiguous()
-    s = X.size(-2)
-    eye = torch.eye(s, dtype=X.dtype, device=X.device)
-    R = triton_kernels.XXT(X, X.new_empty(X.size(0), s, s))
-    Q = None
-    last = len(coeffs) - 1
-    for i, (a, b, c) in enumerate(coeffs):
-        if i == restart_after and Q is not None:
-            X = torch.bmm(Q, X)
-            R = triton_kernels.XXT(X, X.new_empty(X.size(0), s, s))
-            Q = None
-        Z = triton_kernels.ba_plus_cAA(R, c, b, torch.empty_like(R)) + a * eye  # b R + c R^2 + a I
-        Q = Z if Q is None else torch.bmm(Z, Q)
-        if i < last:
-            R = torch.bmm(torch.bmm(Z, R), Z)
-    X = torch.bmm(Q, X)
-    if tall:
-        X = X.mT
-    return X.to(dtype).reshape(G.shape)
-
-# Measured choice of "auto", per GPU: (rows, cols) of a bank's matrices -> (Polar Express ms, Gram
-# Newton-Schulz ms) for one rank's shard. Only repeatable measurements are listed: on one H100 80GB HBM3
-# (tests/bench_optimizer.py, torch 2.11, 2026-11-24) the 768 x 768 banks gave 1.25 and 2.45 ms for the
-# same Polar Express call in one run; on one H200 (the GPU check, 2026-11-26) every bank took 1.05 to
-# 1.28 ms either way (launch-bound), and 3 and 24 matrices of 3072 x 768 favoured opposite ones, so none
-# is listed. The rest follow the FLOP count. The GPU check's kernel-choice check times every bank again.
-ORTHOGONALIZER_MS = {"H100": {(3072, 768): (1.971, 1.218)}, "H200": {}}
-
-def auto_orthogonalizer(rows: int, cols: int, gpu_name: str = "") -> str:
-    """The name "auto" runs for (rows, cols) matrices: the faster measured one on a GPU whose table has
-    the shape, else the one with fewer FLOPs (orthogonalization_flops: Gram Newton-Schulz once the long
-    side is at least twice the short one)."""
-    times = triton_kernels.measured_table(ORTHOGONALIZER_MS, gpu_name).get((rows, cols))
-    if times is not None:
-        return "polar_express" if times[0] <= times[1] else "gram_newton_schulz"
-    return "gram_newton_schulz" if max(rows, cols) >= 2 * min(rows, cols) else "polar_express"
-
-def orthogonalize_auto(G: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """Per bank shape, Gram Newton-Schulz or Polar Express (auto_orthogonalizer).
-
-    Per matrix with short side s and long side L, Polar Express costs ~20 s^2 L + 10 s^3 FLOPs
-    and the Gram form ~8 s^2 L + 32 s^3: the Gram form wins once L > ~1.8 s (the 3072 x 768 MLP
-    bank: -29%) and loses on square matrices (attention banks: +33%).
-    """
-    m, n = G.shape[-2:]
-    name = auto_orthogonalizer(m, n, triton_kernels.gpu_name_of(G))
-    return (gram_newton_schulz if name == "gram_newton_schulz" else polar_express)(G, dtype=dtype)
-
-ORTHOGONALIZERS.update(gram_newton_schulz=gram_newton_schulz, auto=orthogonalize_auto)
-
-def orthogonalization_flops(rows: int, cols: int, orthogonalizer="polar_express") -> int:
-    """FLOPs to orthogonalize one rows x cols matrix, counted like torch's FlopCounterMode (2 per
-    multiply-add, symmetric products counted dense). With s the short side and L the long one:
-    Polar Express 5 x (4 s^2 L + 2 s^3); Gram Newton-Schulz 8 s^2 L + 32 s^3 (module docstrings).
-    orthogonalizer: a name, one of the functions (or a functools.partial of one); anything else is
-    costed as Polar Express. Balanced ownership evens out these counts over the ranks."""
-    fn = getattr(orthogonalizer, "func", orthogonalizer)
-    name = next((k for k, f in ORTHOGONALIZERS.items() if fn is f or fn == k), "polar_express")
-    s, L = min(rows, cols), max(rows, cols)
-    if name == "auto":
-        name = auto_orthogonalizer(rows, cols)
-    if name == "gram_newton_schulz":
-        return 8 * s * s * L + 32 * s ** 3
-    return len(POLAR_EXPRESS_COEFFS) * (4 * s * s * L + 2 * s ** 3)
-
-# ---- Checkpoints and signals (a speedrun saves none) -----------------------------------------
-
-CHECKPOINT_FORMAT = 5  # 3: the record-#89 model (layer table, MUDD, FP8 MLP state); 4: FP8 scales in 16-byte
-#                        slots; 5: the stage and layer rows in the saved settings
-
-# Fields that may differ between a checkpoint and the run resuming from it.
-RESUMABLE_CHANGES = {"resume", "save_every", "keep_checkpoints", "val_loss_every", "log_dir", "checkpoint_dir",
-                     "run_id", "compile", "cuda_graphs"}
-
-def save_checkpoint(path: str, step: int, model: nn.Module, opt: NorMuonAdam, loader: DocumentLoader,
-                    args: Hyperparameters, d: DistInfo) -> None:
-    """A directory written whole or not at all: every rank writes its files into path.tmp, rank 0
-    renames it to path once all have finished."""
-    tmp = path + ".tmp"
-    if d.is_master:
-        if os.path.exists(tmp):
-            shutil.rmtree(tmp)
-        os.makedirs(tmp)
-    if dist.is_initialized():
-        dist.barrier()
-    # Adam gradients accumulate over even steps: this rank's pending ones are part of the state too.
-    pending = {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
-    torch.save({"optimizer": opt.state_dict(), "rng": torch.get_rng_state(), "grads": pending},
-               os.path.join(tmp, f"rank{d.rank:03d}.pt"))
-    if d.is_master:
-        torch.save({"format": CHECKPOINT_FORMAT, "step": step, "world_size": d.world_size,
-                    "args": dataclasses.asdict(args), "model": model.state_dict(), "loader": loader.state_dict()},
-                   os.path.join(tmp, "model.pt"))
-    if dist.is_initialized():
-        dist.barrier()
-    if d.is_master:
-        if os.path.exists(path):
-            shutil.rmtree(path)
-        os.replace(tmp, path)
-    if dist.is_initialized():
-        dist.barrier()
-
-def whole_checkpoints(run_dir: str) -> list[tuple[int, str]]:
-    """(step, path) of every whole checkpoint of a run (its step_N directories), oldest first; one still
-    being written (step_N.tmp) and any other file are not checkpoints."""
-    return sorted((int(e[5:]), os.path.join(run_dir, e)) for e in os.listdir(run_dir)
-                  if e.startswith("step_") and e[5:].isdecimal())
-
-def prune_checkpoints(run_dir: str, keep: int) -> None:
-    """Delete all but the newest `keep` whole checkpoints of a run, so that frequent checkpoints of a long
-    run take bounded disk."""
-    for _, path in whole_checkpoints(run_dir)[:-keep]:
-        shutil.rmtree(path)
-
-class StopOnSignal:
-    """While enabled (a run that checkpoints, in the main thread), SIGINT (Ctrl-C) and SIGTERM (kill, a
-    scheduler's preemption notice, torchrun passing either on) do not stop the process: they set `signum`,
-    and the run saves where it is and exits; a second signal stops at once. Every rank must stop after the
-    same step to write one checkpoint, so with several ranks each step's requests are combined (a
-    one-element all-reduce, MAX) and read a step later through a page-locked host copy and an event: the
-    host waits at most for the end of step - 2, with step - 1 still queued behind it, so the device never
-    runs dry (a plain .item() would wait for everything queued). The caller's handlers are back on exit."""
-
-    def __init__(self, enabled: bool, world_size: int = 1, device: torch.device = torch.device("cpu")):
-        self.enabled = enabled and threading.current_thread() is threading.main_thread()
-        self.signum = 0
-        self.shared = self.host = self.done = None
-        if world_size > 1 and self.enabled:  # one slot per step parity
-            cuda = device.type == "cuda"
-            self.shared = [torch.zeros(1, device=device) for _ in range(2)]
-            self.host = [torch.zeros(1, pin_memory=cuda) for _ in range(2)]
-            self.done = [torch.cuda.Event() for _ in range(2)] if cuda else None
-
-    def __enter__(self) -> StopOnSignal:
-        if self.enabled:
-            self.previous = {s: signal.signal(s, self.request) for s in (signal.SIGINT, signal.SIGTERM)}
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if self.enabled:
-            for s, handler in self.previous.items():
-                signal.signal(s, handler)
-
-    def request(self, signum, frame) -> None:
-        if self.signum:
-            raise KeyboardInterrupt
-        self.signum = signum
-        print(f"  {signal.Signals(signum).name}: stopping once this step's state is saved (again: at once)",
-              file=sys.stderr, flush=True)
-
-    def share(self, step: int) -> None:
-        """After step `step`: this rank's request joins every rank's (queued, not waited for)."""
-        if self.shared is not None:
-            i = step % 2
-            self.shared[i].fill_(self.signum)
-            dist.all_reduce(self.shared[i], op=dist.ReduceOp.MAX)
-            self.host[i].copy_(self.shared[i], non_blocking=True)  # lands after the all-reduce, in stream order
-            if self.done is not None:
-                self.done[i].record()
-
-    def agreed(self, step: int) -> int:
-        """The signal every rank stops for before step `step` (0: none): this rank's own with one rank, with
-        several the combined requests of step - 2 (shared before the one in flight)."""
-        if self.shared is None:
-            return self.signum
-        i = step % 2
-        if self.done is not None:
-            self.done[i].synchronize()  # the end of step - 2: step - 1 is queued behind it
-        return int(self.host[i])
-
-def load_checkpoint(path: str, model: nn.Module, opt: NorMuonAdam, loader: DocumentLoader,
-                    args: Hyperparameters, d: DistInfo) -> int:
-    """Restore everything a step depends on; returns the step to continue from. Refuses a checkpoint of
-    another configuration or world size with a one-line reason."""
-    def refuse(why):
-        raise SystemExit(f"error: cannot resume from {path}: {why}")
-
-    try:
-        meta = torch.load(os.path.join(path, "model.pt"), map_location=d.device, weights_only=False)
-        mine = torch.load(os.path.join(path, f"rank{d.rank:03d}.pt"), map_location=d.device, weights_only=False)
-    except FileNotFoundError as e:
-        refuse(f"missing {os.path.basename(e.filename)} (not a checkpoint directory, or an unfinished one)")
-    except Exception as e:  # torch.load raises many types for a damaged file
-        refuse(f"unreadable checkpoint file ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})")
-    if meta.get("format") != CHECKPOINT_FORMAT:
-        refuse(f"checkpoint format {meta.get('format')}, this script reads {CHECKPOINT_FORMAT}")
-    if meta["world_size"] != d.world_size:
-        refuse(f"written by {meta['world_size']} ranks, this run has {d.world_size}; resume with the same world size")
-    now = dataclasses.asdict(args)  # rows as dicts, as saved
-    changed = [k for k in [*meta["args"], *(k for k in now if k not in meta["args"])]  # in field order
-               if k not in RESUMABLE_CHANGES and meta["args"].get(k) != now.get(k)]
-    if changed:
-        k = changed[0]
-        refuse(f"--{k} was {meta['args'].get(k)!r}, now {now.get(k)!r} ({len(changed)} field(s) differ)")
-    model.load_state_dict(meta["model"])
-    try:
-        opt.load_state_dict(mine["optimizer"])
-    except ValueError as e:
-        refuse(str(e))
-    loader.load_state_dict(meta["loader"])
-    torch.set_rng_state(mine["rng"].cpu())
-    for name, p in model.named_parameters():
-        p.grad = mine["grads"].get(name)
-    return meta["step"]
-
-# ---- Sampling, shard writing, CPU memory -----------------------------------------------------
-
-def generate(model: "GPT", prompt: str, new_tokens: int, device: torch.device, seed: int = 0) -> str:
-    """Sample a continuation (top-k 40, temperature 0.8) with the offline GPT-2 tokenizer."""
-    enc = gpt2_encoding()
-    tokens = [BOS_ID] + enc.encode_ordinary(prompt)
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for _ in range(new_tokens):
-            b = make_batch(np.asarray(tokens + [0], dtype=np.uint16), model.args.bigram_vocab_size).to(device)
-            logits = model.logits(b.inputs, b.cu_seqlens, b.bigram_ids)[-1, :model.args.vocab_size].float().cpu()
-            top = torch.topk(logits / 0.8, 40)
-            tokens.append(int(top.indices[torch.multinomial(torch.softmax(top.values, -1), 1, generator=gen)]))
-    return enc.decode(tokens[1:])
-
-def write_shard(path: str, tokens) -> None:
-    """Write tokens (any int sequence < 2**16) atomically: a temporary file renamed into place."""
-    tokens = np.asarray(tokens)
-    if tokens.size and (tokens.min() < 0 or tokens.max() >= 2**16):
-        raise ValueError(f"{path}: token ids must fit in uint16 (got range {tokens.min()}..{tokens.max()})")
-    header = np.zeros(SHARD_HEADER_INTS, dtype="<i4")
-    header[0], header[1], header[2] = SHARD_MAGIC, SHARD_VERSION, tokens.size
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "wb") as f:
-        f.write(header.tobytes())
-        f.write(tokens.astype("<u2").tobytes())
-    os.replace(tmp, path)
-
-def keep_freed_memory() -> bool:
-    """CPU training: tell glibc to keep freed memory in the process heap. By default it maps every large
-    block (logits, their gradient: hundreds of MB a step) afresh and returns it on free, so each step
-    page-faults them in again; a small GPT with an unfused full-vocabulary head ran 1.7x faster with it
-    (0.60 against 1.01 s a step). mallopt(M_MMAP_MAX, 0), and M_TRIM_THRESHOLD at the largest value mallopt's
-    int takes (2 GiB of free heap top kept), as the environment's MALLOC_MMAP_MAX_=0 and
-    MALLOC_TRIM_THRESHOLD_ would set at start-up; values the user set there are left alone. False where
-    the C library has no mallopt (not glibc) or the setting was the user's."""
-    if "MALLOC_MMAP_MAX_" in os.environ or "MALLOC_TRIM_THRESHOLD_" in os.environ:
-        return False
-    try:
-        import ctypes
-        mallopt = ctypes.CDLL(None).mallopt
-    except (OSError, AttributeError):
-        return False
-    mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
-    M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4  # glibc's <malloc.h>
-    return bool(mallopt(M_MMAP_MAX, 0)) and bool(mallopt(M_TRIM_THRESHOLD, 2**31 - 1))
+# launched from backward hooks (the uncaptured step's). In the first part's order: the recipe's
+# ablations, presets and command line; FP8 beyond the record's two ops, and the FP8 ops on a CPU;
+# the alternative orthogonalizers (Gram Newton-Schulz, tensor-parallel); the optimizer's CPU Adam,
+# balanced ownership, SimulatedComm (one rank of a larger world in one process), QK-Clip and
+# hook-launched reductions; the model's CPU dtype, attention and head, torch's varlen attention and
+# the GPU paths off the record's; data (tokenizer, sampling, shard writing); training's CUDA graphs,
+# checkpoints, resume and train_step; last, the argument checks of the first part's functions.
+
+# ---- Ablations (--ablate): each switches one component off by editing rows -------------------
+
+def _layers_with(args: Hyperparameters, **fields) -> Hyperparameters:
+    """args with the fields set on every attention row (skip rows have nothing to switch off)."""
+    return dataclasses.replace(args, layers=tuple(
+        row if row.attention == "none" else dataclasses.replace(row, **fields) for row in args.layers))
+
+def _fixed_windows(args: Hyperparameters) -> Hyperparameters:
+    """The last scheduled stage's windows from step 0 to the end (final validation too), at the YaRN
+    reference itself: no YaRN step ever."""
+    last = args.stages[-2].windows
+    return dataclasses.replace(args, stages=restaged(args.stages, windows=(last,) * len(args.stages)),
+                               windows_init=last, final_val_windows=last)
+
+ABLATIONS = {
+    "xsa": lambda a: _layers_with(a, xsa=False),
+    "attn_gates": lambda a: _layers_with(a, gate=False),
+    "dc": lambda a: _layers_with(a, dc=False),
+    "key_offset": lambda a: _layers_with(a, key_offset=False),
+    "from_h": lambda a: _layers_with(a, input="x"),
+    "paired_heads": lambda a: dataclasses.replace(a, layers=tuple(
+        dataclasses.replace(r, attention="plain") if r.attention == "paired" else r for r in a.layers)),
+    "mtp": lambda a: dataclasses.replace(a, stages=tuple(  # the next-token term only
+        dataclasses.replace(r, mtp_start=r.mtp_start[:1], mtp_end=r.mtp_end[:1]) for r in a.stages)),
+    "prefix_loss": lambda a: dataclasses.replace(a, stages=tuple(
+        dataclasses.replace(r, prefix_start=0.0, prefix_end=0.0) for r in a.stages)),
+    "window_schedule": _fixed_windows,
+}
+
+def ablated(args: Hyperparameters, names) -> Hyperparameters:
+    """args with the named ABLATIONS applied in order (--ablate xsa,dc)."""
+    for name in names:
+        if name not in ABLATIONS:
+            raise ValueError(f"--ablate {name!r} is not one of {', '.join(ABLATIONS)}")
+        args = ABLATIONS[name](args)
+    return args
+
+# ---- Ablations of the model: components switched off ------------------------------------------
+
+# Each switch (a Hyperparameters field) puts a neutral stand-in in place of a GPT method: zeros where the
+# forward adds the component (x + 0 is x, to the bit), the identity where it transforms. The component's
+# parameters stay in the model (checkpoints keep one layout), unread or multiplied by zero, and frozen
+# by switched_off_configs. "bigram_embed" comes after "bigram_signs": with both off, zeros.
+def _zero_value_embeddings(model: GPT, ids: torch.Tensor) -> list[torch.Tensor]:
+    return [model.embed.new_zeros(ids.numel(), model.args.model_dim)] * model.value_embeds.shape[0]
+
+def _unsigned_bigram_features(model: GPT, ids: torch.Tensor, bigram_ids: torch.Tensor) -> torch.Tensor:
+    return F.embedding(bigram_ids.view(-1), model.bigram_embed)
+
+def _zero_bigram_features(model: GPT, ids: torch.Tensor, bigram_ids: torch.Tensor) -> torch.Tensor:
+    return model.embed.new_zeros(ids.numel(), model.args.model_dim)
+
+def _constant_mudd_mlp(model: GPT, x: torch.Tensor, w1, w2, b2: torch.Tensor, scale) -> torch.Tensor:
+    """--mudd false: the learned constants b2 * scale, the same for every token."""
+    return (b2 * scale).expand(x.shape[0], b2.shape[0])
+
+SWITCHED_OFF = {  # switch: (the GPT method it replaces, the stand-in)
+    "value_embeds": ("value_embeddings", _zero_value_embeddings),
+    "bigram_signs": ("bigram_features", _unsigned_bigram_features),
+    "bigram_embed": ("bigram_features", _zero_bigram_features),
+    "smear": ("smear", lambda model, e: e),
+    "unet_skip": ("unet_skip", lambda model, x, gate, skip_src: x),
+    "backout": ("post_loop", lambda model, x, *sources: x),
+    "mudd": ("_mudd_mlp", _constant_mudd_mlp),
+}
+
+def switch_off_components(model: GPT) -> None:
+    """The stand-in of every component whose switch is off, bound to the model."""
+    for switch, (method, stand_in) in SWITCHED_OFF.items():
+        if not getattr(model.args, switch):
+            setattr(model, method, types.MethodType(stand_in, model))
+
+# ---- Ablations of the optimizer: the banks' optimizer, switched-off components ---------------
+
+# matrix_optimizer='adamw' runs the banks through the recipe's Adam (cautious decay) on every step, at
+# AdamW-like settings: adamw_bank_lr_mul x the embeddings' learning rate (a quarter, 0.002, by default;
+# hidden matrices want much smaller Adam steps than embedding rows) and decoupled decay of 0.1 x lr.
+ADAMW_BANK_DECAY = 0.1
+ADAMW_BANK_BETAS = (0.9, 0.95)
+# Plain Muon is NorMuon with beta2 = 1: the second moment never leaves its zero start, so the
+# per-neuron scale is one constant that the Frobenius renormalisation cancels exactly.
+NORMUON_BETA2_OF.update(muon=1.0, adamw=NORMUON_BETA2)
+MATRIX_OPTIMIZERS = tuple(NORMUON_BETA2_OF)
+
+def adamw_bank_configs(args: Hyperparameters, configs: dict[str, ParamConfig]) -> dict[str, ParamConfig]:
+    """--matrix_optimizer adamw: the banks move to Adam, stepping on every step."""
+    if args.matrix_optimizer != "adamw":
+        return configs
+    # Adam's decay is (lr * lr_mul)^2 * adam_wd * wd_mul: pick wd_mul so that it equals
+    # ADAMW_BANK_DECAY times the bank's learning rate at the base lr.
+    bank_lr = args.adam_lr * args.adamw_bank_lr_mul
+    wd_mul = ADAMW_BANK_DECAY / (bank_lr * args.adam_wd) if bank_lr * args.adam_wd > 0 else 0.0
+    return {**configs, **{label: ParamConfig("adam", "sharded", lr_mul=args.adamw_bank_lr_mul, wd_mul=wd_mul,
+                                             betas=ADAMW_BANK_BETAS, every_step=True)
+                          for label in ("qk_bank", "vo_bank", "mlp_bank")}}
+
+def switched_off_configs(args: Hyperparameters, configs: dict[str, ParamConfig]) -> dict[str, ParamConfig]:
+    """Parameters of a switched-off component get lr and decay multipliers of 0 (they receive no
+    gradient and must not drift)."""
+    off = {"value_embeds": not args.value_embeds, "ve_gate_bank": not args.value_embeds,
+           "bigram_embed": not args.bigram_embed, "smear_gate": not args.smear,
+           **{label: not args.mudd for label in ("mudd_w1", "mudd_w2", "mudd_gate_w1", "mudd_gate_w2")}}
+    return {label: dataclasses.replace(cfg, lr_mul=0.0, wd_mul=0.0) if off.get(label) else cfg
+            for label, cfg in configs.items()}
+
+CONFIG_CHANGES.extend([adamw_bank_configs, switched_off_configs])
+
+# ---- The command line: --layers words, --stage_<column> columns ------------------------------
+
+# --layers takes the rows as words, one string a row: "attn long offset ve gate dc from_h mudd".
+LAYER_WORDS = {
+    "attn": ("attention", "plain"), "paired": ("attention", "paired"), "skip": ("attention", "none"),
+    "short": ("window", "short"), "long": ("window", "long"), "ve": ("value_embed", True), "xsa": ("xsa", True),
+    "gate": ("gate", True), "dc": ("dc", True), "offset": ("key_offset", True), "from_h": ("input", "h"),
+    "mudd": ("mudd", True), "save_skip": ("save_skip", True), "save_h": ("save_h", True),
+    "post_gates": ("post_gates", True),
+}
+
+def layers_from_words(rows) -> tuple:
+    """--layers' strings as Layer rows (check_layers checks them)."""
+    if not isinstance(rows, (tuple, list)) or not rows or not all(isinstance(r, str) for r in rows):
+        raise ValueError(f"--layers must be a non-empty tuple of strings (one row per layer), got {rows!r}")
+    layers = []
+    for i, row in enumerate(rows):
+        unknown = [w for w in row.split() if w not in LAYER_WORDS]
+        if unknown:
+            raise ValueError(f"--layers row {i} ({row!r}): unknown word(s) {unknown}; known: {', '.join(LAYER_WORDS)}")
+        fields = {}
+        for word in row.split():
+            name, value = LAYER_WORDS[word]
+            if name in fields and fields[name] != value:
+                raise ValueError(f"--layers row {i} ({row!r}): more than one {name} ({fields[name]!r}, {value!r})")
+            fields[name] = value
+        if "attention" not in fields:
+            raise ValueError(f"--layers row {i} ({row!r}): needs exactly one of attn, paired, skip")
+        layers.append(Layer(**fields))
+    return tuple(layers)
+
+def restaged(stages: tuple, **columns) -> tuple:
+    """The rows with whole columns replaced, one value per row: restaged(STAGES, batch_tokens=(...))."""
+    for name, values in columns.items():
+        if len(values) != len(stages):
+            raise ValueError(f"--stage_{name} needs {len(stages)} values (one per stage, extension included),"
+                             f" got {len(values)}")
+    return tuple(dataclasses.replace(row, **{name: values[i] for name, values in columns.items()})
+                 for i, row in enumerate(stages))
+
+_STAGE_COLUMNS = [f.name for f in dataclasses.fields(Stage)]
+_ROW_FIELDS = ("stages", "layers")  # set through --stage_<column> and --layers, not whole
+
+# ---- Presets: "demo" trains on a CPU in minutes, "test" is tiny --------------------------------
+
+PRESETS.update({
+    "demo": dict(
+        train_files="data/tinyshakespeare/tinyshakespeare_train_*.bin",
+        val_files="data/tinyshakespeare/tinyshakespeare_val_*.bin",
+        val_tokens=32_768,
+        # width 128: the 50,304-wide LM head is most of a CPU step, and at width 256 an fp32 step (CPUs
+        # without fast bf16) took ~2.3x as long for the same final loss
+        model_dim=128, num_heads=2, head_dim=64, mlp_hidden=512,
+        bigram_vocab_size=20_011,
+        layers=layers_from_words(("paired short", "attn short ve xsa save_skip",
+                                  "attn long offset xsa gate post_gates", "skip save_h", "paired short ve from_h",
+                                  "attn long offset ve gate dc from_h mudd")),
+        mudd_hidden=32, dc_window=56, window_block_size=64,
+        num_iterations=75, extension_iterations=3,
+        stages=restaged(STAGES, batch_tokens=(4_096, 8_192, 12_288, 12_288), max_doc_len=(512, 1024, 1024, 1024)),
+        val_seq_len=1024, val_loss_every=25,
+        # 78 steps give Adam 39 updates: the speedrun's rates (tuned for 1285 steps) leave the embedding
+        # tables undertrained. Measured on this demo at 63 steps: Adam 0.024 / 0.032 / 0.045 -> val 5.15 /
+        # 4.99 / 5.34, NorMuon 0.05 4.99
+        muon_lr=0.035, adam_lr=0.032,
+        compile=False,  # inductor's CPU compile of every graph would take most of the demo's budget
+        sample_tokens=48,
+    ),
+    "test": dict(
+        train_files="data/tinyshakespeare/tinyshakespeare_train_*.bin",
+        val_files="data/tinyshakespeare/tinyshakespeare_val_*.bin",
+        model_dim=64, num_heads=2, head_dim=32, mlp_hidden=256,
+        bigram_vocab_size=4_001,
+        layers=layers_from_words(("paired short save_skip", "attn long offset ve xsa gate post_gates", "skip save_h",
+                                  "attn long offset ve gate dc from_h mudd")),
+        mudd_hidden=16, dc_window=14, window_block_size=16,
+        num_iterations=6, extension_iterations=1, micro_batches=4,
+        stages=restaged(STAGES, batch_tokens=(512, 1024, 1536, 1536), max_doc_len=(64, 128, 128, 128)),
+        val_tokens=2048, val_seq_len=512, val_loss_every=3,
+    ),
+})
 
 # ---- Flag parsing and validation -------------------------------------------------------------
 
@@ -3493,272 +3051,6 @@ def flag_range(field: dataclasses.Field) -> FlagRange | None:
     allowed = field.metadata.get("allowed")
     return FlagRange(**allowed) if allowed else None
 
-# ---- Ablations (--ablate): each switches one component off by editing rows -------------------
-
-def _layers_with(args: Hyperparameters, **fields) -> Hyperparameters:
-    """args with the fields set on every attention row (skip rows have nothing to switch off)."""
-    return dataclasses.replace(args, layers=tuple(
-        row if row.attention == "none" else dataclasses.replace(row, **fields) for row in args.layers))
-
-def _fixed_windows(args: Hyperparameters) -> Hyperparameters:
-    """The last scheduled stage's windows from step 0 to the end (final validation too), at the YaRN
-    reference itself: no YaRN step ever."""
-    last = args.stages[-2].windows
-    return dataclasses.replace(args, stages=restaged(args.stages, windows=(last,) * len(args.stages)),
-                               windows_init=last, final_val_windows=last)
-
-ABLATIONS = {
-    "xsa": lambda a: _layers_with(a, xsa=False),
-    "attn_gates": lambda a: _layers_with(a, gate=False),
-    "dc": lambda a: _layers_with(a, dc=False),
-    "key_offset": lambda a: _layers_with(a, key_offset=False),
-    "from_h": lambda a: _layers_with(a, input="x"),
-    "paired_heads": lambda a: dataclasses.replace(a, layers=tuple(
-        dataclasses.replace(r, attention="plain") if r.attention == "paired" else r for r in a.layers)),
-    "mtp": lambda a: dataclasses.replace(a, stages=tuple(  # the next-token term only
-        dataclasses.replace(r, mtp_start=r.mtp_start[:1], mtp_end=r.mtp_end[:1]) for r in a.stages)),
-    "prefix_loss": lambda a: dataclasses.replace(a, stages=tuple(
-        dataclasses.replace(r, prefix_start=0.0, prefix_end=0.0) for r in a.stages)),
-    "window_schedule": _fixed_windows,
-}
-
-def ablated(args: Hyperparameters, names) -> Hyperparameters:
-    """args with the named ABLATIONS applied in order (--ablate xsa,dc)."""
-    for name in names:
-        if name not in ABLATIONS:
-            raise ValueError(f"--ablate {name!r} is not one of {', '.join(ABLATIONS)}")
-        args = ABLATIONS[name](args)
-    return args
-
-# ---- The command line: --layers words, --stage_<column> columns ------------------------------
-
-# --layers takes the rows as words, one string a row: "attn long offset ve gate dc from_h mudd".
-LAYER_WORDS = {
-    "attn": ("attention", "plain"), "paired": ("attention", "paired"), "skip": ("attention", "none"),
-    "short": ("window", "short"), "long": ("window", "long"), "ve": ("value_embed", True), "xsa": ("xsa", True),
-    "gate": ("gate", True), "dc": ("dc", True), "offset": ("key_offset", True), "from_h": ("input", "h"),
-    "mudd": ("mudd", True), "save_skip": ("save_skip", True), "save_h": ("save_h", True),
-    "post_gates": ("post_gates", True),
-}
-
-def layers_from_words(rows) -> tuple:
-    """--layers' strings as Layer rows (check_layers checks them)."""
-    if not isinstance(rows, (tuple, list)) or not rows or not all(isinstance(r, str) for r in rows):
-        raise ValueError(f"--layers must be a non-empty tuple of strings (one row per layer), got {rows!r}")
-    layers = []
-    for i, row in enumerate(rows):
-        unknown = [w for w in row.split() if w not in LAYER_WORDS]
-        if unknown:
-            raise ValueError(f"--layers row {i} ({row!r}): unknown word(s) {unknown}; known: {', '.join(LAYER_WORDS)}")
-        fields = {}
-        for word in row.split():
-            name, value = LAYER_WORDS[word]
-            if name in fields and fields[name] != value:
-                raise ValueError(f"--layers row {i} ({row!r}): more than one {name} ({fields[name]!r}, {value!r})")
-            fields[name] = value
-        if "attention" not in fields:
-            raise ValueError(f"--layers row {i} ({row!r}): needs exactly one of attn, paired, skip")
-        layers.append(Layer(**fields))
-    return tuple(layers)
-
-def restaged(stages: tuple, **columns) -> tuple:
-    """The rows with whole columns replaced, one value per row: restaged(STAGES, batch_tokens=(...))."""
-    for name, values in columns.items():
-        if len(values) != len(stages):
-            raise ValueError(f"--stage_{name} needs {len(stages)} values (one per stage, extension included),"
-                             f" got {len(values)}")
-    return tuple(dataclasses.replace(row, **{name: values[i] for name, values in columns.items()})
-                 for i, row in enumerate(stages))
-
-_STAGE_COLUMNS = [f.name for f in dataclasses.fields(Stage)]
-_ROW_FIELDS = ("stages", "layers")  # set through --stage_<column> and --layers, not whole
-
-# ---- Presets: "demo" trains on a CPU in minutes, "test" is tiny --------------------------------
-
-PRESETS.update({
-    "demo": dict(
-        train_files="data/tinyshakespeare/tinyshakespeare_train_*.bin",
-        val_files="data/tinyshakespeare/tinyshakespeare_val_*.bin",
-        val_tokens=32_768,
-        # width 128: the 50,304-wide LM head is most of a CPU step, and at width 256 an fp32 step (CPUs
-        # without fast bf16) took ~2.3x as long for the same final loss
-        model_dim=128, num_heads=2, head_dim=64, mlp_hidden=512,
-        bigram_vocab_size=20_011,
-        layers=layers_from_words(("paired short", "attn short ve xsa save_skip",
-                                  "attn long offset xsa gate post_gates", "skip save_h", "paired short ve from_h",
-                                  "attn long offset ve gate dc from_h mudd")),
-        mudd_hidden=32, dc_window=56, window_block_size=64,
-        num_iterations=75, extension_iterations=3,
-        stages=restaged(STAGES, batch_tokens=(4_096, 8_192, 12_288, 12_288), max_doc_len=(512, 1024, 1024, 1024)),
-        val_seq_len=1024, val_loss_every=25,
-        # 78 steps give Adam 39 updates: the speedrun's rates (tuned for 1285 steps) leave the embedding
-        # tables undertrained. Measured on this demo at 63 steps: Adam 0.024 / 0.032 / 0.045 -> val 5.15 /
-        # 4.99 / 5.34, NorMuon 0.05 4.99
-        muon_lr=0.035, adam_lr=0.032,
-        compile=False,  # inductor's CPU compile of every graph would take most of the demo's budget
-        sample_tokens=48,
-    ),
-    "test": dict(
-        train_files="data/tinyshakespeare/tinyshakespeare_train_*.bin",
-        val_files="data/tinyshakespeare/tinyshakespeare_val_*.bin",
-        model_dim=64, num_heads=2, head_dim=32, mlp_hidden=256,
-        bigram_vocab_size=4_001,
-        layers=layers_from_words(("paired short save_skip", "attn long offset ve xsa gate post_gates", "skip save_h",
-                                  "attn long offset ve gate dc from_h mudd")),
-        mudd_hidden=16, dc_window=14, window_block_size=16,
-        num_iterations=6, extension_iterations=1, micro_batches=4,
-        stages=restaged(STAGES, batch_tokens=(512, 1024, 1536, 1536), max_doc_len=(64, 128, 128, 128)),
-        val_tokens=2048, val_seq_len=512, val_loss_every=3,
-    ),
-})
-
-# ---- The CPU's attention: SDPA, banded where that saves work ---------------------------------
-
-def dense_attention_mask(doc_ids: torch.Tensor, window, pos_div: int = 1) -> torch.Tensor:
-    """(n, n) boolean mask from attention_mask_mod, n = T * pos_div (for SDPA on the CPU)."""
-    idx = torch.arange(doc_ids.numel() * pos_div, device=doc_ids.device)
-    return attention_mask_mod(doc_ids, window, pos_div)(0, 0, idx[:, None], idx[None, :])
-
-CPU_ATTENTION_CHUNK = 256  # query slots per band of the CPU attention
-
-def banded_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, span: int,
-                     scale: float = 1.0) -> torch.Tensor:
-    """SDPA of (1, H, n, hd) q, k, v under a sliding-window mask, in O(n * (chunk + span)) instead of O(n^2).
-
-    Exact when no query slot sees a key slot more than `span` slots back: each band of `chunk` queries
-    attends to its own keys and the `span` before them, with the mask of banded_attention_mask
-    (chunk = mask.shape[2])."""
-    _, H, n, hd = q.shape
-    chunk = mask.shape[2]
-
-    def bands(t):  # (1, H, n, hd) -> (n/chunk, H, chunk + span, hd), overlapping views of the left-padded keys
-        return F.pad(t, (0, 0, span, 0)).unfold(2, chunk + span, chunk)[0].permute(1, 0, 3, 2)
-
-    qb = q[0].view(H, n // chunk, chunk, hd).transpose(0, 1)
-    y = F.scaled_dot_product_attention(qb, bands(k), bands(v), attn_mask=mask, scale=scale)
-    return y.transpose(0, 1).reshape(1, H, n, hd)
-
-def attention_band(n: int, span: int) -> int:
-    """Chunk for banded_attention of n slots with this span, or 0 where dense attention is as cheap."""
-    for chunk in (CPU_ATTENTION_CHUNK, CPU_ATTENTION_CHUNK // 2, CPU_ATTENTION_CHUNK // 4):
-        if n % chunk == 0 and chunk + span < n // 2:
-            return chunk
-    return 0
-
-class SDPAMask(NamedTuple):
-    """The CPU attention's mask of one layer kind: banded_attention_mask's bands (chunk > 0) or a dense
-    (n, n) mask (chunk 0); span = the window in slots (a Python int: band shapes depend on it).
-    fp32: attend in fp32 (the GPU check's independent reference)."""
-    mask: torch.Tensor
-    span: int
-    chunk: int
-    fp32: bool = False
-
-def sdpa_mask(doc_ids: torch.Tensor, window: torch.Tensor, span: int, pos_div: int, fp32: bool = False) -> SDPAMask:
-    """The SDPA kernel's mask of one layer kind: bands where attention_band finds them, else dense."""
-    chunk = attention_band(doc_ids.numel() * pos_div, span)
-    mask = banded_attention_mask(doc_ids, window, pos_div, chunk, span) if chunk else dense_attention_mask(doc_ids, window, pos_div)
-    return SDPAMask(mask, span, chunk, fp32)
-
-def sdpa_attend_tokens(q, k, v, mask: SDPAMask, r: int, scale: torch.Tensor, scale_value: float) -> torch.Tensor:
-    """SDPA of (T, H, hd) q, k, v at r slots per token (banded where the mask is), the scale as a number:
-    the same fp32 value, kept as a float by GPT.set_windows; in fp32 for the fp32 reference."""
-    qs, ks, vs = (as_slots(t.float() if mask.fp32 else t, r) for t in (q, k, v))
-    if mask.chunk:
-        y = banded_attention(qs, ks, vs, mask.mask, mask.span, scale=scale_value)
-    else:
-        y = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask.mask, scale=scale_value)
-    return from_slots(y.to(q.dtype), q.shape[0])
-
-ATTENTION_MASKS.update(sdpa=sdpa_mask, sdpa_fp32=functools.partial(sdpa_mask, fp32=True))
-ATTEND[SDPAMask] = sdpa_attend_tokens
-
-# ---- Ablations of the optimizer: the banks' optimizer, switched-off components ---------------
-
-# matrix_optimizer='adamw' runs the banks through the recipe's Adam (cautious decay) on every step, at
-# AdamW-like settings: adamw_bank_lr_mul x the embeddings' learning rate (a quarter, 0.002, by default;
-# hidden matrices want much smaller Adam steps than embedding rows) and decoupled decay of 0.1 x lr.
-ADAMW_BANK_DECAY = 0.1
-ADAMW_BANK_BETAS = (0.9, 0.95)
-# Plain Muon is NorMuon with beta2 = 1: the second moment never leaves its zero start, so the
-# per-neuron scale is one constant that the Frobenius renormalisation cancels exactly.
-NORMUON_BETA2_OF.update(muon=1.0, adamw=NORMUON_BETA2)
-MATRIX_OPTIMIZERS = tuple(NORMUON_BETA2_OF)
-
-def adamw_bank_configs(args: Hyperparameters, configs: dict[str, ParamConfig]) -> dict[str, ParamConfig]:
-    """--matrix_optimizer adamw: the banks move to Adam, stepping on every step."""
-    if args.matrix_optimizer != "adamw":
-        return configs
-    # Adam's decay is (lr * lr_mul)^2 * adam_wd * wd_mul: pick wd_mul so that it equals
-    # ADAMW_BANK_DECAY times the bank's learning rate at the base lr.
-    bank_lr = args.adam_lr * args.adamw_bank_lr_mul
-    wd_mul = ADAMW_BANK_DECAY / (bank_lr * args.adam_wd) if bank_lr * args.adam_wd > 0 else 0.0
-    return {**configs, **{label: ParamConfig("adam", "sharded", lr_mul=args.adamw_bank_lr_mul, wd_mul=wd_mul,
-                                             betas=ADAMW_BANK_BETAS, every_step=True)
-                          for label in ("qk_bank", "vo_bank", "mlp_bank")}}
-
-def switched_off_configs(args: Hyperparameters, configs: dict[str, ParamConfig]) -> dict[str, ParamConfig]:
-    """Parameters of a switched-off component get lr and decay multipliers of 0 (they receive no
-    gradient and must not drift)."""
-    off = {"value_embeds": not args.value_embeds, "ve_gate_bank": not args.value_embeds,
-           "bigram_embed": not args.bigram_embed, "smear_gate": not args.smear,
-           **{label: not args.mudd for label in ("mudd_w1", "mudd_w2", "mudd_gate_w1", "mudd_gate_w2")}}
-    return {label: dataclasses.replace(cfg, lr_mul=0.0, wd_mul=0.0) if off.get(label) else cfg
-            for label, cfg in configs.items()}
-
-CONFIG_CHANGES.extend([adamw_bank_configs, switched_off_configs])
-
-# ---- Ablations of the model: components switched off ------------------------------------------
-
-# Each switch (a Hyperparameters field) puts a neutral stand-in in place of a GPT method: zeros where the
-# forward adds the component (x + 0 is x, to the bit), the identity where it transforms. The component's
-# parameters stay in the model (checkpoints keep one layout), unread or multiplied by zero, and frozen
-# by switched_off_configs. "bigram_embed" comes after "bigram_signs": with both off, zeros.
-def _zero_value_embeddings(model: GPT, ids: torch.Tensor) -> list[torch.Tensor]:
-    return [model.embed.new_zeros(ids.numel(), model.args.model_dim)] * model.value_embeds.shape[0]
-
-def _unsigned_bigram_features(model: GPT, ids: torch.Tensor, bigram_ids: torch.Tensor) -> torch.Tensor:
-    return F.embedding(bigram_ids.view(-1), model.bigram_embed)
-
-def _zero_bigram_features(model: GPT, ids: torch.Tensor, bigram_ids: torch.Tensor) -> torch.Tensor:
-    return model.embed.new_zeros(ids.numel(), model.args.model_dim)
-
-def _constant_mudd_mlp(model: GPT, x: torch.Tensor, w1, w2, b2: torch.Tensor, scale) -> torch.Tensor:
-    """--mudd false: the learned constants b2 * scale, the same for every token."""
-    return (b2 * scale).expand(x.shape[0], b2.shape[0])
-
-SWITCHED_OFF = {  # switch: (the GPT method it replaces, the stand-in)
-    "value_embeds": ("value_embeddings", _zero_value_embeddings),
-    "bigram_signs": ("bigram_features", _unsigned_bigram_features),
-    "bigram_embed": ("bigram_features", _zero_bigram_features),
-    "smear": ("smear", lambda model, e: e),
-    "unet_skip": ("unet_skip", lambda model, x, gate, skip_src: x),
-    "backout": ("post_loop", lambda model, x, *sources: x),
-    "mudd": ("_mudd_mlp", _constant_mudd_mlp),
-}
-
-def switch_off_components(model: GPT) -> None:
-    """The stand-in of every component whose switch is off, bound to the model."""
-    for switch, (method, stand_in) in SWITCHED_OFF.items():
-        if not getattr(model.args, switch):
-            setattr(model, method, types.MethodType(stand_in, model))
-
-# ---- The CPU's head and evaluation loss ------------------------------------------------------
-
-def cpu_head(model: GPT, x, targets, mtp_weights, prefix_ids, prefix_weight, loss_scale):
-    """The head's matmuls inside the loss's row blocks: no (T, V) tensor in memory. (loss, next-token loss)."""
-    return triton_kernels.softcapped_ce_mtp_head_rows(x, model.lm_head, targets, mtp_weights, prefix_ids, prefix_weight,
-                                                      grad_scale=loss_scale, next_token=True)
-
-def cpu_evaluation_ce(logits: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-    """The same bits as the GPU's, in cache-sized blocks (the plain form inside a compiled graph)."""
-    if torch.compiler.is_compiling():
-        return bf16_evaluation_ce(logits, t)
-    return F.nll_loss(triton_kernels.softcap_log_probs(logits), t, reduction="sum")
-
-HEAD_LOSSES["cpu"] = cpu_head
-EVALUATION_CE["cpu"] = cpu_evaluation_ce
-
 # ---- The FP8 MLP on a CPU: emulated (tests, host-dispatch counts) ---------------------------------
 
 @fp8_mlp.register_kernel("cpu")
@@ -3769,182 +3061,289 @@ def _fp8_mlp_cpu(x, w_up, w_down, x_f8, up_f8, up_dequant, down_f8_t, down_scale
                                                                    fast_accum=fast_accum)
     return _scaled_matmul(post_f8, down_f8_t.mT, act_scale, down_scale, torch.bfloat16, fast_accum=True), post, post_max
 
-# ---- Data: the offline GPT-2 tokenizer, the batch split's start-up check -----------------------
+# ---- The FP8 head on a CPU: emulated (tests, host-dispatch counts) ---------------------------------
 
-# GPT-2 BPE, built offline from the rank file shipped in data/ (same ranks as tiktoken's "gpt2").
-GPT2_TIKTOKEN_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "gpt2.tiktoken")
-GPT2_TIKTOKEN_SHA256 = "306cd27f03c1a714eca7108e03d66b7dc042abe8c258b44c199a7ed9838dd930"
-GPT2_SPLIT_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+@fp8_head_loss.register_kernel("cpu")
+def _fp8_head_loss_cpu(x, w, x_f8, w_f8, targets, mtp_weights, prefix_ids, prefix_weight, x_s, w_s, grad_s,
+                       grad_scale):
+    """fp8_head_loss on CPU tensors: the float8 matmul emulated (_scaled_matmul), the loss kernel's CPU twin."""
+    _check_fp8_head_args(x, w, x_f8, w_f8, grad_s)
+    logits = _scaled_matmul(x_f8, w_f8, x_s, w_s, torch.bfloat16, fast_accum=True)
+    return triton_kernels.softcapped_ce_mtp_e5m2(logits, targets, mtp_weights, prefix_ids, prefix_weight,
+                                                 grad_scale, grad_s)
 
-def gpt2_encoding(rank_file: str | None = GPT2_TIKTOKEN_FILE):
-    """The GPT-2 tokenizer. With a rank file (default: the shipped copy, sha256-checked) no network is
-    touched; rank_file=None asks tiktoken for its own "gpt2" encoding (which may download)."""
-    import tiktoken
-    if rank_file is None:
-        return tiktoken.get_encoding("gpt2")
-    import hashlib
-    try:
-        with open(rank_file, "rb") as f:
-            digest = hashlib.sha256(f.read()).hexdigest()
-    except OSError as e:
-        raise SystemExit(f"error: cannot read GPT-2 rank file {rank_file} ({e.strerror})") from None
-    if digest != GPT2_TIKTOKEN_SHA256:
-        raise SystemExit(f"error: {rank_file} has sha256 {digest}, not the GPT-2 ranks ({GPT2_TIKTOKEN_SHA256})")
-    from tiktoken.load import load_tiktoken_bpe
-    return tiktoken.Encoding("gpt2", pat_str=GPT2_SPLIT_PATTERN, mergeable_ranks=load_tiktoken_bpe(rank_file),
-                             special_tokens={"<|endoftext|>": BOS_ID}, explicit_n_vocab=50257)
+# ---- Gram Newton-Schulz and the measured "auto" choice (alternatives to polar_express) -------
 
-def check_batch_split(args: Hyperparameters, world_size: int) -> int:
-    """grad_accum_steps, or a start-up error where a stage's batch does not split into ranks x accumulation steps."""
-    accum = grad_accum_steps(args, world_size)
-    slots = world_size * accum
-    for tokens in (row.batch_tokens for row in args.stages):
-        if tokens % slots:
-            raise SystemExit(f"error: the global batch of {tokens} tokens (--stage_batch_tokens) does not split into "
-                             f"{world_size} ranks x {accum} accumulation steps; use a world size that divides "
-                             f"{args.micro_batches} or batch sizes divisible by {slots}")
-    return accum
+# Gram Newton-Schulz: the iteration on the Gram matrix of Dao-AILab/gram-newton-schulz, with the
+# polynomials of polar_express.
 
-# ---- Argument checks of the functions above (one-line errors for bad input) ---------------------
+def _normalized_bank(G: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """G / (||G||_F * 1.02 + 1e-6) per matrix, as a 3-D (batch, m, n) tensor of `dtype`.
 
-def check_scaled_mm_args(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor) -> None:
-    """Raise ValueError unless the operands suit cuBLAS's tensor-wise FP8 GEMM, on every device (a CPU
-    accepts layouts cuBLAS rejects): 2-D float8, not both e5m2; a (M, K) row-major, b (K, N) column-major;
-    M, K, N multiples of 16; each scale one fp32 value at a 16-byte aligned address."""
-    if a.dim() != 2 or b.dim() != 2:
-        raise ValueError(f"fp8 matmul: operands must be 2-D, got {tuple(a.shape)} and {tuple(b.shape)}")
-    if a.dtype not in _FP8_DTYPES or b.dtype not in _FP8_DTYPES:
-        raise ValueError(f"fp8 matmul: operands must be float8_e4m3fn/float8_e5m2, got {a.dtype} and {b.dtype}")
-    if a.dtype == torch.float8_e5m2 and b.dtype == torch.float8_e5m2:
-        raise ValueError("fp8 matmul: cuBLAS has no e5m2 x e5m2 GEMM; make one operand float8_e4m3fn")
-    (M, K), (K2, N) = a.shape, b.shape
-    if K != K2:
-        raise ValueError(f"fp8 matmul: inner dimensions differ: a is {tuple(a.shape)}, b is {tuple(b.shape)}")
-    if M % 16 or K % 16 or N % 16:
-        raise ValueError(f"fp8 matmul: M, K, N must be multiples of 16, got M={M} K={K} N={N};"
-                         " pad the token count / dims to a multiple of 16")
-    if a.stride(1) != 1 or a.stride(0) < K:
-        raise ValueError(f"fp8 matmul: first operand must be row-major, got strides {a.stride()}; use .contiguous()")
-    if b.stride(0) != 1 or b.stride(1) < K:
-        raise ValueError(f"fp8 matmul: second operand must be column-major, got strides {b.stride()};"
-                         " use .T.contiguous().T")
-    for name, s in (("scale_a", scale_a), ("scale_b", scale_b)):
-        if s.dtype != torch.float32 or s.numel() != 1:
-            raise ValueError(f"fp8 matmul: {name} must be a single float32 value, got {s.dtype} with {s.numel()} elements")
-        if s.data_ptr() % SCALE_ALIGN_BYTES:
-            raise ValueError(f"fp8 matmul: {name} sits at byte offset {s.storage_offset() * s.element_size()} of its storage,"
-                             f" not {SCALE_ALIGN_BYTES}-byte aligned (cuBLASLt rejects it with CUBLAS_STATUS_NOT_SUPPORTED);"
-                             " keep every scale in its own 16-byte slot (FP8MLPState) or pass a fresh tensor")
+    The norm is taken in fp32 whatever G's dtype: a bf16 norm of a large matrix is too coarse to
+    keep the spectral norm safely below 1.
+    """
+    G3 = _as_bank(G)
+    norm = G3.float().norm(dim=(-2, -1), keepdim=True)
+    return (G3.float() / (norm * 1.02 + 1e-6)).to(dtype)
 
-def _check_fp8_head_args(x: torch.Tensor, w: torch.Tensor, x_f8: torch.Tensor, w_f8: torch.Tensor, grad_s) -> None:
-    if not (math.isfinite(grad_s) and grad_s > 0):  # the kernel stores the gradient times 1 / grad_s
-        raise ValueError(f"fp8_head_loss: grad_s must be a finite number > 0, got {grad_s}")
-    for name, t, ref in (("x_f8", x_f8, x), ("w_f8", w_f8, w)):
-        if t.dtype != torch.float8_e4m3fn or t.shape != ref.shape:
-            raise ValueError(f"fp8_head_loss: {name} must be float8_e4m3fn of shape {tuple(ref.shape)},"
-                             f" got {t.dtype} {tuple(t.shape)}")
+def gram_newton_schulz(G: torch.Tensor, coeffs=POLAR_EXPRESS_COEFFS, restart_after: int = 2,
+                       dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """The same polynomial iteration, run on the small Gram matrix instead of the full matrix.
 
-def _check_fp8_mlp_args(state: FP8MLPState, x: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor) -> None:
-    H, D = state.up_f8.shape[1:]
-    dtypes = {x.dtype, w_up.dtype, w_down.dtype}
-    if x.shape[1:] != (D,) or {w_up.shape, w_down.shape} != {(H, D)} or dtypes != {torch.bfloat16}:
-        raise ValueError(f"FP8MLPState.mlp: x must be (T, {D}), w_up and w_down ({H}, {D}), all bf16; got x "
-                         f"{tuple(x.shape)} {x.dtype}, w_up {tuple(w_up.shape)} {w_up.dtype}, "
-                         f"w_down {tuple(w_down.shape)} {w_down.dtype}")
+    Every iterate has the form X_k = Q_k X_0 (wide case; tall matrices are transposed views), so it
+    suffices to track the s x s left factor Q and the Gram matrix R = X_k X_k^T:
+        Z = a I + b R + c R^2,   Q <- Z Q,   R <- Z R Z.
+    The long dimension is touched only to form R, at the restart and at the end (X = Q X_0). For a
+    3072 x 768 MLP matrix that is ~30% fewer FLOPs than Polar Express. Errors in the accumulated Q
+    grow fastest during the first, steep iterations, so after `restart_after` iterations X is formed
+    explicitly and R recomputed from it. The Gram work runs in fp16 (all entries are bounded by a
+    few units; fp16 keeps 3 more mantissa bits than bf16); the result is bf16 with G's shape.
+    dtype=torch.float32 runs everything in fp32 and returns fp32 (the CPU fp32 mode).
+    """
+    X = _normalized_bank(G, torch.float16 if dtype == torch.bfloat16 else dtype)
+    tall = X.size(-2) > X.size(-1)
+    if tall:
+        X = X.mT.contiguous()
+    s = X.size(-2)
+    eye = torch.eye(s, dtype=X.dtype, device=X.device)
+    R = triton_kernels.XXT(X, X.new_empty(X.size(0), s, s))
+    Q = None
+    last = len(coeffs) - 1
+    for i, (a, b, c) in enumerate(coeffs):
+        if i == restart_after and Q is not None:
+            X = torch.bmm(Q, X)
+            R = triton_kernels.XXT(X, X.new_empty(X.size(0), s, s))
+            Q = None
+        Z = triton_kernels.ba_plus_cAA(R, c, b, torch.empty_like(R)) + a * eye  # b R + c R^2 + a I
+        Q = Z if Q is None else torch.bmm(Z, Q)
+        if i < last:
+            R = torch.bmm(torch.bmm(Z, R), Z)
+    X = torch.bmm(Q, X)
+    if tall:
+        X = X.mT
+    return X.to(dtype).reshape(G.shape)
 
-def _check_post_maxima(state: FP8MLPState, post_maxima: list) -> None:
-    if len(post_maxima) != (L := state.act_scale.shape[0]):
-        raise ValueError(f"FP8MLPState.update_act_scales: post_maxima must hold {L} layers' maxima,"
-                         f" got {len(post_maxima)}")
+# Measured choice of "auto", per GPU: (rows, cols) of a bank's matrices -> (Polar Express ms, Gram
+# Newton-Schulz ms) for one rank's shard. Only repeatable measurements are listed: on one H100 80GB HBM3
+# (tests/bench_optimizer.py, torch 2.11, 2026-11-24) the 768 x 768 banks gave 1.25 and 2.45 ms for the
+# same Polar Express call in one run; on one H200 (the GPU check, 2026-11-26) every bank took 1.05 to
+# 1.28 ms either way (launch-bound), and 3 and 24 matrices of 3072 x 768 favoured opposite ones, so none
+# is listed. The rest follow the FLOP count. The GPU check's kernel-choice check times every bank again.
+ORTHOGONALIZER_MS = {"H100": {(3072, 768): (1.971, 1.218)}, "H200": {}}
 
-def _check_mlp_bank(state: FP8MLPState, mlp_bank: torch.Tensor) -> None:
-    L, H, D = state.up_f8.shape
-    if mlp_bank.dim() != 3 or mlp_bank.shape[0] < 2 * L or tuple(mlp_bank.shape[1:]) != (H, D):
-        raise ValueError(f"FP8MLPState.quantize: mlp_bank must be (>= {2 * L}, {H}, {D}), got {tuple(mlp_bank.shape)}")
+def auto_orthogonalizer(rows: int, cols: int, gpu_name: str = "") -> str:
+    """The name "auto" runs for (rows, cols) matrices: the faster measured one on a GPU whose table has
+    the shape, else the one with fewer FLOPs (orthogonalization_flops: Gram Newton-Schulz once the long
+    side is at least twice the short one)."""
+    times = triton_kernels.measured_table(ORTHOGONALIZER_MS, gpu_name).get((rows, cols))
+    if times is not None:
+        return "polar_express" if times[0] <= times[1] else "gram_newton_schulz"
+    return "gram_newton_schulz" if max(rows, cols) >= 2 * min(rows, cols) else "polar_express"
 
-def _check_sparse_declaration(exchange: ShardExchange, slot: Slot) -> None:
-    if slot.label in exchange.plans:
-        raise ValueError(f"prepare_sparse: the row exchange of {slot.label!r} was already launched for this step;"
-                         " declare every row before launch=True")
+def orthogonalize_auto(G: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """Per bank shape, Gram Newton-Schulz or Polar Express (auto_orthogonalizer).
 
-def _check_sparse_rows(slot: Slot, rows: torch.Tensor) -> None:
-    """rows: the sorted unique row ids declared for slot's table."""
-    if rows.numel() and (rows[0] < 0 or rows[-1] >= slot.rows):
-        raise ValueError(f"prepare_sparse: row ids of {slot.label!r} must be in [0, {slot.rows});"
-                         f" got {int(rows[0])}..{int(rows[-1])}")
+    Per matrix with short side s and long side L, Polar Express costs ~20 s^2 L + 10 s^3 FLOPs
+    and the Gram form ~8 s^2 L + 32 s^3: the Gram form wins once L > ~1.8 s (the 3072 x 768 MLP
+    bank: -29%) and loses on square matrices (attention banks: +33%).
+    """
+    m, n = G.shape[-2:]
+    name = auto_orthogonalizer(m, n, triton_kernels.gpu_name_of(G))
+    return (gram_newton_schulz if name == "gram_newton_schulz" else polar_express)(G, dtype=dtype)
 
-def _check_sparse_label(opt: NorMuonAdam, label: str) -> None:
-    slot = opt.slots.get(label)
-    if slot is None or slot.cfg.comms != "sharded_sparse":
-        raise ValueError(f"prepare_sparse: {label!r} is not a parameter with comms='sharded_sparse'")
+ORTHOGONALIZERS.update(gram_newton_schulz=gram_newton_schulz, auto=orthogonalize_auto)
 
-def _check_after_update(opt: NorMuonAdam, after_update: dict) -> None:
-    for label in after_update:
-        if label not in opt.slots or opt.slots[label].cfg.optimizer != "normuon":
-            raise ValueError(f"NorMuonAdam.step: after_update[{label!r}] needs a normuon label")
+def orthogonalization_flops(rows: int, cols: int, orthogonalizer="polar_express") -> int:
+    """FLOPs to orthogonalize one rows x cols matrix, counted like torch's FlopCounterMode (2 per
+    multiply-add, symmetric products counted dense). With s the short side and L the long one:
+    Polar Express 5 x (4 s^2 L + 2 s^3); Gram Newton-Schulz 8 s^2 L + 32 s^3 (module docstrings).
+    orthogonalizer: a name, one of the functions (or a functools.partial of one); anything else is
+    costed as Polar Express. Balanced ownership evens out these counts over the ranks."""
+    fn = getattr(orthogonalizer, "func", orthogonalizer)
+    name = next((k for k, f in ORTHOGONALIZERS.items() if fn is f or fn == k), "polar_express")
+    s, L = min(rows, cols), max(rows, cols)
+    if name == "auto":
+        name = auto_orthogonalizer(rows, cols)
+    if name == "gram_newton_schulz":
+        return 8 * s * s * L + 32 * s ** 3
+    return len(POLAR_EXPRESS_COEFFS) * (4 * s * s * L + 2 * s ** 3)
 
-def _check_untie(opt: NorMuonAdam) -> None:
-    if opt.tied is None:
-        raise ValueError("NorMuonAdam.untie(): embedding and head are not tied")
-    if opt._on_backward is not None:
-        raise ValueError("NorMuonAdam.untie(): reductions launched by reductions_on_backward are pending;"
-                         " call step() first")
+# ---- Tensor-parallel orthogonalization and NorMuon ------------------------------------------
+# (the modes of Megatron-LM's TensorParallelMuon)
 
-def _check_block_mask_args(n: int, block_size: int, window) -> None:
-    if n % block_size:
-        raise ValueError(f"attention: sequence of {n} slots is not a multiple of the {block_size}-token"
-                         " attention block; make the tokens per rank a multiple of 128")
-    if isinstance(window, torch.Tensor) and window.device.type != "cpu":
-        raise ValueError("block_mask_indices: pass the window as a Python int (reading a device tensor waits for the GPU)")
+TP_MODES = ("duplicated", "distributed", "blockwise")
 
-def _check_mask_kernel(kernel: str) -> None:
-    if kernel in START_MASKS:
-        raise ValueError(f"attention: {kernel} attention takes document starts, not ids: GPT.attention_masks builds it")
-    if kernel not in ATTENTION_MASKS:
-        raise ValueError(f"attention: kernel={kernel!r}; choose one of {', '.join([*START_MASKS, *ATTENTION_MASKS])}")
+def tensor_parallel_orthogonalize(shard: torch.Tensor, mode: str, shard_dim: int, group=None,
+                                  dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """Polar Express of a matrix (or bank) split over the ranks of `group` along shard_dim (-2: row
+    shards, -1: column shards, equal sizes); returns this rank's shard of the result
+    (the modes of Megatron-LM's TensorParallelMuon).
 
-def _check_window_blocks(**blocks) -> None:
-    for name, v in blocks.items():
-        if v is not None and (not isinstance(v, (int, np.integer)) or v < 1):
-            raise ValueError(f"set_windows: {name} window must be a block count >= 1, got {v!r}")
+    duplicated   all_gather the whole matrix, run polar_express on it on every rank, keep the shard
+    distributed  the iteration on shards: the Gram matrix over the unsplit side, X^T X for row shards
+                 or X X^T for column shards, is a sum of per-shard products, all_reduced (fp32, as
+                 is the Frobenius norm); the same polynomial as polar_express, in fp32, cast to dtype
+    blockwise    polar_express of the shard alone: no communication, an approximation
+    """
+    if mode not in TP_MODES:
+        raise ValueError(f"tensor_parallel_orthogonalize: mode={mode!r}; choose one of {', '.join(TP_MODES)}")
+    dim = shard_dim % shard.ndim
+    if dim < shard.ndim - 2:
+        raise ValueError(f"tensor_parallel_orthogonalize: shard_dim must be -2 or -1, got {shard_dim}")
+    if mode == "blockwise":
+        return polar_express(shard, dtype=dtype)
+    W, rank = dist.get_world_size(group), dist.get_rank(group)
+    if mode == "duplicated":
+        return polar_express(_gather_shards(shard, dim, group), dtype=dtype).chunk(W, dim=dim)[rank].contiguous()
+    X = _as_bank(shard).float()
+    sq = X.square().sum(dim=(-2, -1), keepdim=True)
+    dist.all_reduce(sq, group=group)
+    X = X / (sq.sqrt() * 1.02 + 1e-6)
+    rows = dim == shard.ndim - 2  # row shards share the columns: X^T X is summed over the shards
+    for a, b, c in POLAR_EXPRESS_COEFFS:
+        A = X.mT @ X if rows else X @ X.mT
+        dist.all_reduce(A, group=group)
+        B = b * A + c * (A @ A)
+        X = a * X + (X @ B if rows else B @ X)
+    return X.to(dtype).reshape(shard.shape)
 
-def _check_flex_outside_compile(kernels: dict) -> None:
-    if "flex" in kernels.values() and torch.compiler.is_compiling():
-        raise RuntimeError("attention_masks: build the flex masks outside the compiled model and pass"
-                           " forward(masks=model.attention_masks(cu_seqlens, T))")
+def _gather_shards(shard: torch.Tensor, dim: int, group) -> torch.Tensor:
+    """The whole tensor from every rank's equal shard along dim (all_gather, concatenated in rank order)."""
+    parts = [torch.empty_like(shard) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, shard.contiguous(), group=group)
+    return torch.cat(parts, dim=dim)
 
-def _check_batch_masks(model: GPT, batch: Batch) -> None:
-    """A batch's host-built flex masks are the model's: its block size and current windows."""
-    if batch.block_masks is None:
-        return
-    block_size, kinds = batch.mask_spec
-    if block_size != FLEX_BLOCK_SIZE or any(window != model.window_tokens[int(long)] for long, _, window in kinds):
-        raise ValueError(f"batch_masks: the batch's masks were built for (long?, slots per token, window) {kinds},"
-                         f" the model attends at windows {model.window_tokens}; build batches with"
-                         " flex_mask_spec(args, the step's windows) after set_windows")
+def _tp_layout(shard: torch.Tensor, mode: str, shard_dim: int, group) -> tuple[int, int, int, int]:
+    """(dim, world size, rows, cols) of the matrix a shard belongs to; blockwise treats the shard as the matrix."""
+    if mode not in TP_MODES:
+        raise ValueError(f"tensor_parallel_normuon_update: mode={mode!r}; choose one of {', '.join(TP_MODES)}")
+    dim = shard_dim % shard.ndim
+    if shard.ndim < 2 or dim < shard.ndim - 2:
+        raise ValueError(f"tensor_parallel_normuon_update: shard_dim must be -2 or -1 of (..., rows, cols), got {shard_dim}")
+    W = 1 if mode == "blockwise" else dist.get_world_size(group)
+    rows, cols = shard.size(-2) * (W if dim == shard.ndim - 2 else 1), shard.size(-1) * (W if dim == shard.ndim - 1 else 1)
+    return dim, W, rows, cols
 
-class ShardError(ValueError):
-    """A shard file that is not what the format promises; the message names the file."""
+def tensor_parallel_normuon_state(shard: torch.Tensor, mode: str, shard_dim: int, group=None) -> dict[str, torch.Tensor]:
+    """Zero state for tensor_parallel_normuon_update of this shard: the momentum (the shard's shape),
+    the second moment and, for a bf16 shard, the mantissa. The second moment has one entry per row of
+    the longer side of the whole matrix (of the shard, blockwise); distributed keeps only this rank's
+    entries when those rows are the split ones, duplicated keeps all of them on every rank."""
+    dim, W, rows, cols = _tp_layout(shard, mode, shard_dim, group)
+    per_row = rows >= cols
+    n = rows if per_row else cols
+    if mode == "distributed" and (dim == shard.ndim - 2) == per_row:
+        n //= W
+    lead = shard.shape[:-2]
+    st = {"momentum_buffer": torch.zeros(shard.shape, dtype=torch.float32, device=shard.device),
+          "second_moment": torch.zeros((*lead, n, 1) if per_row else (*lead, 1, n), dtype=torch.float32, device=shard.device)}
+    if shard.dtype == torch.bfloat16:
+        st["mantissa"] = torch.zeros(shard.shape, dtype=torch.uint16, device=shard.device)
+    return st
 
-def read_shard_header(path: str) -> int:
-    """Validate a shard's header against its size; return its token count."""
-    try:
-        size = os.path.getsize(path)
-    except OSError as e:
-        raise ShardError(f"{path}: cannot read shard ({e.strerror})") from None
-    if size < SHARD_HEADER_BYTES:
-        what = "empty file" if size == 0 else f"{size} bytes, shorter than the {SHARD_HEADER_BYTES}-byte header"
-        raise ShardError(f"{path}: not a token shard ({what}); re-create or re-download it")
-    magic, version, num_tokens = np.fromfile(path, dtype="<i4", count=3).tolist()
-    if magic != SHARD_MAGIC:
-        raise ShardError(f"{path}: bad magic {magic} (expected {SHARD_MAGIC}); not a token shard")
-    if version != SHARD_VERSION:
-        raise ShardError(f"{path}: unsupported shard version {version} (expected {SHARD_VERSION})")
-    if num_tokens <= 0 or size != SHARD_HEADER_BYTES + 2 * num_tokens:
-        need = SHARD_HEADER_BYTES + 2 * max(num_tokens, 0)
-        raise ShardError(f"{path}: header says {num_tokens} tokens ({need} bytes) but the file has {size} bytes;"
-                         " truncated or corrupt, re-create or re-download it")
-    return num_tokens
+def _split_variance_reduction(O, second_moment, beta2, dim: int, rows: int, cols: int, group) -> torch.Tensor:
+    """normuon_variance_reduction of the whole matrix, computed on its shard O: where the reduced dim
+    is split the per-row sums of O^2 are all_reduced; where the kept dim is split, each rank holds
+    its rows' statistics and the two Frobenius norms of the renormalisation are all_reduced."""
+    red = O.ndim - 1 if rows >= cols else O.ndim - 2
+    size = cols if rows >= cols else rows
+    sq = O.float().square().sum(dim=red, keepdim=True)
+    if red == dim:
+        dist.all_reduce(sq, group=group)
+    mean_sq = sq / size
+    second_moment.lerp_(mean_sq, 1 - beta2)
+    step = second_moment.clamp_min(1e-10).rsqrt()
+    norms = torch.stack([(mean_sq * size).sum(dim=(-2, -1), keepdim=True),
+                         ((mean_sq * size) * step.square()).sum(dim=(-2, -1), keepdim=True)])
+    if red != dim:
+        dist.all_reduce(norms, group=group)
+    norm, new_norm = norms.sqrt()
+    return O.mul_((step * (norm / new_norm.clamp_min(1e-10))).to(O.dtype))
+
+def tensor_parallel_normuon_update(grad, momentum_buf, second_moment, param, mantissa, matrix_lr, hp, mode: str,
+                                   shard_dim: int, group=None, dtype: torch.dtype = torch.bfloat16) -> None:
+    """One NorMuon step, as _normuon_update with Polar Express, on this rank's shard of a matrix (or
+    bank) split over the ranks of `group` along shard_dim (-2: row shards, -1: column shards, equal
+    sizes), in place. State from tensor_parallel_normuon_state; hp as _normuon_update's; matrix_lr
+    with the whole matrix's shape factor. Momentum and the cautious update are elementwise on the shard.
+
+    duplicated   all_gather the momentum-applied gradient; orthogonalization and variance reduction of
+                 the whole matrix on every rank; the unsharded update, bit for bit
+    distributed  tensor_parallel_orthogonalize's iteration on shards, then the variance reduction
+                 with statistics combined over the shards (_split_variance_reduction)
+    blockwise    _normuon_update of the shard as a matrix of its own: no communication, an approximation
+    """
+    dim, W, rows, cols = _tp_layout(grad, mode, shard_dim, group)
+    orthogonalize = functools.partial(polar_express, dtype=dtype)
+    if mode == "blockwise":
+        return _normuon_update(grad, momentum_buf, second_moment, param, mantissa, matrix_lr, hp, orthogonalize)
+    lr, decay, momentum, beta2 = hp[0], hp[1], hp[2], hp[3]
+    g = _nesterov_momentum(grad, momentum_buf, momentum)
+    if mode == "duplicated":
+        O = normuon_variance_reduction(orthogonalize(_gather_shards(g, dim, group)), second_moment, beta2)
+        O = O.chunk(W, dim=dim)[dist.get_rank(group)]
+    else:
+        O = tensor_parallel_orthogonalize(g, "distributed", shard_dim, group, dtype=dtype)
+        O = _split_variance_reduction(O, second_moment, beta2, dim, rows, cols, group)
+    _cautious_step(O.float(), param, mantissa, lr * matrix_lr, decay)
+
+# ---- CPU-only helpers of the optimizer --------------------------------------------------------
+
+ADAM_CPU_CHUNK = 1 << 16  # elements per slice of the CPU Adam update (its temporaries stay in cache)
+
+def _adam_update_sliced(grad, exp_avg, exp_avg_sq, param, hp):
+    """_adam_update one flat slice at a time on a CPU. The update is elementwise, so the result is the
+    same bits; full-size temporaries would instead be allocated, page-faulted and streamed from memory
+    a dozen times per step, which made Adam over the embedding tables the CPU demo's slowest part."""
+    tensors = (grad, exp_avg, exp_avg_sq, param)
+    if grad.is_cuda or grad.numel() <= ADAM_CPU_CHUNK or not all(t.is_contiguous() for t in tensors):
+        return _adam_update(grad, exp_avg, exp_avg_sq, param, hp)
+    flat = [t.view(-1) for t in tensors]
+    for a in range(0, grad.numel(), ADAM_CPU_CHUNK):
+        _adam_update(*(t[a: a + ADAM_CPU_CHUNK] for t in flat), hp)
+
+def adam_update_group_sliced(grads, exp_avgs, exp_avg_sqs, params, hps):
+    """_adam_update_group on a CPU: label by label, each sliced (eager, one call per label costs the
+    CPU nothing that grouping would save, and slicing keeps the temporaries in cache)."""
+    for grad, exp_avg, exp_avg_sq, param, hp in zip(grads, exp_avgs, exp_avg_sqs, params, hps):
+        _adam_update_sliced(grad, exp_avg, exp_avg_sq, param, hp)
+
+UNCOMPILED_UPDATES["adam"] = adam_update_group_sliced
+
+# ---- Balanced ownership: banks without padding ----------------------------------------------
+# OwnershipLayout(ownership="balanced") gives each rank whole matrices by FLOPs, for any world size;
+# the record pads banks instead (padded_splits), so its runs never call this.
+
+def balanced_splits(banks: dict[str, tuple[int, int]], world_size: int) -> dict[str, tuple[int, ...]]:
+    """FLOP-balanced ownership of every matrix of every bank, for any world size, without padding.
+
+    banks: label -> (number of matrices, FLOPs of one). Longest-processing-time first over all banks
+    together: matrices by falling cost (ties in dict order), each to the rank with the least work so
+    far (the lowest rank on ties). The result is per label the count each rank owns; ownership within
+    a bank is contiguous in rank order, so the gradient rows a rank owns stay one slice of the bank.
+    """
+    counts = {label: [0] * world_size for label in banks}
+    heap = [(0, r) for r in range(world_size)]  # (load, rank): the least-loaded rank, lowest on ties
+    items = sorted(((cost, i, label) for i, (label, (n, cost)) in enumerate(banks.items()) for _ in range(n)),
+                   key=lambda t: (-t[0], t[1]))
+    for cost, _, label in items:
+        work, r = heapq.heappop(heap)
+        counts[label][r] += 1
+        heapq.heappush(heap, (work + cost, r))
+    return {label: tuple(c) for label, c in counts.items()}
+
+def scatter_uneven(comm: CommLayer, slot: Slot, g: torch.Tensor):
+    """ShardExchange.scatter of a bank with uneven owned blocks: every rank's copy of this rank's block by
+    all_to_all, averaged in fp32 and rounded once to the gradient dtype (as the sparse exchange)."""
+    W, k = comm.world_size, slot.shard_rows
+    recv = g.new_empty((W * k, *slot.shape[1:]))
+    work = comm.reduce_scatter_uneven(slot.label, recv, g, slot.splits)
+
+    def average():
+        work.wait()
+        return (recv.view(W, k, *slot.shape[1:]).float().sum(0) / W).to(g.dtype)
+    return average
 
 # ---- The optimizer's argument checks and balanced ownership ----------------------------------
 # ParamConfig, NorMuonAdam and its load_state_dict check their arguments here (the record's pass every
@@ -4039,90 +3438,97 @@ def _balanced_ownership(banks: dict, world_size: int, orthogonalizer) -> dict[st
 
 OWNERSHIPS["balanced"] = _balanced_ownership
 
-# ---- torch's varlen attention: the alternative GPU kernel (--attention_kernel varlen) -------------
+# ---- One rank of a larger world, in one process ----------------------------------------------
+# tests/benchmarks/step_timing.py --as_rank_of N times rank 0's share of an N-rank step on one device:
+# NorMuonAdam(comm=SimulatedComm(N)) updates rank 0's shards and launches every collective an N-rank
+# step launches, counted in bytes as CommLayer counts them, but none of them communicates.
 
-class VarlenMask(NamedTuple):
-    """varlen_attn's arguments for one layer kind: document starts in slots (padding entries equal to the
-    end give empty documents), the longest document in slots, and the window in slots (causal, window + 1
-    keys: the record's FA3 window_size=(window, 0))."""
-    cu_seqlens: torch.Tensor
-    max_seqlen: int
-    window: int
+class _CompletedWork:
+    """The handle of a collective that is already done."""
 
-def varlen_mask(cu_seqlens: torch.Tensor, max_doc_len: int, window: int, r: int) -> VarlenMask:
-    """One layer kind's VarlenMask at r slots per token, from document starts in tokens."""
-    return VarlenMask(cu_seqlens * r if r > 1 else cu_seqlens, max_doc_len * r, window)
+    def wait(self, timeout=None) -> bool:
+        return True
 
-def varlen_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: VarlenMask, scale: float) -> torch.Tensor:
-    """torch.nn.attention.varlen.varlen_attn (flash attention on CUDA; torch >= 2.11) of (n, H, hd) q, k, v:
-    the call record #89 makes to FA3's flash_attn_varlen_func (window_size=(window, 0), softmax_scale)."""
-    from torch.nn.attention.varlen import varlen_attn
-    return varlen_attn(q, k, v, mask.cu_seqlens, mask.cu_seqlens, mask.max_seqlen, mask.max_seqlen,
-                       scale=scale, window_size=(mask.window, 0))
+    def is_completed(self) -> bool:
+        return True
 
-def varlen_attend_tokens(q, k, v, mask: VarlenMask, r: int, scale: torch.Tensor, scale_value: float) -> torch.Tensor:
-    """varlen_attend of (T, H, hd) q, k, v at r slots per token, the fp32 scale as a number."""
-    T, H, hd = q.shape
-    return varlen_attend(*(t.reshape(r * T, H // r, hd) for t in (q, k, v)), mask, scale_value).reshape(T, H, hd)
+class SimulatedComm(CommLayer):
+    """Rank `rank` of `world_size` ranks in one process, no process group: every collective completes at
+    once with the output a real group gives when every other rank holds the same tensors as this one.
+    reduce_scatter (average): this rank's block of the input; all_reduce (average): the tensor as it is;
+    all_gather: the local shard in every rank's slot; all_to_all: each rank's block of the output is the
+    block this rank addresses to itself, where their sizes agree, and is left as it is where they do not
+    (the other owners' blocks of an uneven all_gather). Bytes are counted as the world_size-rank
+    collectives send them (CommLayer's counts), so bytes_sent and bytes_by_op are a real rank's.
 
-START_MASKS["varlen"] = varlen_mask
-ATTEND[VarlenMask] = varlen_attend_tokens
+    With the same gradients on every rank, the shards this rank updates are a real run's rank `rank`'s
+    to the bit; the rows other ranks own are not (they hold copies of this rank's rows)."""
 
-# ---- Parameter shapes without memory (tests, the fidelity table) -------------------------------
+    def __init__(self, world_size: int, rank: int = 0):
+        if not 0 <= rank < world_size:
+            raise ValueError(f"SimulatedComm: rank {rank} is not one of the {world_size} ranks")
+        super().__init__(None, world_size, rank)
 
-def count_parameters(args: Hyperparameters, world_size: int = 1) -> dict[str, tuple[int, ...]]:
-    """Shape of every labelled parameter, from a model built on the meta device (no memory used)."""
-    with torch.device("meta"):
-        model = GPT(args, world_size)
-    return {label: tuple(p.shape) for label, p in model.params_by_label().items()}
+    def _launch(self, collective, *args, **kw):
+        stand_in = {_reduce_scatter: self._reduce_scatter, dist.all_reduce: self._all_reduce,
+                    _all_gather: self._all_gather, dist.all_to_all_single: self._all_to_all}[collective]
+        stand_in(*args, **kw)
+        return _CompletedWork()
 
-# ---- train()'s resume, checkpoints and signals ----------------------------------------------
+    def _reduce_scatter(self, out, inp, op=None):
+        out.copy_(inp.reshape(self.world_size, *out.shape)[self.rank])
 
-def resume_step(args: Hyperparameters, d: DistInfo, model: nn.Module, opt: NorMuonAdam,
-                loader: DocumentLoader) -> int:
-    """The step train() starts from: 0, or that of --resume's checkpoint, loaded."""
-    if not args.resume:
-        return 0
-    step = load_checkpoint(args.resume, model, opt, loader, args, d)
-    if opt.tied and step > untie_step(args):
-        raise SystemExit(f"error: checkpoint at step {step} is past the untie step but still tied")
-    return step
+    def _all_reduce(self, t, op=None):
+        pass
 
-class RunCheckpoints(StopOnSignal):
-    """train()'s --save_every checkpoints (the newest --keep_checkpoints kept) and, with them, its stop on
-    SIGINT or SIGTERM: the run saves where it is, then exits (StopOnSignal)."""
+    def _all_gather(self, out, shard):
+        blocks, r = out.view(self.world_size, *shard.shape), self.rank
+        if blocks[r].data_ptr() == shard.data_ptr():  # in place: this rank's slot is the shard itself
+            for others in (blocks[:r], blocks[r + 1:]):  # (two copies, not one per rank: launches count)
+                others.copy_(shard.expand_as(others))
+        else:
+            blocks.copy_(shard.expand_as(blocks))
 
-    def __init__(self, args: Hyperparameters, d: DistInfo, run_id: str, start_step: int, model: nn.Module,
-                 opt: NorMuonAdam, loader: DocumentLoader, log: RunLog):
-        super().__init__(bool(args.save_every), d.world_size, d.device)
-        self.args, self.d, self.start, self.total = args, d, start_step, total_steps(args)
-        self.state, self.log = (model, opt, loader), log
-        self.run_dir = os.path.join(args.checkpoint_dir, run_id)
+    def _all_to_all(self, out, inp, out_splits=None, in_splits=None):
+        W = self.world_size
+        in_splits = in_splits or [inp.size(0) // W] * W
+        out_splits = out_splits or [out.size(0) // W] * W
+        lo = sum(in_splits[:self.rank])
+        mine = inp[lo:lo + in_splits[self.rank]]
+        if all(n == mine.size(0) for n in out_splits):
+            blocks = out.view(W, *mine.shape)
+            blocks.copy_(mine.expand_as(blocks))
+            return
+        at = 0
+        for n in out_splits:
+            if n == mine.size(0):
+                out[at:at + n].copy_(mine)
+            at += n
 
-    def between_steps(self, step: int, flush) -> float:
-        """Before step `step` (every rank): the previous step's stop requests shared, a checkpoint saved where
-        due; on an agreed signal, flush() (the pending step's log line), a note, and SystemExit with the
-        shell's status for the signal. Returns the seconds spent saving (not training time)."""
-        import time
-        args, d, last = self.args, self.d, step == self.total
-        if step > self.start:
-            self.share(step - 1)
-        stopping = 0 if last else self.agreed(step)
-        path, seconds = os.path.join(self.run_dir, f"step_{step:06d}"), 0.0
-        if args.save_every and step > self.start and (step % args.save_every == 0 or last or stopping):
-            cuda_synchronize(d.device)
-            t = time.perf_counter()
-            save_checkpoint(path, step, *self.state, args, d)
-            if args.keep_checkpoints and d.is_master:
-                prune_checkpoints(self.run_dir, args.keep_checkpoints)
-            seconds = time.perf_counter() - t
-        if stopping:
-            flush()
-            resume = path if step > self.start else args.resume  # nothing trained since the resume
-            self.log.note(f"stopped by {signal.Signals(stopping).name} at step {step}: "
-                          + (f"--resume {resume} continues the run" if resume else "nothing trained to save"))
-            raise SystemExit(128 + stopping)
-        return seconds
+# ---- QK-Clip (MuonClip) ----------------------------------------------------------------------
+# Caps a head's attention logits by scaling its Q and K rows after the NorMuon update. No record
+# uses it; NorMuonAdam.step(after_update=qk_clip_hooks(...)) applies it.
+
+QK_CLIP_TAU = 100.0  # MuonClip's threshold on the largest pre-softmax attention logit
+
+def qk_clip_(param, mantissa, max_logits, tau: float) -> None:
+    """QK-Clip (MuonClip) on the owned matrices of a Q or K weight bank (k, rows, cols), in place:
+    rows whose head's largest pre-softmax logit of the step exceeds tau are scaled by
+    sqrt(tau / max_logit), so that q.k of that head, scaled on both sides, peaks at tau. max_logits
+    broadcasts to (k, rows, 1) (one entry per head of those rows). Applied to the fp32 master value
+    (MuonClip, Kimi K2, arXiv 2507.20534)."""
+    scale = (tau / max_logits.float().clamp_min(tau)).sqrt()
+    _store_master(_master_fp32(param, mantissa) * scale, param, mantissa)
+
+def qk_clip_hooks(max_logits: dict, tau: float = QK_CLIP_TAU) -> dict:
+    """NorMuonAdam.step's after_update for QK-Clip: label of a Q or K bank -> the step's largest
+    logit per head, broadcastable to the bank's (matrices, rows, 1) and the same on every rank."""
+    def clip(m):
+        def hook(slot, shard, mantissa):
+            full = torch.broadcast_to(torch.as_tensor(m, device=shard.device), (slot.rows, slot.shape[1], 1))
+            qk_clip_(shard, mantissa, full[slot.lo: slot.lo + slot.shard_rows], tau)
+        return hook
+    return {label: clip(m) for label, m in max_logits.items()}
 
 # ---- Reductions launched from gradient hooks (record #89 launches them after the backward) ----
 
@@ -4189,6 +3595,175 @@ def launched_reductions(opt: NorMuonAdam, do_adam: bool) -> dict | None:
                          f" the reductions of a do_adam={launched_adam} step")
     return reduced
 
+# ---- CPU compute dtype -------------------------------------------------------------------------
+
+CPU_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+def cpu_model(cpu_name_file: str = "/proc/cpuinfo") -> str:
+    """The CPU's model name (for logs), or the platform's processor string."""
+    import platform
+    try:
+        with open(cpu_name_file) as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+def matmul_gflops(dtype: torch.dtype, m: int, k: int, n: int, seconds: float = 0.15) -> float:
+    """GFLOP/s of an (m, k) x (k, n) matmul in `dtype` on this CPU, timed for about `seconds`."""
+    import time
+    a, b = torch.randn(m, k).to(dtype), torch.randn(k, n).to(dtype)
+    a @ b  # warm-up: thread pool, oneDNN primitive creation
+    reps, t0 = 0, time.perf_counter()
+    while True:
+        a @ b
+        reps += 1
+        elapsed = time.perf_counter() - t0
+        if elapsed >= seconds or reps >= 1000:
+            return 2 * m * k * n * reps / elapsed / 1e9
+
+def cpu_dtype_rates(model_dim: int, mlp_hidden: int) -> tuple[dict[str, float], str]:
+    """GFLOP/s of the MLP matmul of 256 tokens in each CPU dtype (by name), and the shape and rates as text."""
+    shape = (256, model_dim, mlp_hidden)
+    rates = {name: matmul_gflops(dtype, *shape) for name, dtype in CPU_DTYPES.items()}
+    return rates, (f"{'x'.join(map(str, shape))} matmul GFLOP/s per process: "
+                   + ", ".join(f"{name} {rate:.1f}" for name, rate in rates.items()))
+
+def fastest_cpu_dtype(model_dim: int, mlp_hidden: int) -> tuple[str, str]:
+    """The CPU dtype (by name) that runs the MLP matmul faster here, and the timing as a log clause."""
+    rates, figures = cpu_dtype_rates(model_dim, mlp_hidden)
+    best = max(rates, key=rates.get)
+    return best, f"{best} (auto: {figures}; capability {torch.backends.cpu.get_cpu_capability()}) on {cpu_model()}"
+
+def choose_cpu_dtype(args: Hyperparameters) -> tuple[torch.dtype, str]:
+    """The dtype of the model's bf16 parameters on a CPU, and a line saying why.
+
+    --cpu_dtype bf16 / fp32 forces it; auto times the model's MLP matmul shape in both and takes the
+    faster. CPU flags alone mislead: bf16 runs ~90x slower than fp32 on AVX2-only CPUs, a little slower
+    on AVX512-BF16 CPUs without AMX, and faster with AMX."""
+    if args.cpu_dtype != "auto":
+        return CPU_DTYPES[args.cpu_dtype], f"cpu dtype {args.cpu_dtype} (--cpu_dtype) on {cpu_model()}"
+    name, why = fastest_cpu_dtype(args.model_dim, args.mlp_hidden)
+    return CPU_DTYPES[name], f"cpu dtype {why}"
+
+def checkpoint_cpu_dtype(args: Hyperparameters) -> tuple[torch.dtype, str] | None:
+    """With --resume and --cpu_dtype auto, the dtype the checkpoint's model was trained in (its weight
+    banks: bf16 or fp32), so that a resumed run continues in it whatever a start-up timing would say;
+    None otherwise, or when the checkpoint cannot be read (load_checkpoint then says why)."""
+    if not args.resume or args.cpu_dtype != "auto":
+        return None
+    try:
+        state = torch.load(os.path.join(args.resume, "model.pt"), map_location="cpu", weights_only=False)["model"]
+        name = "bf16" if state["qk_bank"].dtype == torch.bfloat16 else "fp32"
+    except Exception:  # noqa: BLE001 -- load_checkpoint reports a missing or damaged checkpoint in one line
+        return None
+    return CPU_DTYPES[name], f"cpu dtype {name} (the checkpoint's: --resume {args.resume}) on {cpu_model()}"
+
+def compute_dtype(args: Hyperparameters, d: DistInfo) -> tuple[torch.dtype, str | None]:
+    """The model's compute dtype: bf16 on GPUs; on CPUs rank 0's choose_cpu_dtype, taken by every rank
+    (timings differ between processes), with its log line."""
+    if d.device.type != "cpu":
+        return torch.bfloat16, None
+    choice = [None]
+    if d.is_master:
+        dtype, note = checkpoint_cpu_dtype(args) or choose_cpu_dtype(args)
+        choice = [(str(dtype).removeprefix("torch."), note)]
+    if dist.is_initialized():
+        dist.broadcast_object_list(choice, src=0)
+    return getattr(torch, choice[0][0]), choice[0][1]
+
+# ---- The CPU's attention: SDPA, banded where that saves work ---------------------------------
+
+def dense_attention_mask(doc_ids: torch.Tensor, window, pos_div: int = 1) -> torch.Tensor:
+    """(n, n) boolean mask from attention_mask_mod, n = T * pos_div (for SDPA on the CPU)."""
+    idx = torch.arange(doc_ids.numel() * pos_div, device=doc_ids.device)
+    return attention_mask_mod(doc_ids, window, pos_div)(0, 0, idx[:, None], idx[None, :])
+
+CPU_ATTENTION_CHUNK = 256  # query slots per band of the CPU attention
+
+def banded_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, span: int,
+                     scale: float = 1.0) -> torch.Tensor:
+    """SDPA of (1, H, n, hd) q, k, v under a sliding-window mask, in O(n * (chunk + span)) instead of O(n^2).
+
+    Exact when no query slot sees a key slot more than `span` slots back: each band of `chunk` queries
+    attends to its own keys and the `span` before them, with the mask of banded_attention_mask
+    (chunk = mask.shape[2])."""
+    _, H, n, hd = q.shape
+    chunk = mask.shape[2]
+
+    def bands(t):  # (1, H, n, hd) -> (n/chunk, H, chunk + span, hd), overlapping views of the left-padded keys
+        return F.pad(t, (0, 0, span, 0)).unfold(2, chunk + span, chunk)[0].permute(1, 0, 3, 2)
+
+    qb = q[0].view(H, n // chunk, chunk, hd).transpose(0, 1)
+    y = F.scaled_dot_product_attention(qb, bands(k), bands(v), attn_mask=mask, scale=scale)
+    return y.transpose(0, 1).reshape(1, H, n, hd)
+
+def attention_band(n: int, span: int) -> int:
+    """Chunk for banded_attention of n slots with this span, or 0 where dense attention is as cheap."""
+    for chunk in (CPU_ATTENTION_CHUNK, CPU_ATTENTION_CHUNK // 2, CPU_ATTENTION_CHUNK // 4):
+        if n % chunk == 0 and chunk + span < n // 2:
+            return chunk
+    return 0
+
+class SDPAMask(NamedTuple):
+    """The CPU attention's mask of one layer kind: banded_attention_mask's bands (chunk > 0) or a dense
+    (n, n) mask (chunk 0); span = the window in slots (a Python int: band shapes depend on it).
+    fp32: attend in fp32 (the GPU check's independent reference)."""
+    mask: torch.Tensor
+    span: int
+    chunk: int
+    fp32: bool = False
+
+def sdpa_mask(doc_ids: torch.Tensor, window: torch.Tensor, span: int, pos_div: int, fp32: bool = False) -> SDPAMask:
+    """The SDPA kernel's mask of one layer kind: bands where attention_band finds them, else dense."""
+    chunk = attention_band(doc_ids.numel() * pos_div, span)
+    mask = banded_attention_mask(doc_ids, window, pos_div, chunk, span) if chunk else dense_attention_mask(doc_ids, window, pos_div)
+    return SDPAMask(mask, span, chunk, fp32)
+
+def sdpa_attend_tokens(q, k, v, mask: SDPAMask, r: int, scale: torch.Tensor, scale_value: float) -> torch.Tensor:
+    """SDPA of (T, H, hd) q, k, v at r slots per token (banded where the mask is), the scale as a number:
+    the same fp32 value, kept as a float by GPT.set_windows; in fp32 for the fp32 reference."""
+    qs, ks, vs = (as_slots(t.float() if mask.fp32 else t, r) for t in (q, k, v))
+    if mask.chunk:
+        y = banded_attention(qs, ks, vs, mask.mask, mask.span, scale=scale_value)
+    else:
+        y = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask.mask, scale=scale_value)
+    return from_slots(y.to(q.dtype), q.shape[0])
+
+ATTENTION_MASKS.update(sdpa=sdpa_mask, sdpa_fp32=functools.partial(sdpa_mask, fp32=True))
+ATTEND[SDPAMask] = sdpa_attend_tokens
+
+# ---- torch's varlen attention: the alternative GPU kernel (--attention_kernel varlen) -------------
+
+class VarlenMask(NamedTuple):
+    """varlen_attn's arguments for one layer kind: document starts in slots (padding entries equal to the
+    end give empty documents), the longest document in slots, and the window in slots (causal, window + 1
+    keys: the record's FA3 window_size=(window, 0))."""
+    cu_seqlens: torch.Tensor
+    max_seqlen: int
+    window: int
+
+def varlen_mask(cu_seqlens: torch.Tensor, max_doc_len: int, window: int, r: int) -> VarlenMask:
+    """One layer kind's VarlenMask at r slots per token, from document starts in tokens."""
+    return VarlenMask(cu_seqlens * r if r > 1 else cu_seqlens, max_doc_len * r, window)
+
+def varlen_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: VarlenMask, scale: float) -> torch.Tensor:
+    """torch.nn.attention.varlen.varlen_attn (flash attention on CUDA; torch >= 2.11) of (n, H, hd) q, k, v:
+    the call record #89 makes to FA3's flash_attn_varlen_func (window_size=(window, 0), softmax_scale)."""
+    from torch.nn.attention.varlen import varlen_attn
+    return varlen_attn(q, k, v, mask.cu_seqlens, mask.cu_seqlens, mask.max_seqlen, mask.max_seqlen,
+                       scale=scale, window_size=(mask.window, 0))
+
+def varlen_attend_tokens(q, k, v, mask: VarlenMask, r: int, scale: torch.Tensor, scale_value: float) -> torch.Tensor:
+    """varlen_attend of (T, H, hd) q, k, v at r slots per token, the fp32 scale as a number."""
+    T, H, hd = q.shape
+    return varlen_attend(*(t.reshape(r * T, H // r, hd) for t in (q, k, v)), mask, scale_value).reshape(T, H, hd)
+
+START_MASKS["varlen"] = varlen_mask
+ATTEND[VarlenMask] = varlen_attend_tokens
+
 # ---- On GPUs, off the record's path: flex attention outside compiled graphs, the bf16 head -------
 
 @functools.lru_cache(maxsize=None)
@@ -4206,6 +3781,113 @@ def bf16_head(model: GPT, x, targets, mtp_weights, prefix_ids, prefix_weight, lo
                                             grad_scale=loss_scale, next_token=True)
 
 HEAD_LOSSES.update(cuda=bf16_head)  # GPUs without FP8 tensor cores, or --fp8 false
+
+# ---- The CPU's head and evaluation loss ------------------------------------------------------
+
+def cpu_head(model: GPT, x, targets, mtp_weights, prefix_ids, prefix_weight, loss_scale):
+    """The head's matmuls inside the loss's row blocks: no (T, V) tensor in memory. (loss, next-token loss)."""
+    return triton_kernels.softcapped_ce_mtp_head_rows(x, model.lm_head, targets, mtp_weights, prefix_ids, prefix_weight,
+                                                      grad_scale=loss_scale, next_token=True)
+
+def cpu_evaluation_ce(logits: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """The same bits as the GPU's, in cache-sized blocks (the plain form inside a compiled graph)."""
+    if torch.compiler.is_compiling():
+        return bf16_evaluation_ce(logits, t)
+    return F.nll_loss(triton_kernels.softcap_log_probs(logits), t, reduction="sum")
+
+HEAD_LOSSES["cpu"] = cpu_head
+EVALUATION_CE["cpu"] = cpu_evaluation_ce
+
+# ---- Parameter shapes without memory (tests, the fidelity table) -------------------------------
+
+def count_parameters(args: Hyperparameters, world_size: int = 1) -> dict[str, tuple[int, ...]]:
+    """Shape of every labelled parameter, from a model built on the meta device (no memory used)."""
+    with torch.device("meta"):
+        model = GPT(args, world_size)
+    return {label: tuple(p.shape) for label, p in model.params_by_label().items()}
+
+# ---- Data: the offline GPT-2 tokenizer, the batch split's start-up check -----------------------
+
+# GPT-2 BPE, built offline from the rank file shipped in data/ (same ranks as tiktoken's "gpt2").
+GPT2_TIKTOKEN_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "gpt2.tiktoken")
+GPT2_TIKTOKEN_SHA256 = "306cd27f03c1a714eca7108e03d66b7dc042abe8c258b44c199a7ed9838dd930"
+GPT2_SPLIT_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+
+def gpt2_encoding(rank_file: str | None = GPT2_TIKTOKEN_FILE):
+    """The GPT-2 tokenizer. With a rank file (default: the shipped copy, sha256-checked) no network is
+    touched; rank_file=None asks tiktoken for its own "gpt2" encoding (which may download)."""
+    import tiktoken
+    if rank_file is None:
+        return tiktoken.get_encoding("gpt2")
+    import hashlib
+    try:
+        with open(rank_file, "rb") as f:
+            digest = hashlib.sha256(f.read()).hexdigest()
+    except OSError as e:
+        raise SystemExit(f"error: cannot read GPT-2 rank file {rank_file} ({e.strerror})") from None
+    if digest != GPT2_TIKTOKEN_SHA256:
+        raise SystemExit(f"error: {rank_file} has sha256 {digest}, not the GPT-2 ranks ({GPT2_TIKTOKEN_SHA256})")
+    from tiktoken.load import load_tiktoken_bpe
+    return tiktoken.Encoding("gpt2", pat_str=GPT2_SPLIT_PATTERN, mergeable_ranks=load_tiktoken_bpe(rank_file),
+                             special_tokens={"<|endoftext|>": BOS_ID}, explicit_n_vocab=50257)
+
+def check_batch_split(args: Hyperparameters, world_size: int) -> int:
+    """grad_accum_steps, or a start-up error where a stage's batch does not split into ranks x accumulation steps."""
+    accum = grad_accum_steps(args, world_size)
+    slots = world_size * accum
+    for tokens in (row.batch_tokens for row in args.stages):
+        if tokens % slots:
+            raise SystemExit(f"error: the global batch of {tokens} tokens (--stage_batch_tokens) does not split into "
+                             f"{world_size} ranks x {accum} accumulation steps; use a world size that divides "
+                             f"{args.micro_batches} or batch sizes divisible by {slots}")
+    return accum
+
+# ---- Sampling, shard writing, CPU memory -----------------------------------------------------
+
+def generate(model: "GPT", prompt: str, new_tokens: int, device: torch.device, seed: int = 0) -> str:
+    """Sample a continuation (top-k 40, temperature 0.8) with the offline GPT-2 tokenizer."""
+    enc = gpt2_encoding()
+    tokens = [BOS_ID] + enc.encode_ordinary(prompt)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for _ in range(new_tokens):
+            b = make_batch(np.asarray(tokens + [0], dtype=np.uint16), model.args.bigram_vocab_size).to(device)
+            logits = model.logits(b.inputs, b.cu_seqlens, b.bigram_ids)[-1, :model.args.vocab_size].float().cpu()
+            top = torch.topk(logits / 0.8, 40)
+            tokens.append(int(top.indices[torch.multinomial(torch.softmax(top.values, -1), 1, generator=gen)]))
+    return enc.decode(tokens[1:])
+
+def write_shard(path: str, tokens) -> None:
+    """Write tokens (any int sequence < 2**16) atomically: a temporary file renamed into place."""
+    tokens = np.asarray(tokens)
+    if tokens.size and (tokens.min() < 0 or tokens.max() >= 2**16):
+        raise ValueError(f"{path}: token ids must fit in uint16 (got range {tokens.min()}..{tokens.max()})")
+    header = np.zeros(SHARD_HEADER_INTS, dtype="<i4")
+    header[0], header[1], header[2] = SHARD_MAGIC, SHARD_VERSION, tokens.size
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "wb") as f:
+        f.write(header.tobytes())
+        f.write(tokens.astype("<u2").tobytes())
+    os.replace(tmp, path)
+
+def keep_freed_memory() -> bool:
+    """CPU training: tell glibc to keep freed memory in the process heap. By default it maps every large
+    block (logits, their gradient: hundreds of MB a step) afresh and returns it on free, so each step
+    page-faults them in again; a small GPT with an unfused full-vocabulary head ran 1.7x faster with it
+    (0.60 against 1.01 s a step). mallopt(M_MMAP_MAX, 0), and M_TRIM_THRESHOLD at the largest value mallopt's
+    int takes (2 GiB of free heap top kept), as the environment's MALLOC_MMAP_MAX_=0 and
+    MALLOC_TRIM_THRESHOLD_ would set at start-up; values the user set there are left alone. False where
+    the C library has no mallopt (not glibc) or the setting was the user's."""
+    if "MALLOC_MMAP_MAX_" in os.environ or "MALLOC_TRIM_THRESHOLD_" in os.environ:
+        return False
+    try:
+        import ctypes
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return False
+    mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
+    M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4  # glibc's <malloc.h>
+    return bool(mallopt(M_MMAP_MAX, 0)) and bool(mallopt(M_TRIM_THRESHOLD, 2**31 - 1))
 
 # ---- CUDA graphs (record #92): each step shape's forward+backward replayed (--cuda_graphs) --------
 
@@ -4385,7 +4067,195 @@ def replay_mismatch(got: dict, ref: dict, again: dict) -> str:
             return f"{name} differs from the uncaptured step's by {off:.3g} (two uncaptured runs: by {noise:.3g})"
     return ""
 
-# ---- The sample, the CPU's peak memory ------------------------------------------------------
+# ---- Checkpoints and signals (a speedrun saves none) -----------------------------------------
+
+CHECKPOINT_FORMAT = 5  # 3: the record-#89 model (layer table, MUDD, FP8 MLP state); 4: FP8 scales in 16-byte
+#                        slots; 5: the stage and layer rows in the saved settings
+
+# Fields that may differ between a checkpoint and the run resuming from it.
+RESUMABLE_CHANGES = {"resume", "save_every", "keep_checkpoints", "val_loss_every", "log_dir", "checkpoint_dir",
+                     "run_id", "compile", "cuda_graphs"}
+
+def save_checkpoint(path: str, step: int, model: nn.Module, opt: NorMuonAdam, loader: DocumentLoader,
+                    args: Hyperparameters, d: DistInfo) -> None:
+    """A directory written whole or not at all: every rank writes its files into path.tmp, rank 0
+    renames it to path once all have finished."""
+    tmp = path + ".tmp"
+    if d.is_master:
+        if os.path.exists(tmp):
+            shutil.rmtree(tmp)
+        os.makedirs(tmp)
+    if dist.is_initialized():
+        dist.barrier()
+    # Adam gradients accumulate over even steps: this rank's pending ones are part of the state too.
+    pending = {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
+    torch.save({"optimizer": opt.state_dict(), "rng": torch.get_rng_state(), "grads": pending},
+               os.path.join(tmp, f"rank{d.rank:03d}.pt"))
+    if d.is_master:
+        torch.save({"format": CHECKPOINT_FORMAT, "step": step, "world_size": d.world_size,
+                    "args": dataclasses.asdict(args), "model": model.state_dict(), "loader": loader.state_dict()},
+                   os.path.join(tmp, "model.pt"))
+    if dist.is_initialized():
+        dist.barrier()
+    if d.is_master:
+        if os.path.exists(path):
+            shutil.rmtree(path)
+        os.replace(tmp, path)
+    if dist.is_initialized():
+        dist.barrier()
+
+def whole_checkpoints(run_dir: str) -> list[tuple[int, str]]:
+    """(step, path) of every whole checkpoint of a run (its step_N directories), oldest first; one still
+    being written (step_N.tmp) and any other file are not checkpoints."""
+    return sorted((int(e[5:]), os.path.join(run_dir, e)) for e in os.listdir(run_dir)
+                  if e.startswith("step_") and e[5:].isdecimal())
+
+def prune_checkpoints(run_dir: str, keep: int) -> None:
+    """Delete all but the newest `keep` whole checkpoints of a run, so that frequent checkpoints of a long
+    run take bounded disk."""
+    for _, path in whole_checkpoints(run_dir)[:-keep]:
+        shutil.rmtree(path)
+
+class StopOnSignal:
+    """While enabled (a run that checkpoints, in the main thread), SIGINT (Ctrl-C) and SIGTERM (kill, a
+    scheduler's preemption notice, torchrun passing either on) do not stop the process: they set `signum`,
+    and the run saves where it is and exits; a second signal stops at once. Every rank must stop after the
+    same step to write one checkpoint, so with several ranks each step's requests are combined (a
+    one-element all-reduce, MAX) and read a step later through a page-locked host copy and an event: the
+    host waits at most for the end of step - 2, with step - 1 still queued behind it, so the device never
+    runs dry (a plain .item() would wait for everything queued). The caller's handlers are back on exit."""
+
+    def __init__(self, enabled: bool, world_size: int = 1, device: torch.device = torch.device("cpu")):
+        self.enabled = enabled and threading.current_thread() is threading.main_thread()
+        self.signum = 0
+        self.shared = self.host = self.done = None
+        if world_size > 1 and self.enabled:  # one slot per step parity
+            cuda = device.type == "cuda"
+            self.shared = [torch.zeros(1, device=device) for _ in range(2)]
+            self.host = [torch.zeros(1, pin_memory=cuda) for _ in range(2)]
+            self.done = [torch.cuda.Event() for _ in range(2)] if cuda else None
+
+    def __enter__(self) -> StopOnSignal:
+        if self.enabled:
+            self.previous = {s: signal.signal(s, self.request) for s in (signal.SIGINT, signal.SIGTERM)}
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.enabled:
+            for s, handler in self.previous.items():
+                signal.signal(s, handler)
+
+    def request(self, signum, frame) -> None:
+        if self.signum:
+            raise KeyboardInterrupt
+        self.signum = signum
+        print(f"  {signal.Signals(signum).name}: stopping once this step's state is saved (again: at once)",
+              file=sys.stderr, flush=True)
+
+    def share(self, step: int) -> None:
+        """After step `step`: this rank's request joins every rank's (queued, not waited for)."""
+        if self.shared is not None:
+            i = step % 2
+            self.shared[i].fill_(self.signum)
+            dist.all_reduce(self.shared[i], op=dist.ReduceOp.MAX)
+            self.host[i].copy_(self.shared[i], non_blocking=True)  # lands after the all-reduce, in stream order
+            if self.done is not None:
+                self.done[i].record()
+
+    def agreed(self, step: int) -> int:
+        """The signal every rank stops for before step `step` (0: none): this rank's own with one rank, with
+        several the combined requests of step - 2 (shared before the one in flight)."""
+        if self.shared is None:
+            return self.signum
+        i = step % 2
+        if self.done is not None:
+            self.done[i].synchronize()  # the end of step - 2: step - 1 is queued behind it
+        return int(self.host[i])
+
+def load_checkpoint(path: str, model: nn.Module, opt: NorMuonAdam, loader: DocumentLoader,
+                    args: Hyperparameters, d: DistInfo) -> int:
+    """Restore everything a step depends on; returns the step to continue from. Refuses a checkpoint of
+    another configuration or world size with a one-line reason."""
+    def refuse(why):
+        raise SystemExit(f"error: cannot resume from {path}: {why}")
+
+    try:
+        meta = torch.load(os.path.join(path, "model.pt"), map_location=d.device, weights_only=False)
+        mine = torch.load(os.path.join(path, f"rank{d.rank:03d}.pt"), map_location=d.device, weights_only=False)
+    except FileNotFoundError as e:
+        refuse(f"missing {os.path.basename(e.filename)} (not a checkpoint directory, or an unfinished one)")
+    except Exception as e:  # torch.load raises many types for a damaged file
+        refuse(f"unreadable checkpoint file ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})")
+    if meta.get("format") != CHECKPOINT_FORMAT:
+        refuse(f"checkpoint format {meta.get('format')}, this script reads {CHECKPOINT_FORMAT}")
+    if meta["world_size"] != d.world_size:
+        refuse(f"written by {meta['world_size']} ranks, this run has {d.world_size}; resume with the same world size")
+    now = dataclasses.asdict(args)  # rows as dicts, as saved
+    changed = [k for k in [*meta["args"], *(k for k in now if k not in meta["args"])]  # in field order
+               if k not in RESUMABLE_CHANGES and meta["args"].get(k) != now.get(k)]
+    if changed:
+        k = changed[0]
+        refuse(f"--{k} was {meta['args'].get(k)!r}, now {now.get(k)!r} ({len(changed)} field(s) differ)")
+    model.load_state_dict(meta["model"])
+    try:
+        opt.load_state_dict(mine["optimizer"])
+    except ValueError as e:
+        refuse(str(e))
+    loader.load_state_dict(meta["loader"])
+    torch.set_rng_state(mine["rng"].cpu())
+    for name, p in model.named_parameters():
+        p.grad = mine["grads"].get(name)
+    return meta["step"]
+
+# ---- train()'s resume, checkpoints and signals ----------------------------------------------
+
+def resume_step(args: Hyperparameters, d: DistInfo, model: nn.Module, opt: NorMuonAdam,
+                loader: DocumentLoader) -> int:
+    """The step train() starts from: 0, or that of --resume's checkpoint, loaded."""
+    if not args.resume:
+        return 0
+    step = load_checkpoint(args.resume, model, opt, loader, args, d)
+    if opt.tied and step > untie_step(args):
+        raise SystemExit(f"error: checkpoint at step {step} is past the untie step but still tied")
+    return step
+
+class RunCheckpoints(StopOnSignal):
+    """train()'s --save_every checkpoints (the newest --keep_checkpoints kept) and, with them, its stop on
+    SIGINT or SIGTERM: the run saves where it is, then exits (StopOnSignal)."""
+
+    def __init__(self, args: Hyperparameters, d: DistInfo, run_id: str, start_step: int, model: nn.Module,
+                 opt: NorMuonAdam, loader: DocumentLoader, log: RunLog):
+        super().__init__(bool(args.save_every), d.world_size, d.device)
+        self.args, self.d, self.start, self.total = args, d, start_step, total_steps(args)
+        self.state, self.log = (model, opt, loader), log
+        self.run_dir = os.path.join(args.checkpoint_dir, run_id)
+
+    def between_steps(self, step: int, flush) -> float:
+        """Before step `step` (every rank): the previous step's stop requests shared, a checkpoint saved where
+        due; on an agreed signal, flush() (the pending step's log line), a note, and SystemExit with the
+        shell's status for the signal. Returns the seconds spent saving (not training time)."""
+        import time
+        args, d, last = self.args, self.d, step == self.total
+        if step > self.start:
+            self.share(step - 1)
+        stopping = 0 if last else self.agreed(step)
+        path, seconds = os.path.join(self.run_dir, f"step_{step:06d}"), 0.0
+        if args.save_every and step > self.start and (step % args.save_every == 0 or last or stopping):
+            cuda_synchronize(d.device)
+            t = time.perf_counter()
+            save_checkpoint(path, step, *self.state, args, d)
+            if args.keep_checkpoints and d.is_master:
+                prune_checkpoints(self.run_dir, args.keep_checkpoints)
+            seconds = time.perf_counter() - t
+        if stopping:
+            flush()
+            resume = path if step > self.start else args.resume  # nothing trained since the resume
+            self.log.note(f"stopped by {signal.Signals(stopping).name} at step {step}: "
+                          + (f"--resume {resume} continues the run" if resume else "nothing trained to save"))
+            raise SystemExit(128 + stopping)
+        return seconds
+
+# ---- train()'s last lines: the sample, the CPU's peak memory ---------------------------------
 
 def sample_after_training(model: GPT, args: Hyperparameters, device: torch.device) -> str:
     """--sample_tokens: a continuation of "ROMEO:\n", as train() prints it."""
@@ -4398,17 +4268,6 @@ def cpu_peak_memory() -> str:
     import resource
     return f"peak memory (max RSS of rank 0): {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024} MiB"
 
-# ---- The FP8 head on a CPU: emulated (tests, host-dispatch counts) ---------------------------------
-
-@fp8_head_loss.register_kernel("cpu")
-def _fp8_head_loss_cpu(x, w, x_f8, w_f8, targets, mtp_weights, prefix_ids, prefix_weight, x_s, w_s, grad_s,
-                       grad_scale):
-    """fp8_head_loss on CPU tensors: the float8 matmul emulated (_scaled_matmul), the loss kernel's CPU twin."""
-    _check_fp8_head_args(x, w, x_f8, w_f8, grad_s)
-    logits = _scaled_matmul(x_f8, w_f8, x_s, w_s, torch.bfloat16, fast_accum=True)
-    return triton_kernels.softcapped_ce_mtp_e5m2(logits, targets, mtp_weights, prefix_ids, prefix_weight,
-                                                 grad_scale, grad_s)
-
 # ---- One training step without a Trainer (tests, benchmarks, the GPU check) ----------------------
 
 def train_step(model_fn, opt: NorMuonAdam, batches: list[Batch], plan: StepPlan, mtp: torch.Tensor,
@@ -4417,6 +4276,147 @@ def train_step(model_fn, opt: NorMuonAdam, batches: list[Batch], plan: StepPlan,
     loss, next_token = forward_backward(model_fn, opt, batches, plan, mtp, prefix, grad_scale, device)
     opt.step(plan.do_adam, lr_scale=plan.lr_mult, momentum=plan.momentum)
     return loss, next_token
+
+# ---- Argument checks of the functions above (one-line errors for bad input) ---------------------
+
+def check_scaled_mm_args(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor) -> None:
+    """Raise ValueError unless the operands suit cuBLAS's tensor-wise FP8 GEMM, on every device (a CPU
+    accepts layouts cuBLAS rejects): 2-D float8, not both e5m2; a (M, K) row-major, b (K, N) column-major;
+    M, K, N multiples of 16; each scale one fp32 value at a 16-byte aligned address."""
+    if a.dim() != 2 or b.dim() != 2:
+        raise ValueError(f"fp8 matmul: operands must be 2-D, got {tuple(a.shape)} and {tuple(b.shape)}")
+    if a.dtype not in _FP8_DTYPES or b.dtype not in _FP8_DTYPES:
+        raise ValueError(f"fp8 matmul: operands must be float8_e4m3fn/float8_e5m2, got {a.dtype} and {b.dtype}")
+    if a.dtype == torch.float8_e5m2 and b.dtype == torch.float8_e5m2:
+        raise ValueError("fp8 matmul: cuBLAS has no e5m2 x e5m2 GEMM; make one operand float8_e4m3fn")
+    (M, K), (K2, N) = a.shape, b.shape
+    if K != K2:
+        raise ValueError(f"fp8 matmul: inner dimensions differ: a is {tuple(a.shape)}, b is {tuple(b.shape)}")
+    if M % 16 or K % 16 or N % 16:
+        raise ValueError(f"fp8 matmul: M, K, N must be multiples of 16, got M={M} K={K} N={N};"
+                         " pad the token count / dims to a multiple of 16")
+    if a.stride(1) != 1 or a.stride(0) < K:
+        raise ValueError(f"fp8 matmul: first operand must be row-major, got strides {a.stride()}; use .contiguous()")
+    if b.stride(0) != 1 or b.stride(1) < K:
+        raise ValueError(f"fp8 matmul: second operand must be column-major, got strides {b.stride()};"
+                         " use .T.contiguous().T")
+    for name, s in (("scale_a", scale_a), ("scale_b", scale_b)):
+        if s.dtype != torch.float32 or s.numel() != 1:
+            raise ValueError(f"fp8 matmul: {name} must be a single float32 value, got {s.dtype} with {s.numel()} elements")
+        if s.data_ptr() % SCALE_ALIGN_BYTES:
+            raise ValueError(f"fp8 matmul: {name} sits at byte offset {s.storage_offset() * s.element_size()} of its storage,"
+                             f" not {SCALE_ALIGN_BYTES}-byte aligned (cuBLASLt rejects it with CUBLAS_STATUS_NOT_SUPPORTED);"
+                             " keep every scale in its own 16-byte slot (FP8MLPState) or pass a fresh tensor")
+
+def _check_fp8_head_args(x: torch.Tensor, w: torch.Tensor, x_f8: torch.Tensor, w_f8: torch.Tensor, grad_s) -> None:
+    if not (math.isfinite(grad_s) and grad_s > 0):  # the kernel stores the gradient times 1 / grad_s
+        raise ValueError(f"fp8_head_loss: grad_s must be a finite number > 0, got {grad_s}")
+    for name, t, ref in (("x_f8", x_f8, x), ("w_f8", w_f8, w)):
+        if t.dtype != torch.float8_e4m3fn or t.shape != ref.shape:
+            raise ValueError(f"fp8_head_loss: {name} must be float8_e4m3fn of shape {tuple(ref.shape)},"
+                             f" got {t.dtype} {tuple(t.shape)}")
+
+def _check_fp8_mlp_args(state: FP8MLPState, x: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor) -> None:
+    H, D = state.up_f8.shape[1:]
+    dtypes = {x.dtype, w_up.dtype, w_down.dtype}
+    if x.shape[1:] != (D,) or {w_up.shape, w_down.shape} != {(H, D)} or dtypes != {torch.bfloat16}:
+        raise ValueError(f"FP8MLPState.mlp: x must be (T, {D}), w_up and w_down ({H}, {D}), all bf16; got x "
+                         f"{tuple(x.shape)} {x.dtype}, w_up {tuple(w_up.shape)} {w_up.dtype}, "
+                         f"w_down {tuple(w_down.shape)} {w_down.dtype}")
+
+def _check_post_maxima(state: FP8MLPState, post_maxima: list) -> None:
+    if len(post_maxima) != (L := state.act_scale.shape[0]):
+        raise ValueError(f"FP8MLPState.update_act_scales: post_maxima must hold {L} layers' maxima,"
+                         f" got {len(post_maxima)}")
+
+def _check_mlp_bank(state: FP8MLPState, mlp_bank: torch.Tensor) -> None:
+    L, H, D = state.up_f8.shape
+    if mlp_bank.dim() != 3 or mlp_bank.shape[0] < 2 * L or tuple(mlp_bank.shape[1:]) != (H, D):
+        raise ValueError(f"FP8MLPState.quantize: mlp_bank must be (>= {2 * L}, {H}, {D}), got {tuple(mlp_bank.shape)}")
+
+def _check_sparse_declaration(exchange: ShardExchange, slot: Slot) -> None:
+    if slot.label in exchange.plans:
+        raise ValueError(f"prepare_sparse: the row exchange of {slot.label!r} was already launched for this step;"
+                         " declare every row before launch=True")
+
+def _check_sparse_rows(slot: Slot, rows: torch.Tensor) -> None:
+    """rows: the sorted unique row ids declared for slot's table."""
+    if rows.numel() and (rows[0] < 0 or rows[-1] >= slot.rows):
+        raise ValueError(f"prepare_sparse: row ids of {slot.label!r} must be in [0, {slot.rows});"
+                         f" got {int(rows[0])}..{int(rows[-1])}")
+
+def _check_sparse_label(opt: NorMuonAdam, label: str) -> None:
+    slot = opt.slots.get(label)
+    if slot is None or slot.cfg.comms != "sharded_sparse":
+        raise ValueError(f"prepare_sparse: {label!r} is not a parameter with comms='sharded_sparse'")
+
+def _check_after_update(opt: NorMuonAdam, after_update: dict) -> None:
+    for label in after_update:
+        if label not in opt.slots or opt.slots[label].cfg.optimizer != "normuon":
+            raise ValueError(f"NorMuonAdam.step: after_update[{label!r}] needs a normuon label")
+
+def _check_untie(opt: NorMuonAdam) -> None:
+    if opt.tied is None:
+        raise ValueError("NorMuonAdam.untie(): embedding and head are not tied")
+    if opt._on_backward is not None:
+        raise ValueError("NorMuonAdam.untie(): reductions launched by reductions_on_backward are pending;"
+                         " call step() first")
+
+def _check_block_mask_args(n: int, block_size: int, window) -> None:
+    if n % block_size:
+        raise ValueError(f"attention: sequence of {n} slots is not a multiple of the {block_size}-token"
+                         " attention block; make the tokens per rank a multiple of 128")
+    if isinstance(window, torch.Tensor) and window.device.type != "cpu":
+        raise ValueError("block_mask_indices: pass the window as a Python int (reading a device tensor waits for the GPU)")
+
+def _check_mask_kernel(kernel: str) -> None:
+    if kernel in START_MASKS:
+        raise ValueError(f"attention: {kernel} attention takes document starts, not ids: GPT.attention_masks builds it")
+    if kernel not in ATTENTION_MASKS:
+        raise ValueError(f"attention: kernel={kernel!r}; choose one of {', '.join([*START_MASKS, *ATTENTION_MASKS])}")
+
+def _check_window_blocks(**blocks) -> None:
+    for name, v in blocks.items():
+        if v is not None and (not isinstance(v, (int, np.integer)) or v < 1):
+            raise ValueError(f"set_windows: {name} window must be a block count >= 1, got {v!r}")
+
+def _check_flex_outside_compile(kernels: dict) -> None:
+    if "flex" in kernels.values() and torch.compiler.is_compiling():
+        raise RuntimeError("attention_masks: build the flex masks outside the compiled model and pass"
+                           " forward(masks=model.attention_masks(cu_seqlens, T))")
+
+def _check_batch_masks(model: GPT, batch: Batch) -> None:
+    """A batch's host-built flex masks are the model's: its block size and current windows."""
+    if batch.block_masks is None:
+        return
+    block_size, kinds = batch.mask_spec
+    if block_size != FLEX_BLOCK_SIZE or any(window != model.window_tokens[int(long)] for long, _, window in kinds):
+        raise ValueError(f"batch_masks: the batch's masks were built for (long?, slots per token, window) {kinds},"
+                         f" the model attends at windows {model.window_tokens}; build batches with"
+                         " flex_mask_spec(args, the step's windows) after set_windows")
+
+class ShardError(ValueError):
+    """A shard file that is not what the format promises; the message names the file."""
+
+def read_shard_header(path: str) -> int:
+    """Validate a shard's header against its size; return its token count."""
+    try:
+        size = os.path.getsize(path)
+    except OSError as e:
+        raise ShardError(f"{path}: cannot read shard ({e.strerror})") from None
+    if size < SHARD_HEADER_BYTES:
+        what = "empty file" if size == 0 else f"{size} bytes, shorter than the {SHARD_HEADER_BYTES}-byte header"
+        raise ShardError(f"{path}: not a token shard ({what}); re-create or re-download it")
+    magic, version, num_tokens = np.fromfile(path, dtype="<i4", count=3).tolist()
+    if magic != SHARD_MAGIC:
+        raise ShardError(f"{path}: bad magic {magic} (expected {SHARD_MAGIC}); not a token shard")
+    if version != SHARD_VERSION:
+        raise ShardError(f"{path}: unsupported shard version {version} (expected {SHARD_VERSION})")
+    if num_tokens <= 0 or size != SHARD_HEADER_BYTES + 2 * num_tokens:
+        need = SHARD_HEADER_BYTES + 2 * max(num_tokens, 0)
+        raise ShardError(f"{path}: header says {num_tokens} tokens ({need} bytes) but the file has {size} bytes;"
+                         " truncated or corrupt, re-create or re-download it")
+    return num_tokens
 
 if __name__ == "__main__":
     main()
