@@ -5,7 +5,9 @@
     python train_gpt.py --help                                         # every knob
 
 Importing this file has no side effects (tests and data scripts import it): the process group,
-devices, files and compilation all start in main().
+devices, files and compilation all start in main(). The part before the fence ("What the record does
+not run") is record #89's path; a `_check_...(...)` line there is an argument check, its body (a
+one-line error for bad input) in the fenced part, as are the alternatives the tables there name.
 """
 from __future__ import annotations
 
