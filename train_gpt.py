@@ -3347,91 +3347,6 @@ def scatter_uneven(comm: CommLayer, slot: Slot, g: torch.Tensor):
         return (recv.view(W, k, *slot.shape[1:]).float().sum(0) / W).to(g.dtype)
     return average
 
-# ---- The optimizer's argument checks and balanced ownership ----------------------------------
-# ParamConfig, NorMuonAdam and its load_state_dict check their arguments here (the record's pass every
-# check); "balanced" bank ownership adds itself to OWNERSHIPS.
-
-OPTIMIZER_KINDS = ("normuon", "adam")
-COMMS_MODES = ("none", "replicated", "sharded", "sharded_sparse")
-
-def _check_param_config(cfg: ParamConfig) -> None:
-    """ParamConfig's one-line errors; stores betas and matrix_lr_mul as tuples of floats."""
-    if cfg.optimizer not in OPTIMIZER_KINDS:
-        raise ValueError(f"ParamConfig: optimizer={cfg.optimizer!r} is not one of {', '.join(OPTIMIZER_KINDS)}")
-    if cfg.comms not in COMMS_MODES:
-        raise ValueError(f"ParamConfig: comms={cfg.comms!r} is not one of {', '.join(COMMS_MODES)}")
-    if cfg.comms == "sharded_sparse" and cfg.optimizer != "adam":
-        raise ValueError("ParamConfig: comms='sharded_sparse' is for Adam embedding tables; use 'sharded' for normuon")
-    if cfg.matrix_lr_mul is not None and cfg.optimizer != "normuon":
-        raise ValueError("ParamConfig: matrix_lr_mul applies to normuon banks only; use lr_mul for adam")
-    if cfg.every_step and cfg.optimizer != "adam":
-        raise ValueError("ParamConfig: every_step applies to adam labels (normuon steps every step)")
-    betas = tuple(float(b) for b in cfg.betas)
-    if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
-        raise ValueError(f"ParamConfig: betas={cfg.betas!r} must be two numbers in [0, 1)")
-    object.__setattr__(cfg, "betas", betas)
-    if cfg.matrix_lr_mul is not None:
-        object.__setattr__(cfg, "matrix_lr_mul", tuple(float(m) for m in cfg.matrix_lr_mul))
-
-def _check_optimizer_args(opt: NorMuonAdam, params: dict, configs: dict, tied) -> None:
-    """NorMuonAdam's one-line errors: configs and both orders name params' labels exactly once, parameters
-    suit their optimizer, and tied names an Adam (embedding, head) pair of transposes."""
-    for label in params:
-        if label not in configs:
-            raise ValueError(f"NorMuonAdam: no ParamConfig for parameter {label!r}; add configs[{label!r}]")
-    for label in configs:
-        if label not in params:
-            raise ValueError(f"NorMuonAdam: config {label!r} names no parameter; labels are {sorted(params)}")
-    for name in ("scatter_order", "work_order"):
-        order = getattr(opt, name)
-        for i, label in enumerate(order):
-            if label not in params:
-                raise ValueError(f"NorMuonAdam: {name} names unknown label {label!r}; labels are {sorted(params)}")
-            if label in order[:i]:
-                raise ValueError(f"NorMuonAdam: {name} lists {label!r} twice; list every label exactly once")
-        missing = [label for label in params if label not in order]
-        if missing:
-            raise ValueError(f"NorMuonAdam: {name} is missing {missing}; list every label exactly once")
-    for label, p in params.items():
-        cfg = configs[label]
-        if p.dtype not in (torch.bfloat16, torch.float32):
-            raise ValueError(f"NorMuonAdam: parameter {label!r} is {p.dtype}; use bfloat16 or float32")
-        if cfg.optimizer == "normuon" and p.ndim < 2:
-            raise ValueError(f"NorMuonAdam: normuon parameter {label!r} has shape {tuple(p.shape)};"
-                             " it needs matrices (..., rows, cols)")
-        n = p.numel() // (p.size(-2) * p.size(-1)) if p.ndim >= 2 else 0
-        if cfg.optimizer == "normuon" and cfg.matrix_lr_mul is not None and len(cfg.matrix_lr_mul) != n:
-            raise ValueError(f"NorMuonAdam: {label!r} has {n} matrices but matrix_lr_mul has"
-                             f" {len(cfg.matrix_lr_mul)} entries")
-    if tied is None:
-        return
-    if len(tied) != 2 or any(t not in params for t in tied):
-        raise ValueError(f"NorMuonAdam: tied={tied!r} must be (embed_label, head_label), both existing labels")
-    embed, head = (params[t] for t in tied)
-    if any(configs[t].optimizer != "adam" for t in tied):
-        raise ValueError("NorMuonAdam: tied embedding and head must both use optimizer='adam'")
-    if embed.ndim != 2 or tuple(embed.shape) != tuple(head.shape)[::-1]:
-        raise ValueError(f"NorMuonAdam: tied shapes {tuple(embed.shape)} and {tuple(head.shape)}"
-                         " must be transposes of each other")
-    if embed.dtype != head.dtype:
-        raise ValueError("NorMuonAdam: tied embedding and head must have the same dtype")
-
-def _check_state_dict(opt: NorMuonAdam, sd: dict) -> None:
-    """NorMuonAdam.load_state_dict's one-line errors unless sd is a state_dict() of the same layout."""
-    if sd.get("world_size") != opt.world_size or sd.get("rank") != opt.rank:
-        raise ValueError(f"load_state_dict: saved on rank {sd.get('rank')} of {sd.get('world_size')}, loading on rank"
-                         f" {opt.rank} of {opt.world_size}; optimizer shards need the same world size")
-    if set(sd["state"]) != set(opt.state):
-        raise ValueError(f"load_state_dict: labels {sorted(sd['state'])} differ from this optimizer's {sorted(opt.state)}")
-    for label, saved in sd["state"].items():
-        ref = opt.layout.new_state(label, torch.device("meta"))  # what load_state_dict allocates, unallocated
-        if saved and set(saved) != set(ref):
-            raise ValueError(f"load_state_dict: {label!r} has state {sorted(saved)}, expected {sorted(ref)}")
-        for name, t in saved.items():
-            if t.shape != ref[name].shape or t.dtype != ref[name].dtype:
-                raise ValueError(f"load_state_dict: {label!r}.{name} is {tuple(t.shape)} {t.dtype},"
-                                 f" expected {tuple(ref[name].shape)} {ref[name].dtype}")
-
 def _balanced_ownership(banks: dict, world_size: int, orthogonalizer) -> dict[str, tuple[int, ...]]:
     """OWNERSHIPS["balanced"]: balanced_splits of the banks, a matrix costed by orthogonalization_flops (FLOP-
     sorted owners as in Motif-Technologies/optimizer)."""
@@ -4280,6 +4195,91 @@ def train_step(model_fn, opt: NorMuonAdam, batches: list[Batch], plan: StepPlan,
     return loss, next_token
 
 # ---- Argument checks of the functions above (one-line errors for bad input) ---------------------
+
+# ParamConfig, NorMuonAdam and its load_state_dict (the record's configuration passes every check)
+
+OPTIMIZER_KINDS = ("normuon", "adam")
+COMMS_MODES = ("none", "replicated", "sharded", "sharded_sparse")
+
+def _check_param_config(cfg: ParamConfig) -> None:
+    """ParamConfig's one-line errors; stores betas and matrix_lr_mul as tuples of floats."""
+    if cfg.optimizer not in OPTIMIZER_KINDS:
+        raise ValueError(f"ParamConfig: optimizer={cfg.optimizer!r} is not one of {', '.join(OPTIMIZER_KINDS)}")
+    if cfg.comms not in COMMS_MODES:
+        raise ValueError(f"ParamConfig: comms={cfg.comms!r} is not one of {', '.join(COMMS_MODES)}")
+    if cfg.comms == "sharded_sparse" and cfg.optimizer != "adam":
+        raise ValueError("ParamConfig: comms='sharded_sparse' is for Adam embedding tables; use 'sharded' for normuon")
+    if cfg.matrix_lr_mul is not None and cfg.optimizer != "normuon":
+        raise ValueError("ParamConfig: matrix_lr_mul applies to normuon banks only; use lr_mul for adam")
+    if cfg.every_step and cfg.optimizer != "adam":
+        raise ValueError("ParamConfig: every_step applies to adam labels (normuon steps every step)")
+    betas = tuple(float(b) for b in cfg.betas)
+    if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
+        raise ValueError(f"ParamConfig: betas={cfg.betas!r} must be two numbers in [0, 1)")
+    object.__setattr__(cfg, "betas", betas)
+    if cfg.matrix_lr_mul is not None:
+        object.__setattr__(cfg, "matrix_lr_mul", tuple(float(m) for m in cfg.matrix_lr_mul))
+
+def _check_optimizer_args(opt: NorMuonAdam, params: dict, configs: dict, tied) -> None:
+    """NorMuonAdam's one-line errors: configs and both orders name params' labels exactly once, parameters
+    suit their optimizer, and tied names an Adam (embedding, head) pair of transposes."""
+    for label in params:
+        if label not in configs:
+            raise ValueError(f"NorMuonAdam: no ParamConfig for parameter {label!r}; add configs[{label!r}]")
+    for label in configs:
+        if label not in params:
+            raise ValueError(f"NorMuonAdam: config {label!r} names no parameter; labels are {sorted(params)}")
+    for name in ("scatter_order", "work_order"):
+        order = getattr(opt, name)
+        for i, label in enumerate(order):
+            if label not in params:
+                raise ValueError(f"NorMuonAdam: {name} names unknown label {label!r}; labels are {sorted(params)}")
+            if label in order[:i]:
+                raise ValueError(f"NorMuonAdam: {name} lists {label!r} twice; list every label exactly once")
+        missing = [label for label in params if label not in order]
+        if missing:
+            raise ValueError(f"NorMuonAdam: {name} is missing {missing}; list every label exactly once")
+    for label, p in params.items():
+        cfg = configs[label]
+        if p.dtype not in (torch.bfloat16, torch.float32):
+            raise ValueError(f"NorMuonAdam: parameter {label!r} is {p.dtype}; use bfloat16 or float32")
+        if cfg.optimizer == "normuon" and p.ndim < 2:
+            raise ValueError(f"NorMuonAdam: normuon parameter {label!r} has shape {tuple(p.shape)};"
+                             " it needs matrices (..., rows, cols)")
+        n = p.numel() // (p.size(-2) * p.size(-1)) if p.ndim >= 2 else 0
+        if cfg.optimizer == "normuon" and cfg.matrix_lr_mul is not None and len(cfg.matrix_lr_mul) != n:
+            raise ValueError(f"NorMuonAdam: {label!r} has {n} matrices but matrix_lr_mul has"
+                             f" {len(cfg.matrix_lr_mul)} entries")
+    if tied is None:
+        return
+    if len(tied) != 2 or any(t not in params for t in tied):
+        raise ValueError(f"NorMuonAdam: tied={tied!r} must be (embed_label, head_label), both existing labels")
+    embed, head = (params[t] for t in tied)
+    if any(configs[t].optimizer != "adam" for t in tied):
+        raise ValueError("NorMuonAdam: tied embedding and head must both use optimizer='adam'")
+    if embed.ndim != 2 or tuple(embed.shape) != tuple(head.shape)[::-1]:
+        raise ValueError(f"NorMuonAdam: tied shapes {tuple(embed.shape)} and {tuple(head.shape)}"
+                         " must be transposes of each other")
+    if embed.dtype != head.dtype:
+        raise ValueError("NorMuonAdam: tied embedding and head must have the same dtype")
+
+def _check_state_dict(opt: NorMuonAdam, sd: dict) -> None:
+    """NorMuonAdam.load_state_dict's one-line errors unless sd is a state_dict() of the same layout."""
+    if sd.get("world_size") != opt.world_size or sd.get("rank") != opt.rank:
+        raise ValueError(f"load_state_dict: saved on rank {sd.get('rank')} of {sd.get('world_size')}, loading on rank"
+                         f" {opt.rank} of {opt.world_size}; optimizer shards need the same world size")
+    if set(sd["state"]) != set(opt.state):
+        raise ValueError(f"load_state_dict: labels {sorted(sd['state'])} differ from this optimizer's {sorted(opt.state)}")
+    for label, saved in sd["state"].items():
+        ref = opt.layout.new_state(label, torch.device("meta"))  # what load_state_dict allocates, unallocated
+        if saved and set(saved) != set(ref):
+            raise ValueError(f"load_state_dict: {label!r} has state {sorted(saved)}, expected {sorted(ref)}")
+        for name, t in saved.items():
+            if t.shape != ref[name].shape or t.dtype != ref[name].dtype:
+                raise ValueError(f"load_state_dict: {label!r}.{name} is {tuple(t.shape)} {t.dtype},"
+                                 f" expected {tuple(ref[name].shape)} {ref[name].dtype}")
+
+# The first part's other functions, in its order
 
 def check_scaled_mm_args(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor) -> None:
     """Raise ValueError unless the operands suit cuBLAS's tensor-wise FP8 GEMM, on every device (a CPU
