@@ -970,9 +970,9 @@ class ShardExchange:
             plan = self.plans.pop(label, None) or self._plan_sparse(slot, g)
             if not plan.dense:
                 return self._scatter_sparse(slot, g, plan)
-        k = slot.shard_rows
         if slot.uneven:  # balanced ownership (below the fence)
             return scatter_uneven(self.comm, slot, g)
+        k = slot.shard_rows
         if not slot.even:
             padded = g.new_zeros((k * W, *slot.shape[1:]))
             padded[:slot.rows] = g
