@@ -1932,67 +1932,15 @@ class Batch:
     doc_ids: torch.Tensor | None = None
     block_masks: dict | None = None
     max_doc_len: int | None = None  # documents are at most this long (the stage's; varlen's launch grid)
-    staged: torch.Tensor | None = None  # every tensor above packed into one pinned buffer (stage())
-
-    def tensors(self) -> list[torch.Tensor]:
-        """Every tensor of the batch in a fixed order (the staging buffer's layout)."""
-        masks = [t for key in sorted(self.block_masks) for t in self.block_masks[key]] if self.block_masks else []
-        extra = [self.doc_ids] if self.doc_ids is not None else []
-        return [self.inputs, self.targets, self.cu_seqlens, self.bigram_ids, *extra, *masks]
-
-    def with_tensors(self, tensors) -> "Batch":
-        """This batch with its tensors replaced, in tensors()'s order."""
-        it = iter(tensors)
-        inputs, targets, cu_seqlens, bigram_ids = (next(it) for _ in range(4))
-        doc_ids = next(it) if self.doc_ids is not None else None
-        block_masks = {key: BlockMaskIndices(*(next(it) for _ in BlockMaskIndices._fields))
-                       for key in sorted(self.block_masks)} if self.block_masks else None
-        return Batch(inputs, targets, cu_seqlens, bigram_ids, self.mask_spec, doc_ids, block_masks, self.max_doc_len)
-
-    def staged_bytes(self) -> int:
-        """Bytes of the staged buffer (a multiple of STAGE_ALIGN)."""
-        return sum(map(_staged_bytes, self.tensors()))
-
-    def stage(self, into: torch.Tensor | None = None) -> "Batch":
-        """The batch with its tensors packed into one pinned host buffer, so that to(device) is one copy
-        (the loader's thread does it). into: a uint8 buffer of staged_bytes() to pack into instead."""
-        tensors = self.tensors()
-        staged = into if into is not None else torch.empty(self.staged_bytes(), dtype=torch.uint8,
-                                                           pin_memory=torch.cuda.is_available())
-        for view, t in zip(self.unstage(staged).tensors(), tensors):
-            view.copy_(t)
-        return dataclasses.replace(self, staged=staged)
-
-    def unstage(self, staged: torch.Tensor) -> "Batch":
-        """This batch's tensors as views of `staged` (stage()'s layout): a view per dtype, an as_strided each."""
-        views, typed, start = [], {}, 0
-        for t in self.tensors():
-            if t.dtype not in typed:  # the buffer's length is a multiple of STAGE_ALIGN: any dtype divides it
-                typed[t.dtype] = staged.view(t.dtype)
-            strides = [math.prod(t.shape[d + 1:]) for d in range(t.dim())]  # contiguous
-            base = typed[t.dtype]  # as_strided counts from the storage's start: a slice's own offset first
-            views.append(base.as_strided(t.shape, strides, base.storage_offset() + start // t.element_size()))
-            start += _staged_bytes(t)
-        return self.with_tensors(views)
+    staged: torch.Tensor | None = None  # every tensor above packed into one pinned buffer (stage_batch)
 
     def to(self, device: torch.device) -> "Batch":
-        """The batch on `device`: one non-blocking copy of the staged buffer (a CPU batch: itself)."""
+        """The batch on `device`: one non-blocking copy of its tensors staged in one pinned buffer (stage_batch,
+        below the fence; the record copies each tensor); a CPU batch: itself."""
         if device.type == "cpu":
             return self
-        staged = (self if self.staged is not None else self.stage()).staged
-        return self.unstage(staged.to(device, non_blocking=True))  # pinned: asynchronous with the queued work
-
-STAGE_ALIGN = 128  # bytes between a staged batch's tensors: inductor, cuBLAS, Triton assume 16-byte alignment
-
-def stage_step(batches: list[Batch]) -> list[Batch]:
-    """A step's micro-batches staged into consecutive slices of one pinned buffer (StepGraphs copies it whole)."""
-    sizes = [b.staged_bytes() for b in batches]
-    joint = torch.empty(sum(sizes), dtype=torch.uint8, pin_memory=torch.cuda.is_available())
-    starts = np.cumsum([0, *sizes])
-    return [b.stage(joint[a:a + n]) for b, a, n in zip(batches, starts.tolist(), sizes)]
-
-def _staged_bytes(t: torch.Tensor) -> int:
-    return -(-t.numel() * t.element_size() // STAGE_ALIGN) * STAGE_ALIGN
+        staged = self.staged if self.staged is not None else stage_batch(self).staged
+        return unstage(self, staged.to(device, non_blocking=True))  # pinned: asynchronous with the queued work
 
 def max_docs_for(num_tokens: int) -> int:
     """Document-boundary capacity of T tokens (a static shape); rare extra documents merge into the last."""
@@ -3759,6 +3707,60 @@ def check_batch_split(args: Hyperparameters, world_size: int) -> int:
                              f"{args.micro_batches} or batch sizes divisible by {slots}")
     return accum
 
+# ---- Staging: a batch's tensors in one pinned buffer, one host-to-device copy (Batch.to) ------------
+
+STAGE_ALIGN = 128  # bytes between a staged batch's tensors: inductor, cuBLAS, Triton assume 16-byte alignment
+
+def _staged_bytes(t: torch.Tensor) -> int:
+    return -(-t.numel() * t.element_size() // STAGE_ALIGN) * STAGE_ALIGN
+
+def batch_tensors(b: Batch) -> list[torch.Tensor]:
+    """Every tensor of the batch in a fixed order (the staging buffer's layout)."""
+    masks = [t for key in sorted(b.block_masks) for t in b.block_masks[key]] if b.block_masks else []
+    extra = [b.doc_ids] if b.doc_ids is not None else []
+    return [b.inputs, b.targets, b.cu_seqlens, b.bigram_ids, *extra, *masks]
+
+def with_tensors(b: Batch, tensors) -> Batch:
+    """b with its tensors replaced, in batch_tensors' order."""
+    it = iter(tensors)
+    inputs, targets, cu_seqlens, bigram_ids = (next(it) for _ in range(4))
+    doc_ids = next(it) if b.doc_ids is not None else None
+    block_masks = {key: BlockMaskIndices(*(next(it) for _ in BlockMaskIndices._fields))
+                   for key in sorted(b.block_masks)} if b.block_masks else None
+    return Batch(inputs, targets, cu_seqlens, bigram_ids, b.mask_spec, doc_ids, block_masks, b.max_doc_len)
+
+def staged_bytes(b: Batch) -> int:
+    """Bytes of b's staged buffer (a multiple of STAGE_ALIGN)."""
+    return sum(map(_staged_bytes, batch_tensors(b)))
+
+def stage_batch(b: Batch, into: torch.Tensor | None = None) -> Batch:
+    """b with its tensors packed into one pinned host buffer, so that to(device) is one copy (the loader's
+    thread does it). into: a uint8 buffer of staged_bytes(b) to pack into instead."""
+    staged = into if into is not None else torch.empty(staged_bytes(b), dtype=torch.uint8,
+                                                       pin_memory=torch.cuda.is_available())
+    for view, t in zip(batch_tensors(unstage(b, staged)), batch_tensors(b)):
+        view.copy_(t)
+    return dataclasses.replace(b, staged=staged)
+
+def unstage(b: Batch, staged: torch.Tensor) -> Batch:
+    """b's tensors as views of `staged` (stage_batch's layout): a view per dtype, an as_strided each."""
+    views, typed, start = [], {}, 0
+    for t in batch_tensors(b):
+        if t.dtype not in typed:  # the buffer's length is a multiple of STAGE_ALIGN: any dtype divides it
+            typed[t.dtype] = staged.view(t.dtype)
+        strides = [math.prod(t.shape[d + 1:]) for d in range(t.dim())]  # contiguous
+        base = typed[t.dtype]  # as_strided counts from the storage's start: a slice's own offset first
+        views.append(base.as_strided(t.shape, strides, base.storage_offset() + start // t.element_size()))
+        start += _staged_bytes(t)
+    return with_tensors(b, views)
+
+def stage_step(batches: list[Batch]) -> list[Batch]:
+    """A step's micro-batches staged into consecutive slices of one pinned buffer (StepGraphs copies it whole)."""
+    sizes = [staged_bytes(b) for b in batches]
+    joint = torch.empty(sum(sizes), dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+    starts = np.cumsum([0, *sizes])
+    return [stage_batch(b, joint[a:a + n]) for b, a, n in zip(batches, starts.tolist(), sizes)]
+
 # ---- Sampling, shard writing, CPU memory -----------------------------------------------------
 
 def generate(model: "GPT", prompt: str, new_tokens: int, device: torch.device, seed: int = 0) -> str:
@@ -3859,10 +3861,10 @@ class StepGraphs:
     def _buffers(self, key: tuple, batches: list[Batch]) -> _StepBuffers:
         entry = self.buffers.get(key)
         if entry is None:
-            sizes = [b.staged_bytes() for b in batches]
+            sizes = [staged_bytes(b) for b in batches]
             buf = torch.empty(sum(sizes), dtype=torch.uint8, device=self.device)
             starts = np.cumsum([0, *sizes]).tolist()
-            views = [b.unstage(buf[a:a + n]) for b, a, n in zip(batches, starts, sizes)]
+            views = [unstage(b, buf[a:a + n]) for b, a, n in zip(batches, starts, sizes)]
             entry = self.buffers[key] = _StepBuffers(buf, views, torch.zeros((), device=self.device),
                                                      torch.zeros((), device=self.device))
         return entry
@@ -3957,7 +3959,7 @@ class StepGraphs:
 
 def step_buffer(batches: list[Batch]) -> torch.Tensor:
     """A step's staged bytes as one host buffer: stage_step's joint buffer itself, else a packed copy."""
-    bufs = [b.staged if b.staged is not None else b.stage().staged for b in batches]
+    bufs = [b.staged if b.staged is not None else stage_batch(b).staged for b in batches]
     first, total = bufs[0], sum(buf.numel() for buf in bufs)
     at = first.data_ptr()
     for buf in bufs:

@@ -109,7 +109,7 @@ CHECKS: tuple[Check, ...] = (
           "re-quantisation and the loader's host-built flex masks in pinned staging buffers, with any "
           "recompilation an error",
           (TG + "hyperparam_tensors", TG + "adam_update_group_sliced", TG + "build_optimizer", TG + "copy_from_host_",
-           TG + "batch_request", TG + "DocumentLoader.__init__", TG + "Batch.stage"), "model"),
+           TG + "batch_request", TG + "DocumentLoader.__init__", TG + "stage_batch"), "model"),
     Check("cuda-graphs", 300, "the speedrun model compiled, steps 0, 1 (stage 1) and 423, 424 (stage 2) from one state "
           "through train_step and through StepGraphs (each key captured on its first step and checked against "
           "the uncaptured step): losses and parameters the same (bitwise where two uncaptured runs are); ms/step "

@@ -97,13 +97,13 @@ def test_step_buffer_is_the_loaders_one_buffer(tmp_path):
     joint = tg.step_buffer(batches)
     assert joint.numel() == sum(b.staged.numel() for b in batches)
     assert joint.data_ptr() == batches[0].staged.data_ptr()  # no copy: the loader's buffer
-    apart = [b.stage() for b in batches]
+    apart = [tg.stage_batch(b) for b in batches]
     packed = tg.step_buffer(apart)
     assert packed.numel() == joint.numel() and packed.data_ptr() != apart[0].staged.data_ptr()
     for buf in (joint, packed):  # every batch's tensors, from its slice of the one buffer
         at = 0
         for b in batches:
-            assert all(torch.equal(x, y) for x, y in zip(b.tensors(), b.unstage(buf[at:at + b.staged.numel()]).tensors()))
+            assert all(torch.equal(x, y) for x, y in zip(tg.batch_tensors(b), tg.batch_tensors(tg.unstage(b, buf[at:at + b.staged.numel()]))))
             at += b.staged.numel()
 
 

@@ -363,24 +363,24 @@ def test_model_takes_the_batch_masks_only_at_their_windows(tmp_path):
 
 
 def test_staged_batch_is_one_buffer_of_aligned_views(tmp_path):
-    """stage() packs every tensor of a batch (masks included) into one buffer; unstage() of a copy of
+    """stage_batch packs every tensor of a batch (masks included) into one buffer; unstage of a copy of
     it gives back equal tensors, each a view of that copy at a STAGE_ALIGN-aligned offset: the device
     copy of a step is one transfer per micro-batch."""
     pattern = make_corpus(tmp_path, num_shards=2, docs_per_shard=30)
     (b,) = tg.DocumentLoader(pattern, 1001).next_step(256, 100, 1, tg.flex_mask_spec(SPEC_ARGS, (1, 3)))
-    staged = b.stage()
+    staged = tg.stage_batch(b)
     assert staged.staged.dtype == torch.uint8 and staged.staged.dim() == 1
     copy = staged.staged.clone()
-    back = b.unstage(copy)
-    assert len(back.tensors()) == 5 + 8 * len(b.block_masks)
-    for x, y in zip(b.tensors(), back.tensors()):
+    back = tg.unstage(b, copy)
+    assert len(tg.batch_tensors(back)) == 5 + 8 * len(b.block_masks)
+    for x, y in zip(tg.batch_tensors(b), tg.batch_tensors(back)):
         assert x.dtype == y.dtype and torch.equal(x, y)
         assert y.untyped_storage().data_ptr() == copy.data_ptr()  # a view of the one copy
         assert (y.data_ptr() - copy.data_ptr()) % tg.STAGE_ALIGN == 0
     assert back.mask_spec == b.mask_spec and back.staged is None
     on_meta = staged.to(torch.device("meta"))  # a non-CPU device: views of one copied buffer
     assert all(t.device.type == "meta" and t.untyped_storage().nbytes() == staged.staged.numel()
-               for t in on_meta.tensors())
+               for t in tg.batch_tensors(on_meta))
     assert b.to(torch.device("cpu")) is b
 
 

@@ -38,7 +38,7 @@ The CUDA path on CPU tensors, and what is substituted:
     the forward graph (aot_eager does here: the loss's gradient ignores the incoming one), so the two
     are one phase.
   * batches: built as the CUDA loader builds them (make_batch with the step's flex_mask_spec, then
-    stage()), outside the count (the loader's thread); inside it, Batch.to makes the staged buffer's copy
+    stage_batch), outside the count (the loader's thread); inside it, Batch.to makes the staged buffer's copy
     (a clone here, the host-to-device copy on CUDA) and its views, as on CUDA. --model_masks: batches
     without block masks, the model building them per micro-batch (attention_masks(kernel="flex")).
   * attention: flex. Inductor cannot compile flex_attention's backward for CPU tensors (it fails in lowering), so
@@ -352,8 +352,8 @@ class StepRunner:
             b = T.make_batch(buf, self.args.bigram_vocab_size, spec, plan.max_doc_len)
             inputs = b.inputs % self.args.vocab_size  # BOS (50256) found the documents; now the tiny vocabulary's ids
             out.append(dataclasses.replace(b, inputs=inputs, targets=b.targets % self.args.vocab_size,
-                                           bigram_ids=T.bigram_hash(inputs, self.args.bigram_vocab_size)).stage())
-        return out
+                                           bigram_ids=T.bigram_hash(inputs, self.args.bigram_vocab_size)))
+        return [T.stage_batch(b) for b in out]
 
     def step(self, step: int, batches: list[T.Batch]):
         """One Trainer.step: train_step (forward_backward, NorMuonAdam.step), then the FP8 re-quantization, then the loss's scaling."""
@@ -372,7 +372,7 @@ class StepRunner:
         opt = _PhaseMarked(self.opt, step=marked(self.opt.step, PHASE_PREFIX + "optimizer"))
         backward, to = torch.Tensor.backward, T.Batch.to
         torch.Tensor.backward = marked(backward, PHASE_PREFIX + FORWARD_BACKWARD)
-        T.Batch.to = lambda batch, device: batch.unstage(batch.staged.clone())  # the device copy, and its views
+        T.Batch.to = lambda batch, device: T.unstage(batch, batch.staged.clone())  # the device copy, and its views
         try:
             with record_function(PHASE_PREFIX + OTHER_PHASE):
                 objective, next_token = T.train_step(model_fn, opt, batches, plan, self.mtp, self.prefix,
