@@ -538,8 +538,7 @@ class FP8MLPState(nn.Module):
 
 def _as_bank(G: torch.Tensor) -> torch.Tensor:
     """G (..., m, n) as a 3-D (batch, m, n) view, or a one-line error for a vector."""
-    if G.ndim < 2:
-        raise ValueError(f"orthogonalization needs matrices (..., m, n); got shape {tuple(G.shape)}")
+    _check_matrices(G)
     return G.reshape(-1, G.size(-2), G.size(-1))
 
 def polar_express(G: torch.Tensor, coeffs=POLAR_EXPRESS_COEFFS, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
@@ -573,11 +572,7 @@ ORTHOGONALIZERS = {"polar_express": polar_express}
 
 def orthogonalizer_of(orthogonalizer):
     """A callable as it is, a name of ORTHOGONALIZERS as its function, else a one-line error."""
-    if callable(orthogonalizer):
-        return orthogonalizer
-    if orthogonalizer in ORTHOGONALIZERS:
-        return ORTHOGONALIZERS[orthogonalizer]
-    raise ValueError(f"NorMuonAdam: orthogonalizer={orthogonalizer!r}; choose one of {sorted(ORTHOGONALIZERS)}")
+    return orthogonalizer if callable(orthogonalizer) else ORTHOGONALIZERS[_check_orthogonalizer(orthogonalizer)]
 
 # ----------------------------------------------------------------------------------------------
 # Optimizer: one fused NorMuon + Adam step that owns all communication
@@ -723,9 +718,7 @@ def hyperparam_tensors(labels, rows, device: torch.device) -> dict[str, torch.Te
 
 def padded_splits(n: int, world_size: int, label: str = "bank") -> tuple[int, ...]:
     """The record's ownership: n / world_size consecutive matrices of a bank per rank (GPT's bank_padding)."""
-    if n % world_size:
-        raise ValueError(f"NorMuonAdam: bank {label!r} has {n} matrices, not divisible by the world size {world_size};"
-                         f" pad the bank with zero matrices to a multiple of {world_size} or use ownership='balanced'")
+    _check_padded_bank(n, world_size, label)
     return (n // world_size,) * world_size
 
 # Bank ownership by name (--bank_ownership): (sharded NorMuon banks' Slots, world size, orthogonalizer) ->
@@ -798,8 +791,7 @@ class OwnershipLayout:
 
     def __init__(self, params: dict[str, torch.Tensor], configs: dict[str, ParamConfig], world_size: int = 1,
                  rank: int = 0, ownership: str = "balanced", orthogonalizer="polar_express", order=None):
-        if ownership not in OWNERSHIPS:
-            raise ValueError(f"NorMuonAdam: ownership={ownership!r}; choose one of {', '.join(OWNERSHIPS)}")
+        _check_ownership(ownership, "NorMuonAdam: ownership=")
         self.world_size, self.rank = world_size, rank
         self.slots = {label: row_slot(label, p, configs[label], world_size, rank) for label, p in params.items()}
         banks = {label: slot for label in (params if order is None else order)
@@ -882,26 +874,13 @@ class CommLayer:
         self._count(label, "all_gather", shard.nbytes * (self.world_size - 1))
         return self._launch(_all_gather, out, shard)
 
-    def reduce_scatter_uneven(self, label, out, inp, splits):
-        """Each owner's block (splits[r] rows for rank r) to it by all_to_all: out stacks all ranks' copies."""
-        row = inp[0].nbytes if inp.size(0) else 0
-        self._count(label, "reduce_scatter", (inp.size(0) - splits[self.rank]) * row)
-        return self._launch(dist.all_to_all_single, out, inp, [splits[self.rank]] * self.world_size, list(splits))
-
-    def all_gather_uneven(self, label, out, shard, splits):
-        """Every owner's block (splits[r] rows) into out on every rank, by all_to_all; returns the wait."""
-        W = self.world_size
-        self._count(label, "all_gather", shard.nbytes * (W - 1))
-        inp = shard.repeat(W, *([1] * (shard.ndim - 1)))
-        work = self._launch(dist.all_to_all_single, out, inp, list(splits), [shard.size(0)] * W)
-        return lambda: (work.wait(), inp)[0]  # inp lives until the exchange is done
-
-    def all_to_all(self, label, out, inp, out_splits=None, in_splits=None):
+    def all_to_all(self, label, out, inp, out_splits=None, in_splits=None, op: str = "all_to_all"):
+        """all_to_all_single, its bytes counted under `op` (balanced ownership's uneven collectives are these)."""
         if in_splits is None:
             sent = inp.nbytes * (self.world_size - 1) / self.world_size
         else:
             sent = (sum(in_splits) - in_splits[self.rank]) * (inp[:1].nbytes if inp.numel() else 0)
-        self._count(label, "all_to_all", sent)
+        self._count(label, op, sent)
         return self._launch(dist.all_to_all_single, out, inp, out_splits, in_splits)
 
 @dataclass
@@ -1000,7 +979,7 @@ class ShardExchange:
             return None
         view = slot.view()
         if slot.uneven:
-            return self.comm.all_gather_uneven(slot.label, view, shard, slot.splits)
+            return all_gather_uneven(self.comm, slot.label, view, shard, slot.splits)
         if slot.even:
             return self.comm.all_gather(slot.label, view, shard).wait  # in place: shard is a slice of view
         full = shard.new_empty((slot.shard_rows * self.world_size, *slot.shape[1:]))
@@ -1368,10 +1347,8 @@ def attention_kernels(args: "Hyperparameters", device: torch.device) -> dict[tup
     kinds = attention_kinds(args.layers)
     if device.type != "cuda":
         return dict.fromkeys(kinds, "sdpa")
-    if args.attention_kernel in GPU_ATTENTION_KERNELS:
+    if _check_attention_kernel(args.attention_kernel) in GPU_ATTENTION_KERNELS:
         return dict.fromkeys(kinds, args.attention_kernel)
-    if args.attention_kernel != "auto":
-        raise ValueError(f"--attention_kernel {args.attention_kernel!r} is not one of auto, {', '.join(GPU_ATTENTION_KERNELS)}")
     table = ATTENTION_KERNEL_CHOICE.get(torch.cuda.get_device_name(device), {})
     return {kind: table.get(kind, "flex") for kind in kinds}
 
@@ -1498,8 +1475,7 @@ def dc_term(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_ids: torch.Te
 
 def bank_padding(n: int, world_size: int, args: Hyperparameters) -> int:
     """Matrices in a bank of n: a multiple of the world size (padded ownership, the record's), or n (balanced)."""
-    if args.bank_ownership not in OWNERSHIPS:
-        raise ValueError(f"model config: --bank_ownership {args.bank_ownership!r} is not one of {', '.join(OWNERSHIPS)}")
+    _check_ownership(args.bank_ownership, "model config: --bank_ownership ")
     return -(-n // world_size) * world_size if args.bank_ownership == "padded" else n
 
 class GPT(nn.Module):
@@ -1831,15 +1807,6 @@ class GPT(nn.Module):
             self, x, targets, mtp_weights, prefix_ids, prefix_weight, loss_scale)
         return loss.sum() * loss_scale, next_token.sum()
 
-    def hidden(self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor, bigram_ids: torch.Tensor,
-               masks: dict | None = None) -> torch.Tensor:
-        """Final normalised hidden states (T, D) (bf16 MLPs), the input of the LM head."""
-        return self.forward(input_ids, None, cu_seqlens, bigram_ids, masks=masks)
-
-    def logits(self, input_ids, cu_seqlens, bigram_ids, masks: dict | None = None) -> torch.Tensor:
-        """Softcapped fp32 logits (T, Vp) of the plain bf16 head (evaluation and tests)."""
-        return triton_kernels.softcap(self.hidden(input_ids, cu_seqlens, bigram_ids, masks=masks) @ self.lm_head)
-
     def evaluation_loss(self, x: torch.Tensor, target_ids: torch.Tensor) -> torch.Tensor:
         """Mean next-token fp32 CE of the bf16 head on x (T, D), in chunks: full fp32 logits of a long
         sequence would take gigabytes."""
@@ -1893,17 +1860,13 @@ def find_shards(pattern: str, what: str) -> list[str]:
     files = sorted(glob.glob(pattern))
     if not files and not os.path.isabs(pattern):  # presets name paths inside this checkout
         files = sorted(glob.glob(os.path.join(os.path.dirname(os.path.abspath(__file__)), pattern)))
-    if not files:
-        hint = "cached_fineweb10B.py 9" if "fineweb" in pattern else "tokenize_text.py --help"
-        raise SystemExit(f"error: no {what} shards match {pattern!r}; create them with `python data/{hint}`"
-                         f" or point --{what}_files at existing shards")
+    _check_shards_found(files, pattern, what)
     return files
 
 def build_prefix_table(encoding, padded_vocab_size: int) -> torch.Tensor:
     """table[T] (int64, (padded_vocab_size,)) = id of the longest proper byte-prefix of token T that is a token
     below padded_vocab_size, else -1 (record #89's prefix-token loss; the record builds it in the timed region)."""
-    if isinstance(padded_vocab_size, bool) or not isinstance(padded_vocab_size, int) or padded_vocab_size < 1:
-        raise ValueError(f"build_prefix_table: padded_vocab_size must be a positive int, got {padded_vocab_size!r}")
+    _check_prefix_table_size(padded_vocab_size)
     ranks = encoding._mergeable_ranks  # token bytes -> id for the ordinary tokens (BOS is a special token)
     lookup, table = ranks.get, [-1] * padded_vocab_size
     for piece, token in ranks.items():
@@ -2048,9 +2011,7 @@ class DocumentLoader:
         return {"shard": self.shard, "doc": self.doc, "files": list(self.files)}
 
     def load_state_dict(self, state: dict) -> None:
-        if state["files"] != list(self.files):
-            raise SystemExit(f"error: the checkpoint was written with other training shards ({len(state['files'])} "
-                             f"files starting {state['files'][:1]}); resume with the same --train_files")
+        _check_same_shards(state["files"], self.files)
         self._settle()  # a look-ahead from the old position is of no use
         self.shard, self.doc = state["shard"], state["doc"]
         self._open(self.shard)
@@ -2058,9 +2019,7 @@ class DocumentLoader:
 def validation_batches(pattern: str, num_tokens: int, seq_len: int, bigram_vocab_size: int,
                        rank: int, world_size: int) -> list[Batch]:
     """The val shards' first num_tokens tokens in seq_len sequences dealt round-robin to ranks (any world size)."""
-    if num_tokens % seq_len:
-        raise SystemExit(f"error: --val_tokens {num_tokens} must be a multiple of the validation sequence length"
-                         f" {seq_len}")
+    _check_val_tokens(num_tokens, seq_len)
     chunks, have = [], 0
     for path in find_shards(pattern, "val"):
         chunks.append(read_shard(path).numpy())
@@ -2068,9 +2027,7 @@ def validation_batches(pattern: str, num_tokens: int, seq_len: int, bigram_vocab
         if have > num_tokens:
             break
     stream = np.concatenate(chunks)
-    if len(stream) < num_tokens + 1:
-        raise SystemExit(f"error: --val_tokens {num_tokens} needs {num_tokens + 1} tokens but the val shards"
-                         f" {pattern!r} hold {len(stream)}; lower --val_tokens")
+    _check_val_tokens(num_tokens, seq_len, len(stream), pattern)
     return [make_batch(stream[i * seq_len:(i + 1) * seq_len + 1], bigram_vocab_size)
             for i in range(rank, num_tokens // seq_len, world_size)]
 
@@ -2188,8 +2145,7 @@ def optimizer_configs(args: Hyperparameters, model: "GPT") -> dict[str, ParamCon
 
 def build_optimizer(args: Hyperparameters, model: "GPT", device: torch.device,
                     comm: CommLayer | None = None) -> NorMuonAdam:
-    if args.matrix_optimizer not in NORMUON_BETA2_OF:
-        raise ValueError(f"--matrix_optimizer {args.matrix_optimizer!r} is not one of {', '.join(NORMUON_BETA2_OF)}")
+    _check_matrix_optimizer(args.matrix_optimizer)
     orthogonalizer = functools.partial(ORTHOGONALIZERS[args.orthogonalizer], dtype=model.qk_bank.dtype)
     return NorMuonAdam(model.params_by_label(), optimizer_configs(args, model),
                        scatter_order=SCATTER_ORDER, work_order=WORK_ORDER, orthogonalizer=orthogonalizer,
@@ -2295,12 +2251,6 @@ def forward_backward(model_fn, opt: NorMuonAdam, batches: list[Batch], plan: Ste
         loss += micro.detach()
         next_token += micro_next_token
     return loss, next_token
-
-def compile_counts() -> dict:
-    """Graphs torch.compile has made and graph breaks it has met in this process so far."""
-    from torch._dynamo.utils import counters
-    return dict(graphs=int(counters["stats"]["unique_graphs"]),
-                graph_breaks=int(sum(counters["graph_break"].values())))
 
 def compile_model(model: nn.Module):
     """The model compiled whole (fullgraph: a graph break is an error), one graph per shape: the record
@@ -2451,9 +2401,7 @@ def train(args: Hyperparameters, d: DistInfo) -> float:
             return
         (step, losses, step_ms, timed), pending = pending, None
         train_loss, objective = losses.tolist()
-        for value in (objective, train_loss):
-            if not math.isfinite(value):
-                raise SystemExit(f"error: training loss is {value} at step {step}; stopping (log: {log.path})")
+        _check_finite("training loss", (objective, train_loss), step, log.path)
         log.write(f"step:{step + 1}/{total} train_time:{step_ms:.0f}ms step_avg:{step_ms / timed:.2f}ms "
                   f"train_loss:{train_loss:.4f} objective:{objective:.4f}")
         if now is not None:
@@ -2474,8 +2422,7 @@ def train(args: Hyperparameters, d: DistInfo) -> float:
                 log.write(f"step:{step}/{total} val_loss:{val_loss:.4f} train_time:{train_ms:.0f}ms "
                           f"step_avg:{train_ms / max(1, step - start_step):.2f}ms")
                 log.show(f"step {step}/{total}  val_loss {val_loss:.4f}  train_time {train_ms / 1000:.1f}s", final=True)
-                if not math.isfinite(val_loss):
-                    raise SystemExit(f"error: validation loss is {val_loss} at step {step}; stopping (log: {log.path})")
+                _check_finite("validation loss", (val_loss,), step, log.path)
                 cuda_synchronize(d.device)
                 t0 = time.perf_counter()
             t0 += checkpoints.between_steps(step, report)  # --save_every, signals; saving is not training time
@@ -2486,9 +2433,7 @@ def train(args: Hyperparameters, d: DistInfo) -> float:
             report(now=(step + 1, now_ms))  # the previous step's: its kernels are done by now or nearly
             pending = (step, losses, now_ms, step + 1 - start_step)
     if args.compile:
-        after = compile_counts()
-        log.write(f"torch.compile: {after['graphs'] - compiled_before['graphs']} graphs compiled during the timed run "
-                  f"(recompiles after the warm-up), {after['graph_breaks']} graph breaks")
+        log.write(compile_report(compiled_before))  # below the fence
     if d.device.type == "cuda":
         log.write(f"peak memory allocated: {torch.cuda.max_memory_allocated(d.device) // 2**20} MiB "
                   f"reserved: {torch.cuda.max_memory_reserved(d.device) // 2**20} MiB")
@@ -3283,12 +3228,24 @@ def balanced_splits(banks: dict[str, tuple[int, int]], world_size: int) -> dict[
         heapq.heappush(heap, (work + cost, r))
     return {label: tuple(c) for label, c in counts.items()}
 
+def reduce_scatter_uneven(comm: CommLayer, label: str, out, inp, splits):
+    """Each owner's block (splits[r] rows for rank r) to it by all_to_all: out stacks all ranks' copies."""
+    mine = splits[comm.rank]
+    return comm.all_to_all(label, out, inp, [mine] * comm.world_size, list(splits), op="reduce_scatter")
+
+def all_gather_uneven(comm: CommLayer, label: str, out, shard, splits):
+    """Every owner's block (splits[r] rows) into out on every rank, by all_to_all; returns the wait."""
+    W = comm.world_size
+    inp = shard.repeat(W, *([1] * (shard.ndim - 1)))
+    work = comm.all_to_all(label, out, inp, list(splits), [shard.size(0)] * W, op="all_gather")
+    return lambda: (work.wait(), inp)[0]  # inp lives until the exchange is done
+
 def scatter_uneven(comm: CommLayer, slot: Slot, g: torch.Tensor):
     """ShardExchange.scatter of a bank with uneven owned blocks: every rank's copy of this rank's block by
     all_to_all, averaged in fp32 and rounded once to the gradient dtype (as the sparse exchange)."""
     W, k = comm.world_size, slot.shard_rows
     recv = g.new_empty((W * k, *slot.shape[1:]))
-    work = comm.reduce_scatter_uneven(slot.label, recv, g, slot.splits)
+    work = reduce_scatter_uneven(comm, slot.label, recv, g, slot.splits)
 
     def average():
         work.wait()
@@ -3663,6 +3620,16 @@ def cpu_evaluation_ce(logits: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
 HEAD_LOSSES["cpu"] = cpu_head
 EVALUATION_CE["cpu"] = cpu_evaluation_ce
 
+# ---- The model's hidden states and bf16 logits (sampling, tests) --------------------------------
+
+def final_hidden(model: GPT, input_ids, cu_seqlens, bigram_ids, masks: dict | None = None) -> torch.Tensor:
+    """Final normalised hidden states (T, D) (bf16 MLPs), the input of the LM head."""
+    return model(input_ids, None, cu_seqlens, bigram_ids, masks=masks)
+
+def bf16_logits(model: GPT, input_ids, cu_seqlens, bigram_ids, masks: dict | None = None) -> torch.Tensor:
+    """Softcapped fp32 logits (T, Vp) of the plain bf16 head."""
+    return triton_kernels.softcap(final_hidden(model, input_ids, cu_seqlens, bigram_ids, masks) @ model.lm_head)
+
 # ---- Parameter shapes without memory (tests, the fidelity table) -------------------------------
 
 def count_parameters(args: Hyperparameters, world_size: int = 1) -> dict[str, tuple[int, ...]]:
@@ -3771,7 +3738,7 @@ def generate(model: "GPT", prompt: str, new_tokens: int, device: torch.device, s
     with torch.no_grad():
         for _ in range(new_tokens):
             b = make_batch(np.asarray(tokens + [0], dtype=np.uint16), model.args.bigram_vocab_size).to(device)
-            logits = model.logits(b.inputs, b.cu_seqlens, b.bigram_ids)[-1, :model.args.vocab_size].float().cpu()
+            logits = bf16_logits(model, b.inputs, b.cu_seqlens, b.bigram_ids)[-1, :model.args.vocab_size].float().cpu()
             top = torch.topk(logits / 0.8, 40)
             tokens.append(int(top.indices[torch.multinomial(torch.softmax(top.values, -1), 1, generator=gen)]))
     return enc.decode(tokens[1:])
@@ -4174,7 +4141,19 @@ class RunCheckpoints(StopOnSignal):
             raise SystemExit(128 + stopping)
         return seconds
 
-# ---- train()'s last lines: the sample, the CPU's peak memory ---------------------------------
+# ---- train()'s last lines: compilation, the sample, the CPU's peak memory ------------------------
+
+def compile_counts() -> dict:
+    """Graphs torch.compile has made and graph breaks it has met in this process so far."""
+    from torch._dynamo.utils import counters
+    return dict(graphs=int(counters["stats"]["unique_graphs"]),
+                graph_breaks=int(sum(counters["graph_break"].values())))
+
+def compile_report(before: dict) -> str:
+    """train()'s log line on what the timed run compiled after the warm-up (before: compile_counts() then)."""
+    after = compile_counts()
+    return (f"torch.compile: {after['graphs'] - before['graphs']} graphs compiled during the timed run "
+            f"(recompiles after the warm-up), {after['graph_breaks']} graph breaks")
 
 def sample_after_training(model: GPT, args: Hyperparameters, device: torch.device) -> str:
     """--sample_tokens: a continuation of "ROMEO:\n", as train() prints it."""
@@ -4338,6 +4317,25 @@ def _check_mlp_bank(state: FP8MLPState, mlp_bank: torch.Tensor) -> None:
     if mlp_bank.dim() != 3 or mlp_bank.shape[0] < 2 * L or tuple(mlp_bank.shape[1:]) != (H, D):
         raise ValueError(f"FP8MLPState.quantize: mlp_bank must be (>= {2 * L}, {H}, {D}), got {tuple(mlp_bank.shape)}")
 
+def _check_matrices(G: torch.Tensor) -> None:
+    if G.ndim < 2:
+        raise ValueError(f"orthogonalization needs matrices (..., m, n); got shape {tuple(G.shape)}")
+
+def _check_orthogonalizer(name) -> str:
+    if name not in ORTHOGONALIZERS:
+        raise ValueError(f"NorMuonAdam: orthogonalizer={name!r}; choose one of {sorted(ORTHOGONALIZERS)}")
+    return name
+
+def _check_padded_bank(n: int, world_size: int, label: str) -> None:
+    if n % world_size:
+        raise ValueError(f"NorMuonAdam: bank {label!r} has {n} matrices, not divisible by the world size {world_size};"
+                         f" pad the bank with zero matrices to a multiple of {world_size} or use ownership='balanced'")
+
+def _check_ownership(ownership: str, what: str) -> None:
+    """what: the error's start, naming the argument or the flag."""
+    if ownership not in OWNERSHIPS:
+        raise ValueError(f"{what}{ownership!r} is not one of {', '.join(OWNERSHIPS)}")
+
 def _check_sparse_declaration(exchange: ShardExchange, slot: Slot) -> None:
     if slot.label in exchange.plans:
         raise ValueError(f"prepare_sparse: the row exchange of {slot.label!r} was already launched for this step;"
@@ -4365,6 +4363,11 @@ def _check_untie(opt: NorMuonAdam) -> None:
     if opt._on_backward is not None:
         raise ValueError("NorMuonAdam.untie(): reductions launched by reductions_on_backward are pending;"
                          " call step() first")
+
+def _check_attention_kernel(name: str) -> str:
+    if name != "auto" and name not in GPU_ATTENTION_KERNELS:
+        raise ValueError(f"--attention_kernel {name!r} is not one of auto, {', '.join(GPU_ATTENTION_KERNELS)}")
+    return name
 
 def _check_block_mask_args(n: int, block_size: int, window) -> None:
     if n % block_size:
@@ -4398,6 +4401,39 @@ def _check_batch_masks(model: GPT, batch: Batch) -> None:
         raise ValueError(f"batch_masks: the batch's masks were built for (long?, slots per token, window) {kinds},"
                          f" the model attends at windows {model.window_tokens}; build batches with"
                          " flex_mask_spec(args, the step's windows) after set_windows")
+
+def _check_shards_found(files: list, pattern: str, what: str) -> None:
+    if not files:
+        hint = "cached_fineweb10B.py 9" if "fineweb" in pattern else "tokenize_text.py --help"
+        raise SystemExit(f"error: no {what} shards match {pattern!r}; create them with `python data/{hint}`"
+                         f" or point --{what}_files at existing shards")
+
+def _check_prefix_table_size(padded_vocab_size) -> None:
+    if isinstance(padded_vocab_size, bool) or not isinstance(padded_vocab_size, int) or padded_vocab_size < 1:
+        raise ValueError(f"build_prefix_table: padded_vocab_size must be a positive int, got {padded_vocab_size!r}")
+
+def _check_same_shards(saved: list, files: list) -> None:
+    if saved != list(files):
+        raise SystemExit(f"error: the checkpoint was written with other training shards ({len(saved)} "
+                         f"files starting {saved[:1]}); resume with the same --train_files")
+
+def _check_val_tokens(num_tokens: int, seq_len: int, have: int | None = None, pattern: str = "") -> None:
+    """--val_tokens against the sequence length, and (have: tokens read) against the val shards."""
+    if num_tokens % seq_len:
+        raise SystemExit(f"error: --val_tokens {num_tokens} must be a multiple of the validation sequence length"
+                         f" {seq_len}")
+    if have is not None and have < num_tokens + 1:
+        raise SystemExit(f"error: --val_tokens {num_tokens} needs {num_tokens + 1} tokens but the val shards"
+                         f" {pattern!r} hold {have}; lower --val_tokens")
+
+def _check_matrix_optimizer(name: str) -> None:
+    if name not in NORMUON_BETA2_OF:
+        raise ValueError(f"--matrix_optimizer {name!r} is not one of {', '.join(NORMUON_BETA2_OF)}")
+
+def _check_finite(what: str, values: tuple, step: int, log_path: str) -> None:
+    for value in values:
+        if not math.isfinite(value):
+            raise SystemExit(f"error: {what} is {value} at step {step}; stopping (log: {log_path})")
 
 class ShardError(ValueError):
     """A shard file that is not what the format promises; the message names the file."""

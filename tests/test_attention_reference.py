@@ -260,7 +260,7 @@ def float64_model():
 
 @pytest.mark.parametrize("i", ATTN_LAYERS)
 def test_attention_layer_against_a_loop_over_heads_and_keys(float64_model, i):
-    """GPT._attention(i) called as GPT.hidden calls it (rotary tables, SDPA masks and bank views built
+    """GPT._attention(i) called as GPT.forward calls it (rotary tables, SDPA masks and bank views built
     the same way) on random inputs and per-token coefficients, against reference_attention. RoPE scores
     depend only on relative positions in exact arithmetic, so absolute positions are test 3's."""
     model, T = float64_model, T_BATCH
@@ -288,7 +288,7 @@ def test_attention_layer_against_a_loop_over_heads_and_keys(float64_model, i):
         asked.add(kind)
         return coefs[kind]
 
-    rope = tg.rotary_tables(model.rotary_freq, T, H, torch.float64)  # as GPT.hidden builds them
+    rope = tg.rotary_tables(model.rotary_freq, T, H, torch.float64)  # as GPT.forward builds them
     masks = model.attention_masks(cu, T, "sdpa")
     w = {"qk": model.qk_bank.unbind(0), "vo": model.vo_bank.unbind(0)}
     with torch.no_grad():

@@ -145,7 +145,7 @@ def test_eager_cuda_calls_share_one_compiled_flex_attention(monkeypatch, flex_on
     model = tg.GPT(TEST)
     inputs, _, cu = make_batch(T=128)
     with torch.no_grad():
-        model.logits(inputs, cu, tg.bigram_hash(inputs, TEST.bigram_vocab_size),
+        tg.bf16_logits(model, inputs, cu, tg.bigram_hash(inputs, TEST.bigram_vocab_size),
                      masks=model.attention_masks(cu, 128, kernel="flex"))
     assert len(calls) == sum(row.attention != "none" for row in model.layers)
     assert all(isinstance(m, flex_module.BlockMask) for m in calls)

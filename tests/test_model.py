@@ -337,16 +337,16 @@ def test_document_isolation_is_bit_exact():
     inputs, _, cu = make_batch()  # documents [0, 30), [30, 70), [70, 100), [100, 128)
     gen = torch.Generator().manual_seed(5)
     with torch.no_grad():
-        base = model.logits(inputs, cu, bigrams(inputs))
+        base = tg.bf16_logits(model, inputs, cu, bigrams(inputs))
         changed = inputs.clone()
         changed[30:69] = torch.randint(0, 50257, (39,), generator=gen)  # all of document 2 but its last token
-        out = model.logits(changed, cu, bigrams(changed))
+        out = tg.bf16_logits(model, changed, cu, bigrams(changed))
         others = torch.cat([torch.arange(0, 30), torch.arange(70, 128)])
         assert torch.equal(out[others], base[others])
         assert not torch.allclose(out[30:70], base[30:70])
         last = inputs.clone()
         last[69] = (inputs[69] + 1) % 50257  # only document 2's last token
-        out = model.logits(last, cu, bigrams(last))
+        out = tg.bf16_logits(model, last, cu, bigrams(last))
     assert torch.equal(out[:69], base[:69]) and torch.equal(out[100:], base[100:])
     assert not torch.allclose(out[70], base[70])  # the documented one-token look-back
 
@@ -357,10 +357,10 @@ def test_causality_is_bit_exact():
     inputs, _, cu = make_batch(starts=(0, 90))
     t = 50
     with torch.no_grad():
-        base = model.logits(inputs, cu, bigrams(inputs))
+        base = tg.bf16_logits(model, inputs, cu, bigrams(inputs))
         changed = inputs.clone()
         changed[t] = (changed[t] + 1) % 50257
-        out = model.logits(changed, cu, bigrams(changed))
+        out = tg.bf16_logits(model, changed, cu, bigrams(changed))
     assert torch.equal(out[:t], base[:t])
     assert not torch.allclose(out[t], base[t])
     assert not torch.allclose(out[t + 5], base[t + 5])  # later positions of the document do see it
@@ -373,10 +373,10 @@ def test_windows_limit_what_attention_sees():
     inputs, _, cu = make_batch(starts=(0,))
     model.set_windows(1, 2)  # 16 slots (8 tokens) on the paired layer 0, 32 tokens on layers 1 and 3
     with torch.no_grad():
-        base = model.logits(inputs, cu, bigrams(inputs))
+        base = tg.bf16_logits(model, inputs, cu, bigrams(inputs))
         changed = inputs.clone()
         changed[0] = (changed[0] + 7) % 50257
-        out = model.logits(changed, cu, bigrams(changed))
+        out = tg.bf16_logits(model, changed, cu, bigrams(changed))
     # reach: 8 + 2 * (32 + 1 key offset) tokens, + 1 smear + 1 bigram = 76 (layer 2 has no attention)
     assert torch.equal(out[80:], base[80:])
     assert not torch.allclose(out[:40], base[:40])
@@ -486,7 +486,7 @@ def test_cpu_training_loss_fuses_the_head_and_gives_the_unfused_gradients(monkey
     inputs, targets, cu = make_batch()
     w, T = torch.tensor([1.0, 0.5, 0.25]), inputs.numel()
     prefix = torch.tensor(0.25)
-    hidden = model.hidden(inputs, cu, bigrams(inputs))
+    hidden = tg.final_hidden(model, inputs, cu, bigrams(inputs))
     prefix_ids = model.prefix_table[targets.long()]
     want = tk.softcapped_ce_mtp(hidden @ model.lm_head, targets, w, prefix_ids, prefix, grad_scale=1 / T).sum() / T
     want.backward()
@@ -549,7 +549,7 @@ def test_eval_loss_equals_independent_cross_entropy(chunk, monkeypatch):
     inputs, targets, cu = make_batch(seed=1)
     with torch.no_grad():
         loss = model(inputs, targets, cu, bigrams(inputs))
-        z = model.logits(inputs, cu, bigrams(inputs)).double()
+        z = tg.bf16_logits(model, inputs, cu, bigrams(inputs)).double()
     assert z.dtype == torch.float64 and z.shape == (128, TEST.padded_vocab_size)
     ref = (torch.logsumexp(z, 1) - z[torch.arange(128), targets]).mean()
     assert loss.dtype == torch.float32
@@ -564,8 +564,8 @@ def test_eval_softcap_is_rounded_once_to_bf16_like_the_records():
     randomize(model, seed=2)
     inputs, _, cu = make_batch(seed=1)
     with torch.no_grad():
-        raw = model.hidden(inputs, cu, bigrams(inputs)) @ model.lm_head
-        z = model.logits(inputs, cu, bigrams(inputs))
+        raw = tg.final_hidden(model, inputs, cu, bigrams(inputs)) @ model.lm_head
+        z = tg.bf16_logits(model, inputs, cu, bigrams(inputs))
     assert raw.dtype == torch.bfloat16 and z.dtype == torch.float32
     want = (23 * torch.sigmoid((raw.double() + 5) / 7.5)).float().bfloat16().float()
     assert (z != want).float().mean() < 1e-3  # fp32 sigmoid against float64: a rare neighbouring value
@@ -586,7 +586,7 @@ def test_cpu_eval_loss_is_the_plain_formula_bit_for_bit(threads, monkeypatch):
         inputs, targets, cu = make_batch(seed=4)
         with torch.no_grad():
             loss = model(inputs, targets, cu, bigrams(inputs))
-            raw = model.hidden(inputs, cu, bigrams(inputs)) @ model.lm_head
+            raw = tg.final_hidden(model, inputs, cu, bigrams(inputs)) @ model.lm_head
             total = torch.zeros((), dtype=torch.float32)
             for c in range(0, raw.shape[0], 48):
                 total = total + F.cross_entropy(tk.softcap(raw[c:c + 48]), targets[c:c + 48].long(), reduction="sum")
@@ -603,7 +603,7 @@ def record_training_loss_float64(model, inputs, targets, cu, weights, prefix_ids
     in test_triton_kernels.py; here the bf16 logits take few distinct values, and one of them whose fp32
     sigma sits at a bf16 rounding midpoint would move thousands of logits together."""
     with torch.no_grad():
-        raw = model.hidden(inputs, cu, bigrams(inputs)) @ model.lm_head  # the training head (no FP8 on CPU)
+        raw = tg.final_hidden(model, inputs, cu, bigrams(inputs)) @ model.lm_head  # the training head (no FP8 on CPU)
     z = 23 * tk.softcap_sigma_bf16(raw).double()
     lse = torch.logsumexp(z, 1)
     T = z.shape[0]

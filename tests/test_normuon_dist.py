@@ -564,13 +564,13 @@ def test_simulated_collectives_fill_each_output_and_count_a_real_ranks_bytes():
         want["ag", "all_gather"] = 2 * k * cols * 4 * 7
         n, lo, mine_rows = sum(splits), sum(splits[:rank]), splits[rank]
         inp, recv = rand(n, cols), torch.full((W * mine_rows, cols), float("nan"))
-        comm.reduce_scatter_uneven("rsu", recv, inp, splits).wait()
+        T.reduce_scatter_uneven(comm, "rsu", recv, inp, splits).wait()
         assert torch.equal(recv, inp[lo:lo + mine_rows].repeat(W, 1))  # W copies of this rank's rows
         want["rsu", "reduce_scatter"] = (n - mine_rows) * cols * 4
         view = rand(n, cols)
         before = view.clone()
         shard = rand(mine_rows, cols)
-        comm.all_gather_uneven("agu", view, shard, splits)()
+        T.all_gather_uneven(comm, "agu", view, shard, splits)()
         at = 0
         for s, rows in enumerate(splits):  # blocks of this rank's size hold its shard; the others stay
             assert torch.equal(view[at:at + rows], shard if rows == mine_rows else before[at:at + rows]), (rank, s)

@@ -819,8 +819,8 @@ def test_compiled_step_never_recompiles_on_schedule_changes():
 # Reductions launched from gradient hooks during the last backward; Adam in at most two calls
 # ----------------------------------------------------------------------------------------------
 
-REDUCTIONS = ("reduce_scatter_avg", "all_reduce_avg", "reduce_scatter_uneven", "all_to_all")
-GATHERS = ("all_gather", "all_gather_uneven")
+REDUCTIONS = ("reduce_scatter_avg", "all_reduce_avg", "all_to_all")  # all_to_all: balanced banks' and sparse
+GATHERS = ("all_gather",)
 
 
 def backward_loss(params, grads, scale, final_order=SCATTER_ORDER):

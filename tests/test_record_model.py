@@ -127,11 +127,11 @@ def test_key_offset_crosses_documents():
     changed = inputs.clone()
     changed[40:60] = (changed[40:60] + 11) % 50257
     with torch.no_grad():
-        base, out = model.logits(inputs, cu, bigrams(inputs)), model.logits(changed, cu, bigrams(changed))
+        base, out = (tg.bf16_logits(model, ids, cu, bigrams(ids)) for ids in (inputs, changed))
         assert torch.equal(out[:30], base[:30]) and not torch.allclose(out[70:100], base[70:100])
         off = make_model(tg.ablated(model.args, ["key_offset"]))
         off.load_state_dict(model.state_dict())
-        assert torch.equal(off.logits(changed, cu, bigrams(changed))[70:], off.logits(inputs, cu, bigrams(inputs))[70:])
+        assert torch.equal(*(tg.bf16_logits(off, ids, cu, bigrams(ids))[70:] for ids in (changed, inputs)))
 
 
 def record_forward(model, ids, cu, big):
@@ -211,7 +211,7 @@ def test_forward_follows_the_records_section_1_5():
     inputs, _, cu = make_batch(T=T, starts=(0, 60, 61, 200), vocab=1000)
     big = tg.bigram_hash(inputs, RECORD_SMALL.bigram_vocab_size)
     with torch.no_grad():
-        got = model.hidden(inputs, cu, big)
+        got = tg.final_hidden(model, inputs, cu, big)
         want = record_forward(model, inputs, cu, big)
     assert got.dtype == torch.bfloat16
     assert torch.equal(got, want)
@@ -229,7 +229,7 @@ def test_mudd_at_init_reduces_to_a_plain_last_layer_and_backout():
     original = model._mudd_layer
     model._mudd_layer = lambda k, x: seen.append((k, x)) or original(k, x)
     with torch.no_grad():
-        model.hidden(inputs, cu, big)
+        tg.final_hidden(model, inputs, cu, big)
     (k0, x10), (k1, xend) = seen
     assert (k0, k1) == (0, 1)
     mu = original(0, x10)

@@ -83,7 +83,7 @@ def activation_bytes_per_token(args: T.Hyperparameters, tokens: int) -> float:
 
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        model.hidden(ids, cu, T.bigram_hash(ids, small.bigram_vocab_size))
+        T.final_hidden(model, ids, cu, T.bigram_hash(ids, small.bigram_vocab_size))
     return sum(n for ptr, n in seen.items() if ptr not in params) / tokens
 
 
