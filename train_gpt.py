@@ -42,15 +42,7 @@ import triton_kernels
 
 # Record #89 (modded-nanogpt PR #342) as data: the schedule and the forward read these rows, so a
 # change of recipe is a change of a row, and an ablation a dataclasses.replace over rows (ABLATIONS).
-# A knob's allowed values are FlagRange's fields (check_args, below the fence): lo, hi (included unless
-# hi_open), integer, and the shape of a tuple value.
-_AT_LEAST_0, _AT_LEAST_1 = dict(lo=0, integer=True), dict(lo=1, integer=True)
-_RATE, _FRACTION, _MOMENTUM = dict(lo=0), dict(lo=0, hi=1), dict(lo=0, hi=1, hi_open=True)
-_WINDOWS = dict(lo=1, integer=True, shape=(2,))
-
-def knob(default, allowed: dict | None = None):
-    """A field whose numbers check_args checks against FlagRange(**allowed) (one line naming the flag if not)."""
-    return dataclasses.field(default=default, metadata={"allowed": allowed} if allowed else {})
+# Every number's allowed values (KNOB_RANGES) and every check of the command line sit below the fence.
 
 # -- stages: what changes along the run ---------------------------------------------------------
 
@@ -58,15 +50,15 @@ def knob(default, allowed: dict | None = None):
 class Stage:
     """One row of record #89's schedule: stage s ends at step round(num_iterations x the shares up to s);
     the last row (share None) is the extension, extension_iterations more steps (plan_step)."""
-    share: float | None                          # share of num_iterations; None: the extension
-    batch_tokens: int = knob(0, _AT_LEAST_1)     # global tokens per step, for any world size
-    max_doc_len: int = knob(0, _AT_LEAST_1)      # documents are truncated to this many tokens
-    windows: tuple = knob((1, 1), _WINDOWS)      # (short, long) attention windows in window_block_size blocks
-    lr_mult: float = knob(1.0, _RATE)            # held until the cooldown; the extension's is its floor (0.15)
-    mtp_start: tuple = knob((1.0,), dict(lo=0, shape=(None,)))  # weights of the targets t+1, t+2, t+3,
-    mtp_end: tuple = knob((1.0,), dict(lo=0, shape=(None,)))    # linear from start to end over the row
-    prefix_start: float = knob(0.0, _RATE)       # weight of the prefix-token term (record #89), likewise
-    prefix_end: float = knob(0.0, _RATE)
+    share: float | None        # share of num_iterations; None: the extension
+    batch_tokens: int = 0      # global tokens per step, for any world size
+    max_doc_len: int = 0       # documents are truncated to this many tokens
+    windows: tuple = (1, 1)    # (short, long) attention windows in window_block_size blocks
+    lr_mult: float = 1.0       # held until the cooldown; the extension's is its floor (0.15)
+    mtp_start: tuple = (1.0,)  # weights of the targets t+1, t+2, t+3,
+    mtp_end: tuple = (1.0,)    # linear from start to end over the row
+    prefix_start: float = 0.0  # weight of the prefix-token term (record #89), likewise
+    prefix_end: float = 0.0
 
 STAGES = (  # three equal stages (423, 424, 423 of 1270 steps), then the 15-step extension
     Stage(1 / 3, batch_tokens=131_072, max_doc_len=896, windows=(1, 3), lr_mult=1.0,
@@ -80,8 +72,6 @@ STAGES = (  # three equal stages (423, 424, 423 of 1270 steps), then the 15-step
 )
 
 # -- layers: what each layer does ---------------------------------------------------------------
-
-ATTENTION_KINDS = ("plain", "paired", "none")
 
 @dataclass(frozen=True)
 class Layer:
@@ -98,10 +88,6 @@ class Layer:
     save_skip: bool = False    # output is the U-net skip source
     save_h: bool = False       # output is h
     post_gates: bool = False   # MUDD gate 1 runs on the residual entering this layer (gate 0 before it)
-
-    def __str__(self) -> str:
-        """The row in --layers words: 'attn long offset ve gate dc from_h mudd'."""
-        return " ".join(word for word, (name, value) in LAYER_WORDS.items() if getattr(self, name) == value)
 
 LAYERS = (
     Layer("paired", "short"),                                                            # 0
@@ -160,74 +146,73 @@ class Hyperparameters:
     # data
     train_files: str = "data/fineweb10B/fineweb_train_*.bin"
     val_files: str = "data/fineweb10B/fineweb_val_*.bin"
-    val_tokens: int = knob(10_485_760, _AT_LEAST_1)  # validation covers exactly these tokens, for any world size
+    val_tokens: int = 10_485_760           # validation covers exactly these tokens, for any world size
     # model: the rows above, and the sizes
     stages: tuple = STAGES
     layers: tuple = LAYERS
-    vocab_size: int = knob(50257, _AT_LEAST_1)
-    padded_vocab_size: int = knob(50304, _AT_LEAST_1)
-    model_dim: int = knob(768, _AT_LEAST_1)
-    num_heads: int = knob(6, _AT_LEAST_1)
-    head_dim: int = knob(128, _AT_LEAST_1)
-    mlp_hidden: int = knob(3072, _AT_LEAST_1)
-    bigram_vocab_size: int = knob(377_280, dict(lo=2, integer=True))
-    gate_channels: int = knob(12, _AT_LEAST_1)      # input channels of the VE and smear gates
-    mudd_hidden: int = knob(64, _AT_LEAST_1)        # hidden width of the MUDD gate and layer MLPs
-    dc_window: int = knob(112, _AT_LEAST_1)         # DC's own window in tokens (keys t-111 .. t)
-    window_block_size: int = knob(128, _AT_LEAST_1)  # sliding windows are counted in blocks of this many tokens
-    windows_init: tuple = knob((1, 3), _WINDOWS)    # (short, long) in blocks at init; long = YaRN reference
-    final_val_windows: tuple = knob((6, 20), _WINDOWS)  # the last validation's; YaRN stays at the extension's
-    attn_scale: float = knob(0.1, _RATE)            # at windows_init, x sqrt(128 / head_dim); YaRN grows it
-    fp8: bool = True                                # FP8 LM head and MLPs in training (GPUs with FP8 tensor cores)
-    fp8_up_fast_accum: bool = True                  # the record's FP8 MLP up-projection: fast accumulation
-    attention_kernel: str = "auto"                  # CUDA: flex | varlen (the record's FA3) | auto (per kind)
+    vocab_size: int = 50257
+    padded_vocab_size: int = 50304
+    model_dim: int = 768
+    num_heads: int = 6
+    head_dim: int = 128
+    mlp_hidden: int = 3072
+    bigram_vocab_size: int = 377_280
+    gate_channels: int = 12                # input channels of the VE and smear gates
+    mudd_hidden: int = 64                  # hidden width of the MUDD gate and layer MLPs
+    dc_window: int = 112                   # DC's own window in tokens (keys t-111 .. t)
+    window_block_size: int = 128           # sliding windows are counted in blocks of this many tokens
+    windows_init: tuple = (1, 3)           # (short, long) in blocks at init; long = YaRN reference
+    final_val_windows: tuple = (6, 20)     # the last validation's; YaRN stays at the extension's
+    attn_scale: float = 0.1                # at windows_init, x sqrt(128 / head_dim); YaRN grows it
+    fp8: bool = True                       # FP8 LM head and MLPs in training (GPUs with FP8 tensor cores)
+    fp8_up_fast_accum: bool = True         # the record's FP8 MLP up-projection: fast accumulation
+    attention_kernel: str = "auto"         # CUDA: flex | varlen (the record's FA3) | auto (per kind)
     # schedule: stage boundaries scale with num_iterations
-    num_iterations: int = knob(1270, _AT_LEAST_1)   # scheduled steps, then extension_iterations at the last row
-    extension_iterations: int = knob(15, _AT_LEAST_0)
-    micro_batches: int = knob(8, _AT_LEAST_1)       # sequences per step over ranks x accumulation steps
-    cooldown_start: float = knob(0.4, _FRACTION)    # lr decay starts at step int(cooldown_start * num_iterations)
-    momentum_min: float = knob(0.85, _MOMENTUM)
-    momentum_max: float = knob(0.95, _MOMENTUM)
-    momentum_warmup: float = knob(300 / 1270, _FRACTION)   # x num_iterations steps: momentum_min -> max
-    momentum_cooldown: float = knob(50 / 1270, _FRACTION)  # x num_iterations last steps of the run: back down
+    num_iterations: int = 1270             # scheduled steps, then extension_iterations at the last row
+    extension_iterations: int = 15
+    micro_batches: int = 8                 # sequences per step over ranks x accumulation steps
+    cooldown_start: float = 0.4            # lr decay starts at step int(cooldown_start * num_iterations)
+    momentum_min: float = 0.85
+    momentum_max: float = 0.95
+    momentum_warmup: float = 300 / 1270    # x num_iterations steps: momentum_min -> max
+    momentum_cooldown: float = 50 / 1270   # x num_iterations last steps of the run: back down
     # optimizer: NorMuon (arXiv 2510.05491) with Polar Express (arXiv 2505.16932), Adam elsewhere
-    muon_lr: float = knob(0.023, _RATE)
-    muon_wd: float = knob(1.2, _RATE)
-    adam_lr: float = knob(0.008, _RATE)
-    adam_wd: float = knob(0.005, _RATE)
-    orthogonalizer: str = "polar_express"           # or "gram_newton_schulz", "auto" (Gram N-S for the MLP bank)
-    bank_ownership: str = "padded"                  # the record's: banks padded to N x world size | "balanced"
+    muon_lr: float = 0.023
+    muon_wd: float = 1.2
+    adam_lr: float = 0.008
+    adam_wd: float = 0.005
+    orthogonalizer: str = "polar_express"  # or "gram_newton_schulz", "auto" (Gram N-S for the MLP bank)
+    bank_ownership: str = "padded"         # the record's: banks padded to N x world size | "balanced"
     # evaluation, logging, checkpoints
-    val_seq_len: int = knob(262_144, _AT_LEAST_1)   # one sequence per rank and val step on 8 GPUs (the record's)
-    val_loss_every: int = knob(250, _AT_LEAST_0)    # 0: only at the end
+    val_seq_len: int = 262_144             # one sequence per rank and val step on 8 GPUs (the record's)
+    val_loss_every: int = 250              # 0: only at the end
     log_dir: str = "logs"
-    save_every: int = knob(0, _AT_LEAST_0)          # checkpoint every N steps and at the end (0: none)
-    keep_checkpoints: int = knob(0, _AT_LEAST_0)    # keep only this run's newest N checkpoints (0: all)
+    save_every: int = 0                    # checkpoint every N steps and at the end (0: none)
+    keep_checkpoints: int = 0              # keep only this run's newest N checkpoints (0: all)
     checkpoint_dir: str = "checkpoints"
-    resume: str = ""                                # checkpoint directory to continue from
+    resume: str = ""                       # checkpoint directory to continue from
     compile: bool = True
-    cuda_graphs: bool = True                        # CUDA, compiled: steps replayed as CUDA graphs (StepGraphs)
-    cpu_dtype: str = "auto"                         # CPU only: bf16 | fp32 | auto (the faster, timed at start-up)
-    sample_tokens: int = knob(0, _AT_LEAST_0)       # after training, print a sampled continuation this long
+    cuda_graphs: bool = True               # CUDA, compiled: steps replayed as CUDA graphs (StepGraphs)
+    cpu_dtype: str = "auto"                # CPU only: bf16 | fp32 | auto (the faster, timed at start-up)
+    sample_tokens: int = 0                 # after training, print a sampled continuation this long
     # component switches outside the rows (ABLATIONS edits rows for the others): off, parameters stay, frozen
-    matrix_optimizer: str = "normuon"               # banks: normuon | muon (no variance reduction) | adamw
-    adamw_bank_lr_mul: float = knob(0.25, _RATE)    # adamw: the banks' lr, x adam_lr (Adam on every step)
-    value_embeds: bool = True                       # value-embedding tables added to V (the value_embed rows)
-    bigram_embed: bool = True                       # bigram hash embedding injected at every layer
-    bigram_signs: bool = True                       # the bigram rows times a +-1 table keyed on (prev XOR cur)
-    smear: bool = True                              # one-token look-back on the embeddings
-    unet_skip: bool = True                          # the attention-none row adds the save_skip layer's output
-    backout: bool = True                            # the post-loop MUDD mixing (its h coefficient starts at -0.5)
-    mudd: bool = True                               # false: MUDD coefficients are learned constants, not per token
+    matrix_optimizer: str = "normuon"      # banks: normuon | muon (no variance reduction) | adamw
+    adamw_bank_lr_mul: float = 0.25        # adamw: the banks' lr, x adam_lr (Adam on every step)
+    value_embeds: bool = True              # value-embedding tables added to V (the value_embed rows)
+    bigram_embed: bool = True              # bigram hash embedding injected at every layer
+    bigram_signs: bool = True              # the bigram rows times a +-1 table keyed on (prev XOR cur)
+    smear: bool = True                     # one-token look-back on the embeddings
+    unet_skip: bool = True                 # the attention-none row adds the save_skip layer's output
+    backout: bool = True                   # the post-loop MUDD mixing (its h coefficient starts at -0.5)
+    mudd: bool = True                      # false: MUDD coefficients are learned constants, not per token
     # run
-    seed: int = knob(0, dict(lo=0, hi=2**63 - 1, integer=True))
-    run_id: str = ""  # empty: a fresh uuid per run
+    seed: int = 0
+    run_id: str = ""                       # empty: a fresh uuid per run
 
     @property
     def num_layers(self) -> int:
         return len(self.layers)
 
-PRESETS: dict[str, dict] = {"speedrun": {}}  # --preset; the CPU demo's and the tests' are below the fence
 
 # -- recipe constants: FP8 scales, Polar Express, MUDD biases, initial values -----------------
 
@@ -322,7 +307,6 @@ def copy_from_host_(dst: torch.Tensor, src: torch.Tensor) -> None:
 # predictable ranges. The MLPs' scales are delayed (record #89, PR #342). Forward GEMMs use cuBLAS's fast
 # accumulation, the backward's (sums over 50,304 logits and over every token) do not, as in record #89.
 
-_FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 SCALE_ALIGN_BYTES = 16  # cuBLASLt reads scale pointers as 16-byte aligned: offsets 4, 8, 12 fail on H100
 FP8_SCALE_SLOT = SCALE_ALIGN_BYTES // 4  # fp32 entries per per-layer scale: each scale starts a 16-byte slot
 FP8_SCALE_FLOOR = 1e-12  # an all-zero tensor (W2 at init) still gets a finite scale
@@ -683,13 +667,9 @@ def _adam_update_group(grads, exp_avgs, exp_avg_sqs, params, hps):
     for grad, exp_avg, exp_avg_sq, param, hp in zip(grads, exp_avgs, exp_avg_sqs, params, hps):
         _adam_update(grad, exp_avg, exp_avg_sq, param, hp)
 
-# The updates run uncompiled (compile=False), by kind. The record always compiles; the CPU's Adam, sliced
-# to keep its temporaries in cache, replaces the "adam" entry below the fence.
-UNCOMPILED_UPDATES = {"normuon": _normuon_update, "adam": _adam_update_group}
-
 def update_functions(compile=False):
-    """(NorMuon update, Adam group update): UNCOMPILED_UPDATES for compile=False, else compiled (inductor
-    for True, or the backend given) fullgraph: one graph per label and per Adam group."""
+    """(NorMuon update, Adam group update) compiled fullgraph (inductor for True, or the backend given), one
+    graph per label and per Adam group; compile=False (the record always compiles): UNCOMPILED_UPDATES."""
     if not compile:
         return UNCOMPILED_UPDATES["normuon"], UNCOMPILED_UPDATES["adam"]
     backend = "inductor" if compile is True else compile
@@ -2172,13 +2152,7 @@ class RunLog:
         import triton
         self.write(f"==== environment ====\npython {platform.python_version()} torch {torch.__version__} "
                    f"triton {triton.__version__} numpy {np.__version__}")
-        if d.device.type == "cuda":
-            props = torch.cuda.get_device_properties(d.device)
-            self.write(f"hardware: {d.world_size} x {props.name} ({props.total_memory / 2**30:.0f} GiB), "
-                       f"CUDA {torch.version.cuda}")
-        else:
-            self.write(f"hardware: {d.world_size} CPU process(es) on {cpu_model()}, "
-                       f"{os.cpu_count()} cores, {torch.get_num_threads()} threads per process")
+        self.write(hardware_line(d))  # GPUs or CPUs (below the fence)
         for line in notes:
             self.note(line)
         self.write("==== hyperparameters ====")
@@ -2332,9 +2306,7 @@ class Trainer:
         for step in warmup_steps(args):
             self.validate(step, val_batch)
             self.step(step, warm_up=True)
-            if self.graphs is not None and self.graphs.failure:  # this step ran uncaptured; so does the run
-                notes.append(f"cuda graphs off for this run: {self.graphs.failure}")
-                self.graphs = None
+            self.graphs = graphs_kept(self.graphs, notes)  # off for the run after a failed capture (below the fence)
         self.validate(self.total, val_batch)  # a graph of its own where a kernel takes the window as a number
         model.load_state_dict(saved_model)
         model.prefix_table.fill_(-1)  # not in the state dict; the timed run builds it again
@@ -2342,10 +2314,7 @@ class Trainer:
         self.windows = None  # the restored buffers hold the initial windows again
         opt.load_state_dict(saved_opt)
         loader.load_state_dict(saved_loader)
-        if self.graphs is not None:
-            notes.append(f"cuda graphs: {self.graphs.captured()} step shapes captured in the warm-up, each replay "
-                         "equal to the uncaptured step")
-        return notes
+        return notes + graphs_captured_notes(self.graphs)
 
 def train(args: Hyperparameters, d: DistInfo) -> float:
     """The whole run; returns the final validation loss."""
@@ -2464,17 +2433,19 @@ def main(argv: list[str] | None = None) -> None:
 # ----------------------------------------------------------------------------------------------
 
 # Record #89 runs none of the code below; the speedrun above reaches it only through the tables this
-# part fills (ORTHOGONALIZERS, ATTENTION_MASKS, ATTEND, HEAD_LOSSES, EVALUATION_CE, PRESETS,
-# CONFIG_CHANGES, NORMUON_BETA2_OF, OWNERSHIPS, START_MASKS, and fp8_mlp's CPU kernel) and one-line
+# part fills (ORTHOGONALIZERS, ATTENTION_MASKS, ATTEND, HEAD_LOSSES, EVALUATION_CE, CONFIG_CHANGES,
+# NORMUON_BETA2_OF, OWNERSHIPS, START_MASKS, UNCOMPILED_UPDATES, and fp8_mlp's CPU kernel) and one-line
 # hand-offs: switch_off_components, the argument and start-up checks, the tokenizer, the checkpoints,
-# the step graphs (record #92's CUDA graphs, on by default on CUDA: the same numbers), the reductions
-# launched from backward hooks (the uncaptured step's). In the first part's order: the recipe's
-# ablations, presets and command line; FP8 beyond the record's two ops, and the FP8 ops on a CPU;
-# the alternative orthogonalizers (Gram Newton-Schulz, tensor-parallel); the optimizer's CPU Adam,
-# balanced ownership, SimulatedComm (one rank of a larger world in one process), QK-Clip and
-# hook-launched reductions; the model's CPU dtype, attention and head, torch's varlen attention and
-# the GPU paths off the record's; data (tokenizer, sampling, shard writing); training's CUDA graphs,
-# checkpoints, resume and train_step; last, the argument checks of the first part's functions.
+# the pinned staging of a batch (the record copies each tensor), the step graphs (record #92's CUDA
+# graphs, on by default on CUDA: the same numbers), the reductions launched from backward hooks (the
+# uncaptured step's), the log's hardware line and compile report. In the first part's order: the
+# recipe's ablations, presets, command line and knob ranges; FP8 beyond the record's two ops, and the
+# FP8 ops on a CPU; the alternative orthogonalizers (Gram Newton-Schulz, tensor-parallel); the
+# optimizer's CPU Adam, balanced ownership, SimulatedComm (one rank of a larger world in one process),
+# QK-Clip and hook-launched reductions; the model's CPU dtype, attention and head, torch's varlen
+# attention and the GPU paths off the record's; data (tokenizer, staging, sampling, shard writing);
+# training's CUDA graphs, checkpoints, resume and train_step; last, the argument checks of the first
+# part's functions.
 
 # ---- Ablations (--ablate): each switches one component off by editing rows -------------------
 
@@ -2594,6 +2565,10 @@ LAYER_WORDS = {
     "post_gates": ("post_gates", True),
 }
 
+def layer_words(row: Layer) -> str:
+    """The row in --layers words: 'attn long ve gate dc offset from_h mudd'."""
+    return " ".join(word for word, (name, value) in LAYER_WORDS.items() if getattr(row, name) == value)
+
 def layers_from_words(rows) -> tuple:
     """--layers' strings as Layer rows (check_layers checks them)."""
     if not isinstance(rows, (tuple, list)) or not rows or not all(isinstance(r, str) for r in rows):
@@ -2628,7 +2603,8 @@ _ROW_FIELDS = ("stages", "layers")  # set through --stage_<column> and --layers,
 
 # ---- Presets: "demo" trains on a CPU in minutes, "test" is tiny --------------------------------
 
-PRESETS.update({
+PRESETS: dict[str, dict] = {  # --preset: the speedrun's is the defaults
+    "speedrun": {},
     "demo": dict(
         train_files="data/tinyshakespeare/tinyshakespeare_train_*.bin",
         val_files="data/tinyshakespeare/tinyshakespeare_val_*.bin",
@@ -2663,7 +2639,7 @@ PRESETS.update({
         stages=restaged(STAGES, batch_tokens=(512, 1024, 1536, 1536), max_doc_len=(64, 128, 128, 128)),
         val_tokens=2048, val_seq_len=512, val_loss_every=3,
     ),
-})
+}
 
 # ---- Flag parsing and validation -------------------------------------------------------------
 
@@ -2727,6 +2703,68 @@ def parse_args(argv: list[str] | None = None) -> Hyperparameters:
     except ValueError as e:
         raise SystemExit(f"error: {e}") from None
 
+@dataclass(frozen=True)
+class FlagRange:
+    """Allowed values of a number: every number in it is in [lo, hi] (hi excluded if hi_open), finite,
+    an int if integer; a tuple value has `shape` (None: any length, the same for siblings)."""
+    lo: float
+    hi: float = math.inf
+    hi_open: bool = False
+    integer: bool = False
+    shape: tuple = ()
+
+    def numbers(self, value, shape=None) -> list | None:
+        """The numbers in value, or None if it is not a number / a tuple of this shape."""
+        shape = self.shape if shape is None else shape
+        if not shape:
+            return [value] if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+        if not isinstance(value, (tuple, list)) or shape[0] not in (None, len(value)):
+            return None
+        parts = [self.numbers(v, shape[1:]) for v in value]
+        if any(p is None for p in parts) or len({len(p) for p in parts}) > 1:
+            return None
+        return [x for p in parts for x in p]
+
+    def allows(self, value) -> bool:
+        nums = self.numbers(value)
+        return nums is not None and all(
+            (isinstance(x, int) or not self.integer and math.isfinite(x))
+            and self.lo <= x and (x < self.hi if self.hi_open else x <= self.hi) for x in nums)
+
+    def column(self, rows: int) -> "FlagRange":
+        """The range of a tuple with one such value per row (a stage column on the command line)."""
+        return dataclasses.replace(self, shape=(rows, *self.shape))
+
+    def __str__(self) -> str:
+        bounds = f">= {self.lo}" if self.hi == math.inf else f"in [{self.lo}, {self.hi}{')' if self.hi_open else ']'}"
+        if not self.shape:
+            return bounds if self.integer else f"a finite number {bounds}"
+        count = "a tuple of" if self.shape == (None,) else " x ".join(str(n or "K") for n in self.shape)
+        return f"{count} {'integers' if self.integer else 'finite numbers'} {bounds}"
+
+# Every numeric knob's allowed values (FlagRange's fields), by field name: Stage's columns (one row's
+# value), then Hyperparameters'. check_args gives a one-line error naming the flag for any other value.
+_AT_LEAST_0, _AT_LEAST_1 = dict(lo=0, integer=True), dict(lo=1, integer=True)
+_RATE, _FRACTION, _MOMENTUM = dict(lo=0), dict(lo=0, hi=1), dict(lo=0, hi=1, hi_open=True)
+_WINDOWS = dict(lo=1, integer=True, shape=(2,))
+KNOB_RANGES = dict(
+    batch_tokens=_AT_LEAST_1, max_doc_len=_AT_LEAST_1, windows=_WINDOWS, lr_mult=_RATE, mtp_start=dict(lo=0, shape=(None,)),
+    mtp_end=dict(lo=0, shape=(None,)), prefix_start=_RATE, prefix_end=_RATE,
+    val_tokens=_AT_LEAST_1, vocab_size=_AT_LEAST_1, padded_vocab_size=_AT_LEAST_1, model_dim=_AT_LEAST_1,
+    num_heads=_AT_LEAST_1, head_dim=_AT_LEAST_1, mlp_hidden=_AT_LEAST_1, bigram_vocab_size=dict(lo=2, integer=True),
+    gate_channels=_AT_LEAST_1, mudd_hidden=_AT_LEAST_1, dc_window=_AT_LEAST_1, window_block_size=_AT_LEAST_1,
+    windows_init=_WINDOWS, final_val_windows=_WINDOWS, attn_scale=_RATE, num_iterations=_AT_LEAST_1,
+    extension_iterations=_AT_LEAST_0, micro_batches=_AT_LEAST_1, cooldown_start=_FRACTION, momentum_min=_MOMENTUM,
+    momentum_max=_MOMENTUM, momentum_warmup=_FRACTION, momentum_cooldown=_FRACTION, muon_lr=_RATE, muon_wd=_RATE,
+    adam_lr=_RATE, adam_wd=_RATE, val_seq_len=_AT_LEAST_1, val_loss_every=_AT_LEAST_0, save_every=_AT_LEAST_0,
+    keep_checkpoints=_AT_LEAST_0, sample_tokens=_AT_LEAST_0, adamw_bank_lr_mul=_RATE,
+    seed=dict(lo=0, hi=2**63 - 1, integer=True))
+
+def flag_range(field: dataclasses.Field) -> FlagRange | None:
+    """A knob's allowed values (KNOB_RANGES), None for a field without a range."""
+    allowed = KNOB_RANGES.get(field.name)
+    return FlagRange(**allowed) if allowed else None
+
 def check_args(args: Hyperparameters, world_size: int) -> None:
     """Every flag and shard checked at start-up, before the process group, model, loader or log:
     a bad one stops the run with one line naming it (SystemExit), never a traceback from later on."""
@@ -2777,13 +2815,15 @@ def check_stages(stages) -> None:
     if len({len(r.mtp_start) for r in stages} | {len(r.mtp_end) for r in stages}) != 1:
         raise ValueError("--stage_mtp_start and --stage_mtp_end must give the same number (>= 1) of weights")
 
+ATTENTION_KINDS = ("plain", "paired", "none")  # Layer.attention's values
+
 def check_layers(layers) -> None:
     """One-line ValueErrors naming --layers and the row: a table the model can build."""
     if not isinstance(layers, tuple) or not layers or not all(isinstance(r, Layer) for r in layers):
         raise ValueError(f"--layers must be a non-empty tuple of Layer rows, got {layers!r}")
 
     def fail(i, msg):
-        raise ValueError(f"--layers row {i} ({layers[i]}): {msg}")
+        raise ValueError(f"--layers row {i} ({layer_words(layers[i])}): {msg}")
 
     for i, r in enumerate(layers):
         if r.attention not in ATTENTION_KINDS or r.input not in ("x", "h"):
@@ -2901,50 +2941,6 @@ def fp8_matmul(x: torch.Tensor, w: torch.Tensor, x_s: float, w_s: float, grad_s:
     """x (..., K) @ w (K, N) -> (..., N) bf16 through the float8 op (differentiable in x and w)."""
     y = fp8_mm(x.reshape(-1, x.shape[-1]), w, x_s, w_s, grad_s)[0]
     return y.view(*x.shape[:-1], w.shape[1])
-
-@dataclass(frozen=True)
-class FlagRange:
-    """Allowed values of a number: every number in it is in [lo, hi] (hi excluded if hi_open), finite,
-    an int if integer; a tuple value has `shape` (None: any length, the same for siblings)."""
-    lo: float
-    hi: float = math.inf
-    hi_open: bool = False
-    integer: bool = False
-    shape: tuple = ()
-
-    def numbers(self, value, shape=None) -> list | None:
-        """The numbers in value, or None if it is not a number / a tuple of this shape."""
-        shape = self.shape if shape is None else shape
-        if not shape:
-            return [value] if isinstance(value, (int, float)) and not isinstance(value, bool) else None
-        if not isinstance(value, (tuple, list)) or shape[0] not in (None, len(value)):
-            return None
-        parts = [self.numbers(v, shape[1:]) for v in value]
-        if any(p is None for p in parts) or len({len(p) for p in parts}) > 1:
-            return None
-        return [x for p in parts for x in p]
-
-    def allows(self, value) -> bool:
-        nums = self.numbers(value)
-        return nums is not None and all(
-            (isinstance(x, int) or not self.integer and math.isfinite(x))
-            and self.lo <= x and (x < self.hi if self.hi_open else x <= self.hi) for x in nums)
-
-    def column(self, rows: int) -> "FlagRange":
-        """The range of a tuple with one such value per row (a stage column on the command line)."""
-        return dataclasses.replace(self, shape=(rows, *self.shape))
-
-    def __str__(self) -> str:
-        bounds = f">= {self.lo}" if self.hi == math.inf else f"in [{self.lo}, {self.hi}{')' if self.hi_open else ']'}"
-        if not self.shape:
-            return bounds if self.integer else f"a finite number {bounds}"
-        count = "a tuple of" if self.shape == (None,) else " x ".join(str(n or "K") for n in self.shape)
-        return f"{count} {'integers' if self.integer else 'finite numbers'} {bounds}"
-
-def flag_range(field: dataclasses.Field) -> FlagRange | None:
-    """A knob's allowed values (knob's `allowed` fields), None for a field without a range."""
-    allowed = field.metadata.get("allowed")
-    return FlagRange(**allowed) if allowed else None
 
 # ---- The FP8 MLP on a CPU: emulated (tests, host-dispatch counts) ---------------------------------
 
@@ -3204,7 +3200,8 @@ def adam_update_group_sliced(grads, exp_avgs, exp_avg_sqs, params, hps):
     for grad, exp_avg, exp_avg_sq, param, hp in zip(grads, exp_avgs, exp_avg_sqs, params, hps):
         _adam_update_sliced(grad, exp_avg, exp_avg_sq, param, hp)
 
-UNCOMPILED_UPDATES["adam"] = adam_update_group_sliced
+# The updates uncompiled (update_functions(compile=False), CPUs), by kind: Adam sliced.
+UNCOMPILED_UPDATES = {"normuon": _normuon_update, "adam": adam_update_group_sliced}
 
 # ---- Balanced ownership: banks without padding ----------------------------------------------
 # OwnershipLayout(ownership="balanced") gives each rank whole matrices by FLOPs, for any world size;
@@ -3417,7 +3414,7 @@ def launched_reductions(opt: NorMuonAdam, do_adam: bool) -> dict | None:
                          f" the reductions of a do_adam={launched_adam} step")
     return reduced
 
-# ---- CPU compute dtype -------------------------------------------------------------------------
+# ---- CPU compute dtype; the run log's hardware line -------------------------------------------
 
 CPU_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -3432,6 +3429,15 @@ def cpu_model(cpu_name_file: str = "/proc/cpuinfo") -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
+
+def hardware_line(d: DistInfo) -> str:
+    """The run log's line on the machine: GPU model, memory and CUDA, or the CPU model, cores and threads."""
+    if d.device.type == "cuda":
+        props = torch.cuda.get_device_properties(d.device)
+        return (f"hardware: {d.world_size} x {props.name} ({props.total_memory / 2**30:.0f} GiB), "
+                f"CUDA {torch.version.cuda}")
+    return (f"hardware: {d.world_size} CPU process(es) on {cpu_model()}, "
+            f"{os.cpu_count()} cores, {torch.get_num_threads()} threads per process")
 
 def matmul_gflops(dtype: torch.dtype, m: int, k: int, n: int, seconds: float = 0.15) -> float:
     """GFLOP/s of an (m, k) x (k, n) matmul in `dtype` on this CPU, timed for about `seconds`."""
@@ -3780,6 +3786,19 @@ def keep_freed_memory() -> bool:
 def use_cuda_graphs(args: Hyperparameters, device: torch.device) -> bool:
     """--cuda_graphs takes effect on a CUDA device with --compile true; elsewhere forward_backward runs."""
     return bool(args.cuda_graphs and args.compile and device.type == "cuda")
+
+def graphs_kept(graphs: StepGraphs | None, notes: list[str]) -> StepGraphs | None:
+    """The graphs after a warm-up step: None, with a note, if a capture failed its check (that step ran
+    uncaptured; so does the rest of the run)."""
+    if graphs is not None and graphs.failure:
+        notes.append(f"cuda graphs off for this run: {graphs.failure}")
+        return None
+    return graphs
+
+def graphs_captured_notes(graphs: StepGraphs | None) -> list[str]:
+    """The warm-up's last note: how many step shapes it captured."""
+    return [] if graphs is None else [f"cuda graphs: {graphs.captured()} step shapes captured in the warm-up, "
+                                      "each replay equal to the uncaptured step"]
 
 def step_graphs(trainer: Trainer) -> StepGraphs | None:
     """The Trainer's StepGraphs where use_cuda_graphs, else None (Trainer.step runs forward_backward)."""
@@ -4261,6 +4280,8 @@ def _check_state_dict(opt: NorMuonAdam, sd: dict) -> None:
                                  f" expected {tuple(ref[name].shape)} {ref[name].dtype}")
 
 # The first part's other functions, in its order
+
+_FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 def check_scaled_mm_args(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor) -> None:
     """Raise ValueError unless the operands suit cuBLAS's tensor-wise FP8 GEMM, on every device (a CPU

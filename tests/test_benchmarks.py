@@ -104,7 +104,7 @@ def _zero_skip_gate(m):
 
 
 def _words(edit):  # the test table rewritten as --layers words: an independent route to the ablated rows
-    return {"layers": tg.layers_from_words(tuple(edit(str(row).split()) for row in TEST.layers))}
+    return {"layers": tg.layers_from_words(tuple(edit(tg.layer_words(row).split()) for row in TEST.layers))}
 
 
 def _without(word):  # the test table with a word dropped from every row

@@ -50,17 +50,15 @@ def run_script(tmp_path, *flags) -> str:
 
 
 def test_every_numeric_field_has_a_range():
-    """Hyperparameters' and Stage's numeric fields carry their allowed range (knob(default, range))."""
+    """Hyperparameters' and Stage's numeric fields, and only they, have an allowed range (KNOB_RANGES)."""
     defaults = tg.Hyperparameters()
     numeric = {f.name for f in dataclasses.fields(tg.Hyperparameters)
                if isinstance(getattr(defaults, f.name), (int, float, tuple))
                and not isinstance(getattr(defaults, f.name), bool) and f.name not in ("stages", "layers")}
-    ranged = {f.name for f in dataclasses.fields(tg.Hyperparameters) if "allowed" in f.metadata}
-    assert numeric == ranged, "give the new field its allowed range: knob(default, dict(lo=..., ...))"
     row = tg.STAGES[0]
-    numeric = {f.name for f in dataclasses.fields(tg.Stage) if f.name != "share"}  # shares: check_stages
-    assert {f.name for f in dataclasses.fields(tg.Stage) if "allowed" in f.metadata} == numeric
-    assert all(isinstance(getattr(row, name), (int, float, tuple)) for name in numeric)
+    columns = {f.name for f in dataclasses.fields(tg.Stage) if f.name != "share"}  # shares: check_stages
+    assert all(isinstance(getattr(row, name), (int, float, tuple)) for name in columns)
+    assert set(tg.KNOB_RANGES) == numeric | columns, "give the new field its allowed range in KNOB_RANGES"
 
 
 @pytest.mark.parametrize("preset", sorted(tg.PRESETS))
@@ -232,8 +230,8 @@ def test_missing_shards(tmp_path):
 
 
 def test_layer_words_round_trip_to_the_records_rows():
-    """--layers' words and the Layer rows say the same: the record's table through str() and back."""
-    words = tuple(str(row) for row in tg.LAYERS)
+    """--layers' words and the Layer rows say the same: the record's table through layer_words and back."""
+    words = tuple(tg.layer_words(row) for row in tg.LAYERS)
     assert words[10] == "attn long ve gate dc offset from_h mudd" and words[6] == "skip"
     assert tg.layers_from_words(words) == tg.LAYERS
     args = tg.parse_args(["--layers", repr(words)])
