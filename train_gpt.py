@@ -37,7 +37,7 @@ from torch.nn.attention.flex_attention import BlockMask, flex_attention
 import triton_kernels
 
 # ----------------------------------------------------------------------------------------------
-# The recipe: stages, layers, per-parameter optimizer settings, run knobs, presets
+# The recipe: stages, layers, per-parameter optimizer settings, run knobs, constants
 # ----------------------------------------------------------------------------------------------
 
 # Record #89 (modded-nanogpt PR #342) as data: the schedule and the forward read these rows, so a
@@ -1032,11 +1032,6 @@ class NorMuonAdam:
                 rows.append(adam_hyperparams(self.adam_lr * lr_scale * lr_mul, self.adam_steps[label] + 1,
                                              cfg.betas, self.adam_wd, cfg.wd_mul, self.adam_eps))
         return hyperparam_tensors(labels, rows, next(iter(self.slots.values())).param.device)
-
-    def learning_rates(self, lr_scale: float = 1.0) -> dict[str, torch.Tensor]:
-        """Every label's lr at schedule multiplier lr_scale (float64; the updates apply them rounded to fp32)."""
-        return {label: (self.normuon_lr if slot.cfg.optimizer == "normuon" else self.adam_lr) * lr_scale
-                * lr_multipliers(slot.cfg, slot.shape) for label, slot in self.slots.items()}
 
     def _active(self, do_adam: bool) -> list[str]:
         """The step's labels in scatter_order: NorMuon's, Adam's on do_adam steps; never the tied embedding."""
@@ -3202,6 +3197,14 @@ def adam_update_group_sliced(grads, exp_avgs, exp_avg_sqs, params, hps):
 
 # The updates uncompiled (update_functions(compile=False), CPUs), by kind: Adam sliced.
 UNCOMPILED_UPDATES = {"normuon": _normuon_update, "adam": adam_update_group_sliced}
+
+# ---- Every label's learning rate, as the updates apply it (tests) ----------------------------------
+
+def learning_rates(opt: NorMuonAdam, lr_scale: float = 1.0) -> dict[str, torch.Tensor]:
+    """Every label's lr at schedule multiplier lr_scale: its optimizer's base lr x lr_scale x lr_multipliers
+    (float64; the updates apply them rounded to fp32)."""
+    return {label: (opt.normuon_lr if slot.cfg.optimizer == "normuon" else opt.adam_lr) * lr_scale
+            * lr_multipliers(slot.cfg, slot.shape) for label, slot in opt.slots.items()}
 
 # ---- Balanced ownership: banks without padding ----------------------------------------------
 # OwnershipLayout(ownership="balanced") gives each rank whole matrices by FLOPs, for any world size;

@@ -1200,16 +1200,16 @@ RECORD_EFFECTIVE_LR = {
 
 @pytest.mark.parametrize("step, s", [(0, 1.0), (423, 1.52), (847, 1.0271), (1284, 0.15)])
 def test_every_parameters_learning_rate_is_the_records(step, s):
-    """learning_rates(), the one place a parameter's lr is computed, against the record's table at
-    schedule multipliers of section 3.3: NorMuon banks 0.023 (qk, vo), c_fc 0.046, c_proj 0.092 (every
-    odd matrix of the MLP bank, padding included), the Adam labels lr 0.008 x lr_mul."""
+    """learning_rates (lr_multipliers: the one place a parameter's lr multiplier is computed) against the
+    record's table at schedule multipliers of section 3.3: NorMuon banks 0.023 (qk, vo), c_fc 0.046,
+    c_proj 0.092 (every odd matrix of the MLP bank, padding included), the Adam labels lr 0.008 x lr_mul."""
     args = T.parse_args(["--preset", "speedrun"])
     with torch.device("meta"):
         model = T.GPT(args, world_size=8)
     opt = T.build_optimizer(args, model, torch.device("meta"))
     plan = T.plan_step(args, step)
     assert plan.lr_mult == pytest.approx(s, abs=1e-4)
-    lrs = opt.learning_rates(plan.lr_mult)
+    lrs = T.learning_rates(opt, plan.lr_mult)
     assert set(lrs) == set(RECORD_EFFECTIVE_LR) | {"mlp_bank"}
     for label, lr in RECORD_EFFECTIVE_LR.items():
         assert lrs[label].shape == ((64,) if label == "qk_bank" else (24,) if label == "vo_bank" else ())
