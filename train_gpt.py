@@ -3696,7 +3696,7 @@ def batch_tensors(b: Batch) -> list[torch.Tensor]:
     extra = [b.doc_ids] if b.doc_ids is not None else []
     return [b.inputs, b.targets, b.cu_seqlens, b.bigram_ids, *extra, *masks]
 
-def with_tensors(b: Batch, tensors) -> Batch:
+def batch_with_tensors(b: Batch, tensors) -> Batch:
     """b with its tensors replaced, in batch_tensors' order."""
     it = iter(tensors)
     inputs, targets, cu_seqlens, bigram_ids = (next(it) for _ in range(4))
@@ -3728,7 +3728,7 @@ def unstage(b: Batch, staged: torch.Tensor) -> Batch:
         base = typed[t.dtype]  # as_strided counts from the storage's start: a slice's own offset first
         views.append(base.as_strided(t.shape, strides, base.storage_offset() + start // t.element_size()))
         start += _staged_bytes(t)
-    return with_tensors(b, views)
+    return batch_with_tensors(b, views)
 
 def stage_step(batches: list[Batch]) -> list[Batch]:
     """A step's micro-batches staged into consecutive slices of one pinned buffer (StepGraphs copies it whole)."""
