@@ -67,7 +67,7 @@ def state_bytes(model: T.GPT, world_size: int) -> dict[str, float]:
 
 
 def activation_bytes_per_token(args: T.Hyperparameters, tokens: int) -> float:
-    """Bytes autograd saves per token in the layer stack (model.hidden) on this CPU, bf16 weights,
+    """Bytes autograd saves per token in the layer stack (final_hidden) on this CPU, bf16 weights,
     the speedrun's table and width with a small vocabulary (distinct storages counted once)."""
     small = dataclasses.replace(args, vocab_size=1000, padded_vocab_size=1024, bigram_vocab_size=1024)
     torch.manual_seed(0)
