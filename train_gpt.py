@@ -2002,7 +2002,7 @@ def validation_batches(pattern: str, num_tokens: int, seq_len: int, bigram_vocab
         if have > num_tokens:
             break
     stream = np.concatenate(chunks)
-    _check_val_tokens(num_tokens, seq_len, len(stream), pattern)
+    _check_val_stream(num_tokens, len(stream), pattern)
     return [make_batch(stream[i * seq_len:(i + 1) * seq_len + 1], bigram_vocab_size)
             for i in range(rank, num_tokens // seq_len, world_size)]
 
@@ -3730,12 +3730,18 @@ def unstage(b: Batch, staged: torch.Tensor) -> Batch:
         start += _staged_bytes(t)
     return batch_with_tensors(b, views)
 
+def step_slices(batches: list[Batch], **buffer_kw) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """One uint8 buffer (torch.empty's buffer_kw) for every batch's staged bytes back to back, and each
+    batch's slice of it: the layout stage_step packs on the host and StepGraphs copies into on the device."""
+    sizes = [staged_bytes(b) for b in batches]
+    buf = torch.empty(sum(sizes), dtype=torch.uint8, **buffer_kw)
+    starts = np.cumsum([0, *sizes]).tolist()
+    return buf, [buf[a:a + n] for a, n in zip(starts, sizes)]
+
 def stage_step(batches: list[Batch]) -> list[Batch]:
     """A step's micro-batches staged into consecutive slices of one pinned buffer (StepGraphs copies it whole)."""
-    sizes = [staged_bytes(b) for b in batches]
-    joint = torch.empty(sum(sizes), dtype=torch.uint8, pin_memory=torch.cuda.is_available())
-    starts = np.cumsum([0, *sizes])
-    return [stage_batch(b, joint[a:a + n]) for b, a, n in zip(batches, starts.tolist(), sizes)]
+    _, parts = step_slices(batches, pin_memory=torch.cuda.is_available())
+    return [stage_batch(b, part) for b, part in zip(batches, parts)]
 
 # ---- Sampling, shard writing, CPU memory -----------------------------------------------------
 
@@ -3850,10 +3856,8 @@ class StepGraphs:
     def _buffers(self, key: tuple, batches: list[Batch]) -> _StepBuffers:
         entry = self.buffers.get(key)
         if entry is None:
-            sizes = [staged_bytes(b) for b in batches]
-            buf = torch.empty(sum(sizes), dtype=torch.uint8, device=self.device)
-            starts = np.cumsum([0, *sizes]).tolist()
-            views = [unstage(b, buf[a:a + n]) for b, a, n in zip(batches, starts, sizes)]
+            buf, parts = step_slices(batches, device=self.device)
+            views = [unstage(b, part) for b, part in zip(batches, parts)]
             entry = self.buffers[key] = _StepBuffers(buf, views, torch.zeros((), device=self.device),
                                                      torch.zeros((), device=self.device))
         return entry
@@ -4441,12 +4445,14 @@ def _check_same_shards(saved: list, files: list) -> None:
         raise SystemExit(f"error: the checkpoint was written with other training shards ({len(saved)} "
                          f"files starting {saved[:1]}); resume with the same --train_files")
 
-def _check_val_tokens(num_tokens: int, seq_len: int, have: int | None = None, pattern: str = "") -> None:
-    """--val_tokens against the sequence length, and (have: tokens read) against the val shards."""
+def _check_val_tokens(num_tokens: int, seq_len: int) -> None:
     if num_tokens % seq_len:
         raise SystemExit(f"error: --val_tokens {num_tokens} must be a multiple of the validation sequence length"
                          f" {seq_len}")
-    if have is not None and have < num_tokens + 1:
+
+def _check_val_stream(num_tokens: int, have: int, pattern: str) -> None:
+    """have: the tokens read from the val shards."""
+    if have < num_tokens + 1:
         raise SystemExit(f"error: --val_tokens {num_tokens} needs {num_tokens + 1} tokens but the val shards"
                          f" {pattern!r} hold {have}; lower --val_tokens")
 
