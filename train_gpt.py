@@ -373,13 +373,12 @@ def fp8_head_loss(x: torch.Tensor, w: torch.Tensor, x_f8: torch.Tensor, w_f8: to
                   mtp_weights: torch.Tensor, prefix_ids: torch.Tensor | None, prefix_weight: torch.Tensor | None,
                   x_s: float, w_s: float, grad_s: float,
                   grad_scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per-token training loss (T,) fp32 of logits = x_f8 (T, K) @ w_f8 (K, N, column-major) in float8
-    with scales x_s, w_s (triton_kernels.softcapped_ce_mtp's loss), the per-token next-token loss (T,)
-    fp32 (no gradient), and the loss's gradient dlogits / grad_s in e5m2, which the backward reads.
-    x (T, K) and w (K, N) are the bf16 tensors x_f8 and w_f8 were quantised from: the forward reads
-    only their shapes; they are the inputs that receive dx (bf16)
-    and dw (fp32 cast to w's dtype). The backward uses the stored gradient whatever gradient reaches
-    the loss (the loss kernel's rule): use it as sum(loss) * grad_scale, grad_s = FP8_HEAD_GRAD_SCALE * grad_scale."""
+    """Per-token training loss (T,) fp32 of logits = x_f8 (T, K) @ w_f8 (K, N, column-major) in float8 with scales
+    x_s, w_s (triton_kernels.softcapped_ce_mtp's loss), the per-token next-token loss (T,) fp32 (no gradient), and
+    the loss's gradient dlogits / grad_s in e5m2, which the backward reads. x (T, K) and w (K, N) are the bf16
+    tensors x_f8 and w_f8 were quantised from: the forward reads only their shapes; they receive dx (bf16) and
+    dw (fp32 cast to w's dtype). The backward uses the stored gradient whatever gradient reaches the loss (the
+    loss kernel's rule): use it as sum(loss) * grad_scale, grad_s = FP8_HEAD_GRAD_SCALE * grad_scale."""
     _check_fp8_head_args(x, w, x_f8, w_f8, grad_s)
     logits = _scaled_matmul(x_f8, w_f8, x_s, w_s, torch.bfloat16, fast_accum=True)
     grid, args, meta, outputs = triton_kernels.ce_kernel_args(logits, targets, mtp_weights, prefix_ids,
@@ -421,13 +420,12 @@ def _fp8_head_loss_autograd(ctx, _grad_loss, _grad_next_token, _grad_g):
 fp8_head_loss.register_autograd(_fp8_head_loss_autograd, setup_context=_fp8_head_loss_setup_context)
 
 # ---- FP8 MLP (record #89, modded-nanogpt PR #342) ---------------------------------------------
-# Training forward only. Up: x_f8 = e4m3(x * 448 / amax|x|) (its current amax, in the traced graph),
-# W1 / s1 with s1 = amax|W1| / 448 per layer after every optimizer step; the kernel keeps post =
-# relu(pre)^2 in bf16 and e4m3 and leaves per-program maxima of post, reduced once after the last layer
-# into the next forward's act scales. Down: torch._scaled_mm with delayed scales, post / a_l with a_l =
-# (the previous forward's amax of post) * 1.80 / 448, and W2 / w_l with w_l = (the previous
-# quantisation's amax|W2|) * 1.12 / 448 (the current amax / 448 for the first FP8_BOOTSTRAP_STEPS
-# steps: W2 starts at zero). The backward is bf16 from post (triton_kernels.relu2_mlp_backward).
+# Training forward only. Up: x_f8 = e4m3(x * 448 / amax|x|) (its current amax, in the traced graph), W1 / s1 with s1 =
+# amax|W1| / 448 per layer after every optimizer step; the kernel keeps post = relu(pre)^2 in bf16 and e4m3 and leaves
+# per-program maxima of post, reduced once after the last layer into the next forward's act scales. Down:
+# torch._scaled_mm with delayed scales, post / a_l with a_l = (the previous forward's amax of post) * 1.80 / 448, and
+# W2 / w_l with w_l = (the previous quantisation's amax|W2|) * 1.12 / 448 (the current amax / 448 for the first
+# FP8_BOOTSTRAP_STEPS steps: W2 starts at zero). The backward is bf16 from post (triton_kernels.relu2_mlp_backward).
 
 @torch.library.custom_op("speedrun::fp8_mlp", mutates_args=())
 def fp8_mlp(x: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, x_f8: torch.Tensor, up_f8: torch.Tensor,
@@ -512,13 +510,12 @@ class FP8MLPState(nn.Module):
 # Orthogonalization: Polar Express
 # ----------------------------------------------------------------------------------------------
 
-# Polar Express: Amsel, Persson, Musco, Gower, arXiv 2505.16932 (Gram Newton-Schulz, an alternative,
-# sits below the fence). It maps a gradient-like G (..., m, n) to an approximation of its polar factor
-# U V^T (G = U S V^T), in bf16, batched over the leading dims (a bank of matrices). Each iteration applies
-# the odd polynomial p(x) = a x + b x^3 + c x^5 to the singular values; the coefficients
-# (POLAR_EXPRESS_COEFFS, with the recipe) are tuned so that five iterations take every singular value
-# in roughly [1e-3, 1] into a narrow band around 1. Dividing by ||G||_F * 1.02 first guarantees the
-# spectral norm is < 1.
+# Polar Express: Amsel, Persson, Musco, Gower, arXiv 2505.16932 (Gram Newton-Schulz, an alternative, sits below the
+# fence). It maps a gradient-like G (..., m, n) to an approximation of its polar factor U V^T (G = U S V^T), in bf16,
+# batched over the leading dims (a bank of matrices). Each iteration applies the odd polynomial
+# p(x) = a x + b x^3 + c x^5 to the singular values; the coefficients (POLAR_EXPRESS_COEFFS, with the recipe) are
+# tuned so that five iterations take every singular value in roughly [1e-3, 1] into a narrow band around 1.
+# Dividing by ||G||_F * 1.02 first guarantees the spectral norm is < 1.
 
 def _as_bank(G: torch.Tensor) -> torch.Tensor:
     """G (..., m, n) as a 3-D (batch, m, n) view, or a one-line error for a vector."""
@@ -687,9 +684,7 @@ def adam_hyperparams(lr: float, t: int, betas: tuple, wd: float, wd_mul: float, 
 
 def hyperparam_tensors(labels, rows, device: torch.device) -> dict[str, torch.Tensor]:
     """Every label's hp row in one host->device copy (pinned, non-blocking on CUDA); a row view per label."""
-    if not rows:
-        return {}
-    hp = torch.tensor(rows, dtype=torch.float32)
+    hp = torch.tensor(rows, dtype=torch.float32)  # no rows: shape (0,), no views
     if device.type == "cuda":
         hp = hp.pin_memory().to(device, non_blocking=True)
     return {label: hp[i] for i, label in enumerate(labels)}
@@ -1076,18 +1071,10 @@ class NorMuonAdam:
         return gathers
 
     @torch.no_grad()
-    def step(self, do_adam: bool = True, lr_scale: float = 1.0, momentum: float | None = None,
-             after_update: dict | None = None) -> None:
-        """One optimizer step: NorMuon every call, Adam only when do_adam (odd steps).
-
-        lr_scale multiplies every base learning rate (the lr schedule); momentum is the NorMuon
-        momentum for this step (default: the constructor's). Both reach the update functions as
-        tensor entries, so compiled updates never recompile when they change. after_update: label of
-        a NorMuon bank -> fn(slot, shard, mantissa) run on this rank's updated matrices (shard, in
-        place) before they are gathered, e.g. qk_clip_hooks.
-        """
-        after_update = dict(after_update or {})
-        _check_after_update(self, after_update)
+    def step(self, do_adam: bool = True, lr_scale: float = 1.0, momentum: float | None = None) -> None:
+        """One optimizer step: NorMuon every call, Adam only when do_adam (odd steps). lr_scale multiplies
+        every base learning rate (the lr schedule); momentum is the NorMuon momentum for this step (default:
+        the constructor's). Both reach the update functions as tensor entries: no recompiles as they change."""
         momentum = self.normuon_momentum if momentum is None else momentum
         active = self._active(do_adam)
         hps = self._hyperparams(active, float(lr_scale), float(momentum))
@@ -1107,8 +1094,6 @@ class NorMuonAdam:
             if shard.size(0):  # a balanced bank may give this rank none of its matrices
                 self._normuon_fn(grad, st["momentum_buffer"], st["second_moment"], shard, st.get("mantissa"),
                                  self._matrix_lr[label], hps[label], self.orthogonalize)
-            if label in after_update:  # on the owned matrices, before they are gathered
-                after_update[label](slot, shard, st.get("mantissa"))
             done = self.exchange.gather(slot, shard)
             if done is not None:
                 gathers[label] = done
@@ -1311,21 +1296,6 @@ def flex_mask_spec(args: "Hyperparameters", windows: tuple, kernels: dict | None
     kinds = tuple((long, r, windows[int(long)] * args.window_block_size) for long, r in attention_kinds(args.layers)
                   if kernels is None or kernels[long, r] == "flex")
     return (FLEX_BLOCK_SIZE, kinds) if kinds else None
-
-# {torch.cuda.get_device_name(): {(long window?, slots per token): "flex" | "varlen"}}, the faster at the
-# speedrun's shapes as the GPU check times them; a GPU or kind not listed runs flex.
-ATTENTION_KERNEL_CHOICE: dict[str, dict[tuple[bool, int], str]] = {}
-GPU_ATTENTION_KERNELS = ("flex", "varlen")
-
-def attention_kernels(args: "Hyperparameters", device: torch.device) -> dict[tuple[bool, int], str]:
-    """Every layer kind's attention kernel: SDPA on CPUs, else --attention_kernel ("auto": the GPU's table)."""
-    kinds = attention_kinds(args.layers)
-    if device.type != "cuda":
-        return dict.fromkeys(kinds, "sdpa")
-    if _check_attention_kernel(args.attention_kernel) in GPU_ATTENTION_KERNELS:
-        return dict.fromkeys(kinds, args.attention_kernel)
-    table = ATTENTION_KERNEL_CHOICE.get(torch.cuda.get_device_name(device), {})
-    return {kind: table.get(kind, "flex") for kind in kinds}
 
 def flex_mask(doc_ids: torch.Tensor, window: torch.Tensor, span: int, pos_div: int) -> BlockMask:
     """flex_attention's BlockMask of one layer kind, its block indices built here."""
@@ -2398,11 +2368,7 @@ def train(args: Hyperparameters, d: DistInfo) -> float:
             pending = (step, losses, now_ms, step + 1 - start_step)
     if args.compile:
         log.write(compile_report(compiled_before))  # below the fence
-    if d.device.type == "cuda":
-        log.write(f"peak memory allocated: {torch.cuda.max_memory_allocated(d.device) // 2**20} MiB "
-                  f"reserved: {torch.cuda.max_memory_reserved(d.device) // 2**20} MiB")
-    else:
-        log.write(cpu_peak_memory())  # below the fence
+    log.write(peak_memory(d.device))  # the record's line on GPUs (below the fence)
     if d.is_master:
         print(f"final val_loss {val_loss:.4f}, train_time {train_ms / 1000:.1f}s, log {log.path}")
         if args.sample_tokens:
@@ -3329,7 +3295,7 @@ class SimulatedComm(CommLayer):
 
 # ---- QK-Clip (MuonClip) ----------------------------------------------------------------------
 # Caps a head's attention logits by scaling its Q and K rows after the NorMuon update. No record
-# uses it; NorMuonAdam.step(after_update=qk_clip_hooks(...)) applies it.
+# uses it; `with after_update(opt, qk_clip_hooks(...)): opt.step(...)` applies it.
 
 QK_CLIP_TAU = 100.0  # MuonClip's threshold on the largest pre-softmax attention logit
 
@@ -3342,8 +3308,25 @@ def qk_clip_(param, mantissa, max_logits, tau: float) -> None:
     scale = (tau / max_logits.float().clamp_min(tau)).sqrt()
     _store_master(_master_fp32(param, mantissa) * scale, param, mantissa)
 
+@contextlib.contextmanager
+def after_update(opt: NorMuonAdam, hooks: dict):
+    """Around opt.step(): hooks[label](slot, shard, mantissa) runs on this rank's updated matrices of a NorMuon
+    label (shard, in place) just before they are gathered, e.g. qk_clip_hooks: the hook wraps opt's gather."""
+    _check_after_update(opt, hooks)
+    gather = opt.exchange.gather
+
+    def gather_after_hook(slot: Slot, shard: torch.Tensor):
+        if slot.label in hooks:
+            hooks[slot.label](slot, shard, opt.state[slot.label].get("mantissa"))
+        return gather(slot, shard)
+    opt.exchange.gather = gather_after_hook
+    try:
+        yield opt
+    finally:
+        del opt.exchange.gather  # the class's method again
+
 def qk_clip_hooks(max_logits: dict, tau: float = QK_CLIP_TAU) -> dict:
-    """NorMuonAdam.step's after_update for QK-Clip: label of a Q or K bank -> the step's largest
+    """after_update's hooks for QK-Clip: label of a Q or K bank -> the step's largest
     logit per head, broadcastable to the bank's (matrices, rows, 1) and the same on every rank."""
     def clip(m):
         def hook(slot, shard, mantissa):
@@ -3504,6 +3487,23 @@ def compute_dtype(args: Hyperparameters, d: DistInfo) -> tuple[torch.dtype, str 
     if dist.is_initialized():
         dist.broadcast_object_list(choice, src=0)
     return getattr(torch, choice[0][0]), choice[0][1]
+
+# ---- Which kernel each layer kind attends with: SDPA on CPUs, flex or varlen on GPUs ------------
+
+# {torch.cuda.get_device_name(): {(long window?, slots per token): "flex" | "varlen"}}, the faster at the
+# speedrun's shapes as the GPU check times them; a GPU or kind not listed runs flex.
+ATTENTION_KERNEL_CHOICE: dict[str, dict[tuple[bool, int], str]] = {}
+GPU_ATTENTION_KERNELS = ("flex", "varlen")
+
+def attention_kernels(args: Hyperparameters, device: torch.device) -> dict[tuple[bool, int], str]:
+    """Every layer kind's attention kernel: SDPA on CPUs, else --attention_kernel ("auto": the GPU's table)."""
+    kinds = attention_kinds(args.layers)
+    if device.type != "cuda":
+        return dict.fromkeys(kinds, "sdpa")
+    if _check_attention_kernel(args.attention_kernel) in GPU_ATTENTION_KERNELS:
+        return dict.fromkeys(kinds, args.attention_kernel)
+    table = ATTENTION_KERNEL_CHOICE.get(torch.cuda.get_device_name(device), {})
+    return {kind: table.get(kind, "flex") for kind in kinds}
 
 # ---- The CPU's attention: SDPA, banded where that saves work ---------------------------------
 
@@ -4167,7 +4167,7 @@ class RunCheckpoints(StopOnSignal):
             raise SystemExit(128 + stopping)
         return seconds
 
-# ---- train()'s last lines: compilation, the sample, the CPU's peak memory ------------------------
+# ---- train()'s last lines: compilation, the sample, peak memory -------------------------------------
 
 def compile_counts() -> dict:
     """Graphs torch.compile has made and graph breaks it has met in this process so far."""
@@ -4187,8 +4187,11 @@ def sample_after_training(model: GPT, args: Hyperparameters, device: torch.devic
     return (f"sample ({args.sample_tokens} tokens after {prompt!r}):\n"
             + generate(model, prompt, args.sample_tokens, device, seed=args.seed))
 
-def cpu_peak_memory() -> str:
-    """train()'s last log line on a CPU."""
+def peak_memory(device: torch.device) -> str:
+    """train()'s last log line: the record's on a GPU, rank 0's max RSS on a CPU."""
+    if device.type == "cuda":
+        return (f"peak memory allocated: {torch.cuda.max_memory_allocated(device) // 2**20} MiB "
+                f"reserved: {torch.cuda.max_memory_reserved(device) // 2**20} MiB")
     import resource
     return f"peak memory (max RSS of rank 0): {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024} MiB"
 
@@ -4383,7 +4386,7 @@ def _check_sparse_label(opt: NorMuonAdam, label: str) -> None:
 def _check_after_update(opt: NorMuonAdam, after_update: dict) -> None:
     for label in after_update:
         if label not in opt.slots or opt.slots[label].cfg.optimizer != "normuon":
-            raise ValueError(f"NorMuonAdam.step: after_update[{label!r}] needs a normuon label")
+            raise ValueError(f"after_update: hooks[{label!r}] needs a normuon label")
 
 def _check_untie(opt: NorMuonAdam) -> None:
     if opt.tied is None:

@@ -123,7 +123,8 @@ CHECKS: tuple[Check, ...] = (
            TG + "StopOnSignal.__init__"), "run"),
     Check("train-script", 240, "train_gpt.py --preset test --compile true through torchrun on this GPU (FP8, NCCL, "
           "compile warm-up, run log): learns, and compiles nothing after the warm-up",
-          (TG + "train", TG + "hardware_line", TG + "cuda_synchronize", TG + "compute_dtype"), "run"),
+          (TG + "train", TG + "hardware_line", TG + "peak_memory", TG + "cuda_synchronize", TG + "compute_dtype"),
+          "run"),
     Check("kernel-choice", 120, "Triton against torch at every bank shape (triton_kernels.KERNEL_TIMES) and "
           "Polar Express against Gram Newton-Schulz per bank (ORTHOGONALIZER_MS): this GPU's tables' picks within "
           "10% of the faster", (), "run"),

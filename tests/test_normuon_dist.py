@@ -336,7 +336,8 @@ def qk_clip_worker(rank, world_size, group="world"):
     for p in params.values():
         p.grad = torch.randn(p.shape, generator=g)
     m = before.flatten(1).max(dim=1).values.float().view(H, 1, 1)  # the step's largest logit per head
-    opt.step(do_adam=False, after_update=T.qk_clip_hooks({"wq": m, "wk": m}))  # tau = QK_CLIP_TAU = 100
+    with T.after_update(opt, T.qk_clip_hooks({"wq": m, "wk": m})):  # tau = QK_CLIP_TAU = 100
+        opt.step(do_adam=False)
     after = head_logits(x, params["wq"].data, params["wk"].data)
     return before, after, wq, params["wq"].data.clone()
 
@@ -348,8 +349,12 @@ def test_after_update_hooks_need_normuon_labels():
     assert T.QK_CLIP_TAU == 100.0
     p["wq"].grad, p["b"].grad = torch.randn(2, 4, 8), torch.randn(4)
     for label in ("b", "nope"):
-        with pytest.raises(ValueError, match=f"after_update\\[{label!r}\\] needs a normuon label"):
-            opt.step(do_adam=False, after_update=T.qk_clip_hooks({label: torch.tensor(1e4)}))
+        with pytest.raises(ValueError, match=f"after_update: hooks\\[{label!r}\\] needs a normuon label"):
+            with T.after_update(opt, T.qk_clip_hooks({label: torch.tensor(1e4)})):
+                opt.step(do_adam=False)
+    with T.after_update(opt, {}):  # the wrapped gather lives as long as the block: then the class's again
+        assert "gather" in vars(opt.exchange)
+    assert "gather" not in vars(opt.exchange)
 
 
 # ----------------------------------------------------------------------------------------------
