@@ -2393,16 +2393,16 @@ def main(argv: list[str] | None = None) -> None:
 # What the record does not run
 # ----------------------------------------------------------------------------------------------
 
-# Record #89 runs none of the code below; the speedrun above reaches it only through the tables this
-# part fills (ORTHOGONALIZERS, ATTENTION_MASKS, ATTEND, HEAD_LOSSES, EVALUATION_CE, CONFIG_CHANGES,
+# Record #89 runs none of the code below; the speedrun above reaches it only through the tables this part
+# fills (ORTHOGONALIZERS, ATTENTION_MASKS, ATTEND, HEAD_LOSSES, EVALUATION_CE, CONFIG_CHANGES,
 # NORMUON_BETA2_OF, OWNERSHIPS, START_MASKS, UNCOMPILED_UPDATES, and fp8_mlp's CPU kernel) and one-line
-# hand-offs: switch_off_components, the argument and start-up checks, the tokenizer, the checkpoints,
-# the pinned staging of a batch (the record copies each tensor), the step graphs (record #92's CUDA
-# graphs, on by default on CUDA: the same numbers), the reductions launched from backward hooks (the
-# uncaptured step's), the log's hardware line and compile report. In the first part's order: the
-# recipe's ablations, presets, command line and knob ranges; FP8 beyond the record's two ops, and the
-# FP8 ops on a CPU; the alternative orthogonalizers (Gram Newton-Schulz, tensor-parallel); the
-# optimizer's CPU Adam, balanced ownership, SimulatedComm (one rank of a larger world in one process),
+# hand-offs: switch_off_components, the argument and start-up checks, the tokenizer, the checkpoints, the
+# pinned staging of a batch (the record copies each tensor), the step graphs (record #92's CUDA graphs, on
+# by default on CUDA: the same numbers), the reductions launched from backward hooks (the uncaptured
+# step's), the attention kernels' choice, the log's hardware, compile and peak-memory lines. In the first
+# part's order: the recipe's ablations, presets, command line and knob ranges; FP8 beyond the record's two
+# ops, and the FP8 ops on a CPU; the alternative orthogonalizers (Gram Newton-Schulz, tensor-parallel);
+# the optimizer's CPU Adam, balanced ownership, SimulatedComm (one rank of a larger world in one process),
 # QK-Clip and hook-launched reductions; the model's CPU dtype, attention and head, torch's varlen
 # attention and the GPU paths off the record's; data (tokenizer, staging, sampling, shard writing);
 # training's CUDA graphs, checkpoints, resume and train_step; last, the argument checks of the first
@@ -3313,7 +3313,7 @@ def after_update(opt: NorMuonAdam, hooks: dict):
     """Around opt.step(): hooks[label](slot, shard, mantissa) runs on this rank's updated matrices of a NorMuon
     label (shard, in place) just before they are gathered, e.g. qk_clip_hooks: the hook wraps opt's gather."""
     _check_after_update(opt, hooks)
-    gather = opt.exchange.gather
+    gather, wrapped = opt.exchange.gather, vars(opt.exchange).get("gather")  # wrapped: an enclosing block's
 
     def gather_after_hook(slot: Slot, shard: torch.Tensor):
         if slot.label in hooks:
@@ -3322,8 +3322,11 @@ def after_update(opt: NorMuonAdam, hooks: dict):
     opt.exchange.gather = gather_after_hook
     try:
         yield opt
-    finally:
-        del opt.exchange.gather  # the class's method again
+    finally:  # the enclosing block's gather again, else the class's
+        if wrapped is None:
+            del opt.exchange.gather
+        else:
+            opt.exchange.gather = wrapped
 
 def qk_clip_hooks(max_logits: dict, tau: float = QK_CLIP_TAU) -> dict:
     """after_update's hooks for QK-Clip: label of a Q or K bank -> the step's largest
@@ -4383,8 +4386,8 @@ def _check_sparse_label(opt: NorMuonAdam, label: str) -> None:
     if slot is None or slot.cfg.comms != "sharded_sparse":
         raise ValueError(f"prepare_sparse: {label!r} is not a parameter with comms='sharded_sparse'")
 
-def _check_after_update(opt: NorMuonAdam, after_update: dict) -> None:
-    for label in after_update:
+def _check_after_update(opt: NorMuonAdam, hooks: dict) -> None:
+    for label in hooks:
         if label not in opt.slots or opt.slots[label].cfg.optimizer != "normuon":
             raise ValueError(f"after_update: hooks[{label!r}] needs a normuon label")
 

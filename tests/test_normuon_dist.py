@@ -353,7 +353,10 @@ def test_after_update_hooks_need_normuon_labels():
             with T.after_update(opt, T.qk_clip_hooks({label: torch.tensor(1e4)})):
                 opt.step(do_adam=False)
     with T.after_update(opt, {}):  # the wrapped gather lives as long as the block: then the class's again
-        assert "gather" in vars(opt.exchange)
+        outer = vars(opt.exchange)["gather"]
+        with T.after_update(opt, {}):  # a nested block restores the enclosing block's wrapper
+            assert vars(opt.exchange)["gather"] is not outer
+        assert vars(opt.exchange)["gather"] is outer
     assert "gather" not in vars(opt.exchange)
 
 
