@@ -5,9 +5,10 @@
     python train_gpt.py --help                                         # every knob
 
 Importing this file has no side effects (tests and data scripts import it): the process group,
-devices, files and compilation all start in main(). The part before the fence ("What the record does
-not run") is record #89's path; a `_check_...(...)` line there is an argument check, its body (a
-one-line error for bad input) in the fenced part, as are the alternatives the tables there name.
+devices, files and compilation all start in main(). Each section opens with record #89's code, then
+the alternatives and ablations it may run instead, the tables that name them, and the argument checks
+beside what they check. A section uses only what it or a section above it defines: copy the file from
+the top through any section, put it beside triton_kernels.py, and it runs.
 """
 from __future__ import annotations
 
@@ -23,7 +24,6 @@ import shutil
 import signal
 import sys
 import threading
-import types
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -42,7 +42,7 @@ import triton_kernels
 
 # Record #89 (modded-nanogpt PR #342) as data: the schedule and the forward read these rows, so a
 # change of recipe is a change of a row, and an ablation a dataclasses.replace over rows (ABLATIONS).
-# Every number's allowed values (KNOB_RANGES) and every check of the command line sit below the fence.
+# Below: the command line's words and columns, the ablations, the presets, the flags' ranges and checks.
 
 # -- stages: what changes along the run ---------------------------------------------------------
 
@@ -213,7 +213,6 @@ class Hyperparameters:
     def num_layers(self) -> int:
         return len(self.layers)
 
-
 # -- recipe constants: FP8 scales, Polar Express, MUDD biases, initial values -----------------
 
 # FP8 (record #89): the LM head's static scales, and the FP8 MLPs' delayed-scale headroom (FP8 sections)
@@ -251,6 +250,312 @@ MUDD_GATE_BIASES = {"gate": 2.5, "bigram": 0.5, "skip": 5.0, "dc_w1": 10.0}
 # Initial values (the record's; GPT.reset_parameters): projections' uniform std x sqrt(D), the tables' normal stds
 INIT = dict(projection_std=0.5, lm_head_std=0.005, value_embed_std=0.01, qkv_lambda=0.5, o_lambda=1.0,
             skip_lambda=-1.5, resid_lambda=math.sqrt(1.1), post_lambda=1.0, mudd_gate_scale=0.1)
+
+# ---- The command line: --layers words, --stage_<column> columns ------------------------------
+
+# --layers takes the rows as words, one string a row: "attn long offset ve gate dc from_h mudd".
+LAYER_WORDS = {
+    "attn": ("attention", "plain"), "paired": ("attention", "paired"), "skip": ("attention", "none"),
+    "short": ("window", "short"), "long": ("window", "long"), "ve": ("value_embed", True), "xsa": ("xsa", True),
+    "gate": ("gate", True), "dc": ("dc", True), "offset": ("key_offset", True), "from_h": ("input", "h"),
+    "mudd": ("mudd", True), "save_skip": ("save_skip", True), "save_h": ("save_h", True),
+    "post_gates": ("post_gates", True),
+}
+
+def layer_words(row: Layer) -> str:
+    """The row in --layers words: 'attn long ve gate dc offset from_h mudd'."""
+    return " ".join(word for word, (name, value) in LAYER_WORDS.items() if getattr(row, name) == value)
+
+def layers_from_words(rows) -> tuple:
+    """--layers' strings as Layer rows (check_layers checks them)."""
+    if not isinstance(rows, (tuple, list)) or not rows or not all(isinstance(r, str) for r in rows):
+        raise ValueError(f"--layers must be a non-empty tuple of strings (one row per layer), got {rows!r}")
+    layers = []
+    for i, row in enumerate(rows):
+        unknown = [w for w in row.split() if w not in LAYER_WORDS]
+        if unknown:
+            raise ValueError(f"--layers row {i} ({row!r}): unknown word(s) {unknown}; known: {', '.join(LAYER_WORDS)}")
+        fields = {}
+        for word in row.split():
+            name, value = LAYER_WORDS[word]
+            if name in fields and fields[name] != value:
+                raise ValueError(f"--layers row {i} ({row!r}): more than one {name} ({fields[name]!r}, {value!r})")
+            fields[name] = value
+        if "attention" not in fields:
+            raise ValueError(f"--layers row {i} ({row!r}): needs exactly one of attn, paired, skip")
+        layers.append(Layer(**fields))
+    return tuple(layers)
+
+def restaged(stages: tuple, **columns) -> tuple:
+    """The rows with whole columns replaced, one value per row: restaged(STAGES, batch_tokens=(...))."""
+    for name, values in columns.items():
+        if len(values) != len(stages):
+            raise ValueError(f"--stage_{name} needs {len(stages)} values (one per stage, extension included),"
+                             f" got {len(values)}")
+    return tuple(dataclasses.replace(row, **{name: values[i] for name, values in columns.items()})
+                 for i, row in enumerate(stages))
+
+_STAGE_COLUMNS = [f.name for f in dataclasses.fields(Stage)]
+_ROW_FIELDS = ("stages", "layers")  # set through --stage_<column> and --layers, not whole
+
+# ---- Ablations (--ablate): each switches one component off by editing rows -------------------
+
+def _layers_with(args: Hyperparameters, **fields) -> Hyperparameters:
+    """args with the fields set on every attention row (skip rows have nothing to switch off)."""
+    return dataclasses.replace(args, layers=tuple(
+        row if row.attention == "none" else dataclasses.replace(row, **fields) for row in args.layers))
+
+def _fixed_windows(args: Hyperparameters) -> Hyperparameters:
+    """The last scheduled stage's windows from step 0 to the end (final validation too), at the YaRN
+    reference itself: no YaRN step ever."""
+    last = args.stages[-2].windows
+    return dataclasses.replace(args, stages=restaged(args.stages, windows=(last,) * len(args.stages)),
+                               windows_init=last, final_val_windows=last)
+
+ABLATIONS = {
+    "xsa": lambda a: _layers_with(a, xsa=False),
+    "attn_gates": lambda a: _layers_with(a, gate=False),
+    "dc": lambda a: _layers_with(a, dc=False),
+    "key_offset": lambda a: _layers_with(a, key_offset=False),
+    "from_h": lambda a: _layers_with(a, input="x"),
+    "paired_heads": lambda a: dataclasses.replace(a, layers=tuple(
+        dataclasses.replace(r, attention="plain") if r.attention == "paired" else r for r in a.layers)),
+    "mtp": lambda a: dataclasses.replace(a, stages=tuple(  # the next-token term only
+        dataclasses.replace(r, mtp_start=r.mtp_start[:1], mtp_end=r.mtp_end[:1]) for r in a.stages)),
+    "prefix_loss": lambda a: dataclasses.replace(a, stages=tuple(
+        dataclasses.replace(r, prefix_start=0.0, prefix_end=0.0) for r in a.stages)),
+    "window_schedule": _fixed_windows,
+}
+
+def ablated(args: Hyperparameters, names) -> Hyperparameters:
+    """args with the named ABLATIONS applied in order (--ablate xsa,dc)."""
+    for name in names:
+        if name not in ABLATIONS:
+            raise ValueError(f"--ablate {name!r} is not one of {', '.join(ABLATIONS)}")
+        args = ABLATIONS[name](args)
+    return args
+
+# ---- Presets: "demo" trains on a CPU in minutes, "test" is tiny --------------------------------
+
+PRESETS: dict[str, dict] = {  # --preset: the speedrun's is the defaults
+    "speedrun": {},
+    "demo": dict(
+        train_files="data/tinyshakespeare/tinyshakespeare_train_*.bin",
+        val_files="data/tinyshakespeare/tinyshakespeare_val_*.bin",
+        val_tokens=32_768,
+        # width 128: the 50,304-wide LM head is most of a CPU step, and at width 256 an fp32 step (CPUs
+        # without fast bf16) took ~2.3x as long for the same final loss
+        model_dim=128, num_heads=2, head_dim=64, mlp_hidden=512,
+        bigram_vocab_size=20_011,
+        layers=layers_from_words(("paired short", "attn short ve xsa save_skip",
+                                  "attn long offset xsa gate post_gates", "skip save_h", "paired short ve from_h",
+                                  "attn long offset ve gate dc from_h mudd")),
+        mudd_hidden=32, dc_window=56, window_block_size=64,
+        num_iterations=75, extension_iterations=3,
+        stages=restaged(STAGES, batch_tokens=(4_096, 8_192, 12_288, 12_288), max_doc_len=(512, 1024, 1024, 1024)),
+        val_seq_len=1024, val_loss_every=25,
+        # 78 steps give Adam 39 updates: the speedrun's rates (tuned for 1285 steps) leave the embedding
+        # tables undertrained. Measured on this demo at 63 steps: Adam 0.024 / 0.032 / 0.045 -> val 5.15 /
+        # 4.99 / 5.34, NorMuon 0.05 4.99
+        muon_lr=0.035, adam_lr=0.032,
+        compile=False,  # inductor's CPU compile of every graph would take most of the demo's budget
+        sample_tokens=48,
+    ),
+    "test": dict(
+        train_files="data/tinyshakespeare/tinyshakespeare_train_*.bin",
+        val_files="data/tinyshakespeare/tinyshakespeare_val_*.bin",
+        model_dim=64, num_heads=2, head_dim=32, mlp_hidden=256,
+        bigram_vocab_size=4_001,
+        layers=layers_from_words(("paired short save_skip", "attn long offset ve xsa gate post_gates", "skip save_h",
+                                  "attn long offset ve gate dc from_h mudd")),
+        mudd_hidden=16, dc_window=14, window_block_size=16,
+        num_iterations=6, extension_iterations=1, micro_batches=4,
+        stages=restaged(STAGES, batch_tokens=(512, 1024, 1536, 1536), max_doc_len=(64, 128, 128, 128)),
+        val_tokens=2048, val_seq_len=512, val_loss_every=3,
+    ),
+}
+
+# ---- Flag parsing and validation -------------------------------------------------------------
+
+def _parse_value(name: str, text: str, default):
+    """Parse a command-line value into the type of the field's default."""
+    try:
+        if isinstance(default, bool):
+            if text.lower() in ("1", "true", "yes", "on"):
+                return True
+            if text.lower() in ("0", "false", "no", "off"):
+                return False
+            raise ValueError
+        if isinstance(default, tuple):
+            import ast
+            value = ast.literal_eval(text)
+            value = tuple(value) if isinstance(value, (list, tuple)) else (value,)
+            return tuple(tuple(v) if isinstance(v, list) else v for v in value)
+        return type(default)(text)
+    except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
+        kind = "true/false" if isinstance(default, bool) else type(default).__name__
+        raise SystemExit(f"error: --{name} {text!r} is not a valid {kind} (default: {default!r})")
+
+def parse_args(argv: list[str] | None = None) -> Hyperparameters:
+    """`--preset NAME`, then `--field value` for any Hyperparameters field, `--stage_<column>` with one
+    value per stage row, `--layers` as words, and `--ablate` names (applied last)."""
+    defaults = Hyperparameters()
+    parser = argparse.ArgumentParser(
+        description="Speedrun GPT training. Any hyperparameter can be overridden: --field value.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--preset", default="speedrun", choices=sorted(PRESETS),
+                        help="base configuration the overrides apply to")
+    for f in dataclasses.fields(Hyperparameters):
+        if f.name not in _ROW_FIELDS:
+            parser.add_argument(f"--{f.name}", default=None, metavar=type(getattr(defaults, f.name)).__name__.upper(),
+                                help=f"(speedrun default: {getattr(defaults, f.name)!r})")
+    for name in _STAGE_COLUMNS:
+        parser.add_argument(f"--stage_{name}", default=None, metavar="TUPLE",
+                            help=f"one value per stage row, extension last (speedrun: "
+                                 f"{tuple(getattr(r, name) for r in STAGES)!r})")
+    parser.add_argument("--layers", default=None, metavar="TUPLE",
+                        help=f"one string of words per layer; words: {', '.join(LAYER_WORDS)}")
+    parser.add_argument("--ablate", default="", metavar="NAMES",
+                        help=f"comma-separated components to switch off: {', '.join(ABLATIONS)}")
+    ns, unknown = parser.parse_known_args(argv)
+    if unknown:
+        raise SystemExit(f"error: unknown argument {unknown[0]!r}; `python train_gpt.py --help` lists every field")
+    args = dataclasses.replace(defaults, **PRESETS[ns.preset])
+    overrides = {}
+    for f in dataclasses.fields(Hyperparameters):
+        text = getattr(ns, f.name, None) if f.name not in _ROW_FIELDS else None
+        if text is not None:
+            overrides[f.name] = _parse_value(f.name, text, getattr(args, f.name))
+    columns = {name: _parse_value(f"stage_{name}", getattr(ns, f"stage_{name}"), ())
+               for name in _STAGE_COLUMNS if getattr(ns, f"stage_{name}") is not None}
+    try:
+        if columns:
+            overrides["stages"] = restaged(args.stages, **columns)
+        if ns.layers is not None:
+            overrides["layers"] = layers_from_words(_parse_value("layers", ns.layers, ()))
+        return ablated(dataclasses.replace(args, **overrides), [n for n in ns.ablate.split(",") if n.strip()])
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
+
+@dataclass(frozen=True)
+class FlagRange:
+    """Allowed values of a number: every number in it is in [lo, hi] (hi excluded if hi_open), finite,
+    an int if integer; a tuple value has `shape` (None: any length, the same for siblings)."""
+    lo: float
+    hi: float = math.inf
+    hi_open: bool = False
+    integer: bool = False
+    shape: tuple = ()
+
+    def numbers(self, value, shape=None) -> list | None:
+        """The numbers in value, or None if it is not a number / a tuple of this shape."""
+        shape = self.shape if shape is None else shape
+        if not shape:
+            return [value] if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+        if not isinstance(value, (tuple, list)) or shape[0] not in (None, len(value)):
+            return None
+        parts = [self.numbers(v, shape[1:]) for v in value]
+        if any(p is None for p in parts) or len({len(p) for p in parts}) > 1:
+            return None
+        return [x for p in parts for x in p]
+
+    def allows(self, value) -> bool:
+        nums = self.numbers(value)
+        return nums is not None and all(
+            (isinstance(x, int) or not self.integer and math.isfinite(x))
+            and self.lo <= x and (x < self.hi if self.hi_open else x <= self.hi) for x in nums)
+
+    def column(self, rows: int) -> "FlagRange":
+        """The range of a tuple with one such value per row (a stage column on the command line)."""
+        return dataclasses.replace(self, shape=(rows, *self.shape))
+
+    def __str__(self) -> str:
+        bounds = f">= {self.lo}" if self.hi == math.inf else f"in [{self.lo}, {self.hi}{')' if self.hi_open else ']'}"
+        if not self.shape:
+            return bounds if self.integer else f"a finite number {bounds}"
+        count = "a tuple of" if self.shape == (None,) else " x ".join(str(n or "K") for n in self.shape)
+        return f"{count} {'integers' if self.integer else 'finite numbers'} {bounds}"
+
+# Every numeric knob's allowed values (FlagRange's fields), by field name: Stage's columns (one row's
+# value), then Hyperparameters'. check_args gives a one-line error naming the flag for any other value.
+_AT_LEAST_0, _AT_LEAST_1 = dict(lo=0, integer=True), dict(lo=1, integer=True)
+_RATE, _FRACTION, _MOMENTUM = dict(lo=0), dict(lo=0, hi=1), dict(lo=0, hi=1, hi_open=True)
+_WINDOWS = dict(lo=1, integer=True, shape=(2,))
+KNOB_RANGES = dict(
+    batch_tokens=_AT_LEAST_1, max_doc_len=_AT_LEAST_1, windows=_WINDOWS, lr_mult=_RATE, mtp_start=dict(lo=0, shape=(None,)),
+    mtp_end=dict(lo=0, shape=(None,)), prefix_start=_RATE, prefix_end=_RATE,
+    val_tokens=_AT_LEAST_1, vocab_size=_AT_LEAST_1, padded_vocab_size=_AT_LEAST_1, model_dim=_AT_LEAST_1,
+    num_heads=_AT_LEAST_1, head_dim=_AT_LEAST_1, mlp_hidden=_AT_LEAST_1, bigram_vocab_size=dict(lo=2, integer=True),
+    gate_channels=_AT_LEAST_1, mudd_hidden=_AT_LEAST_1, dc_window=_AT_LEAST_1, window_block_size=_AT_LEAST_1,
+    windows_init=_WINDOWS, final_val_windows=_WINDOWS, attn_scale=_RATE, num_iterations=_AT_LEAST_1,
+    extension_iterations=_AT_LEAST_0, micro_batches=_AT_LEAST_1, cooldown_start=_FRACTION, momentum_min=_MOMENTUM,
+    momentum_max=_MOMENTUM, momentum_warmup=_FRACTION, momentum_cooldown=_FRACTION, muon_lr=_RATE, muon_wd=_RATE,
+    adam_lr=_RATE, adam_wd=_RATE, val_seq_len=_AT_LEAST_1, val_loss_every=_AT_LEAST_0, save_every=_AT_LEAST_0,
+    keep_checkpoints=_AT_LEAST_0, sample_tokens=_AT_LEAST_0, adamw_bank_lr_mul=_RATE,
+    seed=dict(lo=0, hi=2**63 - 1, integer=True))
+
+def flag_range(field: dataclasses.Field) -> FlagRange | None:
+    """A knob's allowed values (KNOB_RANGES), None for a field without a range."""
+    allowed = KNOB_RANGES.get(field.name)
+    return FlagRange(**allowed) if allowed else None
+
+def check_stages(stages) -> None:
+    """One-line ValueErrors naming the flag: every column in range, the shares, one extension row last."""
+    if not isinstance(stages, tuple) or len(stages) < 2 or not all(isinstance(r, Stage) for r in stages):
+        raise ValueError("--stages must be a tuple of >= 2 Stage rows (scheduled stages, then the extension)")
+    for f in dataclasses.fields(Stage):
+        allowed = flag_range(f)
+        column = tuple(getattr(r, f.name) for r in stages)
+        if allowed and not allowed.column(len(stages)).allows(column):
+            raise ValueError(f"--stage_{f.name} {column!r} must be {allowed.column(len(stages))}")
+    shares = [r.share for r in stages]
+    if shares[-1] is not None or any(not isinstance(s, (int, float)) or isinstance(s, bool) or not 0 < s <= 1
+                                     for s in shares[:-1]):
+        raise ValueError(f"--stage_share {tuple(shares)!r}: scheduled stages need shares in (0, 1] and the last"
+                         " row (the extension) None")
+    if abs(sum(shares[:-1]) - 1) > 1e-9:
+        raise ValueError(f"--stage_share {tuple(shares)!r}: the scheduled stages' shares must add up to 1")
+    if len({len(r.mtp_start) for r in stages} | {len(r.mtp_end) for r in stages}) != 1:
+        raise ValueError("--stage_mtp_start and --stage_mtp_end must give the same number (>= 1) of weights")
+
+ATTENTION_KINDS = ("plain", "paired", "none")  # Layer.attention's values
+
+def check_layers(layers) -> None:
+    """One-line ValueErrors naming --layers and the row: a table the model can build."""
+    if not isinstance(layers, tuple) or not layers or not all(isinstance(r, Layer) for r in layers):
+        raise ValueError(f"--layers must be a non-empty tuple of Layer rows, got {layers!r}")
+
+    def fail(i, msg):
+        raise ValueError(f"--layers row {i} ({layer_words(layers[i])}): {msg}")
+
+    for i, r in enumerate(layers):
+        if r.attention not in ATTENTION_KINDS or r.input not in ("x", "h"):
+            fail(i, f"attention must be one of {', '.join(ATTENTION_KINDS)} and input x or h")
+        if r.attention == "none" and (r.window or r.value_embed or r.xsa or r.gate or r.dc or r.key_offset
+                                      or r.input != "x" or r.mudd):
+            fail(i, "a skip row has no attention, so no window/offset/ve/xsa/gate/dc/from_h/mudd")
+        if r.attention != "none" and r.window not in ("short", "long"):
+            fail(i, "an attention row needs a short or long window")
+        if r.attention == "paired" and (r.key_offset or r.xsa or r.dc):
+            fail(i, "paired rows take no offset, xsa or dc")
+
+    def where(role):
+        return [i for i, r in enumerate(layers) if getattr(r, role)]
+
+    for role in ("save_skip", "save_h", "post_gates", "mudd"):
+        if len(where(role)) != 1:
+            raise ValueError(f"--layers: exactly one row must be {role}, got rows {where(role)}")
+    if where("mudd") != [len(layers) - 1]:
+        fail(where("mudd")[0], "the mudd row must be the last layer")
+    if where("post_gates")[0] == 0:
+        fail(0, "post_gates must come after layer 0 (gate 0 covers the layers before it)")
+    for i, r in enumerate(layers):
+        if r.attention == "none" and i <= where("save_skip")[0]:
+            fail(i, "a skip row must come after the save_skip row")
+        if (r.input == "h" or r.mudd) and i <= where("save_h")[0]:
+            fail(i, "from_h and mudd rows must come after the save_h row")
+    if not where("value_embed"):
+        raise ValueError("--layers: at least one row must take a value embedding (the post-loop MUDD mixing reads table 0)")
 
 # ----------------------------------------------------------------------------------------------
 # Distributed setup
@@ -294,6 +599,25 @@ def copy_from_host_(dst: torch.Tensor, src: torch.Tensor) -> None:
     from pageable memory would drain the queue of launched kernels; the caching allocator keeps the buffer)."""
     dst.copy_(src.pin_memory() if dst.is_cuda else src, non_blocking=True)
 
+def keep_freed_memory() -> bool:
+    """CPU training: tell glibc to keep freed memory in the process heap. By default it maps every large
+    block (logits, their gradient: hundreds of MB a step) afresh and returns it on free, so each step
+    page-faults them in again; a small GPT with an unfused full-vocabulary head ran 1.7x faster with it
+    (0.60 against 1.01 s a step). mallopt(M_MMAP_MAX, 0), and M_TRIM_THRESHOLD at the largest value mallopt's
+    int takes (2 GiB of free heap top kept), as the environment's MALLOC_MMAP_MAX_=0 and
+    MALLOC_TRIM_THRESHOLD_ would set at start-up; values the user set there are left alone. False where
+    the C library has no mallopt (not glibc) or the setting was the user's."""
+    if "MALLOC_MMAP_MAX_" in os.environ or "MALLOC_TRIM_THRESHOLD_" in os.environ:
+        return False
+    try:
+        import ctypes
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return False
+    mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
+    M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4  # glibc's <malloc.h>
+    return bool(mallopt(M_MMAP_MAX, 0)) and bool(mallopt(M_TRIM_THRESHOLD, 2**31 - 1))
+
 # ----------------------------------------------------------------------------------------------
 # FP8 custom ops: y = x @ w with float8 inputs and static scales
 # ----------------------------------------------------------------------------------------------
@@ -322,6 +646,8 @@ def _native_fp8(device: torch.device) -> bool:
     """FP8 tensor cores exist from compute capability 8.9 (Ada, Hopper) on."""
     return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
 
+_FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
 def _scaled_matmul(a: torch.Tensor, b: torch.Tensor, scale_a: float | torch.Tensor, scale_b: float | torch.Tensor,
                    out_dtype: torch.dtype, fast_accum: bool) -> torch.Tensor:
     """(a * scale_a) @ (b * scale_b) for float8 a, b: cuBLAS where it can, else in fp32 (float8 products are
@@ -333,6 +659,35 @@ def _scaled_matmul(a: torch.Tensor, b: torch.Tensor, scale_a: float | torch.Tens
     if a.is_cuda and _native_fp8(a.device):  # CPUs always emulate (oneDNN's float8 matmul needs AVX512-FP16 or AMX)
         return torch._scaled_mm(a, b, sa, sb, out_dtype=out_dtype, use_fast_accum=fast_accum)
     return ((a.float() @ b.float()) * (sa * sb)).to(out_dtype)
+
+def check_scaled_mm_args(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor) -> None:
+    """Raise ValueError unless the operands suit cuBLAS's tensor-wise FP8 GEMM, on every device (a CPU
+    accepts layouts cuBLAS rejects): 2-D float8, not both e5m2; a (M, K) row-major, b (K, N) column-major;
+    M, K, N multiples of 16; each scale one fp32 value at a 16-byte aligned address."""
+    if a.dim() != 2 or b.dim() != 2:
+        raise ValueError(f"fp8 matmul: operands must be 2-D, got {tuple(a.shape)} and {tuple(b.shape)}")
+    if a.dtype not in _FP8_DTYPES or b.dtype not in _FP8_DTYPES:
+        raise ValueError(f"fp8 matmul: operands must be float8_e4m3fn/float8_e5m2, got {a.dtype} and {b.dtype}")
+    if a.dtype == torch.float8_e5m2 and b.dtype == torch.float8_e5m2:
+        raise ValueError("fp8 matmul: cuBLAS has no e5m2 x e5m2 GEMM; make one operand float8_e4m3fn")
+    (M, K), (K2, N) = a.shape, b.shape
+    if K != K2:
+        raise ValueError(f"fp8 matmul: inner dimensions differ: a is {tuple(a.shape)}, b is {tuple(b.shape)}")
+    if M % 16 or K % 16 or N % 16:
+        raise ValueError(f"fp8 matmul: M, K, N must be multiples of 16, got M={M} K={K} N={N};"
+                         " pad the token count / dims to a multiple of 16")
+    if a.stride(1) != 1 or a.stride(0) < K:
+        raise ValueError(f"fp8 matmul: first operand must be row-major, got strides {a.stride()}; use .contiguous()")
+    if b.stride(0) != 1 or b.stride(1) < K:
+        raise ValueError(f"fp8 matmul: second operand must be column-major, got strides {b.stride()};"
+                         " use .T.contiguous().T")
+    for name, s in (("scale_a", scale_a), ("scale_b", scale_b)):
+        if s.dtype != torch.float32 or s.numel() != 1:
+            raise ValueError(f"fp8 matmul: {name} must be a single float32 value, got {s.dtype} with {s.numel()} elements")
+        if s.data_ptr() % SCALE_ALIGN_BYTES:
+            raise ValueError(f"fp8 matmul: {name} sits at byte offset {s.storage_offset() * s.element_size()} of its storage,"
+                             f" not {SCALE_ALIGN_BYTES}-byte aligned (cuBLASLt rejects it with CUBLAS_STATUS_NOT_SUPPORTED);"
+                             " keep every scale in its own 16-byte slot (FP8MLPState) or pass a fresh tensor")
 
 def _fp8_transposed(t: torch.Tensor) -> torch.Tensor:
     """t^T as a contiguous copy, through the tiled transpose kernel on CUDA (float8 moved as bytes)."""
@@ -383,8 +738,16 @@ def fp8_head_loss(x: torch.Tensor, w: torch.Tensor, x_f8: torch.Tensor, w_f8: to
     logits = _scaled_matmul(x_f8, w_f8, x_s, w_s, torch.bfloat16, fast_accum=True)
     grid, args, meta, outputs = triton_kernels.ce_kernel_args(logits, targets, mtp_weights, prefix_ids,
                                                              prefix_weight, grad_scale, 1.0 / grad_s)
-    triton_kernels._ce_mtp_kernel[grid](*args, **meta)  # the loss kernel (CUDA; the CPU's twin below the fence)
+    triton_kernels._ce_mtp_kernel[grid](*args, **meta)  # the loss kernel (CUDA; the CPU's twin: triton_kernels)
     return outputs
+
+def _check_fp8_head_args(x: torch.Tensor, w: torch.Tensor, x_f8: torch.Tensor, w_f8: torch.Tensor, grad_s) -> None:
+    if not (math.isfinite(grad_s) and grad_s > 0):  # the kernel stores the gradient times 1 / grad_s
+        raise ValueError(f"fp8_head_loss: grad_s must be a finite number > 0, got {grad_s}")
+    for name, t, ref in (("x_f8", x_f8, x), ("w_f8", w_f8, w)):
+        if t.dtype != torch.float8_e4m3fn or t.shape != ref.shape:
+            raise ValueError(f"fp8_head_loss: {name} must be float8_e4m3fn of shape {tuple(ref.shape)},"
+                             f" got {t.dtype} {tuple(t.shape)}")
 
 @fp8_head_loss.register_fake
 def _fp8_head_loss_fake(x, w, x_f8, w_f8, targets, mtp_weights, prefix_ids, prefix_weight, x_s, w_s, grad_s,
@@ -419,6 +782,17 @@ def _fp8_head_loss_autograd(ctx, _grad_loss, _grad_next_token, _grad_g):
 
 fp8_head_loss.register_autograd(_fp8_head_loss_autograd, setup_context=_fp8_head_loss_setup_context)
 
+# ---- The FP8 head on a CPU: emulated (tests, host-dispatch counts) ---------------------------------
+
+@fp8_head_loss.register_kernel("cpu")
+def _fp8_head_loss_cpu(x, w, x_f8, w_f8, targets, mtp_weights, prefix_ids, prefix_weight, x_s, w_s, grad_s,
+                       grad_scale):
+    """fp8_head_loss on CPU tensors: the float8 matmul emulated (_scaled_matmul), the loss kernel's CPU twin."""
+    _check_fp8_head_args(x, w, x_f8, w_f8, grad_s)
+    logits = _scaled_matmul(x_f8, w_f8, x_s, w_s, torch.bfloat16, fast_accum=True)
+    return triton_kernels.softcapped_ce_mtp_e5m2(logits, targets, mtp_weights, prefix_ids, prefix_weight,
+                                                 grad_scale, grad_s)
+
 # ---- FP8 MLP (record #89, modded-nanogpt PR #342) ---------------------------------------------
 # Training forward only. Up: x_f8 = e4m3(x * 448 / amax|x|) (its current amax, in the traced graph), W1 / s1 with s1 =
 # amax|W1| / 448 per layer after every optimizer step; the kernel keeps post = relu(pre)^2 in bf16 and e4m3 and leaves
@@ -432,7 +806,7 @@ def fp8_mlp(x: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, x_f8: tor
             up_dequant: torch.Tensor, down_f8_t: torch.Tensor, down_scale: torch.Tensor, act_scale: torch.Tensor,
             fast_accum: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """relu(x w_up^T)^2 w_down in FP8 (e4m3 operands, 0-D fp32 scales): (y (T, D) bf16, post (T, H) bf16,
-    maxima of post over parts (P,) fp32); x, w_up, w_down (bf16) serve the backward. CPU: below the fence."""
+    maxima of post over parts (P,) fp32); x, w_up, w_down (bf16) serve the backward. CPU: _fp8_mlp_cpu."""
     grid, args, meta, (post, post_f8, post_max) = triton_kernels.fp8_up_kernel_args(x_f8, up_f8, up_dequant,
                                                                                     act_scale, fast_accum)
     triton_kernels._fp8_relu2_kernel[grid](*args, **meta)  # the up-projection kernel: post, post_f8, post_max
@@ -454,6 +828,16 @@ def _fp8_mlp_autograd(ctx, grad_y, grad_post, grad_max):
     return *triton_kernels.relu2_mlp_backward(grad_y, x, w_up, w_down, post), *(None,) * 7
 
 fp8_mlp.register_autograd(_fp8_mlp_autograd, setup_context=_fp8_mlp_setup_context)
+
+# ---- The FP8 MLP on a CPU: emulated (tests, host-dispatch counts) ---------------------------------
+
+@fp8_mlp.register_kernel("cpu")
+def _fp8_mlp_cpu(x, w_up, w_down, x_f8, up_f8, up_dequant, down_f8_t, down_scale, act_scale, fast_accum=True):
+    """fp8_mlp on CPU tensors: the up-projection's reference (its float8 products exact in fp32), the
+    down-projection's float8 matmul emulated (_scaled_matmul)."""
+    post, post_f8, post_max = triton_kernels.relu2_fp8_up_partials(x_f8, up_f8, up_dequant, act_scale,
+                                                                   fast_accum=fast_accum)
+    return _scaled_matmul(post_f8, down_f8_t.mT, act_scale, down_scale, torch.bfloat16, fast_accum=True), post, post_max
 
 class FP8MLPState(nn.Module):
     """Per-layer FP8 state of the MLPs (persistent: the warm-up's reset and checkpoints restore it), its
@@ -506,12 +890,84 @@ class FP8MLPState(nn.Module):
         self.down_scale[:, 0] = scale
         self.down_next_scale[:, 0] = amax * (FP8_DOWN_W_HEADROOM / E4M3_MAX)
 
+def _check_fp8_mlp_args(state: FP8MLPState, x: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor) -> None:
+    H, D = state.up_f8.shape[1:]
+    dtypes = {x.dtype, w_up.dtype, w_down.dtype}
+    if x.shape[1:] != (D,) or {w_up.shape, w_down.shape} != {(H, D)} or dtypes != {torch.bfloat16}:
+        raise ValueError(f"FP8MLPState.mlp: x must be (T, {D}), w_up and w_down ({H}, {D}), all bf16; got x "
+                         f"{tuple(x.shape)} {x.dtype}, w_up {tuple(w_up.shape)} {w_up.dtype}, "
+                         f"w_down {tuple(w_down.shape)} {w_down.dtype}")
+
+def _check_post_maxima(state: FP8MLPState, post_maxima: list) -> None:
+    if len(post_maxima) != (L := state.act_scale.shape[0]):
+        raise ValueError(f"FP8MLPState.update_act_scales: post_maxima must hold {L} layers' maxima,"
+                         f" got {len(post_maxima)}")
+
+def _check_mlp_bank(state: FP8MLPState, mlp_bank: torch.Tensor) -> None:
+    L, H, D = state.up_f8.shape
+    if mlp_bank.dim() != 3 or mlp_bank.shape[0] < 2 * L or tuple(mlp_bank.shape[1:]) != (H, D):
+        raise ValueError(f"FP8MLPState.quantize: mlp_bank must be (>= {2 * L}, {H}, {D}), got {tuple(mlp_bank.shape)}")
+
+# ---- The generic FP8 matmul: any linear layer (the record's FP8 layers have their own ops) ------
+
+@torch.library.custom_op("speedrun::fp8_mm", mutates_args=())
+def fp8_mm(x: torch.Tensor, w: torch.Tensor, x_s: float, w_s: float, grad_s: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """y = x @ w in float8. x (M, K), w (K, N) stored (in, out). Returns (y bf16, x_f8, w_f8).
+
+    The float8 copies are returned so autograd can save them (half the memory of bf16) and the
+    backward need not quantise again; w_f8 is column-major, the layout cuBLAS wants for it."""
+    x_f8 = _quantize_fp8(x, x_s, torch.float8_e4m3fn)
+    w_f8 = _quantize_fp8(w.T, w_s, torch.float8_e4m3fn).T
+    y = _scaled_matmul(x_f8, w_f8, x_s, w_s, torch.bfloat16, fast_accum=True)
+    return y, x_f8, w_f8
+
+@fp8_mm.register_fake
+def _fp8_mm_fake(x, w, x_s, w_s, grad_s):
+    M, K = x.shape
+    N = w.shape[1]
+    return (x.new_empty((M, N), dtype=torch.bfloat16), x.new_empty((M, K), dtype=torch.float8_e4m3fn),
+            w.new_empty((N, K), dtype=torch.float8_e4m3fn).T)
+
+@torch.library.custom_op("speedrun::fp8_mm_backward", mutates_args=())
+def fp8_mm_backward(g: torch.Tensor, x_f8: torch.Tensor, w_f8: torch.Tensor, x_s: float, w_s: float,
+                    grad_s: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gradients of y = x @ w from dy (M, N): dx = dy @ w^T (bf16), dw = x^T @ dy (fp32).
+
+    dy is quantised to e5m2 (wider range, the gradient's scale moves with the loss), then
+    fp8_matmul_grads."""
+    return fp8_matmul_grads(_quantize_fp8(g, grad_s, torch.float8_e5m2), x_f8, w_f8, x_s, w_s, grad_s)
+
+@fp8_mm_backward.register_fake
+def _fp8_mm_backward_fake(g, x_f8, w_f8, x_s, w_s, grad_s):
+    return (x_f8.new_empty(x_f8.shape, dtype=torch.bfloat16),
+            w_f8.new_empty(w_f8.shape, dtype=torch.float32))
+
+def _fp8_mm_setup_context(ctx, inputs, output):
+    x, w, x_s, w_s, grad_s = inputs
+    _, x_f8, w_f8 = output
+    ctx.mark_non_differentiable(x_f8, w_f8)
+    ctx.save_for_backward(x_f8, w_f8)
+    ctx.scales = (x_s, w_s, grad_s)
+    ctx.dtypes = (x.dtype, w.dtype)
+
+def _fp8_mm_autograd(ctx, grad_y, grad_x_f8, grad_w_f8):
+    x_f8, w_f8 = ctx.saved_tensors
+    grad_x, grad_w = fp8_mm_backward(grad_y, x_f8, w_f8, *ctx.scales)
+    return grad_x.to(ctx.dtypes[0]), grad_w.to(ctx.dtypes[1]), None, None, None
+
+fp8_mm.register_autograd(_fp8_mm_autograd, setup_context=_fp8_mm_setup_context)
+
+def fp8_matmul(x: torch.Tensor, w: torch.Tensor, x_s: float, w_s: float, grad_s: float) -> torch.Tensor:
+    """x (..., K) @ w (K, N) -> (..., N) bf16 through the float8 op (differentiable in x and w)."""
+    y = fp8_mm(x.reshape(-1, x.shape[-1]), w, x_s, w_s, grad_s)[0]
+    return y.view(*x.shape[:-1], w.shape[1])
+
 # ----------------------------------------------------------------------------------------------
 # Orthogonalization: Polar Express
 # ----------------------------------------------------------------------------------------------
 
-# Polar Express: Amsel, Persson, Musco, Gower, arXiv 2505.16932 (Gram Newton-Schulz, an alternative, sits below the
-# fence). It maps a gradient-like G (..., m, n) to an approximation of its polar factor U V^T (G = U S V^T), in bf16,
+# Polar Express: Amsel, Persson, Musco, Gower, arXiv 2505.16932 (Gram Newton-Schulz, an alternative, follows
+# it). It maps a gradient-like G (..., m, n) to an approximation of its polar factor U V^T (G = U S V^T), in bf16,
 # batched over the leading dims (a bank of matrices). Each iteration applies the odd polynomial
 # p(x) = a x + b x^3 + c x^5 to the singular values; the coefficients (POLAR_EXPRESS_COEFFS, with the recipe) are
 # tuned so that five iterations take every singular value in roughly [1e-3, 1] into a narrow band around 1.
@@ -521,6 +977,10 @@ def _as_bank(G: torch.Tensor) -> torch.Tensor:
     """G (..., m, n) as a 3-D (batch, m, n) view, or a one-line error for a vector."""
     _check_matrices(G)
     return G.reshape(-1, G.size(-2), G.size(-1))
+
+def _check_matrices(G: torch.Tensor) -> None:
+    if G.ndim < 2:
+        raise ValueError(f"orthogonalization needs matrices (..., m, n); got shape {tuple(G.shape)}")
 
 def polar_express(G: torch.Tensor, coeffs=POLAR_EXPRESS_COEFFS, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """Polar Express orthogonalization of a matrix or a bank of matrices, in bf16 (the record's).
@@ -547,13 +1007,112 @@ def polar_express(G: torch.Tensor, coeffs=POLAR_EXPRESS_COEFFS, dtype: torch.dty
             X = torch.baddbmm(X, B, X, beta=a) if wide else torch.baddbmm(X, X, B, beta=a)
     return X.reshape(G.shape)
 
-# The orthogonalizers by name (--orthogonalizer); the record's is Polar Express, and the alternatives
-# below the fence add themselves to this table.
-ORTHOGONALIZERS = {"polar_express": polar_express}
+# ---- Gram Newton-Schulz and the measured "auto" choice (alternatives to polar_express) -------
+
+# Gram Newton-Schulz: the iteration on the Gram matrix of Dao-AILab/gram-newton-schulz, with the
+# polynomials of polar_express.
+
+def _normalized_bank(G: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """G / (||G||_F * 1.02 + 1e-6) per matrix, as a 3-D (batch, m, n) tensor of `dtype`.
+
+    The norm is taken in fp32 whatever G's dtype: a bf16 norm of a large matrix is too coarse to
+    keep the spectral norm safely below 1.
+    """
+    G3 = _as_bank(G)
+    norm = G3.float().norm(dim=(-2, -1), keepdim=True)
+    return (G3.float() / (norm * 1.02 + 1e-6)).to(dtype)
+
+def gram_newton_schulz(G: torch.Tensor, coeffs=POLAR_EXPRESS_COEFFS, restart_after: int = 2,
+                       dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """The same polynomial iteration, run on the small Gram matrix instead of the full matrix.
+
+    Every iterate has the form X_k = Q_k X_0 (wide case; tall matrices are transposed views), so it
+    suffices to track the s x s left factor Q and the Gram matrix R = X_k X_k^T:
+        Z = a I + b R + c R^2,   Q <- Z Q,   R <- Z R Z.
+    The long dimension is touched only to form R, at the restart and at the end (X = Q X_0). For a
+    3072 x 768 MLP matrix that is ~30% fewer FLOPs than Polar Express. Errors in the accumulated Q
+    grow fastest during the first, steep iterations, so after `restart_after` iterations X is formed
+    explicitly and R recomputed from it. The Gram work runs in fp16 (all entries are bounded by a
+    few units; fp16 keeps 3 more mantissa bits than bf16); the result is bf16 with G's shape.
+    dtype=torch.float32 runs everything in fp32 and returns fp32 (the CPU fp32 mode).
+    """
+    X = _normalized_bank(G, torch.float16 if dtype == torch.bfloat16 else dtype)
+    tall = X.size(-2) > X.size(-1)
+    if tall:
+        X = X.mT.contiguous()
+    s = X.size(-2)
+    eye = torch.eye(s, dtype=X.dtype, device=X.device)
+    R = triton_kernels.XXT(X, X.new_empty(X.size(0), s, s))
+    Q = None
+    last = len(coeffs) - 1
+    for i, (a, b, c) in enumerate(coeffs):
+        if i == restart_after and Q is not None:
+            X = torch.bmm(Q, X)
+            R = triton_kernels.XXT(X, X.new_empty(X.size(0), s, s))
+            Q = None
+        Z = triton_kernels.ba_plus_cAA(R, c, b, torch.empty_like(R)) + a * eye  # b R + c R^2 + a I
+        Q = Z if Q is None else torch.bmm(Z, Q)
+        if i < last:
+            R = torch.bmm(torch.bmm(Z, R), Z)
+    X = torch.bmm(Q, X)
+    if tall:
+        X = X.mT
+    return X.to(dtype).reshape(G.shape)
+
+# Measured choice of "auto", per GPU: (rows, cols) of a bank's matrices -> (Polar Express ms, Gram
+# Newton-Schulz ms) for one rank's shard. Only repeatable measurements are listed: on one H100 80GB HBM3
+# (tests/bench_optimizer.py, torch 2.11, 2026-11-24) the 768 x 768 banks gave 1.25 and 2.45 ms for the
+# same Polar Express call in one run; on one H200 (the GPU check, 2026-11-26) every bank took 1.05 to
+# 1.28 ms either way (launch-bound), and 3 and 24 matrices of 3072 x 768 favoured opposite ones, so none
+# is listed. The rest follow the FLOP count. The GPU check's kernel-choice check times every bank again.
+ORTHOGONALIZER_MS = {"H100": {(3072, 768): (1.971, 1.218)}, "H200": {}}
+
+def auto_orthogonalizer(rows: int, cols: int, gpu_name: str = "") -> str:
+    """The name "auto" runs for (rows, cols) matrices: the faster measured one on a GPU whose table has
+    the shape, else the one with fewer FLOPs (orthogonalization_flops: Gram Newton-Schulz once the long
+    side is at least twice the short one)."""
+    times = triton_kernels.measured_table(ORTHOGONALIZER_MS, gpu_name).get((rows, cols))
+    if times is not None:
+        return "polar_express" if times[0] <= times[1] else "gram_newton_schulz"
+    return "gram_newton_schulz" if max(rows, cols) >= 2 * min(rows, cols) else "polar_express"
+
+def orthogonalize_auto(G: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """Per bank shape, Gram Newton-Schulz or Polar Express (auto_orthogonalizer).
+
+    Per matrix with short side s and long side L, Polar Express costs ~20 s^2 L + 10 s^3 FLOPs
+    and the Gram form ~8 s^2 L + 32 s^3: the Gram form wins once L > ~1.8 s (the 3072 x 768 MLP
+    bank: -29%) and loses on square matrices (attention banks: +33%).
+    """
+    m, n = G.shape[-2:]
+    name = auto_orthogonalizer(m, n, triton_kernels.gpu_name_of(G))
+    return (gram_newton_schulz if name == "gram_newton_schulz" else polar_express)(G, dtype=dtype)
+
+# The orthogonalizers by name (--orthogonalizer); the record's is Polar Express.
+ORTHOGONALIZERS = {"polar_express": polar_express, "gram_newton_schulz": gram_newton_schulz, "auto": orthogonalize_auto}
+
+def orthogonalization_flops(rows: int, cols: int, orthogonalizer="polar_express") -> int:
+    """FLOPs to orthogonalize one rows x cols matrix, counted like torch's FlopCounterMode (2 per
+    multiply-add, symmetric products counted dense). With s the short side and L the long one:
+    Polar Express 5 x (4 s^2 L + 2 s^3); Gram Newton-Schulz 8 s^2 L + 32 s^3 (module docstrings).
+    orthogonalizer: a name, one of the functions (or a functools.partial of one); anything else is
+    costed as Polar Express. Balanced ownership evens out these counts over the ranks."""
+    fn = getattr(orthogonalizer, "func", orthogonalizer)
+    name = next((k for k, f in ORTHOGONALIZERS.items() if fn is f or fn == k), "polar_express")
+    s, L = min(rows, cols), max(rows, cols)
+    if name == "auto":
+        name = auto_orthogonalizer(rows, cols)
+    if name == "gram_newton_schulz":
+        return 8 * s * s * L + 32 * s ** 3
+    return len(POLAR_EXPRESS_COEFFS) * (4 * s * s * L + 2 * s ** 3)
 
 def orthogonalizer_of(orthogonalizer):
     """A callable as it is, a name of ORTHOGONALIZERS as its function, else a one-line error."""
     return orthogonalizer if callable(orthogonalizer) else ORTHOGONALIZERS[_check_orthogonalizer(orthogonalizer)]
+
+def _check_orthogonalizer(name) -> str:
+    if name not in ORTHOGONALIZERS:
+        raise ValueError(f"NorMuonAdam: orthogonalizer={name!r}; choose one of {sorted(ORTHOGONALIZERS)}")
+    return name
 
 # ----------------------------------------------------------------------------------------------
 # Optimizer: one fused NorMuon + Adam step that owns all communication
@@ -564,7 +1123,7 @@ def orthogonalizer_of(orthogonalizer):
 # ParamConfig; one NorMuonAdam.step() does all communication, in three phases:
 #   1 scatter (scatter_order, big banks first): launch each gradient's reduction: sharded reduce_scatter,
 #     replicated all_reduce, sharded_sparse all_to_all of the touched rows (or from gradient hooks during
-#     the backward: reductions_on_backward, below the fence)
+#     the backward: reductions_on_backward)
 #   2 work (work_order, small labels first): Adam in at most two calls, then each NorMuon bank: wait for
 #     the reduction, update the local shard, launch its all_gather
 #   3 finalize: wait for the gathers; refresh the tied embedding from the head
@@ -584,7 +1143,29 @@ class ParamConfig:
     every_step: bool = False                        # Adam: steps on every step(), not only do_adam ones
 
     def __post_init__(self):
-        _check_param_config(self)  # below the fence
+        _check_param_config(self)
+
+OPTIMIZER_KINDS = ("normuon", "adam")
+COMMS_MODES = ("none", "replicated", "sharded", "sharded_sparse")
+
+def _check_param_config(cfg: ParamConfig) -> None:
+    """ParamConfig's one-line errors; stores betas and matrix_lr_mul as tuples of floats."""
+    if cfg.optimizer not in OPTIMIZER_KINDS:
+        raise ValueError(f"ParamConfig: optimizer={cfg.optimizer!r} is not one of {', '.join(OPTIMIZER_KINDS)}")
+    if cfg.comms not in COMMS_MODES:
+        raise ValueError(f"ParamConfig: comms={cfg.comms!r} is not one of {', '.join(COMMS_MODES)}")
+    if cfg.comms == "sharded_sparse" and cfg.optimizer != "adam":
+        raise ValueError("ParamConfig: comms='sharded_sparse' is for Adam embedding tables; use 'sharded' for normuon")
+    if cfg.matrix_lr_mul is not None and cfg.optimizer != "normuon":
+        raise ValueError("ParamConfig: matrix_lr_mul applies to normuon banks only; use lr_mul for adam")
+    if cfg.every_step and cfg.optimizer != "adam":
+        raise ValueError("ParamConfig: every_step applies to adam labels (normuon steps every step)")
+    betas = tuple(float(b) for b in cfg.betas)
+    if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
+        raise ValueError(f"ParamConfig: betas={cfg.betas!r} must be two numbers in [0, 1)")
+    object.__setattr__(cfg, "betas", betas)
+    if cfg.matrix_lr_mul is not None:
+        object.__setattr__(cfg, "matrix_lr_mul", tuple(float(m) for m in cfg.matrix_lr_mul))
 
 def lr_multipliers(cfg: ParamConfig, shape: tuple) -> torch.Tensor:
     """A label's lr over its optimizer's base lr x schedule, float64. NorMuon, shape (matrices, rows, cols):
@@ -664,6 +1245,30 @@ def _adam_update_group(grads, exp_avgs, exp_avg_sqs, params, hps):
     for grad, exp_avg, exp_avg_sq, param, hp in zip(grads, exp_avgs, exp_avg_sqs, params, hps):
         _adam_update(grad, exp_avg, exp_avg_sq, param, hp)
 
+# ---- CPU-only helpers of the optimizer --------------------------------------------------------
+
+ADAM_CPU_CHUNK = 1 << 16  # elements per slice of the CPU Adam update (its temporaries stay in cache)
+
+def _adam_update_sliced(grad, exp_avg, exp_avg_sq, param, hp):
+    """_adam_update one flat slice at a time on a CPU. The update is elementwise, so the result is the
+    same bits; full-size temporaries would instead be allocated, page-faulted and streamed from memory
+    a dozen times per step, which made Adam over the embedding tables the CPU demo's slowest part."""
+    tensors = (grad, exp_avg, exp_avg_sq, param)
+    if grad.is_cuda or grad.numel() <= ADAM_CPU_CHUNK or not all(t.is_contiguous() for t in tensors):
+        return _adam_update(grad, exp_avg, exp_avg_sq, param, hp)
+    flat = [t.view(-1) for t in tensors]
+    for a in range(0, grad.numel(), ADAM_CPU_CHUNK):
+        _adam_update(*(t[a: a + ADAM_CPU_CHUNK] for t in flat), hp)
+
+def adam_update_group_sliced(grads, exp_avgs, exp_avg_sqs, params, hps):
+    """_adam_update_group on a CPU: label by label, each sliced (eager, one call per label costs the
+    CPU nothing that grouping would save, and slicing keeps the temporaries in cache)."""
+    for grad, exp_avg, exp_avg_sq, param, hp in zip(grads, exp_avgs, exp_avg_sqs, params, hps):
+        _adam_update_sliced(grad, exp_avg, exp_avg_sq, param, hp)
+
+# The updates uncompiled (update_functions(compile=False), CPUs), by kind: Adam sliced.
+UNCOMPILED_UPDATES = {"normuon": _normuon_update, "adam": adam_update_group_sliced}
+
 def update_functions(compile=False):
     """(NorMuon update, Adam group update) compiled fullgraph (inductor for True, or the backend given), one
     graph per label and per Adam group; compile=False (the record always compiles): UNCOMPILED_UPDATES."""
@@ -696,10 +1301,49 @@ def padded_splits(n: int, world_size: int, label: str = "bank") -> tuple[int, ..
     _check_padded_bank(n, world_size, label)
     return (n // world_size,) * world_size
 
+def _check_padded_bank(n: int, world_size: int, label: str) -> None:
+    if n % world_size:
+        raise ValueError(f"NorMuonAdam: bank {label!r} has {n} matrices, not divisible by the world size {world_size};"
+                         f" pad the bank with zero matrices to a multiple of {world_size} or use ownership='balanced'")
+
+# ---- Balanced ownership: banks without padding ----------------------------------------------
+# OwnershipLayout(ownership="balanced") gives each rank whole matrices by FLOPs, for any world size;
+# the record pads banks instead (padded_splits), so its runs never call this.
+
+def balanced_splits(banks: dict[str, tuple[int, int]], world_size: int) -> dict[str, tuple[int, ...]]:
+    """FLOP-balanced ownership of every matrix of every bank, for any world size, without padding.
+
+    banks: label -> (number of matrices, FLOPs of one). Longest-processing-time first over all banks
+    together: matrices by falling cost (ties in dict order), each to the rank with the least work so
+    far (the lowest rank on ties). The result is per label the count each rank owns; ownership within
+    a bank is contiguous in rank order, so the gradient rows a rank owns stay one slice of the bank.
+    """
+    counts = {label: [0] * world_size for label in banks}
+    heap = [(0, r) for r in range(world_size)]  # (load, rank): the least-loaded rank, lowest on ties
+    items = sorted(((cost, i, label) for i, (label, (n, cost)) in enumerate(banks.items()) for _ in range(n)),
+                   key=lambda t: (-t[0], t[1]))
+    for cost, _, label in items:
+        work, r = heapq.heappop(heap)
+        counts[label][r] += 1
+        heapq.heappush(heap, (work + cost, r))
+    return {label: tuple(c) for label, c in counts.items()}
+
+def _balanced_ownership(banks: dict, world_size: int, orthogonalizer) -> dict[str, tuple[int, ...]]:
+    """OWNERSHIPS["balanced"]: balanced_splits of the banks, a matrix costed by orthogonalization_flops (FLOP-
+    sorted owners as in Motif-Technologies/optimizer)."""
+    return balanced_splits({label: (slot.rows, orthogonalization_flops(*slot.shape[1:], orthogonalizer))
+                            for label, slot in banks.items()}, world_size)
+
 # Bank ownership by name (--bank_ownership): (sharded NorMuon banks' Slots, world size, orthogonalizer) ->
-# label -> matrices per rank. The record's is "padded"; "balanced" adds itself below the fence.
+# label -> matrices per rank. The record's is "padded".
 OWNERSHIPS = {"padded": lambda banks, world_size, orthogonalizer: {
-    label: padded_splits(slot.rows, world_size, label) for label, slot in banks.items()}}
+    label: padded_splits(slot.rows, world_size, label) for label, slot in banks.items()},
+    "balanced": _balanced_ownership}
+
+def _check_ownership(ownership: str, what: str) -> None:
+    """what: the error's start, naming the argument or the flag."""
+    if ownership not in OWNERSHIPS:
+        raise ValueError(f"{what}{ownership!r} is not one of {', '.join(OWNERSHIPS)}")
 
 @dataclass(frozen=True)
 class Slot:
@@ -815,7 +1459,7 @@ _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 
 class CommLayer:
     """Async collectives, counting the bytes this rank sends (as ring / direct algorithms do) per label and per
-    (label, collective). All start in _launch, which SimulatedComm (below the fence) replaces."""
+    (label, collective). All start in _launch, which SimulatedComm replaces."""
 
     def __init__(self, group, world_size: int, rank: int):
         self.group, self.world_size, self.rank = group, world_size, rank
@@ -857,6 +1501,30 @@ class CommLayer:
             sent = (sum(in_splits) - in_splits[self.rank]) * (inp[:1].nbytes if inp.numel() else 0)
         self._count(label, op, sent)
         return self._launch(dist.all_to_all_single, out, inp, out_splits, in_splits)
+
+def reduce_scatter_uneven(comm: CommLayer, label: str, out, inp, splits):
+    """Each owner's block (splits[r] rows for rank r) to it by all_to_all: out stacks all ranks' copies."""
+    mine = splits[comm.rank]
+    return comm.all_to_all(label, out, inp, [mine] * comm.world_size, list(splits), op="reduce_scatter")
+
+def all_gather_uneven(comm: CommLayer, label: str, out, shard, splits):
+    """Every owner's block (splits[r] rows) into out on every rank, by all_to_all; returns the wait."""
+    W = comm.world_size
+    inp = shard.repeat(W, *([1] * (shard.ndim - 1)))
+    work = comm.all_to_all(label, out, inp, list(splits), [shard.size(0)] * W, op="all_gather")
+    return lambda: (work.wait(), inp)[0]  # inp lives until the exchange is done
+
+def scatter_uneven(comm: CommLayer, slot: Slot, g: torch.Tensor):
+    """ShardExchange.scatter of a bank with uneven owned blocks: every rank's copy of this rank's block by
+    all_to_all, averaged in fp32 and rounded once to the gradient dtype (as the sparse exchange)."""
+    W, k = comm.world_size, slot.shard_rows
+    recv = g.new_empty((W * k, *slot.shape[1:]))
+    work = reduce_scatter_uneven(comm, slot.label, recv, g, slot.splits)
+
+    def average():
+        work.wait()
+        return (recv.view(W, k, *slot.shape[1:]).float().sum(0) / W).to(g.dtype)
+    return average
 
 @dataclass
 class _SparsePlan:
@@ -924,7 +1592,7 @@ class ShardExchange:
             plan = self.plans.pop(label, None) or self._plan_sparse(slot, g)
             if not plan.dense:
                 return self._scatter_sparse(slot, g, plan)
-        if slot.uneven:  # balanced ownership (below the fence)
+        if slot.uneven:  # balanced ownership
             return scatter_uneven(self.comm, slot, g)
         k = slot.shard_rows
         if not slot.even:
@@ -973,6 +1641,82 @@ class ShardExchange:
         self.comm.all_gather(slot.label, full, shard.contiguous()).wait()
         return full[:slot.rows]
 
+def _check_sparse_declaration(exchange: ShardExchange, slot: Slot) -> None:
+    if slot.label in exchange.plans:
+        raise ValueError(f"prepare_sparse: the row exchange of {slot.label!r} was already launched for this step;"
+                         " declare every row before launch=True")
+
+def _check_sparse_rows(slot: Slot, rows: torch.Tensor) -> None:
+    """rows: the sorted unique row ids declared for slot's table."""
+    if rows.numel() and (rows[0] < 0 or rows[-1] >= slot.rows):
+        raise ValueError(f"prepare_sparse: row ids of {slot.label!r} must be in [0, {slot.rows});"
+                         f" got {int(rows[0])}..{int(rows[-1])}")
+
+# ---- Reductions launched from gradient hooks (record #89 launches them after the backward) ----
+
+class BackwardReductions:
+    """Phase 1 from post-accumulate-grad hooks in the last backward, as modded-nanogpt's DistAdam before record
+    #89 (which launches after it: the same numbers). In `order`, a label launches once its needs[label] hooks
+    (the tied head's: the embedding's too) and every label before it have fired: the same order on every rank."""
+
+    def __init__(self, order, needs: dict[str, tuple[str, ...]], launch):
+        self.order, self.needs, self.launch = list(order), needs, launch
+        self.fired: set[str] = set()
+        self.launched: dict = {}  # label -> the function that waits for its reduction (ShardExchange.scatter)
+
+    def hook(self, label: str):
+        def on_final_grad(_param):
+            self.fired.add(label)
+            self.advance()
+        return on_final_grad
+
+    def advance(self, final: bool = False) -> None:
+        """Launch, in order, every ready label (final: every label left, after the backward)."""
+        while len(self.launched) < len(self.order):
+            label = self.order[len(self.launched)]
+            if not final and not self.fired.issuperset(self.needs[label]):
+                return
+            self.launched[label] = self.launch(label)
+
+@contextlib.contextmanager
+def reductions_on_backward(opt: NorMuonAdam, do_adam: bool):
+    """Around the last micro-batch's backward: launch opt's reductions of the step from gradient hooks
+    (BackwardReductions); the next opt.step(do_adam) takes them (launched_reductions). One rank: nothing."""
+    do_adam = bool(do_adam)
+    if opt._on_backward is not None:
+        raise ValueError("reductions_on_backward: this step's reductions are already launched; call step() first")
+    if opt.world_size == 1:
+        yield
+        return
+    active = opt._active(do_adam)
+    head = opt.tied[1] if opt.tied and do_adam else None
+    needs = {label: (label, opt.tied[0]) if label == head else (label,) for label in active}
+    launch = BackwardReductions(active, needs, functools.partial(opt._launch_reduction, do_adam=do_adam))
+    handles = []
+    try:
+        for label in dict.fromkeys(n for ns in needs.values() for n in ns):
+            p = opt.slots[label].param
+            if p.requires_grad:
+                handles.append(p.register_post_accumulate_grad_hook(launch.hook(label)))
+            else:  # no gradient will come: ready now
+                launch.fired.add(label)
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+    launch.advance(final=True)
+    opt._on_backward = (do_adam, launch.launched)
+
+def launched_reductions(opt: NorMuonAdam, do_adam: bool) -> dict | None:
+    """The reductions reductions_on_backward launched for opt's next step (taken: launched once), else None."""
+    if opt._on_backward is None:
+        return None
+    (launched_adam, reduced), opt._on_backward = opt._on_backward, None
+    if launched_adam != bool(do_adam):
+        raise ValueError(f"NorMuonAdam.step: do_adam={do_adam} but reductions_on_backward launched"
+                         f" the reductions of a do_adam={launched_adam} step")
+    return reduced
+
 # ---- NorMuonAdam: the orchestrator ----------------------------------------------------------
 
 class NorMuonAdam:
@@ -989,7 +1733,7 @@ class NorMuonAdam:
                  comm: CommLayer | None = None):
         params, configs, tied = dict(params), dict(configs), None if tied is None else tuple(tied)
         self.scatter_order, self.work_order = list(scatter_order), list(work_order)
-        _check_optimizer_args(self, params, configs, tied)  # below the fence
+        _check_optimizer_args(self, params, configs, tied)
         self.comm = comm if comm is not None else CommLayer.of(process_group)
         self.group, self.world_size, self.rank = self.comm.group, self.comm.world_size, self.comm.rank
         self.normuon_lr, self.normuon_wd, self.normuon_momentum = normuon_lr, normuon_wd, normuon_momentum
@@ -1078,7 +1822,7 @@ class NorMuonAdam:
         momentum = self.normuon_momentum if momentum is None else momentum
         active = self._active(do_adam)
         hps = self._hyperparams(active, float(lr_scale), float(momentum))
-        # phase 1: scatter, unless reductions_on_backward (below the fence) launched it during the backward
+        # phase 1: scatter, unless reductions_on_backward launched it during the backward
         reduced = launched_reductions(self, do_adam)
         if reduced is None:
             reduced = {label: self._launch_reduction(label, do_adam) for label in active}
@@ -1131,7 +1875,7 @@ class NorMuonAdam:
     @torch.no_grad()
     def load_state_dict(self, sd: dict) -> None:
         """Restore a state_dict() of the same layout (world size, rank, labels, shapes)."""
-        _check_state_dict(self, sd)  # below the fence
+        _check_state_dict(self, sd)
         for label, saved in sd["state"].items():
             self.state[label] = self.layout.new_state(label) if saved else {}  # the tied embedding's stays empty
             for name, t in saved.items():
@@ -1140,6 +1884,321 @@ class NorMuonAdam:
         self.adam_steps = dict(sd["adam_steps"])
         self.exchange.declared = {label: [ids.clone()] for label, ids in sd["sparse_rows"].items()}
         self.exchange.plans.clear()
+
+def _check_optimizer_args(opt: NorMuonAdam, params: dict, configs: dict, tied) -> None:
+    """NorMuonAdam's one-line errors: configs and both orders name params' labels exactly once, parameters
+    suit their optimizer, and tied names an Adam (embedding, head) pair of transposes."""
+    for label in params:
+        if label not in configs:
+            raise ValueError(f"NorMuonAdam: no ParamConfig for parameter {label!r}; add configs[{label!r}]")
+    for label in configs:
+        if label not in params:
+            raise ValueError(f"NorMuonAdam: config {label!r} names no parameter; labels are {sorted(params)}")
+    for name in ("scatter_order", "work_order"):
+        order = getattr(opt, name)
+        for i, label in enumerate(order):
+            if label not in params:
+                raise ValueError(f"NorMuonAdam: {name} names unknown label {label!r}; labels are {sorted(params)}")
+            if label in order[:i]:
+                raise ValueError(f"NorMuonAdam: {name} lists {label!r} twice; list every label exactly once")
+        missing = [label for label in params if label not in order]
+        if missing:
+            raise ValueError(f"NorMuonAdam: {name} is missing {missing}; list every label exactly once")
+    for label, p in params.items():
+        cfg = configs[label]
+        if p.dtype not in (torch.bfloat16, torch.float32):
+            raise ValueError(f"NorMuonAdam: parameter {label!r} is {p.dtype}; use bfloat16 or float32")
+        if cfg.optimizer == "normuon" and p.ndim < 2:
+            raise ValueError(f"NorMuonAdam: normuon parameter {label!r} has shape {tuple(p.shape)};"
+                             " it needs matrices (..., rows, cols)")
+        n = p.numel() // (p.size(-2) * p.size(-1)) if p.ndim >= 2 else 0
+        if cfg.optimizer == "normuon" and cfg.matrix_lr_mul is not None and len(cfg.matrix_lr_mul) != n:
+            raise ValueError(f"NorMuonAdam: {label!r} has {n} matrices but matrix_lr_mul has"
+                             f" {len(cfg.matrix_lr_mul)} entries")
+    if tied is None:
+        return
+    if len(tied) != 2 or any(t not in params for t in tied):
+        raise ValueError(f"NorMuonAdam: tied={tied!r} must be (embed_label, head_label), both existing labels")
+    embed, head = (params[t] for t in tied)
+    if any(configs[t].optimizer != "adam" for t in tied):
+        raise ValueError("NorMuonAdam: tied embedding and head must both use optimizer='adam'")
+    if embed.ndim != 2 or tuple(embed.shape) != tuple(head.shape)[::-1]:
+        raise ValueError(f"NorMuonAdam: tied shapes {tuple(embed.shape)} and {tuple(head.shape)}"
+                         " must be transposes of each other")
+    if embed.dtype != head.dtype:
+        raise ValueError("NorMuonAdam: tied embedding and head must have the same dtype")
+
+def _check_state_dict(opt: NorMuonAdam, sd: dict) -> None:
+    """NorMuonAdam.load_state_dict's one-line errors unless sd is a state_dict() of the same layout."""
+    if sd.get("world_size") != opt.world_size or sd.get("rank") != opt.rank:
+        raise ValueError(f"load_state_dict: saved on rank {sd.get('rank')} of {sd.get('world_size')}, loading on rank"
+                         f" {opt.rank} of {opt.world_size}; optimizer shards need the same world size")
+    if set(sd["state"]) != set(opt.state):
+        raise ValueError(f"load_state_dict: labels {sorted(sd['state'])} differ from this optimizer's {sorted(opt.state)}")
+    for label, saved in sd["state"].items():
+        ref = opt.layout.new_state(label, torch.device("meta"))  # what load_state_dict allocates, unallocated
+        if saved and set(saved) != set(ref):
+            raise ValueError(f"load_state_dict: {label!r} has state {sorted(saved)}, expected {sorted(ref)}")
+        for name, t in saved.items():
+            if t.shape != ref[name].shape or t.dtype != ref[name].dtype:
+                raise ValueError(f"load_state_dict: {label!r}.{name} is {tuple(t.shape)} {t.dtype},"
+                                 f" expected {tuple(ref[name].shape)} {ref[name].dtype}")
+
+def _check_sparse_label(opt: NorMuonAdam, label: str) -> None:
+    slot = opt.slots.get(label)
+    if slot is None or slot.cfg.comms != "sharded_sparse":
+        raise ValueError(f"prepare_sparse: {label!r} is not a parameter with comms='sharded_sparse'")
+
+def _check_untie(opt: NorMuonAdam) -> None:
+    if opt.tied is None:
+        raise ValueError("NorMuonAdam.untie(): embedding and head are not tied")
+    if opt._on_backward is not None:
+        raise ValueError("NorMuonAdam.untie(): reductions launched by reductions_on_backward are pending;"
+                         " call step() first")
+
+# ---- Every label's learning rate, as the updates apply it (tests) ----------------------------------
+
+def learning_rates(opt: NorMuonAdam, lr_scale: float = 1.0) -> dict[str, torch.Tensor]:
+    """Every label's lr at schedule multiplier lr_scale: its optimizer's base lr x lr_scale x lr_multipliers
+    (float64; the updates apply them rounded to fp32)."""
+    return {label: (opt.normuon_lr if slot.cfg.optimizer == "normuon" else opt.adam_lr) * lr_scale
+            * lr_multipliers(slot.cfg, slot.shape) for label, slot in opt.slots.items()}
+
+# ---- One rank of a larger world, in one process ----------------------------------------------
+# tests/benchmarks/step_timing.py --as_rank_of N times rank 0's share of an N-rank step on one device:
+# NorMuonAdam(comm=SimulatedComm(N)) updates rank 0's shards and launches every collective an N-rank
+# step launches, counted in bytes as CommLayer counts them, but none of them communicates.
+
+class _CompletedWork:
+    """The handle of a collective that is already done."""
+
+    def wait(self, timeout=None) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+class SimulatedComm(CommLayer):
+    """Rank `rank` of `world_size` ranks in one process, no process group: every collective completes at
+    once with the output a real group gives when every other rank holds the same tensors as this one.
+    reduce_scatter (average): this rank's block of the input; all_reduce (average): the tensor as it is;
+    all_gather: the local shard in every rank's slot; all_to_all: each rank's block of the output is the
+    block this rank addresses to itself, where their sizes agree, and is left as it is where they do not
+    (the other owners' blocks of an uneven all_gather). Bytes are counted as the world_size-rank
+    collectives send them (CommLayer's counts), so bytes_sent and bytes_by_op are a real rank's.
+
+    With the same gradients on every rank, the shards this rank updates are a real run's rank `rank`'s
+    to the bit; the rows other ranks own are not (they hold copies of this rank's rows)."""
+
+    def __init__(self, world_size: int, rank: int = 0):
+        if not 0 <= rank < world_size:
+            raise ValueError(f"SimulatedComm: rank {rank} is not one of the {world_size} ranks")
+        super().__init__(None, world_size, rank)
+
+    def _launch(self, collective, *args, **kw):
+        stand_in = {_reduce_scatter: self._reduce_scatter, dist.all_reduce: self._all_reduce,
+                    _all_gather: self._all_gather, dist.all_to_all_single: self._all_to_all}[collective]
+        stand_in(*args, **kw)
+        return _CompletedWork()
+
+    def _reduce_scatter(self, out, inp, op=None):
+        out.copy_(inp.reshape(self.world_size, *out.shape)[self.rank])
+
+    def _all_reduce(self, t, op=None):
+        pass
+
+    def _all_gather(self, out, shard):
+        blocks, r = out.view(self.world_size, *shard.shape), self.rank
+        if blocks[r].data_ptr() == shard.data_ptr():  # in place: this rank's slot is the shard itself
+            for others in (blocks[:r], blocks[r + 1:]):  # (two copies, not one per rank: launches count)
+                others.copy_(shard.expand_as(others))
+        else:
+            blocks.copy_(shard.expand_as(blocks))
+
+    def _all_to_all(self, out, inp, out_splits=None, in_splits=None):
+        W = self.world_size
+        in_splits = in_splits or [inp.size(0) // W] * W
+        out_splits = out_splits or [out.size(0) // W] * W
+        lo = sum(in_splits[:self.rank])
+        mine = inp[lo:lo + in_splits[self.rank]]
+        if all(n == mine.size(0) for n in out_splits):
+            blocks = out.view(W, *mine.shape)
+            blocks.copy_(mine.expand_as(blocks))
+            return
+        at = 0
+        for n in out_splits:
+            if n == mine.size(0):
+                out[at:at + n].copy_(mine)
+            at += n
+
+# ---- QK-Clip (MuonClip) ----------------------------------------------------------------------
+# Caps a head's attention logits by scaling its Q and K rows after the NorMuon update. No record
+# uses it; `with after_update(opt, qk_clip_hooks(...)): opt.step(...)` applies it.
+
+QK_CLIP_TAU = 100.0  # MuonClip's threshold on the largest pre-softmax attention logit
+
+def qk_clip_(param, mantissa, max_logits, tau: float) -> None:
+    """QK-Clip (MuonClip) on the owned matrices of a Q or K weight bank (k, rows, cols), in place:
+    rows whose head's largest pre-softmax logit of the step exceeds tau are scaled by
+    sqrt(tau / max_logit), so that q.k of that head, scaled on both sides, peaks at tau. max_logits
+    broadcasts to (k, rows, 1) (one entry per head of those rows). Applied to the fp32 master value
+    (MuonClip, Kimi K2, arXiv 2507.20534)."""
+    scale = (tau / max_logits.float().clamp_min(tau)).sqrt()
+    _store_master(_master_fp32(param, mantissa) * scale, param, mantissa)
+
+@contextlib.contextmanager
+def after_update(opt: NorMuonAdam, hooks: dict):
+    """Around opt.step(): hooks[label](slot, shard, mantissa) runs on this rank's updated matrices of a NorMuon
+    label (shard, in place) just before they are gathered, e.g. qk_clip_hooks: the hook wraps opt's gather."""
+    _check_after_update(opt, hooks)
+    gather, wrapped = opt.exchange.gather, vars(opt.exchange).get("gather")  # wrapped: an enclosing block's
+
+    def gather_after_hook(slot: Slot, shard: torch.Tensor):
+        if slot.label in hooks:
+            hooks[slot.label](slot, shard, opt.state[slot.label].get("mantissa"))
+        return gather(slot, shard)
+    opt.exchange.gather = gather_after_hook
+    try:
+        yield opt
+    finally:  # the enclosing block's gather again, else the class's
+        if wrapped is None:
+            del opt.exchange.gather
+        else:
+            opt.exchange.gather = wrapped
+
+def qk_clip_hooks(max_logits: dict, tau: float = QK_CLIP_TAU) -> dict:
+    """after_update's hooks for QK-Clip: label of a Q or K bank -> the step's largest
+    logit per head, broadcastable to the bank's (matrices, rows, 1) and the same on every rank."""
+    def clip(m):
+        def hook(slot, shard, mantissa):
+            full = torch.broadcast_to(torch.as_tensor(m, device=shard.device), (slot.rows, slot.shape[1], 1))
+            qk_clip_(shard, mantissa, full[slot.lo: slot.lo + slot.shard_rows], tau)
+        return hook
+    return {label: clip(m) for label, m in max_logits.items()}
+
+def _check_after_update(opt: NorMuonAdam, hooks: dict) -> None:
+    for label in hooks:
+        if label not in opt.slots or opt.slots[label].cfg.optimizer != "normuon":
+            raise ValueError(f"after_update: hooks[{label!r}] needs a normuon label")
+
+# ---- Tensor-parallel orthogonalization and NorMuon ------------------------------------------
+# (the modes of Megatron-LM's TensorParallelMuon)
+
+TP_MODES = ("duplicated", "distributed", "blockwise")
+
+def tensor_parallel_orthogonalize(shard: torch.Tensor, mode: str, shard_dim: int, group=None,
+                                  dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """Polar Express of a matrix (or bank) split over the ranks of `group` along shard_dim (-2: row
+    shards, -1: column shards, equal sizes); returns this rank's shard of the result
+    (the modes of Megatron-LM's TensorParallelMuon).
+
+    duplicated   all_gather the whole matrix, run polar_express on it on every rank, keep the shard
+    distributed  the iteration on shards: the Gram matrix over the unsplit side, X^T X for row shards
+                 or X X^T for column shards, is a sum of per-shard products, all_reduced (fp32, as
+                 is the Frobenius norm); the same polynomial as polar_express, in fp32, cast to dtype
+    blockwise    polar_express of the shard alone: no communication, an approximation
+    """
+    if mode not in TP_MODES:
+        raise ValueError(f"tensor_parallel_orthogonalize: mode={mode!r}; choose one of {', '.join(TP_MODES)}")
+    dim = shard_dim % shard.ndim
+    if dim < shard.ndim - 2:
+        raise ValueError(f"tensor_parallel_orthogonalize: shard_dim must be -2 or -1, got {shard_dim}")
+    if mode == "blockwise":
+        return polar_express(shard, dtype=dtype)
+    W, rank = dist.get_world_size(group), dist.get_rank(group)
+    if mode == "duplicated":
+        return polar_express(_gather_shards(shard, dim, group), dtype=dtype).chunk(W, dim=dim)[rank].contiguous()
+    X = _as_bank(shard).float()
+    sq = X.square().sum(dim=(-2, -1), keepdim=True)
+    dist.all_reduce(sq, group=group)
+    X = X / (sq.sqrt() * 1.02 + 1e-6)
+    rows = dim == shard.ndim - 2  # row shards share the columns: X^T X is summed over the shards
+    for a, b, c in POLAR_EXPRESS_COEFFS:
+        A = X.mT @ X if rows else X @ X.mT
+        dist.all_reduce(A, group=group)
+        B = b * A + c * (A @ A)
+        X = a * X + (X @ B if rows else B @ X)
+    return X.to(dtype).reshape(shard.shape)
+
+def _gather_shards(shard: torch.Tensor, dim: int, group) -> torch.Tensor:
+    """The whole tensor from every rank's equal shard along dim (all_gather, concatenated in rank order)."""
+    parts = [torch.empty_like(shard) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, shard.contiguous(), group=group)
+    return torch.cat(parts, dim=dim)
+
+def _tp_layout(shard: torch.Tensor, mode: str, shard_dim: int, group) -> tuple[int, int, int, int]:
+    """(dim, world size, rows, cols) of the matrix a shard belongs to; blockwise treats the shard as the matrix."""
+    if mode not in TP_MODES:
+        raise ValueError(f"tensor_parallel_normuon_update: mode={mode!r}; choose one of {', '.join(TP_MODES)}")
+    dim = shard_dim % shard.ndim
+    if shard.ndim < 2 or dim < shard.ndim - 2:
+        raise ValueError(f"tensor_parallel_normuon_update: shard_dim must be -2 or -1 of (..., rows, cols), got {shard_dim}")
+    W = 1 if mode == "blockwise" else dist.get_world_size(group)
+    rows, cols = shard.size(-2) * (W if dim == shard.ndim - 2 else 1), shard.size(-1) * (W if dim == shard.ndim - 1 else 1)
+    return dim, W, rows, cols
+
+def tensor_parallel_normuon_state(shard: torch.Tensor, mode: str, shard_dim: int, group=None) -> dict[str, torch.Tensor]:
+    """Zero state for tensor_parallel_normuon_update of this shard: the momentum (the shard's shape),
+    the second moment and, for a bf16 shard, the mantissa. The second moment has one entry per row of
+    the longer side of the whole matrix (of the shard, blockwise); distributed keeps only this rank's
+    entries when those rows are the split ones, duplicated keeps all of them on every rank."""
+    dim, W, rows, cols = _tp_layout(shard, mode, shard_dim, group)
+    per_row = rows >= cols
+    n = rows if per_row else cols
+    if mode == "distributed" and (dim == shard.ndim - 2) == per_row:
+        n //= W
+    lead = shard.shape[:-2]
+    st = {"momentum_buffer": torch.zeros(shard.shape, dtype=torch.float32, device=shard.device),
+          "second_moment": torch.zeros((*lead, n, 1) if per_row else (*lead, 1, n), dtype=torch.float32, device=shard.device)}
+    if shard.dtype == torch.bfloat16:
+        st["mantissa"] = torch.zeros(shard.shape, dtype=torch.uint16, device=shard.device)
+    return st
+
+def _split_variance_reduction(O, second_moment, beta2, dim: int, rows: int, cols: int, group) -> torch.Tensor:
+    """normuon_variance_reduction of the whole matrix, computed on its shard O: where the reduced dim
+    is split the per-row sums of O^2 are all_reduced; where the kept dim is split, each rank holds
+    its rows' statistics and the two Frobenius norms of the renormalisation are all_reduced."""
+    red = O.ndim - 1 if rows >= cols else O.ndim - 2
+    size = cols if rows >= cols else rows
+    sq = O.float().square().sum(dim=red, keepdim=True)
+    if red == dim:
+        dist.all_reduce(sq, group=group)
+    mean_sq = sq / size
+    second_moment.lerp_(mean_sq, 1 - beta2)
+    step = second_moment.clamp_min(1e-10).rsqrt()
+    norms = torch.stack([(mean_sq * size).sum(dim=(-2, -1), keepdim=True),
+                         ((mean_sq * size) * step.square()).sum(dim=(-2, -1), keepdim=True)])
+    if red != dim:
+        dist.all_reduce(norms, group=group)
+    norm, new_norm = norms.sqrt()
+    return O.mul_((step * (norm / new_norm.clamp_min(1e-10))).to(O.dtype))
+
+def tensor_parallel_normuon_update(grad, momentum_buf, second_moment, param, mantissa, matrix_lr, hp, mode: str,
+                                   shard_dim: int, group=None, dtype: torch.dtype = torch.bfloat16) -> None:
+    """One NorMuon step, as _normuon_update with Polar Express, on this rank's shard of a matrix (or
+    bank) split over the ranks of `group` along shard_dim (-2: row shards, -1: column shards, equal
+    sizes), in place. State from tensor_parallel_normuon_state; hp as _normuon_update's; matrix_lr
+    with the whole matrix's shape factor. Momentum and the cautious update are elementwise on the shard.
+
+    duplicated   all_gather the momentum-applied gradient; orthogonalization and variance reduction of
+                 the whole matrix on every rank; the unsharded update, bit for bit
+    distributed  tensor_parallel_orthogonalize's iteration on shards, then the variance reduction
+                 with statistics combined over the shards (_split_variance_reduction)
+    blockwise    _normuon_update of the shard as a matrix of its own: no communication, an approximation
+    """
+    dim, W, rows, cols = _tp_layout(grad, mode, shard_dim, group)
+    orthogonalize = functools.partial(polar_express, dtype=dtype)
+    if mode == "blockwise":
+        return _normuon_update(grad, momentum_buf, second_moment, param, mantissa, matrix_lr, hp, orthogonalize)
+    lr, decay, momentum, beta2 = hp[0], hp[1], hp[2], hp[3]
+    g = _nesterov_momentum(grad, momentum_buf, momentum)
+    if mode == "duplicated":
+        O = normuon_variance_reduction(orthogonalize(_gather_shards(g, dim, group)), second_moment, beta2)
+        O = O.chunk(W, dim=dim)[dist.get_rank(group)]
+    else:
+        O = tensor_parallel_orthogonalize(g, "distributed", shard_dim, group, dtype=dtype)
+        O = _split_variance_reduction(O, second_moment, beta2, dim, rows, cols, group)
+    _cautious_step(O.float(), param, mantissa, lr * matrix_lr, decay)
 
 # ----------------------------------------------------------------------------------------------
 # Model
@@ -1275,6 +2334,13 @@ def block_mask_indices(doc_ids: torch.Tensor, window, pos_div: int = 1,
     return BlockMaskIndices(*listed(partial.flip(1), kv), *listed(all_pass.flip(1), kv),
                             *listed(q_valid & partial[q, b], q), *listed(q_valid & all_pass[q, b], q))
 
+def _check_block_mask_args(n: int, block_size: int, window) -> None:
+    if n % block_size:
+        raise ValueError(f"attention: sequence of {n} slots is not a multiple of the {block_size}-token"
+                         " attention block; make the tokens per rank a multiple of 128")
+    if isinstance(window, torch.Tensor) and window.device.type != "cpu":
+        raise ValueError("block_mask_indices: pass the window as a Python int (reading a device tensor waits for the GPU)")
+
 def block_attention_mask(doc_ids: torch.Tensor, window, pos_div: int = 1, block_size: int = FLEX_BLOCK_SIZE,
                          indices: BlockMaskIndices | None = None) -> BlockMask:
     """flex_attention's BlockMask: the block indices (block_mask_indices unless given) and the mask_mod,
@@ -1301,16 +2367,16 @@ def flex_mask(doc_ids: torch.Tensor, window: torch.Tensor, span: int, pos_div: i
     """flex_attention's BlockMask of one layer kind, its block indices built here."""
     return block_attention_mask(doc_ids, window, pos_div, indices=block_mask_indices(doc_ids, span, pos_div))
 
-# One layer kind's mask by kernel name from (doc_ids, window as a 0-d int tensor and as an int, slots per
-# token); START_MASKS from (cu_seqlens, longest document, window, slots per token). The CPU's SDPA and
-# torch's varlen_attn add themselves below the fence.
-ATTENTION_MASKS = {"flex": flex_mask}
-START_MASKS = {}
-
 def attention_mask(doc_ids: torch.Tensor, window: torch.Tensor, span: int, pos_div: int, kernel: str):
     """One layer kind's mask for the attention kernel that will run (ATTENTION_MASKS)."""
     _check_mask_kernel(kernel)
     return ATTENTION_MASKS[kernel](doc_ids, window, span, pos_div)
+
+def _check_mask_kernel(kernel: str) -> None:
+    if kernel in START_MASKS:
+        raise ValueError(f"attention: {kernel} attention takes document starts, not ids: GPT.attention_masks builds it")
+    if kernel not in ATTENTION_MASKS:
+        raise ValueError(f"attention: kernel={kernel!r}; choose one of {', '.join([*START_MASKS, *ATTENTION_MASKS])}")
 
 def flex_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask: BlockMask,
                 scale: torch.Tensor) -> torch.Tensor:
@@ -1319,8 +2385,19 @@ def flex_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask: B
     def scaled(score, b, h, q_idx, kv_idx):
         return score * scale
 
-    fn = compiled_flex_attention() if _runs_compiled_flex(q) else flex_attention  # --compile false: below the fence
+    fn = compiled_flex_attention() if _runs_compiled_flex(q) else flex_attention  # --compile false: below
     return fn(q, k, v, score_mod=scaled, block_mask=block_mask, scale=1.0)
+
+# ---- On GPUs, off the record's path: flex attention outside compiled graphs, the bf16 head -------
+
+@functools.lru_cache(maxsize=None)
+def compiled_flex_attention():
+    """flex_attention compiled once, for CUDA calls outside a compiled graph (eager, it materialises scores)."""
+    return torch.compile(flex_attention, dynamic=False)
+
+def _runs_compiled_flex(q: torch.Tensor) -> bool:
+    """A CUDA call outside a compiled graph (inside one, flex_attention is traced into the graph)."""
+    return q.is_cuda and not torch.compiler.is_compiling()
 
 def as_slots(t: torch.Tensor, r: int) -> torch.Tensor:
     """(T, H, hd) -> (1, H/r, r*T, hd): r slots per token, each holding H/r of its heads."""
@@ -1335,8 +2412,118 @@ def flex_attend_tokens(q, k, v, mask: BlockMask, r: int, scale: torch.Tensor, sc
     """flex_attend of (T, H, hd) q, k, v at r slots per token."""
     return from_slots(flex_attend(as_slots(q, r), as_slots(k, r), as_slots(v, r), mask, scale), q.shape[0])
 
-# How each kernel attends, by the type of its mask (the CPU's and varlen's add themselves below the fence).
-ATTEND = {BlockMask: flex_attend_tokens}
+# ---- The CPU's attention: SDPA, banded where that saves work ---------------------------------
+
+def dense_attention_mask(doc_ids: torch.Tensor, window, pos_div: int = 1) -> torch.Tensor:
+    """(n, n) boolean mask from attention_mask_mod, n = T * pos_div (for SDPA on the CPU)."""
+    idx = torch.arange(doc_ids.numel() * pos_div, device=doc_ids.device)
+    return attention_mask_mod(doc_ids, window, pos_div)(0, 0, idx[:, None], idx[None, :])
+
+CPU_ATTENTION_CHUNK = 256  # query slots per band of the CPU attention
+
+def banded_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, span: int,
+                     scale: float = 1.0) -> torch.Tensor:
+    """SDPA of (1, H, n, hd) q, k, v under a sliding-window mask, in O(n * (chunk + span)) instead of O(n^2).
+
+    Exact when no query slot sees a key slot more than `span` slots back: each band of `chunk` queries
+    attends to its own keys and the `span` before them, with the mask of banded_attention_mask
+    (chunk = mask.shape[2])."""
+    _, H, n, hd = q.shape
+    chunk = mask.shape[2]
+
+    def bands(t):  # (1, H, n, hd) -> (n/chunk, H, chunk + span, hd), overlapping views of the left-padded keys
+        return F.pad(t, (0, 0, span, 0)).unfold(2, chunk + span, chunk)[0].permute(1, 0, 3, 2)
+
+    qb = q[0].view(H, n // chunk, chunk, hd).transpose(0, 1)
+    y = F.scaled_dot_product_attention(qb, bands(k), bands(v), attn_mask=mask, scale=scale)
+    return y.transpose(0, 1).reshape(1, H, n, hd)
+
+def attention_band(n: int, span: int) -> int:
+    """Chunk for banded_attention of n slots with this span, or 0 where dense attention is as cheap."""
+    for chunk in (CPU_ATTENTION_CHUNK, CPU_ATTENTION_CHUNK // 2, CPU_ATTENTION_CHUNK // 4):
+        if n % chunk == 0 and chunk + span < n // 2:
+            return chunk
+    return 0
+
+class SDPAMask(NamedTuple):
+    """The CPU attention's mask of one layer kind: banded_attention_mask's bands (chunk > 0) or a dense
+    (n, n) mask (chunk 0); span = the window in slots (a Python int: band shapes depend on it).
+    fp32: attend in fp32 (the GPU check's independent reference)."""
+    mask: torch.Tensor
+    span: int
+    chunk: int
+    fp32: bool = False
+
+def sdpa_mask(doc_ids: torch.Tensor, window: torch.Tensor, span: int, pos_div: int, fp32: bool = False) -> SDPAMask:
+    """The SDPA kernel's mask of one layer kind: bands where attention_band finds them, else dense."""
+    chunk = attention_band(doc_ids.numel() * pos_div, span)
+    mask = banded_attention_mask(doc_ids, window, pos_div, chunk, span) if chunk else dense_attention_mask(doc_ids, window, pos_div)
+    return SDPAMask(mask, span, chunk, fp32)
+
+def sdpa_attend_tokens(q, k, v, mask: SDPAMask, r: int, scale: torch.Tensor, scale_value: float) -> torch.Tensor:
+    """SDPA of (T, H, hd) q, k, v at r slots per token (banded where the mask is), the scale as a number:
+    the same fp32 value, kept as a float by GPT.set_windows; in fp32 for the fp32 reference."""
+    qs, ks, vs = (as_slots(t.float() if mask.fp32 else t, r) for t in (q, k, v))
+    if mask.chunk:
+        y = banded_attention(qs, ks, vs, mask.mask, mask.span, scale=scale_value)
+    else:
+        y = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask.mask, scale=scale_value)
+    return from_slots(y.to(q.dtype), q.shape[0])
+
+# ---- torch's varlen attention: the alternative GPU kernel (--attention_kernel varlen) -------------
+
+class VarlenMask(NamedTuple):
+    """varlen_attn's arguments for one layer kind: document starts in slots (padding entries equal to the
+    end give empty documents), the longest document in slots, and the window in slots (causal, window + 1
+    keys: the record's FA3 window_size=(window, 0))."""
+    cu_seqlens: torch.Tensor
+    max_seqlen: int
+    window: int
+
+def varlen_mask(cu_seqlens: torch.Tensor, max_doc_len: int, window: int, r: int) -> VarlenMask:
+    """One layer kind's VarlenMask at r slots per token, from document starts in tokens."""
+    return VarlenMask(cu_seqlens * r if r > 1 else cu_seqlens, max_doc_len * r, window)
+
+def varlen_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: VarlenMask, scale: float) -> torch.Tensor:
+    """torch.nn.attention.varlen.varlen_attn (flash attention on CUDA; torch >= 2.11) of (n, H, hd) q, k, v:
+    the call record #89 makes to FA3's flash_attn_varlen_func (window_size=(window, 0), softmax_scale)."""
+    from torch.nn.attention.varlen import varlen_attn
+    return varlen_attn(q, k, v, mask.cu_seqlens, mask.cu_seqlens, mask.max_seqlen, mask.max_seqlen,
+                       scale=scale, window_size=(mask.window, 0))
+
+def varlen_attend_tokens(q, k, v, mask: VarlenMask, r: int, scale: torch.Tensor, scale_value: float) -> torch.Tensor:
+    """varlen_attend of (T, H, hd) q, k, v at r slots per token, the fp32 scale as a number."""
+    T, H, hd = q.shape
+    return varlen_attend(*(t.reshape(r * T, H // r, hd) for t in (q, k, v)), mask, scale_value).reshape(T, H, hd)
+
+# One layer kind's mask by kernel name from (doc_ids, window as a 0-d int tensor and as an int, slots per
+# token); START_MASKS from (cu_seqlens, longest document, window, slots per token); how each kernel
+# attends, by the type of its mask. The record's is flex.
+ATTENTION_MASKS = {"flex": flex_mask, "sdpa": sdpa_mask, "sdpa_fp32": functools.partial(sdpa_mask, fp32=True)}
+START_MASKS = {"varlen": varlen_mask}
+ATTEND = {BlockMask: flex_attend_tokens, SDPAMask: sdpa_attend_tokens, VarlenMask: varlen_attend_tokens}
+
+# ---- Which kernel each layer kind attends with: SDPA on CPUs, flex or varlen on GPUs ------------
+
+# {torch.cuda.get_device_name(): {(long window?, slots per token): "flex" | "varlen"}}, the faster at the
+# speedrun's shapes as the GPU check times them; a GPU or kind not listed runs flex.
+ATTENTION_KERNEL_CHOICE: dict[str, dict[tuple[bool, int], str]] = {}
+GPU_ATTENTION_KERNELS = ("flex", "varlen")
+
+def attention_kernels(args: Hyperparameters, device: torch.device) -> dict[tuple[bool, int], str]:
+    """Every layer kind's attention kernel: SDPA on CPUs, else --attention_kernel ("auto": the GPU's table)."""
+    kinds = attention_kinds(args.layers)
+    if device.type != "cuda":
+        return dict.fromkeys(kinds, "sdpa")
+    if _check_attention_kernel(args.attention_kernel) in GPU_ATTENTION_KERNELS:
+        return dict.fromkeys(kinds, args.attention_kernel)
+    table = ATTENTION_KERNEL_CHOICE.get(torch.cuda.get_device_name(device), {})
+    return {kind: table.get(kind, "flex") for kind in kinds}
+
+def _check_attention_kernel(name: str) -> str:
+    if name != "auto" and name not in GPU_ATTENTION_KERNELS:
+        raise ValueError(f"--attention_kernel {name!r} is not one of auto, {', '.join(GPU_ATTENTION_KERNELS)}")
+    return name
 
 # -- rotary embeddings and YaRN -------------------------------------------------------------------
 
@@ -1423,6 +2610,40 @@ def bank_padding(n: int, world_size: int, args: Hyperparameters) -> int:
     _check_ownership(args.bank_ownership, "model config: --bank_ownership ")
     return -(-n // world_size) * world_size if args.bank_ownership == "padded" else n
 
+def _check_model_args(args: Hyperparameters, world_size: int) -> None:
+    """One-line ValueErrors naming the flag, before any tensor is allocated."""
+    def fail(msg):
+        raise ValueError(f"model config: {msg}")
+
+    if world_size < 1:
+        fail(f"world_size must be >= 1, got {world_size}")
+    for name in ("model_dim", "num_heads", "head_dim", "mlp_hidden", "window_block_size", "gate_channels",
+                 "mudd_hidden", "dc_window"):
+        if getattr(args, name) < 1:
+            fail(f"--{name} must be >= 1, got {getattr(args, name)}")
+    if args.num_heads * args.head_dim != args.model_dim:
+        fail(f"--model_dim ({args.model_dim}) must equal --num_heads * --head_dim ({args.num_heads}*{args.head_dim});"
+             " value embeddings and MUDD's V are added to V, and the banks hold square attention matrices")
+    if args.head_dim % 4:
+        fail(f"--head_dim must be a multiple of 4 (half of it rotates, in pairs), got {args.head_dim}")
+    if args.padded_vocab_size < args.vocab_size:
+        fail(f"--padded_vocab_size ({args.padded_vocab_size}) must be >= --vocab_size ({args.vocab_size})")
+    if args.bigram_vocab_size < 2:
+        fail(f"--bigram_vocab_size must be >= 2, got {args.bigram_vocab_size}")
+    if args.gate_channels > args.model_dim:
+        fail(f"--gate_channels ({args.gate_channels}) must be <= --model_dim ({args.model_dim})")
+    if args.num_heads % 2:
+        fail(f"--num_heads must be even (Q and K live in the qk_bank as groups of two heads; paired rows"
+             f" put half of the heads in each slot), got {args.num_heads}")
+    if args.gate_channels % 2:
+        fail(f"--gate_channels must be even (value-embedding gates read half from x, half from ve), got {args.gate_channels}")
+    if len(args.windows_init) != 2 or not all(isinstance(w, int) and w >= 1 for w in args.windows_init):
+        fail(f"--windows_init must be (short, long) block counts >= 1, got {args.windows_init!r}")
+    try:
+        check_layers(args.layers)
+    except ValueError as e:
+        fail(str(e))
+
 class GPT(nn.Module):
     """The speedrun transformer (the layout comment above), its banks padded for world_size ranks. dtype:
     that of the bf16 parameters (fp32 on CPUs without fast bf16 matmuls)."""
@@ -1484,7 +2705,6 @@ class GPT(nn.Module):
         self.register_buffer("prefix_table", torch.full((V,), -1, dtype=torch.int64), persistent=False)
         self.reset_parameters()
         self.set_windows(*args.windows_init)
-        switch_off_components(self)  # the ablation switches (below the fence); the record's switch nothing off
 
     def params_by_label(self) -> dict[str, nn.Parameter]:
         return {p.label: p for p in self.parameters()}
@@ -1543,31 +2763,49 @@ class GPT(nn.Module):
         """sigmoid(x[:, :gate_channels] W^T) in x's dtype, (T, out)."""
         return torch.sigmoid(F.linear(x[:, : self.args.gate_channels], weight.to(x.dtype)))
 
+    # The ablation switches (Hyperparameters fields, all on in the record) are read where each component
+    # acts: off, the component returns zeros where the forward adds it (x + 0 is x, to the bit) or the
+    # identity where it transforms. Its parameters stay in the model (checkpoints keep one layout),
+    # unread or multiplied by zero, and frozen by switched_off_configs.
+
     def _mudd_mlp(self, x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, b2: torch.Tensor, scale) -> torch.Tensor:
-        """Per-token coefficients (T, n) = (W2 gelu(W1 x) + b2) * scale in x's dtype (exact erf GELU)."""
+        """Per-token coefficients (T, n) = (W2 gelu(W1 x) + b2) * scale in x's dtype (exact erf GELU);
+        --mudd false: the learned constants b2 * scale, the same for every token."""
+        if not self.args.mudd:
+            return (b2 * scale).expand(x.shape[0], b2.shape[0])
         return F.linear(F.gelu(F.linear(x, w1)), w2, b2) * scale
 
-    # The components below (and _mudd_mlp) are what an ablation switch may replace (SWITCHED_OFF).
-
     def value_embeddings(self, ids: torch.Tensor) -> list[torch.Tensor]:
-        """Every value-embedding table's rows of the tokens, [(T, D)] in table order."""
+        """Every value-embedding table's rows of the tokens, [(T, D)] in table order (switched off: zeros)."""
+        if not self.args.value_embeds:
+            return [self.embed.new_zeros(ids.numel(), self.args.model_dim)] * self.value_embeds.shape[0]
         return [F.embedding(ids, t) for t in self.value_embeds.unbind(0)]
 
     def bigram_features(self, ids: torch.Tensor, bigram_ids: torch.Tensor) -> torch.Tensor:
-        """xb (T, D): the bigram table's row of each (previous, current) hash times its +-1 sign row."""
-        return F.embedding(bigram_ids.view(-1), self.bigram_embed) * self.bigram_sign_table[bigram_sign_index(ids)]
+        """xb (T, D): the bigram table's row of each (previous, current) hash times its +-1 sign row
+        (--bigram_signs false: unsigned; --bigram_embed false: zeros)."""
+        if not self.args.bigram_embed:
+            return self.embed.new_zeros(ids.numel(), self.args.model_dim)
+        rows = F.embedding(bigram_ids.view(-1), self.bigram_embed)
+        return rows * self.bigram_sign_table[bigram_sign_index(ids)] if self.args.bigram_signs else rows
 
     def smear(self, e: torch.Tensor) -> torch.Tensor:
         """e[t] += smear_lambda * sigmoid(smear_gate . e[t][:12]) * e[t-1], across documents (the record's)."""
+        if not self.args.smear:
+            return e
         lam = self.scalars[2 * self.args.num_layers].to(e.dtype)
         return torch.cat([e[:1], e[1:] + lam * self._gate(self.smear_gate, e[1:]) * e[:-1]])
 
     def unet_skip(self, x: torch.Tensor, gate: torch.Tensor, skip_src: torch.Tensor) -> torch.Tensor:
         """The "skip" row: x + sigmoid(skip_lambda) * its skip gate * the save_skip layer's output."""
+        if not self.args.unet_skip:
+            return x
         return x + torch.sigmoid(self.scalars[2 * self.args.num_layers + 1]).to(x.dtype) * gate * skip_src
 
     def post_loop(self, x, cache0, h, mudd_in, ve0, skip_src) -> torch.Tensor:
-        """Post-loop MUDD layer 1, whose h coefficient starts at -0.5 (the backout)."""
+        """Post-loop MUDD layer 1, whose h coefficient starts at -0.5 (the backout; --backout false: x)."""
+        if not self.args.backout:
+            return x
         m = self._mudd_coefficients(1, x)
         x = x + m["cache0"] * cache0 + m["h"] * h + m["mudd_input"] * mudd_in  # the record's order of sums
         return x + m["ve0"] * ve0 + m["skip_source"] * skip_src
@@ -1762,6 +3000,26 @@ class GPT(nn.Module):
             total = total + EVALUATION_CE[logits.device.type](logits, t)
         return total / x.shape[0]
 
+def _check_window_blocks(**blocks) -> None:
+    for name, v in blocks.items():
+        if v is not None and (not isinstance(v, (int, np.integer)) or v < 1):
+            raise ValueError(f"set_windows: {name} window must be a block count >= 1, got {v!r}")
+
+def _check_flex_outside_compile(kernels: dict) -> None:
+    if "flex" in kernels.values() and torch.compiler.is_compiling():
+        raise RuntimeError("attention_masks: build the flex masks outside the compiled model and pass"
+                           " forward(masks=model.attention_masks(cu_seqlens, T))")
+
+def _check_batch_masks(model: GPT, batch: Batch) -> None:
+    """A batch's host-built flex masks are the model's: its block size and current windows."""
+    if batch.block_masks is None:
+        return
+    block_size, kinds = batch.mask_spec
+    if block_size != FLEX_BLOCK_SIZE or any(window != model.window_tokens[int(long)] for long, _, window in kinds):
+        raise ValueError(f"batch_masks: the batch's masks were built for (long?, slots per token, window) {kinds},"
+                         f" the model attends at windows {model.window_tokens}; build batches with"
+                         " flex_mask_spec(args, the step's windows) after set_windows")
+
 def fp8_head(model: GPT, x, targets, mtp_weights, prefix_ids, prefix_weight, loss_scale):
     """The FP8 head's training loss (GPUs with FP8 tensor cores, record #89's): x quantised here, in the
     graph; lm_head's copy as quantize_fp8 made it after the last step. (loss, next-token loss) per token."""
@@ -1778,14 +3036,137 @@ def bf16_mlp(state: FP8MLPState, layer: int, x: torch.Tensor, w_up: torch.Tensor
     """The bf16 MLP in FP8MLPState.mlp's form (its FP8 state unused): (y, None)."""
     return triton_kernels.relu2_mlp(x, w_up, w_down), None
 
+def bf16_head(model: GPT, x, targets, mtp_weights, prefix_ids, prefix_weight, loss_scale):
+    """The bf16 head's training loss: the logits, then the loss kernel. (loss, next-token loss) per token."""
+    return triton_kernels.softcapped_ce_mtp(x @ model.lm_head, targets, mtp_weights, prefix_ids, prefix_weight,
+                                            grad_scale=loss_scale, next_token=True)
+
+# ---- The CPU's head and evaluation loss ------------------------------------------------------
+
+def cpu_head(model: GPT, x, targets, mtp_weights, prefix_ids, prefix_weight, loss_scale):
+    """The head's matmuls inside the loss's row blocks: no (T, V) tensor in memory. (loss, next-token loss)."""
+    return triton_kernels.softcapped_ce_mtp_head_rows(x, model.lm_head, targets, mtp_weights, prefix_ids, prefix_weight,
+                                                      grad_scale=loss_scale, next_token=True)
+
+def cpu_evaluation_ce(logits: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """The same bits as the GPU's, in cache-sized blocks (the plain form inside a compiled graph)."""
+    if torch.compiler.is_compiling():
+        return bf16_evaluation_ce(logits, t)
+    return F.nll_loss(triton_kernels.softcap_log_probs(logits), t, reduction="sum")
+
 # The MLP of every layer by kind: "fp8" (training on a GPU with FP8 tensor cores, record #89), else "bf16".
 MLPS = dict(fp8=FP8MLPState.mlp, bf16=bf16_mlp)
 # The head's training loss by where it runs: "fp8" (args.fp8 on a GPU with FP8 tensor cores), else the
-# device type; evaluation's summed CE of a chunk of logits by device type. The bf16 head of GPUs without
-# FP8 and the CPU's own (the head fused into the loss's row blocks; log-probabilities in cache-sized
-# blocks) add themselves below the fence.
-HEAD_LOSSES = dict(fp8=fp8_head)
-EVALUATION_CE = dict(cuda=bf16_evaluation_ce)
+# device type (the bf16 head on GPUs without FP8; the CPU's fuses the head into the loss's row blocks);
+# evaluation's summed CE of a chunk of logits by device type (the CPU's in cache-sized blocks).
+HEAD_LOSSES = dict(fp8=fp8_head, cuda=bf16_head, cpu=cpu_head)
+EVALUATION_CE = dict(cuda=bf16_evaluation_ce, cpu=cpu_evaluation_ce)
+
+# ---- CPU compute dtype; the run log's hardware line -------------------------------------------
+
+CPU_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+def cpu_model(cpu_name_file: str = "/proc/cpuinfo") -> str:
+    """The CPU's model name (for logs), or the platform's processor string."""
+    import platform
+    try:
+        with open(cpu_name_file) as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+def hardware_line(d: DistInfo) -> str:
+    """The run log's line on the machine: GPU model, memory and CUDA, or the CPU model, cores and threads."""
+    if d.device.type == "cuda":
+        props = torch.cuda.get_device_properties(d.device)
+        return (f"hardware: {d.world_size} x {props.name} ({props.total_memory / 2**30:.0f} GiB), "
+                f"CUDA {torch.version.cuda}")
+    return (f"hardware: {d.world_size} CPU process(es) on {cpu_model()}, "
+            f"{os.cpu_count()} cores, {torch.get_num_threads()} threads per process")
+
+def matmul_gflops(dtype: torch.dtype, m: int, k: int, n: int, seconds: float = 0.15) -> float:
+    """GFLOP/s of an (m, k) x (k, n) matmul in `dtype` on this CPU, timed for about `seconds`."""
+    import time
+    a, b = torch.randn(m, k).to(dtype), torch.randn(k, n).to(dtype)
+    a @ b  # warm-up: thread pool, oneDNN primitive creation
+    reps, t0 = 0, time.perf_counter()
+    while True:
+        a @ b
+        reps += 1
+        elapsed = time.perf_counter() - t0
+        if elapsed >= seconds or reps >= 1000:
+            return 2 * m * k * n * reps / elapsed / 1e9
+
+def cpu_dtype_rates(model_dim: int, mlp_hidden: int) -> tuple[dict[str, float], str]:
+    """GFLOP/s of the MLP matmul of 256 tokens in each CPU dtype (by name), and the shape and rates as text."""
+    shape = (256, model_dim, mlp_hidden)
+    rates = {name: matmul_gflops(dtype, *shape) for name, dtype in CPU_DTYPES.items()}
+    return rates, (f"{'x'.join(map(str, shape))} matmul GFLOP/s per process: "
+                   + ", ".join(f"{name} {rate:.1f}" for name, rate in rates.items()))
+
+def fastest_cpu_dtype(model_dim: int, mlp_hidden: int) -> tuple[str, str]:
+    """The CPU dtype (by name) that runs the MLP matmul faster here, and the timing as a log clause."""
+    rates, figures = cpu_dtype_rates(model_dim, mlp_hidden)
+    best = max(rates, key=rates.get)
+    return best, f"{best} (auto: {figures}; capability {torch.backends.cpu.get_cpu_capability()}) on {cpu_model()}"
+
+def choose_cpu_dtype(args: Hyperparameters) -> tuple[torch.dtype, str]:
+    """The dtype of the model's bf16 parameters on a CPU, and a line saying why.
+
+    --cpu_dtype bf16 / fp32 forces it; auto times the model's MLP matmul shape in both and takes the
+    faster. CPU flags alone mislead: bf16 runs ~90x slower than fp32 on AVX2-only CPUs, a little slower
+    on AVX512-BF16 CPUs without AMX, and faster with AMX."""
+    if args.cpu_dtype != "auto":
+        return CPU_DTYPES[args.cpu_dtype], f"cpu dtype {args.cpu_dtype} (--cpu_dtype) on {cpu_model()}"
+    name, why = fastest_cpu_dtype(args.model_dim, args.mlp_hidden)
+    return CPU_DTYPES[name], f"cpu dtype {why}"
+
+def checkpoint_cpu_dtype(args: Hyperparameters) -> tuple[torch.dtype, str] | None:
+    """With --resume and --cpu_dtype auto, the dtype the checkpoint's model was trained in (its weight
+    banks: bf16 or fp32), so that a resumed run continues in it whatever a start-up timing would say;
+    None otherwise, or when the checkpoint cannot be read (load_checkpoint then says why)."""
+    if not args.resume or args.cpu_dtype != "auto":
+        return None
+    try:
+        state = torch.load(os.path.join(args.resume, "model.pt"), map_location="cpu", weights_only=False)["model"]
+        name = "bf16" if state["qk_bank"].dtype == torch.bfloat16 else "fp32"
+    except Exception:  # noqa: BLE001 -- load_checkpoint reports a missing or damaged checkpoint in one line
+        return None
+    return CPU_DTYPES[name], f"cpu dtype {name} (the checkpoint's: --resume {args.resume}) on {cpu_model()}"
+
+def compute_dtype(args: Hyperparameters, d: DistInfo) -> tuple[torch.dtype, str | None]:
+    """The model's compute dtype: bf16 on GPUs; on CPUs rank 0's choose_cpu_dtype, taken by every rank
+    (timings differ between processes), with its log line."""
+    if d.device.type != "cpu":
+        return torch.bfloat16, None
+    choice = [None]
+    if d.is_master:
+        dtype, note = checkpoint_cpu_dtype(args) or choose_cpu_dtype(args)
+        choice = [(str(dtype).removeprefix("torch."), note)]
+    if dist.is_initialized():
+        dist.broadcast_object_list(choice, src=0)
+    return getattr(torch, choice[0][0]), choice[0][1]
+
+# ---- The model's hidden states and bf16 logits (sampling, tests) --------------------------------
+
+def final_hidden(model: GPT, input_ids, cu_seqlens, bigram_ids, masks: dict | None = None) -> torch.Tensor:
+    """Final normalised hidden states (T, D) (bf16 MLPs), the input of the LM head."""
+    return model(input_ids, None, cu_seqlens, bigram_ids, masks=masks)
+
+def bf16_logits(model: GPT, input_ids, cu_seqlens, bigram_ids, masks: dict | None = None) -> torch.Tensor:
+    """Softcapped fp32 logits (T, Vp) of the plain bf16 head."""
+    return triton_kernels.softcap(final_hidden(model, input_ids, cu_seqlens, bigram_ids, masks) @ model.lm_head)
+
+# ---- Parameter shapes without memory (tests, the fidelity table) -------------------------------
+
+def count_parameters(args: Hyperparameters, world_size: int = 1) -> dict[str, tuple[int, ...]]:
+    """Shape of every labelled parameter, from a model built on the meta device (no memory used)."""
+    with torch.device("meta"):
+        model = GPT(args, world_size)
+    return {label: tuple(p.shape) for label, p in model.params_by_label().items()}
 
 # ----------------------------------------------------------------------------------------------
 # Shard files: 256 x int32 header + uint16 GPT-2 token ids
@@ -1795,8 +3176,31 @@ SHARD_MAGIC, SHARD_VERSION, SHARD_HEADER_INTS = 20240520, 1, 256
 SHARD_HEADER_BYTES = SHARD_HEADER_INTS * 4
 BOS_ID = 50256  # <|endoftext|> starts every document
 
+class ShardError(ValueError):
+    """A shard file that is not what the format promises; the message names the file."""
+
+def read_shard_header(path: str) -> int:
+    """Validate a shard's header against its size; return its token count."""
+    try:
+        size = os.path.getsize(path)
+    except OSError as e:
+        raise ShardError(f"{path}: cannot read shard ({e.strerror})") from None
+    if size < SHARD_HEADER_BYTES:
+        what = "empty file" if size == 0 else f"{size} bytes, shorter than the {SHARD_HEADER_BYTES}-byte header"
+        raise ShardError(f"{path}: not a token shard ({what}); re-create or re-download it")
+    magic, version, num_tokens = np.fromfile(path, dtype="<i4", count=3).tolist()
+    if magic != SHARD_MAGIC:
+        raise ShardError(f"{path}: bad magic {magic} (expected {SHARD_MAGIC}); not a token shard")
+    if version != SHARD_VERSION:
+        raise ShardError(f"{path}: unsupported shard version {version} (expected {SHARD_VERSION})")
+    if num_tokens <= 0 or size != SHARD_HEADER_BYTES + 2 * num_tokens:
+        need = SHARD_HEADER_BYTES + 2 * max(num_tokens, 0)
+        raise ShardError(f"{path}: header says {num_tokens} tokens ({need} bytes) but the file has {size} bytes;"
+                         " truncated or corrupt, re-create or re-download it")
+    return num_tokens
+
 def read_shard(path: str) -> torch.Tensor:
-    """A whole shard as a uint16 tensor (read_shard_header validates it first, below the fence)."""
+    """A whole shard as a uint16 tensor (read_shard_header validates it first)."""
     data = np.fromfile(path, dtype="<u2", count=read_shard_header(path), offset=SHARD_HEADER_BYTES)
     return torch.from_numpy(data.astype(np.uint16, copy=False))
 
@@ -1824,6 +3228,54 @@ def build_prefix_table(encoding, padded_vocab_size: int) -> torch.Tensor:
                 break
     return torch.tensor(table, dtype=torch.int64)
 
+def _check_shards_found(files: list, pattern: str, what: str) -> None:
+    if not files:
+        hint = "cached_fineweb10B.py 9" if "fineweb" in pattern else "tokenize_text.py --help"
+        raise SystemExit(f"error: no {what} shards match {pattern!r}; create them with `python data/{hint}`"
+                         f" or point --{what}_files at existing shards")
+
+def _check_prefix_table_size(padded_vocab_size) -> None:
+    if isinstance(padded_vocab_size, bool) or not isinstance(padded_vocab_size, int) or padded_vocab_size < 1:
+        raise ValueError(f"build_prefix_table: padded_vocab_size must be a positive int, got {padded_vocab_size!r}")
+
+# ---- Data: the offline GPT-2 tokenizer, the batch split's start-up check -----------------------
+
+# GPT-2 BPE, built offline from the rank file shipped in data/ (same ranks as tiktoken's "gpt2").
+GPT2_TIKTOKEN_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "gpt2.tiktoken")
+GPT2_TIKTOKEN_SHA256 = "306cd27f03c1a714eca7108e03d66b7dc042abe8c258b44c199a7ed9838dd930"
+GPT2_SPLIT_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+
+def gpt2_encoding(rank_file: str | None = GPT2_TIKTOKEN_FILE):
+    """The GPT-2 tokenizer. With a rank file (default: the shipped copy, sha256-checked) no network is
+    touched; rank_file=None asks tiktoken for its own "gpt2" encoding (which may download)."""
+    import tiktoken
+    if rank_file is None:
+        return tiktoken.get_encoding("gpt2")
+    import hashlib
+    try:
+        with open(rank_file, "rb") as f:
+            digest = hashlib.sha256(f.read()).hexdigest()
+    except OSError as e:
+        raise SystemExit(f"error: cannot read GPT-2 rank file {rank_file} ({e.strerror})") from None
+    if digest != GPT2_TIKTOKEN_SHA256:
+        raise SystemExit(f"error: {rank_file} has sha256 {digest}, not the GPT-2 ranks ({GPT2_TIKTOKEN_SHA256})")
+    from tiktoken.load import load_tiktoken_bpe
+    return tiktoken.Encoding("gpt2", pat_str=GPT2_SPLIT_PATTERN, mergeable_ranks=load_tiktoken_bpe(rank_file),
+                             special_tokens={"<|endoftext|>": BOS_ID}, explicit_n_vocab=50257)
+
+def write_shard(path: str, tokens) -> None:
+    """Write tokens (any int sequence < 2**16) atomically: a temporary file renamed into place."""
+    tokens = np.asarray(tokens)
+    if tokens.size and (tokens.min() < 0 or tokens.max() >= 2**16):
+        raise ValueError(f"{path}: token ids must fit in uint16 (got range {tokens.min()}..{tokens.max()})")
+    header = np.zeros(SHARD_HEADER_INTS, dtype="<i4")
+    header[0], header[1], header[2] = SHARD_MAGIC, SHARD_VERSION, tokens.size
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "wb") as f:
+        f.write(header.tobytes())
+        f.write(tokens.astype("<u2").tobytes())
+    os.replace(tmp, path)
+
 # ----------------------------------------------------------------------------------------------
 # Data loader: BOS-aligned packed batches with document boundaries and bigram ids
 # ----------------------------------------------------------------------------------------------
@@ -1843,12 +3295,72 @@ class Batch:
     staged: torch.Tensor | None = None  # every tensor above packed into one pinned buffer (stage_batch)
 
     def to(self, device: torch.device) -> "Batch":
-        """The batch on `device`: one non-blocking copy of its tensors staged in one pinned buffer (stage_batch,
-        below the fence; the record copies each tensor); a CPU batch: itself."""
-        if device.type == "cpu":
+        """The batch on `device`: one non-blocking copy of its tensors staged in one pinned buffer (stage_batch;
+        the record copies each tensor); a CPU batch, or one already on the device's kind: itself."""
+        if device.type == "cpu" or self.inputs.device.type == device.type:
             return self
         staged = self.staged if self.staged is not None else stage_batch(self).staged
         return unstage(self, staged.to(device, non_blocking=True))  # pinned: asynchronous with the queued work
+
+# ---- Staging: a batch's tensors in one pinned buffer, one host-to-device copy (Batch.to) ------------
+
+STAGE_ALIGN = 128  # bytes between a staged batch's tensors: inductor, cuBLAS, Triton assume 16-byte alignment
+
+def _staged_bytes(t: torch.Tensor) -> int:
+    return -(-t.numel() * t.element_size() // STAGE_ALIGN) * STAGE_ALIGN
+
+def batch_tensors(b: Batch) -> list[torch.Tensor]:
+    """Every tensor of the batch in a fixed order (the staging buffer's layout)."""
+    masks = [t for key in sorted(b.block_masks) for t in b.block_masks[key]] if b.block_masks else []
+    extra = [b.doc_ids] if b.doc_ids is not None else []
+    return [b.inputs, b.targets, b.cu_seqlens, b.bigram_ids, *extra, *masks]
+
+def batch_with_tensors(b: Batch, tensors) -> Batch:
+    """b with its tensors replaced, in batch_tensors' order."""
+    it = iter(tensors)
+    inputs, targets, cu_seqlens, bigram_ids = (next(it) for _ in range(4))
+    doc_ids = next(it) if b.doc_ids is not None else None
+    block_masks = {key: BlockMaskIndices(*(next(it) for _ in BlockMaskIndices._fields))
+                   for key in sorted(b.block_masks)} if b.block_masks else None
+    return Batch(inputs, targets, cu_seqlens, bigram_ids, b.mask_spec, doc_ids, block_masks, b.max_doc_len)
+
+def staged_bytes(b: Batch) -> int:
+    """Bytes of b's staged buffer (a multiple of STAGE_ALIGN)."""
+    return sum(map(_staged_bytes, batch_tensors(b)))
+
+def stage_batch(b: Batch, into: torch.Tensor | None = None) -> Batch:
+    """b with its tensors packed into one pinned host buffer, so that to(device) is one copy (the loader's
+    thread does it). into: a uint8 buffer of staged_bytes(b) to pack into instead."""
+    staged = into if into is not None else torch.empty(staged_bytes(b), dtype=torch.uint8,
+                                                       pin_memory=torch.cuda.is_available())
+    for view, t in zip(batch_tensors(unstage(b, staged)), batch_tensors(b)):
+        view.copy_(t)
+    return dataclasses.replace(b, staged=staged)
+
+def unstage(b: Batch, staged: torch.Tensor) -> Batch:
+    """b's tensors as views of `staged` (stage_batch's layout): a view per dtype, an as_strided each."""
+    views, typed, start = [], {}, 0
+    for t in batch_tensors(b):
+        if t.dtype not in typed:  # the buffer's length is a multiple of STAGE_ALIGN: any dtype divides it
+            typed[t.dtype] = staged.view(t.dtype)
+        strides = [math.prod(t.shape[d + 1:]) for d in range(t.dim())]  # contiguous
+        base = typed[t.dtype]  # as_strided counts from the storage's start: a slice's own offset first
+        views.append(base.as_strided(t.shape, strides, base.storage_offset() + start // t.element_size()))
+        start += _staged_bytes(t)
+    return batch_with_tensors(b, views)
+
+def step_slices(batches: list[Batch], **buffer_kw) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """One uint8 buffer (torch.empty's buffer_kw) for every batch's staged bytes back to back, and each
+    batch's slice of it: the layout stage_step packs on the host and StepGraphs copies into on the device."""
+    sizes = [staged_bytes(b) for b in batches]
+    buf = torch.empty(sum(sizes), dtype=torch.uint8, **buffer_kw)
+    starts = np.cumsum([0, *sizes]).tolist()
+    return buf, [buf[a:a + n] for a, n in zip(starts, sizes)]
+
+def stage_step(batches: list[Batch]) -> list[Batch]:
+    """A step's micro-batches staged into consecutive slices of one pinned buffer (StepGraphs copies it whole)."""
+    _, parts = step_slices(batches, pin_memory=torch.cuda.is_available())
+    return [stage_batch(b, part) for b, part in zip(batches, parts)]
 
 def max_docs_for(num_tokens: int) -> int:
     """Document-boundary capacity of T tokens (a static shape); rare extra documents merge into the last."""
@@ -1961,6 +3473,11 @@ class DocumentLoader:
         self.shard, self.doc = state["shard"], state["doc"]
         self._open(self.shard)
 
+def _check_same_shards(saved: list, files: list) -> None:
+    if saved != list(files):
+        raise SystemExit(f"error: the checkpoint was written with other training shards ({len(saved)} "
+                         f"files starting {saved[:1]}); resume with the same --train_files")
+
 def validation_batches(pattern: str, num_tokens: int, seq_len: int, bigram_vocab_size: int,
                        rank: int, world_size: int) -> list[Batch]:
     """The val shards' first num_tokens tokens in seq_len sequences dealt round-robin to ranks (any world size)."""
@@ -1975,6 +3492,17 @@ def validation_batches(pattern: str, num_tokens: int, seq_len: int, bigram_vocab
     _check_val_stream(num_tokens, len(stream), pattern)
     return [make_batch(stream[i * seq_len:(i + 1) * seq_len + 1], bigram_vocab_size)
             for i in range(rank, num_tokens // seq_len, world_size)]
+
+def _check_val_tokens(num_tokens: int, seq_len: int) -> None:
+    if num_tokens % seq_len:
+        raise SystemExit(f"error: --val_tokens {num_tokens} must be a multiple of the validation sequence length"
+                         f" {seq_len}")
+
+def _check_val_stream(num_tokens: int, have: int, pattern: str) -> None:
+    """have: the tokens read from the val shards."""
+    if have < num_tokens + 1:
+        raise SystemExit(f"error: --val_tokens {num_tokens} needs {num_tokens + 1} tokens but the val shards"
+                         f" {pattern!r} hold {have}; lower --val_tokens")
 
 # ----------------------------------------------------------------------------------------------
 # Schedule: what every step runs with
@@ -2069,14 +3597,20 @@ def grad_accum_steps(args: Hyperparameters, world_size: int) -> int:
     """Accumulation steps per rank, so that the global batch is the same for any world size."""
     return max(1, -(-args.micro_batches // world_size))
 
+def check_batch_split(args: Hyperparameters, world_size: int) -> int:
+    """grad_accum_steps, or a start-up error where a stage's batch does not split into ranks x accumulation steps."""
+    accum = grad_accum_steps(args, world_size)
+    slots = world_size * accum
+    for tokens in (row.batch_tokens for row in args.stages):
+        if tokens % slots:
+            raise SystemExit(f"error: the global batch of {tokens} tokens (--stage_batch_tokens) does not split into "
+                             f"{world_size} ranks x {accum} accumulation steps; use a world size that divides "
+                             f"{args.micro_batches} or batch sizes divisible by {slots}")
+    return accum
+
 # ----------------------------------------------------------------------------------------------
 # Training: optimizer wiring, logging, evaluation, the loop
 # ----------------------------------------------------------------------------------------------
-
-# The ablation flags' changes of the per-label configs, (args, configs) -> configs, and each
-# --matrix_optimizer's NorMuon beta2: filled below the fence; the record's flags change nothing.
-CONFIG_CHANGES: list = []
-NORMUON_BETA2_OF = {"normuon": NORMUON_BETA2}
 
 def optimizer_configs(args: Hyperparameters, model: "GPT") -> dict[str, ParamConfig]:
     """Per-label optimizer settings: PARAM_TABLE's rows, then CONFIG_CHANGES."""
@@ -2099,6 +3633,47 @@ def build_optimizer(args: Hyperparameters, model: "GPT", device: torch.device,
                        tied=("embed", "lm_head"), ownership=args.bank_ownership,
                        compile=args.compile and device.type == "cuda", comm=comm)
 
+def _check_matrix_optimizer(name: str) -> None:
+    if name not in NORMUON_BETA2_OF:
+        raise ValueError(f"--matrix_optimizer {name!r} is not one of {', '.join(NORMUON_BETA2_OF)}")
+
+# ---- Ablations of the optimizer: the banks' optimizer, switched-off components ---------------
+
+# matrix_optimizer='adamw' runs the banks through the recipe's Adam (cautious decay) on every step, at
+# AdamW-like settings: adamw_bank_lr_mul x the embeddings' learning rate (a quarter, 0.002, by default;
+# hidden matrices want much smaller Adam steps than embedding rows) and decoupled decay of 0.1 x lr.
+ADAMW_BANK_DECAY = 0.1
+ADAMW_BANK_BETAS = (0.9, 0.95)
+
+def adamw_bank_configs(args: Hyperparameters, configs: dict[str, ParamConfig]) -> dict[str, ParamConfig]:
+    """--matrix_optimizer adamw: the banks move to Adam, stepping on every step."""
+    if args.matrix_optimizer != "adamw":
+        return configs
+    # Adam's decay is (lr * lr_mul)^2 * adam_wd * wd_mul: pick wd_mul so that it equals
+    # ADAMW_BANK_DECAY times the bank's learning rate at the base lr.
+    bank_lr = args.adam_lr * args.adamw_bank_lr_mul
+    wd_mul = ADAMW_BANK_DECAY / (bank_lr * args.adam_wd) if bank_lr * args.adam_wd > 0 else 0.0
+    return {**configs, **{label: ParamConfig("adam", "sharded", lr_mul=args.adamw_bank_lr_mul, wd_mul=wd_mul,
+                                             betas=ADAMW_BANK_BETAS, every_step=True)
+                          for label in ("qk_bank", "vo_bank", "mlp_bank")}}
+
+def switched_off_configs(args: Hyperparameters, configs: dict[str, ParamConfig]) -> dict[str, ParamConfig]:
+    """Parameters of a switched-off component get lr and decay multipliers of 0 (they receive no
+    gradient and must not drift)."""
+    off = {"value_embeds": not args.value_embeds, "ve_gate_bank": not args.value_embeds,
+           "bigram_embed": not args.bigram_embed, "smear_gate": not args.smear,
+           **{label: not args.mudd for label in ("mudd_w1", "mudd_w2", "mudd_gate_w1", "mudd_gate_w2")}}
+    return {label: dataclasses.replace(cfg, lr_mul=0.0, wd_mul=0.0) if off.get(label) else cfg
+            for label, cfg in configs.items()}
+
+# The ablation flags' changes of the per-label configs, (args, configs) -> configs (the record's flags
+# change nothing), and each --matrix_optimizer's NorMuon beta2. Plain Muon is NorMuon with beta2 = 1: the
+# second moment never leaves its zero start, so the per-neuron scale is one constant that the Frobenius
+# renormalisation cancels exactly.
+CONFIG_CHANGES = (adamw_bank_configs, switched_off_configs)
+NORMUON_BETA2_OF = {"normuon": NORMUON_BETA2, "muon": 1.0, "adamw": NORMUON_BETA2}
+MATRIX_OPTIMIZERS = tuple(NORMUON_BETA2_OF)
+
 class RunLog:
     """What rank 0 reports: logs/<run_id>.txt (both source files, versions, hardware, hyperparameters, then
     the record's lines, each flushed: a crash keeps everything up to it) and a self-rewriting console line."""
@@ -2117,7 +3692,7 @@ class RunLog:
         import triton
         self.write(f"==== environment ====\npython {platform.python_version()} torch {torch.__version__} "
                    f"triton {triton.__version__} numpy {np.__version__}")
-        self.write(hardware_line(d))  # GPUs or CPUs (below the fence)
+        self.write(hardware_line(d))  # GPUs or CPUs
         for line in notes:
             self.note(line)
         self.write("==== hyperparameters ====")
@@ -2178,1620 +3753,32 @@ def forward_backward(model_fn, opt: NorMuonAdam, batches: list[Batch], plan: Ste
     training objective times grad_scale, summed next-token loss), 0-D tensors; nothing here waits for the GPU."""
     begin_step(opt, batches, plan, mtp, prefix)
     loss, next_token = torch.zeros((), device=device), torch.zeros((), device=device)
+    # The last backward launches each gradient's reduction as soon as that gradient is final.
+    micro_batches_forward_backward(model_fn, batches, mtp, prefix, grad_scale, device, loss, next_token,
+                                   last_backward=lambda: reductions_on_backward(opt, plan.do_adam))
+    return loss, next_token
+
+def micro_batches_forward_backward(model_fn, batches: list[Batch], mtp: torch.Tensor, prefix: torch.Tensor,
+                                   grad_scale: float, device: torch.device, loss: torch.Tensor,
+                                   next_token: torch.Tensor, last_backward=contextlib.nullcontext) -> None:
+    """The forward and backward of every micro-batch, the one loop forward_backward and the step graphs
+    (StepGraphs, which capture it) run: objective and next-token loss added into the 0-D tensors loss and
+    next_token, gradients into .grad; last_backward() wraps the last micro-batch's backward."""
     for i, b in enumerate(batches):
         b = b.to(device)
         masks = model_fn.batch_masks(b)  # outside the compiled graph; built by the loader when it could
         micro, micro_next_token = model_fn(b.inputs, b.targets, b.cu_seqlens, b.bigram_ids, mtp_weights=mtp,
                                            loss_scale=grad_scale, prefix_weight=prefix, masks=masks)
-        # The last backward launches each gradient's reduction as soon as that gradient is final.
-        last = i == len(batches) - 1
-        with reductions_on_backward(opt, plan.do_adam) if last else contextlib.nullcontext():
+        with last_backward() if i == len(batches) - 1 else contextlib.nullcontext():
             micro.backward()
         loss += micro.detach()
         next_token += micro_next_token
-    return loss, next_token
 
 def compile_model(model: nn.Module):
     """The model compiled whole (fullgraph: a graph break is an error), one graph per shape: the record
     raises dynamo's recompile limit to 64, every schedule variant being a graph of its own."""
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     return torch.compile(model, dynamic=False, fullgraph=True)
-
-class Trainer:
-    """The step train() runs (the benchmarks and the GPU check time it), with what it needs built once:
-    the compiled model, optimizer, loader, the loss weights' device buffers and, on CUDA, the step graphs."""
-
-    def __init__(self, args: Hyperparameters, d: DistInfo, model: "GPT", opt: NorMuonAdam, loader: DocumentLoader):
-        self.args, self.d, self.model, self.opt, self.loader = args, d, model, opt, loader
-        self.model_fn = compile_model(model) if args.compile else model
-        self.accum = grad_accum_steps(args, d.world_size)  # train() checked the split
-        self.slots = d.world_size * self.accum
-        self.total = total_steps(args)
-        self.fp8 = args.fp8 and _native_fp8(d.device)
-        self.grad_scale = grad_scale_for(args, d.world_size)
-        self.mtp = torch.zeros(len(args.stages[0].mtp_start), dtype=torch.float32, device=d.device)
-        self.prefix = torch.zeros((), dtype=torch.float32, device=d.device)
-        self.graphs = step_graphs(self)  # record #92's CUDA graphs where --cuda_graphs applies (below the fence)
-        self.windows = None
-        self.batches: list[Batch] = []
-
-    def validate(self, step: int, batches: list[Batch]) -> float:
-        """evaluate() with step `step`'s windows; after the last step the record's final validation's:
-        wider windows, YaRN kept at the extension's."""
-        if step < self.total:
-            self.set_windows(plan_step(self.args, step).windows)
-        else:
-            self.set_windows(self.args.final_val_windows, plan_step(self.args, self.total - 1).windows[1])
-        return evaluate(self.model_fn, batches, self.d.device)
-
-    def set_windows(self, windows: tuple, yarn: int | None = None) -> None:
-        """The model's windows; the YaRN update runs only when the windows actually change."""
-        if (windows, yarn) != self.windows:
-            self.model.set_windows(*windows, yarn_blocks=yarn)
-            self.windows = (windows, yarn)
-
-    def step(self, step: int, plan: StepPlan | None = None, next_step: int | None = None,
-             warm_up: bool = False) -> tuple[StepPlan, torch.Tensor]:
-        """One training step (plan: plan_step(step) unless given), then the untie right after the last
-        tied step (the record's) and the FP8 weights' re-quantisation; the loader builds step
-        `next_step`'s batches (default step + 1) on its thread meanwhile. warm_up: the untimed warm-up,
-        where the step graphs are captured. Returns the plan and this rank's (mean next-token loss, mean
-        objective) per token, a device tensor: nothing here waits for the GPU."""
-        args, d, graphs = self.args, self.d, self.graphs
-        plan = plan or plan_step(args, step)
-        self.set_windows(plan.windows)
-        request = batch_request(args, plan, self.slots, d.device)
-        batches = self.loader.next_step(*request)
-        next_step = step + 1 if next_step is None else next_step
-        # not while a warm-up step may capture a graph: the warm-up's next step is rarely its successor
-        if next_step < self.total and not (warm_up and graphs is not None):
-            self.loader.look_ahead(*batch_request(args, plan_step(args, next_step), self.slots, d.device))
-        if graphs is not None:  # the warm-up captures each key's graph (and checks it against the uncaptured step)
-            objective, next_token = graphs.step(batches, plan, step_graph_key(plan, request, self.accum), capture=warm_up)
-        else:
-            objective, next_token = forward_backward(self.model_fn, self.opt, batches, plan, self.mtp, self.prefix,
-                                                     self.grad_scale, d.device)
-        self.opt.step(plan.do_adam, lr_scale=plan.lr_mult, momentum=plan.momentum)
-        if step == untie_step(args) and self.opt.tied:  # (a benchmark may have untied already)
-            self.opt.untie()
-        self.batches = batches  # the benchmarks count the step's documents
-        if self.fp8:  # after the optimizer step (the record's per-step order), for the next forward
-            self.model.quantize_fp8(bootstrap=step < FP8_BOOTSTRAP_STEPS)
-        tokens = plan.batch_tokens / d.world_size  # means per token of this rank's batch (no collective)
-        return plan, torch.stack([next_token / tokens, objective / (self.grad_scale * tokens)])
-
-    def warm_up(self, val_batch: list[Batch], prefix_table: torch.Tensor) -> list[str]:
-        """Compile every graph the run needs (each stage, both Adam parities, untied, evaluation) and capture
-        the step graphs on real batches, then restore model, optimizer and loader. Returns the log's notes."""
-        args, model, opt, loader = self.args, self.model, self.opt, self.loader
-        saved_model = {k: v.clone() for k, v in model.state_dict().items()}
-        saved_opt, saved_loader = opt.state_dict(), loader.state_dict()
-        model.prefix_table.copy_(prefix_table)  # as in the timed steps
-        notes = []
-        for step in warmup_steps(args):
-            self.validate(step, val_batch)
-            self.step(step, warm_up=True)
-            self.graphs = graphs_kept(self.graphs, notes)  # off for the run after a failed capture (below the fence)
-        self.validate(self.total, val_batch)  # a graph of its own where a kernel takes the window as a number
-        model.load_state_dict(saved_model)
-        model.prefix_table.fill_(-1)  # not in the state dict; the timed run builds it again
-        model.zero_grad(set_to_none=True)  # Adam gradients of an even last warm-up step must not leak in
-        self.windows = None  # the restored buffers hold the initial windows again
-        opt.load_state_dict(saved_opt)
-        loader.load_state_dict(saved_loader)
-        return notes + graphs_captured_notes(self.graphs)
-
-def train(args: Hyperparameters, d: DistInfo) -> float:
-    """The whole run; returns the final validation loss."""
-    import time
-    import uuid
-    run_id = [args.run_id or str(uuid.uuid4())]
-    if dist.is_initialized():
-        dist.broadcast_object_list(run_id, src=0)
-    run_id = run_id[0]
-    check_batch_split(args, d.world_size)
-
-    dtype, dtype_note = compute_dtype(args, d)
-    torch.manual_seed(args.seed)
-    try:  # model and optimizer validate their configuration: a bad flag is one line, before any log
-        model = GPT(args, d.world_size, dtype=dtype).to(d.device)
-        opt = build_optimizer(args, model, d.device)
-    except ValueError as e:
-        raise SystemExit(f"error: {e}") from None
-    if dist.is_initialized():
-        for p in model.parameters():
-            dist.broadcast(p.data, src=0)
-    if args.fp8 and _native_fp8(d.device):  # step 0's forward reads the e4m3 weights: quantised before the
-        model.quantize_fp8(bootstrap=True)  # warm-up's snapshot, so that its reset brings them back too
-    log = RunLog(args, run_id, d, notes=[dtype_note] if dtype_note else [])
-    loader = DocumentLoader(args.train_files, args.bigram_vocab_size, d.rank, d.world_size, d.device)
-    val_batches = validation_batches(args.val_files, args.val_tokens, min(args.val_seq_len, args.val_tokens),
-                                     args.bigram_vocab_size, d.rank, d.world_size)
-    encoding = gpt2_encoding()  # read before the clock; the prefix table built from it is timed (below)
-    start_step = resume_step(args, d, model, opt, loader)  # 0 unless --resume (below the fence)
-
-    trainer = Trainer(args, d, model, opt, loader)
-    total = trainer.total
-    if args.compile:
-        t = time.perf_counter()
-        for note in trainer.warm_up(val_batches[:1], build_prefix_table(encoding, args.padded_vocab_size)):
-            log.note(note)
-        log.show(f"compile warm-up: {len(warmup_steps(args))} steps in {time.perf_counter() - t:.0f}s", final=True)
-
-    compiled_before = compile_counts()  # what the timed run compiles on top of the warm-up: nothing, ideally
-    cuda_synchronize(d.device)
-    train_ms, t0, val_loss = 0.0, time.perf_counter(), float("nan")
-    # the record's order: the clock starts, then the prefix table is built, timed
-    model.prefix_table.copy_(build_prefix_table(encoding, args.padded_vocab_size))
-    pending = None  # (step, losses, train_ms, steps timed): losses are read a step late, the host never waits
-    cumulative_tokens = schedule_tokens(args)
-
-    def report(now: tuple | None = None) -> None:
-        """The pending step's log line: train_loss, this rank's mean next-token loss per token (evaluation's
-        measure, on the step's batch), and objective, the mean per token of the weighted loss trained on;
-        given now = (steps done, train ms), the console's line too."""
-        nonlocal pending
-        if pending is None:
-            return
-        (step, losses, step_ms, timed), pending = pending, None
-        train_loss, objective = losses.tolist()
-        _check_finite("training loss", (objective, train_loss), step, log.path)
-        log.write(f"step:{step + 1}/{total} train_time:{step_ms:.0f}ms step_avg:{step_ms / timed:.2f}ms "
-                  f"train_loss:{train_loss:.4f} objective:{objective:.4f}")
-        if now is not None:
-            done, now_ms = now
-            tokens = cumulative_tokens[done] - cumulative_tokens[start_step]
-            log.show(f"step {step + 1}/{total}  train_loss {train_loss:.4f}  objective {objective:.4f}  "
-                     f"{tokens / max(1e-9, now_ms / 1000):,.0f} tok/s  "
-                     f"eta {eta_seconds(cumulative_tokens, start_step, done, now_ms):.0f}s")
-
-    with RunCheckpoints(args, d, run_id, start_step, model, opt, loader, log) as checkpoints:
-        for step in range(start_step, total + 1):
-            last = step == total
-            if last or (args.val_loss_every and step % args.val_loss_every == 0):
-                cuda_synchronize(d.device)
-                train_ms += 1000 * (time.perf_counter() - t0)
-                report()
-                val_loss = trainer.validate(step, val_batches)
-                log.write(f"step:{step}/{total} val_loss:{val_loss:.4f} train_time:{train_ms:.0f}ms "
-                          f"step_avg:{train_ms / max(1, step - start_step):.2f}ms")
-                log.show(f"step {step}/{total}  val_loss {val_loss:.4f}  train_time {train_ms / 1000:.1f}s", final=True)
-                _check_finite("validation loss", (val_loss,), step, log.path)
-                cuda_synchronize(d.device)
-                t0 = time.perf_counter()
-            t0 += checkpoints.between_steps(step, report)  # --save_every, signals; saving is not training time
-            if last:
-                break
-            _, losses = trainer.step(step)
-            now_ms = train_ms + 1000 * (time.perf_counter() - t0)
-            report(now=(step + 1, now_ms))  # the previous step's: its kernels are done by now or nearly
-            pending = (step, losses, now_ms, step + 1 - start_step)
-    if args.compile:
-        log.write(compile_report(compiled_before))  # below the fence
-    log.write(peak_memory(d.device))  # the record's line on GPUs (below the fence)
-    if d.is_master:
-        print(f"final val_loss {val_loss:.4f}, train_time {train_ms / 1000:.1f}s, log {log.path}")
-        if args.sample_tokens:
-            print(sample_after_training(model, args, d.device))  # below the fence
-    return val_loss
-
-# ----------------------------------------------------------------------------------------------
-# main
-# ----------------------------------------------------------------------------------------------
-
-def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
-    check_args(args, int(os.environ.get("WORLD_SIZE", 1)))
-    d = setup_distributed()
-    try:
-        train(args, d)
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-# ----------------------------------------------------------------------------------------------
-# What the record does not run
-# ----------------------------------------------------------------------------------------------
-
-# Record #89 runs none of the code below; the speedrun above reaches it only through the tables this part
-# fills (ORTHOGONALIZERS, ATTENTION_MASKS, ATTEND, HEAD_LOSSES, EVALUATION_CE, CONFIG_CHANGES,
-# NORMUON_BETA2_OF, OWNERSHIPS, START_MASKS, UNCOMPILED_UPDATES, and fp8_mlp's CPU kernel) and one-line
-# hand-offs: switch_off_components, the argument and start-up checks, the tokenizer, the checkpoints, the
-# pinned staging of a batch (the record copies each tensor), the step graphs (record #92's CUDA graphs, on
-# by default on CUDA: the same numbers), the reductions launched from backward hooks (the uncaptured
-# step's), the attention kernels' choice, the log's hardware, compile and peak-memory lines. In the first
-# part's order: the recipe's ablations, presets, command line and knob ranges; FP8 beyond the record's two
-# ops, and the FP8 ops on a CPU; the alternative orthogonalizers (Gram Newton-Schulz, tensor-parallel);
-# the optimizer's CPU Adam, balanced ownership, SimulatedComm (one rank of a larger world in one process),
-# QK-Clip and hook-launched reductions; the model's CPU dtype, attention and head, torch's varlen
-# attention and the GPU paths off the record's; data (tokenizer, staging, sampling, shard writing);
-# training's CUDA graphs, checkpoints, resume and train_step; last, the argument checks of the first
-# part's functions.
-
-# ---- Ablations (--ablate): each switches one component off by editing rows -------------------
-
-def _layers_with(args: Hyperparameters, **fields) -> Hyperparameters:
-    """args with the fields set on every attention row (skip rows have nothing to switch off)."""
-    return dataclasses.replace(args, layers=tuple(
-        row if row.attention == "none" else dataclasses.replace(row, **fields) for row in args.layers))
-
-def _fixed_windows(args: Hyperparameters) -> Hyperparameters:
-    """The last scheduled stage's windows from step 0 to the end (final validation too), at the YaRN
-    reference itself: no YaRN step ever."""
-    last = args.stages[-2].windows
-    return dataclasses.replace(args, stages=restaged(args.stages, windows=(last,) * len(args.stages)),
-                               windows_init=last, final_val_windows=last)
-
-ABLATIONS = {
-    "xsa": lambda a: _layers_with(a, xsa=False),
-    "attn_gates": lambda a: _layers_with(a, gate=False),
-    "dc": lambda a: _layers_with(a, dc=False),
-    "key_offset": lambda a: _layers_with(a, key_offset=False),
-    "from_h": lambda a: _layers_with(a, input="x"),
-    "paired_heads": lambda a: dataclasses.replace(a, layers=tuple(
-        dataclasses.replace(r, attention="plain") if r.attention == "paired" else r for r in a.layers)),
-    "mtp": lambda a: dataclasses.replace(a, stages=tuple(  # the next-token term only
-        dataclasses.replace(r, mtp_start=r.mtp_start[:1], mtp_end=r.mtp_end[:1]) for r in a.stages)),
-    "prefix_loss": lambda a: dataclasses.replace(a, stages=tuple(
-        dataclasses.replace(r, prefix_start=0.0, prefix_end=0.0) for r in a.stages)),
-    "window_schedule": _fixed_windows,
-}
-
-def ablated(args: Hyperparameters, names) -> Hyperparameters:
-    """args with the named ABLATIONS applied in order (--ablate xsa,dc)."""
-    for name in names:
-        if name not in ABLATIONS:
-            raise ValueError(f"--ablate {name!r} is not one of {', '.join(ABLATIONS)}")
-        args = ABLATIONS[name](args)
-    return args
-
-# ---- Ablations of the model: components switched off ------------------------------------------
-
-# Each switch (a Hyperparameters field) puts a neutral stand-in in place of a GPT method: zeros where the
-# forward adds the component (x + 0 is x, to the bit), the identity where it transforms. The component's
-# parameters stay in the model (checkpoints keep one layout), unread or multiplied by zero, and frozen
-# by switched_off_configs. "bigram_embed" comes after "bigram_signs": with both off, zeros.
-def _zero_value_embeddings(model: GPT, ids: torch.Tensor) -> list[torch.Tensor]:
-    return [model.embed.new_zeros(ids.numel(), model.args.model_dim)] * model.value_embeds.shape[0]
-
-def _unsigned_bigram_features(model: GPT, ids: torch.Tensor, bigram_ids: torch.Tensor) -> torch.Tensor:
-    return F.embedding(bigram_ids.view(-1), model.bigram_embed)
-
-def _zero_bigram_features(model: GPT, ids: torch.Tensor, bigram_ids: torch.Tensor) -> torch.Tensor:
-    return model.embed.new_zeros(ids.numel(), model.args.model_dim)
-
-def _constant_mudd_mlp(model: GPT, x: torch.Tensor, w1, w2, b2: torch.Tensor, scale) -> torch.Tensor:
-    """--mudd false: the learned constants b2 * scale, the same for every token."""
-    return (b2 * scale).expand(x.shape[0], b2.shape[0])
-
-SWITCHED_OFF = {  # switch: (the GPT method it replaces, the stand-in)
-    "value_embeds": ("value_embeddings", _zero_value_embeddings),
-    "bigram_signs": ("bigram_features", _unsigned_bigram_features),
-    "bigram_embed": ("bigram_features", _zero_bigram_features),
-    "smear": ("smear", lambda model, e: e),
-    "unet_skip": ("unet_skip", lambda model, x, gate, skip_src: x),
-    "backout": ("post_loop", lambda model, x, *sources: x),
-    "mudd": ("_mudd_mlp", _constant_mudd_mlp),
-}
-
-def switch_off_components(model: GPT) -> None:
-    """The stand-in of every component whose switch is off, bound to the model."""
-    for switch, (method, stand_in) in SWITCHED_OFF.items():
-        if not getattr(model.args, switch):
-            setattr(model, method, types.MethodType(stand_in, model))
-
-# ---- Ablations of the optimizer: the banks' optimizer, switched-off components ---------------
-
-# matrix_optimizer='adamw' runs the banks through the recipe's Adam (cautious decay) on every step, at
-# AdamW-like settings: adamw_bank_lr_mul x the embeddings' learning rate (a quarter, 0.002, by default;
-# hidden matrices want much smaller Adam steps than embedding rows) and decoupled decay of 0.1 x lr.
-ADAMW_BANK_DECAY = 0.1
-ADAMW_BANK_BETAS = (0.9, 0.95)
-# Plain Muon is NorMuon with beta2 = 1: the second moment never leaves its zero start, so the
-# per-neuron scale is one constant that the Frobenius renormalisation cancels exactly.
-NORMUON_BETA2_OF.update(muon=1.0, adamw=NORMUON_BETA2)
-MATRIX_OPTIMIZERS = tuple(NORMUON_BETA2_OF)
-
-def adamw_bank_configs(args: Hyperparameters, configs: dict[str, ParamConfig]) -> dict[str, ParamConfig]:
-    """--matrix_optimizer adamw: the banks move to Adam, stepping on every step."""
-    if args.matrix_optimizer != "adamw":
-        return configs
-    # Adam's decay is (lr * lr_mul)^2 * adam_wd * wd_mul: pick wd_mul so that it equals
-    # ADAMW_BANK_DECAY times the bank's learning rate at the base lr.
-    bank_lr = args.adam_lr * args.adamw_bank_lr_mul
-    wd_mul = ADAMW_BANK_DECAY / (bank_lr * args.adam_wd) if bank_lr * args.adam_wd > 0 else 0.0
-    return {**configs, **{label: ParamConfig("adam", "sharded", lr_mul=args.adamw_bank_lr_mul, wd_mul=wd_mul,
-                                             betas=ADAMW_BANK_BETAS, every_step=True)
-                          for label in ("qk_bank", "vo_bank", "mlp_bank")}}
-
-def switched_off_configs(args: Hyperparameters, configs: dict[str, ParamConfig]) -> dict[str, ParamConfig]:
-    """Parameters of a switched-off component get lr and decay multipliers of 0 (they receive no
-    gradient and must not drift)."""
-    off = {"value_embeds": not args.value_embeds, "ve_gate_bank": not args.value_embeds,
-           "bigram_embed": not args.bigram_embed, "smear_gate": not args.smear,
-           **{label: not args.mudd for label in ("mudd_w1", "mudd_w2", "mudd_gate_w1", "mudd_gate_w2")}}
-    return {label: dataclasses.replace(cfg, lr_mul=0.0, wd_mul=0.0) if off.get(label) else cfg
-            for label, cfg in configs.items()}
-
-CONFIG_CHANGES.extend([adamw_bank_configs, switched_off_configs])
-
-# ---- The command line: --layers words, --stage_<column> columns ------------------------------
-
-# --layers takes the rows as words, one string a row: "attn long offset ve gate dc from_h mudd".
-LAYER_WORDS = {
-    "attn": ("attention", "plain"), "paired": ("attention", "paired"), "skip": ("attention", "none"),
-    "short": ("window", "short"), "long": ("window", "long"), "ve": ("value_embed", True), "xsa": ("xsa", True),
-    "gate": ("gate", True), "dc": ("dc", True), "offset": ("key_offset", True), "from_h": ("input", "h"),
-    "mudd": ("mudd", True), "save_skip": ("save_skip", True), "save_h": ("save_h", True),
-    "post_gates": ("post_gates", True),
-}
-
-def layer_words(row: Layer) -> str:
-    """The row in --layers words: 'attn long ve gate dc offset from_h mudd'."""
-    return " ".join(word for word, (name, value) in LAYER_WORDS.items() if getattr(row, name) == value)
-
-def layers_from_words(rows) -> tuple:
-    """--layers' strings as Layer rows (check_layers checks them)."""
-    if not isinstance(rows, (tuple, list)) or not rows or not all(isinstance(r, str) for r in rows):
-        raise ValueError(f"--layers must be a non-empty tuple of strings (one row per layer), got {rows!r}")
-    layers = []
-    for i, row in enumerate(rows):
-        unknown = [w for w in row.split() if w not in LAYER_WORDS]
-        if unknown:
-            raise ValueError(f"--layers row {i} ({row!r}): unknown word(s) {unknown}; known: {', '.join(LAYER_WORDS)}")
-        fields = {}
-        for word in row.split():
-            name, value = LAYER_WORDS[word]
-            if name in fields and fields[name] != value:
-                raise ValueError(f"--layers row {i} ({row!r}): more than one {name} ({fields[name]!r}, {value!r})")
-            fields[name] = value
-        if "attention" not in fields:
-            raise ValueError(f"--layers row {i} ({row!r}): needs exactly one of attn, paired, skip")
-        layers.append(Layer(**fields))
-    return tuple(layers)
-
-def restaged(stages: tuple, **columns) -> tuple:
-    """The rows with whole columns replaced, one value per row: restaged(STAGES, batch_tokens=(...))."""
-    for name, values in columns.items():
-        if len(values) != len(stages):
-            raise ValueError(f"--stage_{name} needs {len(stages)} values (one per stage, extension included),"
-                             f" got {len(values)}")
-    return tuple(dataclasses.replace(row, **{name: values[i] for name, values in columns.items()})
-                 for i, row in enumerate(stages))
-
-_STAGE_COLUMNS = [f.name for f in dataclasses.fields(Stage)]
-_ROW_FIELDS = ("stages", "layers")  # set through --stage_<column> and --layers, not whole
-
-# ---- Presets: "demo" trains on a CPU in minutes, "test" is tiny --------------------------------
-
-PRESETS: dict[str, dict] = {  # --preset: the speedrun's is the defaults
-    "speedrun": {},
-    "demo": dict(
-        train_files="data/tinyshakespeare/tinyshakespeare_train_*.bin",
-        val_files="data/tinyshakespeare/tinyshakespeare_val_*.bin",
-        val_tokens=32_768,
-        # width 128: the 50,304-wide LM head is most of a CPU step, and at width 256 an fp32 step (CPUs
-        # without fast bf16) took ~2.3x as long for the same final loss
-        model_dim=128, num_heads=2, head_dim=64, mlp_hidden=512,
-        bigram_vocab_size=20_011,
-        layers=layers_from_words(("paired short", "attn short ve xsa save_skip",
-                                  "attn long offset xsa gate post_gates", "skip save_h", "paired short ve from_h",
-                                  "attn long offset ve gate dc from_h mudd")),
-        mudd_hidden=32, dc_window=56, window_block_size=64,
-        num_iterations=75, extension_iterations=3,
-        stages=restaged(STAGES, batch_tokens=(4_096, 8_192, 12_288, 12_288), max_doc_len=(512, 1024, 1024, 1024)),
-        val_seq_len=1024, val_loss_every=25,
-        # 78 steps give Adam 39 updates: the speedrun's rates (tuned for 1285 steps) leave the embedding
-        # tables undertrained. Measured on this demo at 63 steps: Adam 0.024 / 0.032 / 0.045 -> val 5.15 /
-        # 4.99 / 5.34, NorMuon 0.05 4.99
-        muon_lr=0.035, adam_lr=0.032,
-        compile=False,  # inductor's CPU compile of every graph would take most of the demo's budget
-        sample_tokens=48,
-    ),
-    "test": dict(
-        train_files="data/tinyshakespeare/tinyshakespeare_train_*.bin",
-        val_files="data/tinyshakespeare/tinyshakespeare_val_*.bin",
-        model_dim=64, num_heads=2, head_dim=32, mlp_hidden=256,
-        bigram_vocab_size=4_001,
-        layers=layers_from_words(("paired short save_skip", "attn long offset ve xsa gate post_gates", "skip save_h",
-                                  "attn long offset ve gate dc from_h mudd")),
-        mudd_hidden=16, dc_window=14, window_block_size=16,
-        num_iterations=6, extension_iterations=1, micro_batches=4,
-        stages=restaged(STAGES, batch_tokens=(512, 1024, 1536, 1536), max_doc_len=(64, 128, 128, 128)),
-        val_tokens=2048, val_seq_len=512, val_loss_every=3,
-    ),
-}
-
-# ---- Flag parsing and validation -------------------------------------------------------------
-
-def _parse_value(name: str, text: str, default):
-    """Parse a command-line value into the type of the field's default."""
-    try:
-        if isinstance(default, bool):
-            if text.lower() in ("1", "true", "yes", "on"):
-                return True
-            if text.lower() in ("0", "false", "no", "off"):
-                return False
-            raise ValueError
-        if isinstance(default, tuple):
-            import ast
-            value = ast.literal_eval(text)
-            value = tuple(value) if isinstance(value, (list, tuple)) else (value,)
-            return tuple(tuple(v) if isinstance(v, list) else v for v in value)
-        return type(default)(text)
-    except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
-        kind = "true/false" if isinstance(default, bool) else type(default).__name__
-        raise SystemExit(f"error: --{name} {text!r} is not a valid {kind} (default: {default!r})")
-
-def parse_args(argv: list[str] | None = None) -> Hyperparameters:
-    """`--preset NAME`, then `--field value` for any Hyperparameters field, `--stage_<column>` with one
-    value per stage row, `--layers` as words, and `--ablate` names (applied last)."""
-    defaults = Hyperparameters()
-    parser = argparse.ArgumentParser(
-        description="Speedrun GPT training. Any hyperparameter can be overridden: --field value.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--preset", default="speedrun", choices=sorted(PRESETS),
-                        help="base configuration the overrides apply to")
-    for f in dataclasses.fields(Hyperparameters):
-        if f.name not in _ROW_FIELDS:
-            parser.add_argument(f"--{f.name}", default=None, metavar=type(getattr(defaults, f.name)).__name__.upper(),
-                                help=f"(speedrun default: {getattr(defaults, f.name)!r})")
-    for name in _STAGE_COLUMNS:
-        parser.add_argument(f"--stage_{name}", default=None, metavar="TUPLE",
-                            help=f"one value per stage row, extension last (speedrun: "
-                                 f"{tuple(getattr(r, name) for r in STAGES)!r})")
-    parser.add_argument("--layers", default=None, metavar="TUPLE",
-                        help=f"one string of words per layer; words: {', '.join(LAYER_WORDS)}")
-    parser.add_argument("--ablate", default="", metavar="NAMES",
-                        help=f"comma-separated components to switch off: {', '.join(ABLATIONS)}")
-    ns, unknown = parser.parse_known_args(argv)
-    if unknown:
-        raise SystemExit(f"error: unknown argument {unknown[0]!r}; `python train_gpt.py --help` lists every field")
-    args = dataclasses.replace(defaults, **PRESETS[ns.preset])
-    overrides = {}
-    for f in dataclasses.fields(Hyperparameters):
-        text = getattr(ns, f.name, None) if f.name not in _ROW_FIELDS else None
-        if text is not None:
-            overrides[f.name] = _parse_value(f.name, text, getattr(args, f.name))
-    columns = {name: _parse_value(f"stage_{name}", getattr(ns, f"stage_{name}"), ())
-               for name in _STAGE_COLUMNS if getattr(ns, f"stage_{name}") is not None}
-    try:
-        if columns:
-            overrides["stages"] = restaged(args.stages, **columns)
-        if ns.layers is not None:
-            overrides["layers"] = layers_from_words(_parse_value("layers", ns.layers, ()))
-        return ablated(dataclasses.replace(args, **overrides), [n for n in ns.ablate.split(",") if n.strip()])
-    except ValueError as e:
-        raise SystemExit(f"error: {e}") from None
-
-@dataclass(frozen=True)
-class FlagRange:
-    """Allowed values of a number: every number in it is in [lo, hi] (hi excluded if hi_open), finite,
-    an int if integer; a tuple value has `shape` (None: any length, the same for siblings)."""
-    lo: float
-    hi: float = math.inf
-    hi_open: bool = False
-    integer: bool = False
-    shape: tuple = ()
-
-    def numbers(self, value, shape=None) -> list | None:
-        """The numbers in value, or None if it is not a number / a tuple of this shape."""
-        shape = self.shape if shape is None else shape
-        if not shape:
-            return [value] if isinstance(value, (int, float)) and not isinstance(value, bool) else None
-        if not isinstance(value, (tuple, list)) or shape[0] not in (None, len(value)):
-            return None
-        parts = [self.numbers(v, shape[1:]) for v in value]
-        if any(p is None for p in parts) or len({len(p) for p in parts}) > 1:
-            return None
-        return [x for p in parts for x in p]
-
-    def allows(self, value) -> bool:
-        nums = self.numbers(value)
-        return nums is not None and all(
-            (isinstance(x, int) or not self.integer and math.isfinite(x))
-            and self.lo <= x and (x < self.hi if self.hi_open else x <= self.hi) for x in nums)
-
-    def column(self, rows: int) -> "FlagRange":
-        """The range of a tuple with one such value per row (a stage column on the command line)."""
-        return dataclasses.replace(self, shape=(rows, *self.shape))
-
-    def __str__(self) -> str:
-        bounds = f">= {self.lo}" if self.hi == math.inf else f"in [{self.lo}, {self.hi}{')' if self.hi_open else ']'}"
-        if not self.shape:
-            return bounds if self.integer else f"a finite number {bounds}"
-        count = "a tuple of" if self.shape == (None,) else " x ".join(str(n or "K") for n in self.shape)
-        return f"{count} {'integers' if self.integer else 'finite numbers'} {bounds}"
-
-# Every numeric knob's allowed values (FlagRange's fields), by field name: Stage's columns (one row's
-# value), then Hyperparameters'. check_args gives a one-line error naming the flag for any other value.
-_AT_LEAST_0, _AT_LEAST_1 = dict(lo=0, integer=True), dict(lo=1, integer=True)
-_RATE, _FRACTION, _MOMENTUM = dict(lo=0), dict(lo=0, hi=1), dict(lo=0, hi=1, hi_open=True)
-_WINDOWS = dict(lo=1, integer=True, shape=(2,))
-KNOB_RANGES = dict(
-    batch_tokens=_AT_LEAST_1, max_doc_len=_AT_LEAST_1, windows=_WINDOWS, lr_mult=_RATE, mtp_start=dict(lo=0, shape=(None,)),
-    mtp_end=dict(lo=0, shape=(None,)), prefix_start=_RATE, prefix_end=_RATE,
-    val_tokens=_AT_LEAST_1, vocab_size=_AT_LEAST_1, padded_vocab_size=_AT_LEAST_1, model_dim=_AT_LEAST_1,
-    num_heads=_AT_LEAST_1, head_dim=_AT_LEAST_1, mlp_hidden=_AT_LEAST_1, bigram_vocab_size=dict(lo=2, integer=True),
-    gate_channels=_AT_LEAST_1, mudd_hidden=_AT_LEAST_1, dc_window=_AT_LEAST_1, window_block_size=_AT_LEAST_1,
-    windows_init=_WINDOWS, final_val_windows=_WINDOWS, attn_scale=_RATE, num_iterations=_AT_LEAST_1,
-    extension_iterations=_AT_LEAST_0, micro_batches=_AT_LEAST_1, cooldown_start=_FRACTION, momentum_min=_MOMENTUM,
-    momentum_max=_MOMENTUM, momentum_warmup=_FRACTION, momentum_cooldown=_FRACTION, muon_lr=_RATE, muon_wd=_RATE,
-    adam_lr=_RATE, adam_wd=_RATE, val_seq_len=_AT_LEAST_1, val_loss_every=_AT_LEAST_0, save_every=_AT_LEAST_0,
-    keep_checkpoints=_AT_LEAST_0, sample_tokens=_AT_LEAST_0, adamw_bank_lr_mul=_RATE,
-    seed=dict(lo=0, hi=2**63 - 1, integer=True))
-
-def flag_range(field: dataclasses.Field) -> FlagRange | None:
-    """A knob's allowed values (KNOB_RANGES), None for a field without a range."""
-    allowed = KNOB_RANGES.get(field.name)
-    return FlagRange(**allowed) if allowed else None
-
-def check_args(args: Hyperparameters, world_size: int) -> None:
-    """Every flag and shard checked at start-up, before the process group, model, loader or log:
-    a bad one stops the run with one line naming it (SystemExit), never a traceback from later on."""
-    for f in dataclasses.fields(Hyperparameters):
-        allowed, value = flag_range(f), getattr(args, f.name)
-        if allowed and not allowed.allows(value):
-            raise SystemExit(f"error: --{f.name} {value!r} must be {allowed}")
-    for name, choices in (("matrix_optimizer", MATRIX_OPTIMIZERS), ("orthogonalizer", sorted(ORTHOGONALIZERS)),
-                          ("cpu_dtype", ("auto", *CPU_DTYPES)), ("bank_ownership", OWNERSHIPS),
-                          ("attention_kernel", ("auto", *GPU_ATTENTION_KERNELS))):
-        if getattr(args, name) not in choices:
-            raise SystemExit(f"error: --{name} {getattr(args, name)!r} is not one of {', '.join(choices)}")
-    if args.val_tokens % min(args.val_seq_len, args.val_tokens):
-        raise SystemExit(f"error: --val_tokens {args.val_tokens} must be a multiple of --val_seq_len {args.val_seq_len}")
-    try:
-        check_stages(args.stages)
-        _check_model_args(args, world_size)
-    except ValueError as e:
-        raise SystemExit(f"error: {e}") from None
-    check_batch_split(args, world_size)
-    tokens = {"train": 0, "val": 0}
-    for what in tokens:  # headers only (size and magic): the loaders read them after the log is open
-        for path in find_shards(getattr(args, f"{what}_files"), what):
-            try:
-                tokens[what] += read_shard_header(path)
-            except ShardError as e:
-                raise SystemExit(f"error: {e}") from None
-    if tokens["val"] < args.val_tokens + 1:  # validation_batches' own check, before the log
-        raise SystemExit(f"error: --val_tokens {args.val_tokens} needs {args.val_tokens + 1} tokens but the val shards"
-                         f" {args.val_files!r} hold {tokens['val']}; lower --val_tokens")
-
-def check_stages(stages) -> None:
-    """One-line ValueErrors naming the flag: every column in range, the shares, one extension row last."""
-    if not isinstance(stages, tuple) or len(stages) < 2 or not all(isinstance(r, Stage) for r in stages):
-        raise ValueError("--stages must be a tuple of >= 2 Stage rows (scheduled stages, then the extension)")
-    for f in dataclasses.fields(Stage):
-        allowed = flag_range(f)
-        column = tuple(getattr(r, f.name) for r in stages)
-        if allowed and not allowed.column(len(stages)).allows(column):
-            raise ValueError(f"--stage_{f.name} {column!r} must be {allowed.column(len(stages))}")
-    shares = [r.share for r in stages]
-    if shares[-1] is not None or any(not isinstance(s, (int, float)) or isinstance(s, bool) or not 0 < s <= 1
-                                     for s in shares[:-1]):
-        raise ValueError(f"--stage_share {tuple(shares)!r}: scheduled stages need shares in (0, 1] and the last"
-                         " row (the extension) None")
-    if abs(sum(shares[:-1]) - 1) > 1e-9:
-        raise ValueError(f"--stage_share {tuple(shares)!r}: the scheduled stages' shares must add up to 1")
-    if len({len(r.mtp_start) for r in stages} | {len(r.mtp_end) for r in stages}) != 1:
-        raise ValueError("--stage_mtp_start and --stage_mtp_end must give the same number (>= 1) of weights")
-
-ATTENTION_KINDS = ("plain", "paired", "none")  # Layer.attention's values
-
-def check_layers(layers) -> None:
-    """One-line ValueErrors naming --layers and the row: a table the model can build."""
-    if not isinstance(layers, tuple) or not layers or not all(isinstance(r, Layer) for r in layers):
-        raise ValueError(f"--layers must be a non-empty tuple of Layer rows, got {layers!r}")
-
-    def fail(i, msg):
-        raise ValueError(f"--layers row {i} ({layer_words(layers[i])}): {msg}")
-
-    for i, r in enumerate(layers):
-        if r.attention not in ATTENTION_KINDS or r.input not in ("x", "h"):
-            fail(i, f"attention must be one of {', '.join(ATTENTION_KINDS)} and input x or h")
-        if r.attention == "none" and (r.window or r.value_embed or r.xsa or r.gate or r.dc or r.key_offset
-                                      or r.input != "x" or r.mudd):
-            fail(i, "a skip row has no attention, so no window/offset/ve/xsa/gate/dc/from_h/mudd")
-        if r.attention != "none" and r.window not in ("short", "long"):
-            fail(i, "an attention row needs a short or long window")
-        if r.attention == "paired" and (r.key_offset or r.xsa or r.dc):
-            fail(i, "paired rows take no offset, xsa or dc")
-
-    def where(role):
-        return [i for i, r in enumerate(layers) if getattr(r, role)]
-
-    for role in ("save_skip", "save_h", "post_gates", "mudd"):
-        if len(where(role)) != 1:
-            raise ValueError(f"--layers: exactly one row must be {role}, got rows {where(role)}")
-    if where("mudd") != [len(layers) - 1]:
-        fail(where("mudd")[0], "the mudd row must be the last layer")
-    if where("post_gates")[0] == 0:
-        fail(0, "post_gates must come after layer 0 (gate 0 covers the layers before it)")
-    for i, r in enumerate(layers):
-        if r.attention == "none" and i <= where("save_skip")[0]:
-            fail(i, "a skip row must come after the save_skip row")
-        if (r.input == "h" or r.mudd) and i <= where("save_h")[0]:
-            fail(i, "from_h and mudd rows must come after the save_h row")
-    if not where("value_embed"):
-        raise ValueError("--layers: at least one row must take a value embedding (the post-loop MUDD mixing reads table 0)")
-
-def _check_model_args(args: Hyperparameters, world_size: int) -> None:
-    """One-line ValueErrors naming the flag, before any tensor is allocated."""
-    def fail(msg):
-        raise ValueError(f"model config: {msg}")
-
-    if world_size < 1:
-        fail(f"world_size must be >= 1, got {world_size}")
-    for name in ("model_dim", "num_heads", "head_dim", "mlp_hidden", "window_block_size", "gate_channels",
-                 "mudd_hidden", "dc_window"):
-        if getattr(args, name) < 1:
-            fail(f"--{name} must be >= 1, got {getattr(args, name)}")
-    if args.num_heads * args.head_dim != args.model_dim:
-        fail(f"--model_dim ({args.model_dim}) must equal --num_heads * --head_dim ({args.num_heads}*{args.head_dim});"
-             " value embeddings and MUDD's V are added to V, and the banks hold square attention matrices")
-    if args.head_dim % 4:
-        fail(f"--head_dim must be a multiple of 4 (half of it rotates, in pairs), got {args.head_dim}")
-    if args.padded_vocab_size < args.vocab_size:
-        fail(f"--padded_vocab_size ({args.padded_vocab_size}) must be >= --vocab_size ({args.vocab_size})")
-    if args.bigram_vocab_size < 2:
-        fail(f"--bigram_vocab_size must be >= 2, got {args.bigram_vocab_size}")
-    if args.gate_channels > args.model_dim:
-        fail(f"--gate_channels ({args.gate_channels}) must be <= --model_dim ({args.model_dim})")
-    if args.num_heads % 2:
-        fail(f"--num_heads must be even (Q and K live in the qk_bank as groups of two heads; paired rows"
-             f" put half of the heads in each slot), got {args.num_heads}")
-    if args.gate_channels % 2:
-        fail(f"--gate_channels must be even (value-embedding gates read half from x, half from ve), got {args.gate_channels}")
-    if len(args.windows_init) != 2 or not all(isinstance(w, int) and w >= 1 for w in args.windows_init):
-        fail(f"--windows_init must be (short, long) block counts >= 1, got {args.windows_init!r}")
-    try:
-        check_layers(args.layers)
-    except ValueError as e:
-        fail(str(e))
-
-# ---- The generic FP8 matmul: any linear layer (the record's FP8 layers have their own ops) ------
-
-@torch.library.custom_op("speedrun::fp8_mm", mutates_args=())
-def fp8_mm(x: torch.Tensor, w: torch.Tensor, x_s: float, w_s: float, grad_s: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """y = x @ w in float8. x (M, K), w (K, N) stored (in, out). Returns (y bf16, x_f8, w_f8).
-
-    The float8 copies are returned so autograd can save them (half the memory of bf16) and the
-    backward need not quantise again; w_f8 is column-major, the layout cuBLAS wants for it."""
-    x_f8 = _quantize_fp8(x, x_s, torch.float8_e4m3fn)
-    w_f8 = _quantize_fp8(w.T, w_s, torch.float8_e4m3fn).T
-    y = _scaled_matmul(x_f8, w_f8, x_s, w_s, torch.bfloat16, fast_accum=True)
-    return y, x_f8, w_f8
-
-@fp8_mm.register_fake
-def _fp8_mm_fake(x, w, x_s, w_s, grad_s):
-    M, K = x.shape
-    N = w.shape[1]
-    return (x.new_empty((M, N), dtype=torch.bfloat16), x.new_empty((M, K), dtype=torch.float8_e4m3fn),
-            w.new_empty((N, K), dtype=torch.float8_e4m3fn).T)
-
-@torch.library.custom_op("speedrun::fp8_mm_backward", mutates_args=())
-def fp8_mm_backward(g: torch.Tensor, x_f8: torch.Tensor, w_f8: torch.Tensor, x_s: float, w_s: float,
-                    grad_s: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Gradients of y = x @ w from dy (M, N): dx = dy @ w^T (bf16), dw = x^T @ dy (fp32).
-
-    dy is quantised to e5m2 (wider range, the gradient's scale moves with the loss), then
-    fp8_matmul_grads."""
-    return fp8_matmul_grads(_quantize_fp8(g, grad_s, torch.float8_e5m2), x_f8, w_f8, x_s, w_s, grad_s)
-
-@fp8_mm_backward.register_fake
-def _fp8_mm_backward_fake(g, x_f8, w_f8, x_s, w_s, grad_s):
-    return (x_f8.new_empty(x_f8.shape, dtype=torch.bfloat16),
-            w_f8.new_empty(w_f8.shape, dtype=torch.float32))
-
-def _fp8_mm_setup_context(ctx, inputs, output):
-    x, w, x_s, w_s, grad_s = inputs
-    _, x_f8, w_f8 = output
-    ctx.mark_non_differentiable(x_f8, w_f8)
-    ctx.save_for_backward(x_f8, w_f8)
-    ctx.scales = (x_s, w_s, grad_s)
-    ctx.dtypes = (x.dtype, w.dtype)
-
-def _fp8_mm_autograd(ctx, grad_y, grad_x_f8, grad_w_f8):
-    x_f8, w_f8 = ctx.saved_tensors
-    grad_x, grad_w = fp8_mm_backward(grad_y, x_f8, w_f8, *ctx.scales)
-    return grad_x.to(ctx.dtypes[0]), grad_w.to(ctx.dtypes[1]), None, None, None
-
-fp8_mm.register_autograd(_fp8_mm_autograd, setup_context=_fp8_mm_setup_context)
-
-def fp8_matmul(x: torch.Tensor, w: torch.Tensor, x_s: float, w_s: float, grad_s: float) -> torch.Tensor:
-    """x (..., K) @ w (K, N) -> (..., N) bf16 through the float8 op (differentiable in x and w)."""
-    y = fp8_mm(x.reshape(-1, x.shape[-1]), w, x_s, w_s, grad_s)[0]
-    return y.view(*x.shape[:-1], w.shape[1])
-
-# ---- The FP8 MLP on a CPU: emulated (tests, host-dispatch counts) ---------------------------------
-
-@fp8_mlp.register_kernel("cpu")
-def _fp8_mlp_cpu(x, w_up, w_down, x_f8, up_f8, up_dequant, down_f8_t, down_scale, act_scale, fast_accum=True):
-    """fp8_mlp on CPU tensors: the up-projection's reference (its float8 products exact in fp32), the
-    down-projection's float8 matmul emulated (_scaled_matmul)."""
-    post, post_f8, post_max = triton_kernels.relu2_fp8_up_partials(x_f8, up_f8, up_dequant, act_scale,
-                                                                   fast_accum=fast_accum)
-    return _scaled_matmul(post_f8, down_f8_t.mT, act_scale, down_scale, torch.bfloat16, fast_accum=True), post, post_max
-
-# ---- The FP8 head on a CPU: emulated (tests, host-dispatch counts) ---------------------------------
-
-@fp8_head_loss.register_kernel("cpu")
-def _fp8_head_loss_cpu(x, w, x_f8, w_f8, targets, mtp_weights, prefix_ids, prefix_weight, x_s, w_s, grad_s,
-                       grad_scale):
-    """fp8_head_loss on CPU tensors: the float8 matmul emulated (_scaled_matmul), the loss kernel's CPU twin."""
-    _check_fp8_head_args(x, w, x_f8, w_f8, grad_s)
-    logits = _scaled_matmul(x_f8, w_f8, x_s, w_s, torch.bfloat16, fast_accum=True)
-    return triton_kernels.softcapped_ce_mtp_e5m2(logits, targets, mtp_weights, prefix_ids, prefix_weight,
-                                                 grad_scale, grad_s)
-
-# ---- Gram Newton-Schulz and the measured "auto" choice (alternatives to polar_express) -------
-
-# Gram Newton-Schulz: the iteration on the Gram matrix of Dao-AILab/gram-newton-schulz, with the
-# polynomials of polar_express.
-
-def _normalized_bank(G: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """G / (||G||_F * 1.02 + 1e-6) per matrix, as a 3-D (batch, m, n) tensor of `dtype`.
-
-    The norm is taken in fp32 whatever G's dtype: a bf16 norm of a large matrix is too coarse to
-    keep the spectral norm safely below 1.
-    """
-    G3 = _as_bank(G)
-    norm = G3.float().norm(dim=(-2, -1), keepdim=True)
-    return (G3.float() / (norm * 1.02 + 1e-6)).to(dtype)
-
-def gram_newton_schulz(G: torch.Tensor, coeffs=POLAR_EXPRESS_COEFFS, restart_after: int = 2,
-                       dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """The same polynomial iteration, run on the small Gram matrix instead of the full matrix.
-
-    Every iterate has the form X_k = Q_k X_0 (wide case; tall matrices are transposed views), so it
-    suffices to track the s x s left factor Q and the Gram matrix R = X_k X_k^T:
-        Z = a I + b R + c R^2,   Q <- Z Q,   R <- Z R Z.
-    The long dimension is touched only to form R, at the restart and at the end (X = Q X_0). For a
-    3072 x 768 MLP matrix that is ~30% fewer FLOPs than Polar Express. Errors in the accumulated Q
-    grow fastest during the first, steep iterations, so after `restart_after` iterations X is formed
-    explicitly and R recomputed from it. The Gram work runs in fp16 (all entries are bounded by a
-    few units; fp16 keeps 3 more mantissa bits than bf16); the result is bf16 with G's shape.
-    dtype=torch.float32 runs everything in fp32 and returns fp32 (the CPU fp32 mode).
-    """
-    X = _normalized_bank(G, torch.float16 if dtype == torch.bfloat16 else dtype)
-    tall = X.size(-2) > X.size(-1)
-    if tall:
-        X = X.mT.contiguous()
-    s = X.size(-2)
-    eye = torch.eye(s, dtype=X.dtype, device=X.device)
-    R = triton_kernels.XXT(X, X.new_empty(X.size(0), s, s))
-    Q = None
-    last = len(coeffs) - 1
-    for i, (a, b, c) in enumerate(coeffs):
-        if i == restart_after and Q is not None:
-            X = torch.bmm(Q, X)
-            R = triton_kernels.XXT(X, X.new_empty(X.size(0), s, s))
-            Q = None
-        Z = triton_kernels.ba_plus_cAA(R, c, b, torch.empty_like(R)) + a * eye  # b R + c R^2 + a I
-        Q = Z if Q is None else torch.bmm(Z, Q)
-        if i < last:
-            R = torch.bmm(torch.bmm(Z, R), Z)
-    X = torch.bmm(Q, X)
-    if tall:
-        X = X.mT
-    return X.to(dtype).reshape(G.shape)
-
-# Measured choice of "auto", per GPU: (rows, cols) of a bank's matrices -> (Polar Express ms, Gram
-# Newton-Schulz ms) for one rank's shard. Only repeatable measurements are listed: on one H100 80GB HBM3
-# (tests/bench_optimizer.py, torch 2.11, 2026-11-24) the 768 x 768 banks gave 1.25 and 2.45 ms for the
-# same Polar Express call in one run; on one H200 (the GPU check, 2026-11-26) every bank took 1.05 to
-# 1.28 ms either way (launch-bound), and 3 and 24 matrices of 3072 x 768 favoured opposite ones, so none
-# is listed. The rest follow the FLOP count. The GPU check's kernel-choice check times every bank again.
-ORTHOGONALIZER_MS = {"H100": {(3072, 768): (1.971, 1.218)}, "H200": {}}
-
-def auto_orthogonalizer(rows: int, cols: int, gpu_name: str = "") -> str:
-    """The name "auto" runs for (rows, cols) matrices: the faster measured one on a GPU whose table has
-    the shape, else the one with fewer FLOPs (orthogonalization_flops: Gram Newton-Schulz once the long
-    side is at least twice the short one)."""
-    times = triton_kernels.measured_table(ORTHOGONALIZER_MS, gpu_name).get((rows, cols))
-    if times is not None:
-        return "polar_express" if times[0] <= times[1] else "gram_newton_schulz"
-    return "gram_newton_schulz" if max(rows, cols) >= 2 * min(rows, cols) else "polar_express"
-
-def orthogonalize_auto(G: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """Per bank shape, Gram Newton-Schulz or Polar Express (auto_orthogonalizer).
-
-    Per matrix with short side s and long side L, Polar Express costs ~20 s^2 L + 10 s^3 FLOPs
-    and the Gram form ~8 s^2 L + 32 s^3: the Gram form wins once L > ~1.8 s (the 3072 x 768 MLP
-    bank: -29%) and loses on square matrices (attention banks: +33%).
-    """
-    m, n = G.shape[-2:]
-    name = auto_orthogonalizer(m, n, triton_kernels.gpu_name_of(G))
-    return (gram_newton_schulz if name == "gram_newton_schulz" else polar_express)(G, dtype=dtype)
-
-ORTHOGONALIZERS.update(gram_newton_schulz=gram_newton_schulz, auto=orthogonalize_auto)
-
-def orthogonalization_flops(rows: int, cols: int, orthogonalizer="polar_express") -> int:
-    """FLOPs to orthogonalize one rows x cols matrix, counted like torch's FlopCounterMode (2 per
-    multiply-add, symmetric products counted dense). With s the short side and L the long one:
-    Polar Express 5 x (4 s^2 L + 2 s^3); Gram Newton-Schulz 8 s^2 L + 32 s^3 (module docstrings).
-    orthogonalizer: a name, one of the functions (or a functools.partial of one); anything else is
-    costed as Polar Express. Balanced ownership evens out these counts over the ranks."""
-    fn = getattr(orthogonalizer, "func", orthogonalizer)
-    name = next((k for k, f in ORTHOGONALIZERS.items() if fn is f or fn == k), "polar_express")
-    s, L = min(rows, cols), max(rows, cols)
-    if name == "auto":
-        name = auto_orthogonalizer(rows, cols)
-    if name == "gram_newton_schulz":
-        return 8 * s * s * L + 32 * s ** 3
-    return len(POLAR_EXPRESS_COEFFS) * (4 * s * s * L + 2 * s ** 3)
-
-# ---- Tensor-parallel orthogonalization and NorMuon ------------------------------------------
-# (the modes of Megatron-LM's TensorParallelMuon)
-
-TP_MODES = ("duplicated", "distributed", "blockwise")
-
-def tensor_parallel_orthogonalize(shard: torch.Tensor, mode: str, shard_dim: int, group=None,
-                                  dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """Polar Express of a matrix (or bank) split over the ranks of `group` along shard_dim (-2: row
-    shards, -1: column shards, equal sizes); returns this rank's shard of the result
-    (the modes of Megatron-LM's TensorParallelMuon).
-
-    duplicated   all_gather the whole matrix, run polar_express on it on every rank, keep the shard
-    distributed  the iteration on shards: the Gram matrix over the unsplit side, X^T X for row shards
-                 or X X^T for column shards, is a sum of per-shard products, all_reduced (fp32, as
-                 is the Frobenius norm); the same polynomial as polar_express, in fp32, cast to dtype
-    blockwise    polar_express of the shard alone: no communication, an approximation
-    """
-    if mode not in TP_MODES:
-        raise ValueError(f"tensor_parallel_orthogonalize: mode={mode!r}; choose one of {', '.join(TP_MODES)}")
-    dim = shard_dim % shard.ndim
-    if dim < shard.ndim - 2:
-        raise ValueError(f"tensor_parallel_orthogonalize: shard_dim must be -2 or -1, got {shard_dim}")
-    if mode == "blockwise":
-        return polar_express(shard, dtype=dtype)
-    W, rank = dist.get_world_size(group), dist.get_rank(group)
-    if mode == "duplicated":
-        return polar_express(_gather_shards(shard, dim, group), dtype=dtype).chunk(W, dim=dim)[rank].contiguous()
-    X = _as_bank(shard).float()
-    sq = X.square().sum(dim=(-2, -1), keepdim=True)
-    dist.all_reduce(sq, group=group)
-    X = X / (sq.sqrt() * 1.02 + 1e-6)
-    rows = dim == shard.ndim - 2  # row shards share the columns: X^T X is summed over the shards
-    for a, b, c in POLAR_EXPRESS_COEFFS:
-        A = X.mT @ X if rows else X @ X.mT
-        dist.all_reduce(A, group=group)
-        B = b * A + c * (A @ A)
-        X = a * X + (X @ B if rows else B @ X)
-    return X.to(dtype).reshape(shard.shape)
-
-def _gather_shards(shard: torch.Tensor, dim: int, group) -> torch.Tensor:
-    """The whole tensor from every rank's equal shard along dim (all_gather, concatenated in rank order)."""
-    parts = [torch.empty_like(shard) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(parts, shard.contiguous(), group=group)
-    return torch.cat(parts, dim=dim)
-
-def _tp_layout(shard: torch.Tensor, mode: str, shard_dim: int, group) -> tuple[int, int, int, int]:
-    """(dim, world size, rows, cols) of the matrix a shard belongs to; blockwise treats the shard as the matrix."""
-    if mode not in TP_MODES:
-        raise ValueError(f"tensor_parallel_normuon_update: mode={mode!r}; choose one of {', '.join(TP_MODES)}")
-    dim = shard_dim % shard.ndim
-    if shard.ndim < 2 or dim < shard.ndim - 2:
-        raise ValueError(f"tensor_parallel_normuon_update: shard_dim must be -2 or -1 of (..., rows, cols), got {shard_dim}")
-    W = 1 if mode == "blockwise" else dist.get_world_size(group)
-    rows, cols = shard.size(-2) * (W if dim == shard.ndim - 2 else 1), shard.size(-1) * (W if dim == shard.ndim - 1 else 1)
-    return dim, W, rows, cols
-
-def tensor_parallel_normuon_state(shard: torch.Tensor, mode: str, shard_dim: int, group=None) -> dict[str, torch.Tensor]:
-    """Zero state for tensor_parallel_normuon_update of this shard: the momentum (the shard's shape),
-    the second moment and, for a bf16 shard, the mantissa. The second moment has one entry per row of
-    the longer side of the whole matrix (of the shard, blockwise); distributed keeps only this rank's
-    entries when those rows are the split ones, duplicated keeps all of them on every rank."""
-    dim, W, rows, cols = _tp_layout(shard, mode, shard_dim, group)
-    per_row = rows >= cols
-    n = rows if per_row else cols
-    if mode == "distributed" and (dim == shard.ndim - 2) == per_row:
-        n //= W
-    lead = shard.shape[:-2]
-    st = {"momentum_buffer": torch.zeros(shard.shape, dtype=torch.float32, device=shard.device),
-          "second_moment": torch.zeros((*lead, n, 1) if per_row else (*lead, 1, n), dtype=torch.float32, device=shard.device)}
-    if shard.dtype == torch.bfloat16:
-        st["mantissa"] = torch.zeros(shard.shape, dtype=torch.uint16, device=shard.device)
-    return st
-
-def _split_variance_reduction(O, second_moment, beta2, dim: int, rows: int, cols: int, group) -> torch.Tensor:
-    """normuon_variance_reduction of the whole matrix, computed on its shard O: where the reduced dim
-    is split the per-row sums of O^2 are all_reduced; where the kept dim is split, each rank holds
-    its rows' statistics and the two Frobenius norms of the renormalisation are all_reduced."""
-    red = O.ndim - 1 if rows >= cols else O.ndim - 2
-    size = cols if rows >= cols else rows
-    sq = O.float().square().sum(dim=red, keepdim=True)
-    if red == dim:
-        dist.all_reduce(sq, group=group)
-    mean_sq = sq / size
-    second_moment.lerp_(mean_sq, 1 - beta2)
-    step = second_moment.clamp_min(1e-10).rsqrt()
-    norms = torch.stack([(mean_sq * size).sum(dim=(-2, -1), keepdim=True),
-                         ((mean_sq * size) * step.square()).sum(dim=(-2, -1), keepdim=True)])
-    if red != dim:
-        dist.all_reduce(norms, group=group)
-    norm, new_norm = norms.sqrt()
-    return O.mul_((step * (norm / new_norm.clamp_min(1e-10))).to(O.dtype))
-
-def tensor_parallel_normuon_update(grad, momentum_buf, second_moment, param, mantissa, matrix_lr, hp, mode: str,
-                                   shard_dim: int, group=None, dtype: torch.dtype = torch.bfloat16) -> None:
-    """One NorMuon step, as _normuon_update with Polar Express, on this rank's shard of a matrix (or
-    bank) split over the ranks of `group` along shard_dim (-2: row shards, -1: column shards, equal
-    sizes), in place. State from tensor_parallel_normuon_state; hp as _normuon_update's; matrix_lr
-    with the whole matrix's shape factor. Momentum and the cautious update are elementwise on the shard.
-
-    duplicated   all_gather the momentum-applied gradient; orthogonalization and variance reduction of
-                 the whole matrix on every rank; the unsharded update, bit for bit
-    distributed  tensor_parallel_orthogonalize's iteration on shards, then the variance reduction
-                 with statistics combined over the shards (_split_variance_reduction)
-    blockwise    _normuon_update of the shard as a matrix of its own: no communication, an approximation
-    """
-    dim, W, rows, cols = _tp_layout(grad, mode, shard_dim, group)
-    orthogonalize = functools.partial(polar_express, dtype=dtype)
-    if mode == "blockwise":
-        return _normuon_update(grad, momentum_buf, second_moment, param, mantissa, matrix_lr, hp, orthogonalize)
-    lr, decay, momentum, beta2 = hp[0], hp[1], hp[2], hp[3]
-    g = _nesterov_momentum(grad, momentum_buf, momentum)
-    if mode == "duplicated":
-        O = normuon_variance_reduction(orthogonalize(_gather_shards(g, dim, group)), second_moment, beta2)
-        O = O.chunk(W, dim=dim)[dist.get_rank(group)]
-    else:
-        O = tensor_parallel_orthogonalize(g, "distributed", shard_dim, group, dtype=dtype)
-        O = _split_variance_reduction(O, second_moment, beta2, dim, rows, cols, group)
-    _cautious_step(O.float(), param, mantissa, lr * matrix_lr, decay)
-
-# ---- CPU-only helpers of the optimizer --------------------------------------------------------
-
-ADAM_CPU_CHUNK = 1 << 16  # elements per slice of the CPU Adam update (its temporaries stay in cache)
-
-def _adam_update_sliced(grad, exp_avg, exp_avg_sq, param, hp):
-    """_adam_update one flat slice at a time on a CPU. The update is elementwise, so the result is the
-    same bits; full-size temporaries would instead be allocated, page-faulted and streamed from memory
-    a dozen times per step, which made Adam over the embedding tables the CPU demo's slowest part."""
-    tensors = (grad, exp_avg, exp_avg_sq, param)
-    if grad.is_cuda or grad.numel() <= ADAM_CPU_CHUNK or not all(t.is_contiguous() for t in tensors):
-        return _adam_update(grad, exp_avg, exp_avg_sq, param, hp)
-    flat = [t.view(-1) for t in tensors]
-    for a in range(0, grad.numel(), ADAM_CPU_CHUNK):
-        _adam_update(*(t[a: a + ADAM_CPU_CHUNK] for t in flat), hp)
-
-def adam_update_group_sliced(grads, exp_avgs, exp_avg_sqs, params, hps):
-    """_adam_update_group on a CPU: label by label, each sliced (eager, one call per label costs the
-    CPU nothing that grouping would save, and slicing keeps the temporaries in cache)."""
-    for grad, exp_avg, exp_avg_sq, param, hp in zip(grads, exp_avgs, exp_avg_sqs, params, hps):
-        _adam_update_sliced(grad, exp_avg, exp_avg_sq, param, hp)
-
-# The updates uncompiled (update_functions(compile=False), CPUs), by kind: Adam sliced.
-UNCOMPILED_UPDATES = {"normuon": _normuon_update, "adam": adam_update_group_sliced}
-
-# ---- Every label's learning rate, as the updates apply it (tests) ----------------------------------
-
-def learning_rates(opt: NorMuonAdam, lr_scale: float = 1.0) -> dict[str, torch.Tensor]:
-    """Every label's lr at schedule multiplier lr_scale: its optimizer's base lr x lr_scale x lr_multipliers
-    (float64; the updates apply them rounded to fp32)."""
-    return {label: (opt.normuon_lr if slot.cfg.optimizer == "normuon" else opt.adam_lr) * lr_scale
-            * lr_multipliers(slot.cfg, slot.shape) for label, slot in opt.slots.items()}
-
-# ---- Balanced ownership: banks without padding ----------------------------------------------
-# OwnershipLayout(ownership="balanced") gives each rank whole matrices by FLOPs, for any world size;
-# the record pads banks instead (padded_splits), so its runs never call this.
-
-def balanced_splits(banks: dict[str, tuple[int, int]], world_size: int) -> dict[str, tuple[int, ...]]:
-    """FLOP-balanced ownership of every matrix of every bank, for any world size, without padding.
-
-    banks: label -> (number of matrices, FLOPs of one). Longest-processing-time first over all banks
-    together: matrices by falling cost (ties in dict order), each to the rank with the least work so
-    far (the lowest rank on ties). The result is per label the count each rank owns; ownership within
-    a bank is contiguous in rank order, so the gradient rows a rank owns stay one slice of the bank.
-    """
-    counts = {label: [0] * world_size for label in banks}
-    heap = [(0, r) for r in range(world_size)]  # (load, rank): the least-loaded rank, lowest on ties
-    items = sorted(((cost, i, label) for i, (label, (n, cost)) in enumerate(banks.items()) for _ in range(n)),
-                   key=lambda t: (-t[0], t[1]))
-    for cost, _, label in items:
-        work, r = heapq.heappop(heap)
-        counts[label][r] += 1
-        heapq.heappush(heap, (work + cost, r))
-    return {label: tuple(c) for label, c in counts.items()}
-
-def reduce_scatter_uneven(comm: CommLayer, label: str, out, inp, splits):
-    """Each owner's block (splits[r] rows for rank r) to it by all_to_all: out stacks all ranks' copies."""
-    mine = splits[comm.rank]
-    return comm.all_to_all(label, out, inp, [mine] * comm.world_size, list(splits), op="reduce_scatter")
-
-def all_gather_uneven(comm: CommLayer, label: str, out, shard, splits):
-    """Every owner's block (splits[r] rows) into out on every rank, by all_to_all; returns the wait."""
-    W = comm.world_size
-    inp = shard.repeat(W, *([1] * (shard.ndim - 1)))
-    work = comm.all_to_all(label, out, inp, list(splits), [shard.size(0)] * W, op="all_gather")
-    return lambda: (work.wait(), inp)[0]  # inp lives until the exchange is done
-
-def scatter_uneven(comm: CommLayer, slot: Slot, g: torch.Tensor):
-    """ShardExchange.scatter of a bank with uneven owned blocks: every rank's copy of this rank's block by
-    all_to_all, averaged in fp32 and rounded once to the gradient dtype (as the sparse exchange)."""
-    W, k = comm.world_size, slot.shard_rows
-    recv = g.new_empty((W * k, *slot.shape[1:]))
-    work = reduce_scatter_uneven(comm, slot.label, recv, g, slot.splits)
-
-    def average():
-        work.wait()
-        return (recv.view(W, k, *slot.shape[1:]).float().sum(0) / W).to(g.dtype)
-    return average
-
-def _balanced_ownership(banks: dict, world_size: int, orthogonalizer) -> dict[str, tuple[int, ...]]:
-    """OWNERSHIPS["balanced"]: balanced_splits of the banks, a matrix costed by orthogonalization_flops (FLOP-
-    sorted owners as in Motif-Technologies/optimizer)."""
-    return balanced_splits({label: (slot.rows, orthogonalization_flops(*slot.shape[1:], orthogonalizer))
-                            for label, slot in banks.items()}, world_size)
-
-OWNERSHIPS["balanced"] = _balanced_ownership
-
-# ---- One rank of a larger world, in one process ----------------------------------------------
-# tests/benchmarks/step_timing.py --as_rank_of N times rank 0's share of an N-rank step on one device:
-# NorMuonAdam(comm=SimulatedComm(N)) updates rank 0's shards and launches every collective an N-rank
-# step launches, counted in bytes as CommLayer counts them, but none of them communicates.
-
-class _CompletedWork:
-    """The handle of a collective that is already done."""
-
-    def wait(self, timeout=None) -> bool:
-        return True
-
-    def is_completed(self) -> bool:
-        return True
-
-class SimulatedComm(CommLayer):
-    """Rank `rank` of `world_size` ranks in one process, no process group: every collective completes at
-    once with the output a real group gives when every other rank holds the same tensors as this one.
-    reduce_scatter (average): this rank's block of the input; all_reduce (average): the tensor as it is;
-    all_gather: the local shard in every rank's slot; all_to_all: each rank's block of the output is the
-    block this rank addresses to itself, where their sizes agree, and is left as it is where they do not
-    (the other owners' blocks of an uneven all_gather). Bytes are counted as the world_size-rank
-    collectives send them (CommLayer's counts), so bytes_sent and bytes_by_op are a real rank's.
-
-    With the same gradients on every rank, the shards this rank updates are a real run's rank `rank`'s
-    to the bit; the rows other ranks own are not (they hold copies of this rank's rows)."""
-
-    def __init__(self, world_size: int, rank: int = 0):
-        if not 0 <= rank < world_size:
-            raise ValueError(f"SimulatedComm: rank {rank} is not one of the {world_size} ranks")
-        super().__init__(None, world_size, rank)
-
-    def _launch(self, collective, *args, **kw):
-        stand_in = {_reduce_scatter: self._reduce_scatter, dist.all_reduce: self._all_reduce,
-                    _all_gather: self._all_gather, dist.all_to_all_single: self._all_to_all}[collective]
-        stand_in(*args, **kw)
-        return _CompletedWork()
-
-    def _reduce_scatter(self, out, inp, op=None):
-        out.copy_(inp.reshape(self.world_size, *out.shape)[self.rank])
-
-    def _all_reduce(self, t, op=None):
-        pass
-
-    def _all_gather(self, out, shard):
-        blocks, r = out.view(self.world_size, *shard.shape), self.rank
-        if blocks[r].data_ptr() == shard.data_ptr():  # in place: this rank's slot is the shard itself
-            for others in (blocks[:r], blocks[r + 1:]):  # (two copies, not one per rank: launches count)
-                others.copy_(shard.expand_as(others))
-        else:
-            blocks.copy_(shard.expand_as(blocks))
-
-    def _all_to_all(self, out, inp, out_splits=None, in_splits=None):
-        W = self.world_size
-        in_splits = in_splits or [inp.size(0) // W] * W
-        out_splits = out_splits or [out.size(0) // W] * W
-        lo = sum(in_splits[:self.rank])
-        mine = inp[lo:lo + in_splits[self.rank]]
-        if all(n == mine.size(0) for n in out_splits):
-            blocks = out.view(W, *mine.shape)
-            blocks.copy_(mine.expand_as(blocks))
-            return
-        at = 0
-        for n in out_splits:
-            if n == mine.size(0):
-                out[at:at + n].copy_(mine)
-            at += n
-
-# ---- QK-Clip (MuonClip) ----------------------------------------------------------------------
-# Caps a head's attention logits by scaling its Q and K rows after the NorMuon update. No record
-# uses it; `with after_update(opt, qk_clip_hooks(...)): opt.step(...)` applies it.
-
-QK_CLIP_TAU = 100.0  # MuonClip's threshold on the largest pre-softmax attention logit
-
-def qk_clip_(param, mantissa, max_logits, tau: float) -> None:
-    """QK-Clip (MuonClip) on the owned matrices of a Q or K weight bank (k, rows, cols), in place:
-    rows whose head's largest pre-softmax logit of the step exceeds tau are scaled by
-    sqrt(tau / max_logit), so that q.k of that head, scaled on both sides, peaks at tau. max_logits
-    broadcasts to (k, rows, 1) (one entry per head of those rows). Applied to the fp32 master value
-    (MuonClip, Kimi K2, arXiv 2507.20534)."""
-    scale = (tau / max_logits.float().clamp_min(tau)).sqrt()
-    _store_master(_master_fp32(param, mantissa) * scale, param, mantissa)
-
-@contextlib.contextmanager
-def after_update(opt: NorMuonAdam, hooks: dict):
-    """Around opt.step(): hooks[label](slot, shard, mantissa) runs on this rank's updated matrices of a NorMuon
-    label (shard, in place) just before they are gathered, e.g. qk_clip_hooks: the hook wraps opt's gather."""
-    _check_after_update(opt, hooks)
-    gather, wrapped = opt.exchange.gather, vars(opt.exchange).get("gather")  # wrapped: an enclosing block's
-
-    def gather_after_hook(slot: Slot, shard: torch.Tensor):
-        if slot.label in hooks:
-            hooks[slot.label](slot, shard, opt.state[slot.label].get("mantissa"))
-        return gather(slot, shard)
-    opt.exchange.gather = gather_after_hook
-    try:
-        yield opt
-    finally:  # the enclosing block's gather again, else the class's
-        if wrapped is None:
-            del opt.exchange.gather
-        else:
-            opt.exchange.gather = wrapped
-
-def qk_clip_hooks(max_logits: dict, tau: float = QK_CLIP_TAU) -> dict:
-    """after_update's hooks for QK-Clip: label of a Q or K bank -> the step's largest
-    logit per head, broadcastable to the bank's (matrices, rows, 1) and the same on every rank."""
-    def clip(m):
-        def hook(slot, shard, mantissa):
-            full = torch.broadcast_to(torch.as_tensor(m, device=shard.device), (slot.rows, slot.shape[1], 1))
-            qk_clip_(shard, mantissa, full[slot.lo: slot.lo + slot.shard_rows], tau)
-        return hook
-    return {label: clip(m) for label, m in max_logits.items()}
-
-# ---- Reductions launched from gradient hooks (record #89 launches them after the backward) ----
-
-class BackwardReductions:
-    """Phase 1 from post-accumulate-grad hooks in the last backward, as modded-nanogpt's DistAdam before record
-    #89 (which launches after it: the same numbers). In `order`, a label launches once its needs[label] hooks
-    (the tied head's: the embedding's too) and every label before it have fired: the same order on every rank."""
-
-    def __init__(self, order, needs: dict[str, tuple[str, ...]], launch):
-        self.order, self.needs, self.launch = list(order), needs, launch
-        self.fired: set[str] = set()
-        self.launched: dict = {}  # label -> the function that waits for its reduction (ShardExchange.scatter)
-
-    def hook(self, label: str):
-        def on_final_grad(_param):
-            self.fired.add(label)
-            self.advance()
-        return on_final_grad
-
-    def advance(self, final: bool = False) -> None:
-        """Launch, in order, every ready label (final: every label left, after the backward)."""
-        while len(self.launched) < len(self.order):
-            label = self.order[len(self.launched)]
-            if not final and not self.fired.issuperset(self.needs[label]):
-                return
-            self.launched[label] = self.launch(label)
-
-@contextlib.contextmanager
-def reductions_on_backward(opt: NorMuonAdam, do_adam: bool):
-    """Around the last micro-batch's backward: launch opt's reductions of the step from gradient hooks
-    (BackwardReductions); the next opt.step(do_adam) takes them (launched_reductions). One rank: nothing."""
-    do_adam = bool(do_adam)
-    if opt._on_backward is not None:
-        raise ValueError("reductions_on_backward: this step's reductions are already launched; call step() first")
-    if opt.world_size == 1:
-        yield
-        return
-    active = opt._active(do_adam)
-    head = opt.tied[1] if opt.tied and do_adam else None
-    needs = {label: (label, opt.tied[0]) if label == head else (label,) for label in active}
-    launch = BackwardReductions(active, needs, functools.partial(opt._launch_reduction, do_adam=do_adam))
-    handles = []
-    try:
-        for label in dict.fromkeys(n for ns in needs.values() for n in ns):
-            p = opt.slots[label].param
-            if p.requires_grad:
-                handles.append(p.register_post_accumulate_grad_hook(launch.hook(label)))
-            else:  # no gradient will come: ready now
-                launch.fired.add(label)
-        yield
-    finally:
-        for h in handles:
-            h.remove()
-    launch.advance(final=True)
-    opt._on_backward = (do_adam, launch.launched)
-
-def launched_reductions(opt: NorMuonAdam, do_adam: bool) -> dict | None:
-    """The reductions reductions_on_backward launched for opt's next step (taken: launched once), else None."""
-    if opt._on_backward is None:
-        return None
-    (launched_adam, reduced), opt._on_backward = opt._on_backward, None
-    if launched_adam != bool(do_adam):
-        raise ValueError(f"NorMuonAdam.step: do_adam={do_adam} but reductions_on_backward launched"
-                         f" the reductions of a do_adam={launched_adam} step")
-    return reduced
-
-# ---- CPU compute dtype; the run log's hardware line -------------------------------------------
-
-CPU_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
-
-def cpu_model(cpu_name_file: str = "/proc/cpuinfo") -> str:
-    """The CPU's model name (for logs), or the platform's processor string."""
-    import platform
-    try:
-        with open(cpu_name_file) as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-def hardware_line(d: DistInfo) -> str:
-    """The run log's line on the machine: GPU model, memory and CUDA, or the CPU model, cores and threads."""
-    if d.device.type == "cuda":
-        props = torch.cuda.get_device_properties(d.device)
-        return (f"hardware: {d.world_size} x {props.name} ({props.total_memory / 2**30:.0f} GiB), "
-                f"CUDA {torch.version.cuda}")
-    return (f"hardware: {d.world_size} CPU process(es) on {cpu_model()}, "
-            f"{os.cpu_count()} cores, {torch.get_num_threads()} threads per process")
-
-def matmul_gflops(dtype: torch.dtype, m: int, k: int, n: int, seconds: float = 0.15) -> float:
-    """GFLOP/s of an (m, k) x (k, n) matmul in `dtype` on this CPU, timed for about `seconds`."""
-    import time
-    a, b = torch.randn(m, k).to(dtype), torch.randn(k, n).to(dtype)
-    a @ b  # warm-up: thread pool, oneDNN primitive creation
-    reps, t0 = 0, time.perf_counter()
-    while True:
-        a @ b
-        reps += 1
-        elapsed = time.perf_counter() - t0
-        if elapsed >= seconds or reps >= 1000:
-            return 2 * m * k * n * reps / elapsed / 1e9
-
-def cpu_dtype_rates(model_dim: int, mlp_hidden: int) -> tuple[dict[str, float], str]:
-    """GFLOP/s of the MLP matmul of 256 tokens in each CPU dtype (by name), and the shape and rates as text."""
-    shape = (256, model_dim, mlp_hidden)
-    rates = {name: matmul_gflops(dtype, *shape) for name, dtype in CPU_DTYPES.items()}
-    return rates, (f"{'x'.join(map(str, shape))} matmul GFLOP/s per process: "
-                   + ", ".join(f"{name} {rate:.1f}" for name, rate in rates.items()))
-
-def fastest_cpu_dtype(model_dim: int, mlp_hidden: int) -> tuple[str, str]:
-    """The CPU dtype (by name) that runs the MLP matmul faster here, and the timing as a log clause."""
-    rates, figures = cpu_dtype_rates(model_dim, mlp_hidden)
-    best = max(rates, key=rates.get)
-    return best, f"{best} (auto: {figures}; capability {torch.backends.cpu.get_cpu_capability()}) on {cpu_model()}"
-
-def choose_cpu_dtype(args: Hyperparameters) -> tuple[torch.dtype, str]:
-    """The dtype of the model's bf16 parameters on a CPU, and a line saying why.
-
-    --cpu_dtype bf16 / fp32 forces it; auto times the model's MLP matmul shape in both and takes the
-    faster. CPU flags alone mislead: bf16 runs ~90x slower than fp32 on AVX2-only CPUs, a little slower
-    on AVX512-BF16 CPUs without AMX, and faster with AMX."""
-    if args.cpu_dtype != "auto":
-        return CPU_DTYPES[args.cpu_dtype], f"cpu dtype {args.cpu_dtype} (--cpu_dtype) on {cpu_model()}"
-    name, why = fastest_cpu_dtype(args.model_dim, args.mlp_hidden)
-    return CPU_DTYPES[name], f"cpu dtype {why}"
-
-def checkpoint_cpu_dtype(args: Hyperparameters) -> tuple[torch.dtype, str] | None:
-    """With --resume and --cpu_dtype auto, the dtype the checkpoint's model was trained in (its weight
-    banks: bf16 or fp32), so that a resumed run continues in it whatever a start-up timing would say;
-    None otherwise, or when the checkpoint cannot be read (load_checkpoint then says why)."""
-    if not args.resume or args.cpu_dtype != "auto":
-        return None
-    try:
-        state = torch.load(os.path.join(args.resume, "model.pt"), map_location="cpu", weights_only=False)["model"]
-        name = "bf16" if state["qk_bank"].dtype == torch.bfloat16 else "fp32"
-    except Exception:  # noqa: BLE001 -- load_checkpoint reports a missing or damaged checkpoint in one line
-        return None
-    return CPU_DTYPES[name], f"cpu dtype {name} (the checkpoint's: --resume {args.resume}) on {cpu_model()}"
-
-def compute_dtype(args: Hyperparameters, d: DistInfo) -> tuple[torch.dtype, str | None]:
-    """The model's compute dtype: bf16 on GPUs; on CPUs rank 0's choose_cpu_dtype, taken by every rank
-    (timings differ between processes), with its log line."""
-    if d.device.type != "cpu":
-        return torch.bfloat16, None
-    choice = [None]
-    if d.is_master:
-        dtype, note = checkpoint_cpu_dtype(args) or choose_cpu_dtype(args)
-        choice = [(str(dtype).removeprefix("torch."), note)]
-    if dist.is_initialized():
-        dist.broadcast_object_list(choice, src=0)
-    return getattr(torch, choice[0][0]), choice[0][1]
-
-# ---- Which kernel each layer kind attends with: SDPA on CPUs, flex or varlen on GPUs ------------
-
-# {torch.cuda.get_device_name(): {(long window?, slots per token): "flex" | "varlen"}}, the faster at the
-# speedrun's shapes as the GPU check times them; a GPU or kind not listed runs flex.
-ATTENTION_KERNEL_CHOICE: dict[str, dict[tuple[bool, int], str]] = {}
-GPU_ATTENTION_KERNELS = ("flex", "varlen")
-
-def attention_kernels(args: Hyperparameters, device: torch.device) -> dict[tuple[bool, int], str]:
-    """Every layer kind's attention kernel: SDPA on CPUs, else --attention_kernel ("auto": the GPU's table)."""
-    kinds = attention_kinds(args.layers)
-    if device.type != "cuda":
-        return dict.fromkeys(kinds, "sdpa")
-    if _check_attention_kernel(args.attention_kernel) in GPU_ATTENTION_KERNELS:
-        return dict.fromkeys(kinds, args.attention_kernel)
-    table = ATTENTION_KERNEL_CHOICE.get(torch.cuda.get_device_name(device), {})
-    return {kind: table.get(kind, "flex") for kind in kinds}
-
-# ---- The CPU's attention: SDPA, banded where that saves work ---------------------------------
-
-def dense_attention_mask(doc_ids: torch.Tensor, window, pos_div: int = 1) -> torch.Tensor:
-    """(n, n) boolean mask from attention_mask_mod, n = T * pos_div (for SDPA on the CPU)."""
-    idx = torch.arange(doc_ids.numel() * pos_div, device=doc_ids.device)
-    return attention_mask_mod(doc_ids, window, pos_div)(0, 0, idx[:, None], idx[None, :])
-
-CPU_ATTENTION_CHUNK = 256  # query slots per band of the CPU attention
-
-def banded_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, span: int,
-                     scale: float = 1.0) -> torch.Tensor:
-    """SDPA of (1, H, n, hd) q, k, v under a sliding-window mask, in O(n * (chunk + span)) instead of O(n^2).
-
-    Exact when no query slot sees a key slot more than `span` slots back: each band of `chunk` queries
-    attends to its own keys and the `span` before them, with the mask of banded_attention_mask
-    (chunk = mask.shape[2])."""
-    _, H, n, hd = q.shape
-    chunk = mask.shape[2]
-
-    def bands(t):  # (1, H, n, hd) -> (n/chunk, H, chunk + span, hd), overlapping views of the left-padded keys
-        return F.pad(t, (0, 0, span, 0)).unfold(2, chunk + span, chunk)[0].permute(1, 0, 3, 2)
-
-    qb = q[0].view(H, n // chunk, chunk, hd).transpose(0, 1)
-    y = F.scaled_dot_product_attention(qb, bands(k), bands(v), attn_mask=mask, scale=scale)
-    return y.transpose(0, 1).reshape(1, H, n, hd)
-
-def attention_band(n: int, span: int) -> int:
-    """Chunk for banded_attention of n slots with this span, or 0 where dense attention is as cheap."""
-    for chunk in (CPU_ATTENTION_CHUNK, CPU_ATTENTION_CHUNK // 2, CPU_ATTENTION_CHUNK // 4):
-        if n % chunk == 0 and chunk + span < n // 2:
-            return chunk
-    return 0
-
-class SDPAMask(NamedTuple):
-    """The CPU attention's mask of one layer kind: banded_attention_mask's bands (chunk > 0) or a dense
-    (n, n) mask (chunk 0); span = the window in slots (a Python int: band shapes depend on it).
-    fp32: attend in fp32 (the GPU check's independent reference)."""
-    mask: torch.Tensor
-    span: int
-    chunk: int
-    fp32: bool = False
-
-def sdpa_mask(doc_ids: torch.Tensor, window: torch.Tensor, span: int, pos_div: int, fp32: bool = False) -> SDPAMask:
-    """The SDPA kernel's mask of one layer kind: bands where attention_band finds them, else dense."""
-    chunk = attention_band(doc_ids.numel() * pos_div, span)
-    mask = banded_attention_mask(doc_ids, window, pos_div, chunk, span) if chunk else dense_attention_mask(doc_ids, window, pos_div)
-    return SDPAMask(mask, span, chunk, fp32)
-
-def sdpa_attend_tokens(q, k, v, mask: SDPAMask, r: int, scale: torch.Tensor, scale_value: float) -> torch.Tensor:
-    """SDPA of (T, H, hd) q, k, v at r slots per token (banded where the mask is), the scale as a number:
-    the same fp32 value, kept as a float by GPT.set_windows; in fp32 for the fp32 reference."""
-    qs, ks, vs = (as_slots(t.float() if mask.fp32 else t, r) for t in (q, k, v))
-    if mask.chunk:
-        y = banded_attention(qs, ks, vs, mask.mask, mask.span, scale=scale_value)
-    else:
-        y = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask.mask, scale=scale_value)
-    return from_slots(y.to(q.dtype), q.shape[0])
-
-ATTENTION_MASKS.update(sdpa=sdpa_mask, sdpa_fp32=functools.partial(sdpa_mask, fp32=True))
-ATTEND[SDPAMask] = sdpa_attend_tokens
-
-# ---- torch's varlen attention: the alternative GPU kernel (--attention_kernel varlen) -------------
-
-class VarlenMask(NamedTuple):
-    """varlen_attn's arguments for one layer kind: document starts in slots (padding entries equal to the
-    end give empty documents), the longest document in slots, and the window in slots (causal, window + 1
-    keys: the record's FA3 window_size=(window, 0))."""
-    cu_seqlens: torch.Tensor
-    max_seqlen: int
-    window: int
-
-def varlen_mask(cu_seqlens: torch.Tensor, max_doc_len: int, window: int, r: int) -> VarlenMask:
-    """One layer kind's VarlenMask at r slots per token, from document starts in tokens."""
-    return VarlenMask(cu_seqlens * r if r > 1 else cu_seqlens, max_doc_len * r, window)
-
-def varlen_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: VarlenMask, scale: float) -> torch.Tensor:
-    """torch.nn.attention.varlen.varlen_attn (flash attention on CUDA; torch >= 2.11) of (n, H, hd) q, k, v:
-    the call record #89 makes to FA3's flash_attn_varlen_func (window_size=(window, 0), softmax_scale)."""
-    from torch.nn.attention.varlen import varlen_attn
-    return varlen_attn(q, k, v, mask.cu_seqlens, mask.cu_seqlens, mask.max_seqlen, mask.max_seqlen,
-                       scale=scale, window_size=(mask.window, 0))
-
-def varlen_attend_tokens(q, k, v, mask: VarlenMask, r: int, scale: torch.Tensor, scale_value: float) -> torch.Tensor:
-    """varlen_attend of (T, H, hd) q, k, v at r slots per token, the fp32 scale as a number."""
-    T, H, hd = q.shape
-    return varlen_attend(*(t.reshape(r * T, H // r, hd) for t in (q, k, v)), mask, scale_value).reshape(T, H, hd)
-
-START_MASKS["varlen"] = varlen_mask
-ATTEND[VarlenMask] = varlen_attend_tokens
-
-# ---- On GPUs, off the record's path: flex attention outside compiled graphs, the bf16 head -------
-
-@functools.lru_cache(maxsize=None)
-def compiled_flex_attention():
-    """flex_attention compiled once, for CUDA calls outside a compiled graph (eager, it materialises scores)."""
-    return torch.compile(flex_attention, dynamic=False)
-
-def _runs_compiled_flex(q: torch.Tensor) -> bool:
-    """A CUDA call outside a compiled graph (inside one, flex_attention is traced into the graph)."""
-    return q.is_cuda and not torch.compiler.is_compiling()
-
-def bf16_head(model: GPT, x, targets, mtp_weights, prefix_ids, prefix_weight, loss_scale):
-    """The bf16 head's training loss: the logits, then the loss kernel. (loss, next-token loss) per token."""
-    return triton_kernels.softcapped_ce_mtp(x @ model.lm_head, targets, mtp_weights, prefix_ids, prefix_weight,
-                                            grad_scale=loss_scale, next_token=True)
-
-HEAD_LOSSES.update(cuda=bf16_head)  # GPUs without FP8 tensor cores, or --fp8 false
-
-# ---- The CPU's head and evaluation loss ------------------------------------------------------
-
-def cpu_head(model: GPT, x, targets, mtp_weights, prefix_ids, prefix_weight, loss_scale):
-    """The head's matmuls inside the loss's row blocks: no (T, V) tensor in memory. (loss, next-token loss)."""
-    return triton_kernels.softcapped_ce_mtp_head_rows(x, model.lm_head, targets, mtp_weights, prefix_ids, prefix_weight,
-                                                      grad_scale=loss_scale, next_token=True)
-
-def cpu_evaluation_ce(logits: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-    """The same bits as the GPU's, in cache-sized blocks (the plain form inside a compiled graph)."""
-    if torch.compiler.is_compiling():
-        return bf16_evaluation_ce(logits, t)
-    return F.nll_loss(triton_kernels.softcap_log_probs(logits), t, reduction="sum")
-
-HEAD_LOSSES["cpu"] = cpu_head
-EVALUATION_CE["cpu"] = cpu_evaluation_ce
-
-# ---- The model's hidden states and bf16 logits (sampling, tests) --------------------------------
-
-def final_hidden(model: GPT, input_ids, cu_seqlens, bigram_ids, masks: dict | None = None) -> torch.Tensor:
-    """Final normalised hidden states (T, D) (bf16 MLPs), the input of the LM head."""
-    return model(input_ids, None, cu_seqlens, bigram_ids, masks=masks)
-
-def bf16_logits(model: GPT, input_ids, cu_seqlens, bigram_ids, masks: dict | None = None) -> torch.Tensor:
-    """Softcapped fp32 logits (T, Vp) of the plain bf16 head."""
-    return triton_kernels.softcap(final_hidden(model, input_ids, cu_seqlens, bigram_ids, masks) @ model.lm_head)
-
-# ---- Parameter shapes without memory (tests, the fidelity table) -------------------------------
-
-def count_parameters(args: Hyperparameters, world_size: int = 1) -> dict[str, tuple[int, ...]]:
-    """Shape of every labelled parameter, from a model built on the meta device (no memory used)."""
-    with torch.device("meta"):
-        model = GPT(args, world_size)
-    return {label: tuple(p.shape) for label, p in model.params_by_label().items()}
-
-# ---- Data: the offline GPT-2 tokenizer, the batch split's start-up check -----------------------
-
-# GPT-2 BPE, built offline from the rank file shipped in data/ (same ranks as tiktoken's "gpt2").
-GPT2_TIKTOKEN_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "gpt2.tiktoken")
-GPT2_TIKTOKEN_SHA256 = "306cd27f03c1a714eca7108e03d66b7dc042abe8c258b44c199a7ed9838dd930"
-GPT2_SPLIT_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
-
-def gpt2_encoding(rank_file: str | None = GPT2_TIKTOKEN_FILE):
-    """The GPT-2 tokenizer. With a rank file (default: the shipped copy, sha256-checked) no network is
-    touched; rank_file=None asks tiktoken for its own "gpt2" encoding (which may download)."""
-    import tiktoken
-    if rank_file is None:
-        return tiktoken.get_encoding("gpt2")
-    import hashlib
-    try:
-        with open(rank_file, "rb") as f:
-            digest = hashlib.sha256(f.read()).hexdigest()
-    except OSError as e:
-        raise SystemExit(f"error: cannot read GPT-2 rank file {rank_file} ({e.strerror})") from None
-    if digest != GPT2_TIKTOKEN_SHA256:
-        raise SystemExit(f"error: {rank_file} has sha256 {digest}, not the GPT-2 ranks ({GPT2_TIKTOKEN_SHA256})")
-    from tiktoken.load import load_tiktoken_bpe
-    return tiktoken.Encoding("gpt2", pat_str=GPT2_SPLIT_PATTERN, mergeable_ranks=load_tiktoken_bpe(rank_file),
-                             special_tokens={"<|endoftext|>": BOS_ID}, explicit_n_vocab=50257)
-
-def check_batch_split(args: Hyperparameters, world_size: int) -> int:
-    """grad_accum_steps, or a start-up error where a stage's batch does not split into ranks x accumulation steps."""
-    accum = grad_accum_steps(args, world_size)
-    slots = world_size * accum
-    for tokens in (row.batch_tokens for row in args.stages):
-        if tokens % slots:
-            raise SystemExit(f"error: the global batch of {tokens} tokens (--stage_batch_tokens) does not split into "
-                             f"{world_size} ranks x {accum} accumulation steps; use a world size that divides "
-                             f"{args.micro_batches} or batch sizes divisible by {slots}")
-    return accum
-
-# ---- Staging: a batch's tensors in one pinned buffer, one host-to-device copy (Batch.to) ------------
-
-STAGE_ALIGN = 128  # bytes between a staged batch's tensors: inductor, cuBLAS, Triton assume 16-byte alignment
-
-def _staged_bytes(t: torch.Tensor) -> int:
-    return -(-t.numel() * t.element_size() // STAGE_ALIGN) * STAGE_ALIGN
-
-def batch_tensors(b: Batch) -> list[torch.Tensor]:
-    """Every tensor of the batch in a fixed order (the staging buffer's layout)."""
-    masks = [t for key in sorted(b.block_masks) for t in b.block_masks[key]] if b.block_masks else []
-    extra = [b.doc_ids] if b.doc_ids is not None else []
-    return [b.inputs, b.targets, b.cu_seqlens, b.bigram_ids, *extra, *masks]
-
-def batch_with_tensors(b: Batch, tensors) -> Batch:
-    """b with its tensors replaced, in batch_tensors' order."""
-    it = iter(tensors)
-    inputs, targets, cu_seqlens, bigram_ids = (next(it) for _ in range(4))
-    doc_ids = next(it) if b.doc_ids is not None else None
-    block_masks = {key: BlockMaskIndices(*(next(it) for _ in BlockMaskIndices._fields))
-                   for key in sorted(b.block_masks)} if b.block_masks else None
-    return Batch(inputs, targets, cu_seqlens, bigram_ids, b.mask_spec, doc_ids, block_masks, b.max_doc_len)
-
-def staged_bytes(b: Batch) -> int:
-    """Bytes of b's staged buffer (a multiple of STAGE_ALIGN)."""
-    return sum(map(_staged_bytes, batch_tensors(b)))
-
-def stage_batch(b: Batch, into: torch.Tensor | None = None) -> Batch:
-    """b with its tensors packed into one pinned host buffer, so that to(device) is one copy (the loader's
-    thread does it). into: a uint8 buffer of staged_bytes(b) to pack into instead."""
-    staged = into if into is not None else torch.empty(staged_bytes(b), dtype=torch.uint8,
-                                                       pin_memory=torch.cuda.is_available())
-    for view, t in zip(batch_tensors(unstage(b, staged)), batch_tensors(b)):
-        view.copy_(t)
-    return dataclasses.replace(b, staged=staged)
-
-def unstage(b: Batch, staged: torch.Tensor) -> Batch:
-    """b's tensors as views of `staged` (stage_batch's layout): a view per dtype, an as_strided each."""
-    views, typed, start = [], {}, 0
-    for t in batch_tensors(b):
-        if t.dtype not in typed:  # the buffer's length is a multiple of STAGE_ALIGN: any dtype divides it
-            typed[t.dtype] = staged.view(t.dtype)
-        strides = [math.prod(t.shape[d + 1:]) for d in range(t.dim())]  # contiguous
-        base = typed[t.dtype]  # as_strided counts from the storage's start: a slice's own offset first
-        views.append(base.as_strided(t.shape, strides, base.storage_offset() + start // t.element_size()))
-        start += _staged_bytes(t)
-    return batch_with_tensors(b, views)
-
-def step_slices(batches: list[Batch], **buffer_kw) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """One uint8 buffer (torch.empty's buffer_kw) for every batch's staged bytes back to back, and each
-    batch's slice of it: the layout stage_step packs on the host and StepGraphs copies into on the device."""
-    sizes = [staged_bytes(b) for b in batches]
-    buf = torch.empty(sum(sizes), dtype=torch.uint8, **buffer_kw)
-    starts = np.cumsum([0, *sizes]).tolist()
-    return buf, [buf[a:a + n] for a, n in zip(starts, sizes)]
-
-def stage_step(batches: list[Batch]) -> list[Batch]:
-    """A step's micro-batches staged into consecutive slices of one pinned buffer (StepGraphs copies it whole)."""
-    _, parts = step_slices(batches, pin_memory=torch.cuda.is_available())
-    return [stage_batch(b, part) for b, part in zip(batches, parts)]
-
-# ---- Sampling, shard writing, CPU memory -----------------------------------------------------
-
-def generate(model: "GPT", prompt: str, new_tokens: int, device: torch.device, seed: int = 0) -> str:
-    """Sample a continuation (top-k 40, temperature 0.8) with the offline GPT-2 tokenizer."""
-    enc = gpt2_encoding()
-    tokens = [BOS_ID] + enc.encode_ordinary(prompt)
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for _ in range(new_tokens):
-            b = make_batch(np.asarray(tokens + [0], dtype=np.uint16), model.args.bigram_vocab_size).to(device)
-            logits = bf16_logits(model, b.inputs, b.cu_seqlens, b.bigram_ids)[-1, :model.args.vocab_size].float().cpu()
-            top = torch.topk(logits / 0.8, 40)
-            tokens.append(int(top.indices[torch.multinomial(torch.softmax(top.values, -1), 1, generator=gen)]))
-    return enc.decode(tokens[1:])
-
-def write_shard(path: str, tokens) -> None:
-    """Write tokens (any int sequence < 2**16) atomically: a temporary file renamed into place."""
-    tokens = np.asarray(tokens)
-    if tokens.size and (tokens.min() < 0 or tokens.max() >= 2**16):
-        raise ValueError(f"{path}: token ids must fit in uint16 (got range {tokens.min()}..{tokens.max()})")
-    header = np.zeros(SHARD_HEADER_INTS, dtype="<i4")
-    header[0], header[1], header[2] = SHARD_MAGIC, SHARD_VERSION, tokens.size
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "wb") as f:
-        f.write(header.tobytes())
-        f.write(tokens.astype("<u2").tobytes())
-    os.replace(tmp, path)
-
-def keep_freed_memory() -> bool:
-    """CPU training: tell glibc to keep freed memory in the process heap. By default it maps every large
-    block (logits, their gradient: hundreds of MB a step) afresh and returns it on free, so each step
-    page-faults them in again; a small GPT with an unfused full-vocabulary head ran 1.7x faster with it
-    (0.60 against 1.01 s a step). mallopt(M_MMAP_MAX, 0), and M_TRIM_THRESHOLD at the largest value mallopt's
-    int takes (2 GiB of free heap top kept), as the environment's MALLOC_MMAP_MAX_=0 and
-    MALLOC_TRIM_THRESHOLD_ would set at start-up; values the user set there are left alone. False where
-    the C library has no mallopt (not glibc) or the setting was the user's."""
-    if "MALLOC_MMAP_MAX_" in os.environ or "MALLOC_TRIM_THRESHOLD_" in os.environ:
-        return False
-    try:
-        import ctypes
-        mallopt = ctypes.CDLL(None).mallopt
-    except (OSError, AttributeError):
-        return False
-    mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
-    M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4  # glibc's <malloc.h>
-    return bool(mallopt(M_MMAP_MAX, 0)) and bool(mallopt(M_TRIM_THRESHOLD, 2**31 - 1))
 
 # ---- CUDA graphs (record #92): each step shape's forward+backward replayed (--cuda_graphs) --------
 
@@ -3880,16 +3867,11 @@ class StepGraphs:
             torch._foreach_zero_(fresh)
 
     def _forward_backward(self, entry: _StepBuffers) -> None:
-        """forward_backward's forward and backward of every micro-batch, on the static buffers."""
+        """forward_backward's micro-batch loop on the static buffers (its reductions: the optimizer's)."""
         entry.loss.zero_()
         entry.next_token.zero_()
-        for b in entry.batches:
-            masks = self.model_fn.batch_masks(b)
-            micro, micro_next_token = self.model_fn(b.inputs, b.targets, b.cu_seqlens, b.bigram_ids, mtp_weights=self.mtp,
-                                                    loss_scale=self.grad_scale, prefix_weight=self.prefix, masks=masks)
-            micro.backward()
-            entry.loss += micro.detach()
-            entry.next_token += micro_next_token
+        micro_batches_forward_backward(self.model_fn, entry.batches, self.mtp, self.prefix, self.grad_scale,
+                                       self.device, entry.loss, entry.next_token)
 
     def _state(self, entry: _StepBuffers) -> dict[str, torch.Tensor]:
         """What a forward+backward writes: the losses, the gradients, the model's buffers (FP8 scales)."""
@@ -3981,6 +3963,90 @@ def replay_mismatch(got: dict, ref: dict, again: dict) -> str:
         if not noise or not off <= 4 * noise:
             return f"{name} differs from the uncaptured step's by {off:.3g} (two uncaptured runs: by {noise:.3g})"
     return ""
+
+class Trainer:
+    """The step train() runs (the benchmarks and the GPU check time it), with what it needs built once:
+    the compiled model, optimizer, loader, the loss weights' device buffers and, on CUDA, the step graphs."""
+
+    def __init__(self, args: Hyperparameters, d: DistInfo, model: "GPT", opt: NorMuonAdam, loader: DocumentLoader):
+        self.args, self.d, self.model, self.opt, self.loader = args, d, model, opt, loader
+        self.model_fn = compile_model(model) if args.compile else model
+        self.accum = grad_accum_steps(args, d.world_size)  # train() checked the split
+        self.slots = d.world_size * self.accum
+        self.total = total_steps(args)
+        self.fp8 = args.fp8 and _native_fp8(d.device)
+        self.grad_scale = grad_scale_for(args, d.world_size)
+        self.mtp = torch.zeros(len(args.stages[0].mtp_start), dtype=torch.float32, device=d.device)
+        self.prefix = torch.zeros((), dtype=torch.float32, device=d.device)
+        self.graphs = step_graphs(self)  # record #92's CUDA graphs where --cuda_graphs applies
+        self.windows = None
+        self.batches: list[Batch] = []
+
+    def validate(self, step: int, batches: list[Batch]) -> float:
+        """evaluate() with step `step`'s windows; after the last step the record's final validation's:
+        wider windows, YaRN kept at the extension's."""
+        if step < self.total:
+            self.set_windows(plan_step(self.args, step).windows)
+        else:
+            self.set_windows(self.args.final_val_windows, plan_step(self.args, self.total - 1).windows[1])
+        return evaluate(self.model_fn, batches, self.d.device)
+
+    def set_windows(self, windows: tuple, yarn: int | None = None) -> None:
+        """The model's windows; the YaRN update runs only when the windows actually change."""
+        if (windows, yarn) != self.windows:
+            self.model.set_windows(*windows, yarn_blocks=yarn)
+            self.windows = (windows, yarn)
+
+    def step(self, step: int, plan: StepPlan | None = None, next_step: int | None = None,
+             warm_up: bool = False) -> tuple[StepPlan, torch.Tensor]:
+        """One training step (plan: plan_step(step) unless given), then the untie right after the last
+        tied step (the record's) and the FP8 weights' re-quantisation; the loader builds step
+        `next_step`'s batches (default step + 1) on its thread meanwhile. warm_up: the untimed warm-up,
+        where the step graphs are captured. Returns the plan and this rank's (mean next-token loss, mean
+        objective) per token, a device tensor: nothing here waits for the GPU."""
+        args, d, graphs = self.args, self.d, self.graphs
+        plan = plan or plan_step(args, step)
+        self.set_windows(plan.windows)
+        request = batch_request(args, plan, self.slots, d.device)
+        batches = self.loader.next_step(*request)
+        next_step = step + 1 if next_step is None else next_step
+        # not while a warm-up step may capture a graph: the warm-up's next step is rarely its successor
+        if next_step < self.total and not (warm_up and graphs is not None):
+            self.loader.look_ahead(*batch_request(args, plan_step(args, next_step), self.slots, d.device))
+        if graphs is not None:  # the warm-up captures each key's graph (and checks it against the uncaptured step)
+            objective, next_token = graphs.step(batches, plan, step_graph_key(plan, request, self.accum), capture=warm_up)
+        else:
+            objective, next_token = forward_backward(self.model_fn, self.opt, batches, plan, self.mtp, self.prefix,
+                                                     self.grad_scale, d.device)
+        self.opt.step(plan.do_adam, lr_scale=plan.lr_mult, momentum=plan.momentum)
+        if step == untie_step(args) and self.opt.tied:  # (a benchmark may have untied already)
+            self.opt.untie()
+        self.batches = batches  # the benchmarks count the step's documents
+        if self.fp8:  # after the optimizer step (the record's per-step order), for the next forward
+            self.model.quantize_fp8(bootstrap=step < FP8_BOOTSTRAP_STEPS)
+        tokens = plan.batch_tokens / d.world_size  # means per token of this rank's batch (no collective)
+        return plan, torch.stack([next_token / tokens, objective / (self.grad_scale * tokens)])
+
+    def warm_up(self, val_batch: list[Batch], prefix_table: torch.Tensor) -> list[str]:
+        """Compile every graph the run needs (each stage, both Adam parities, untied, evaluation) and capture
+        the step graphs on real batches, then restore model, optimizer and loader. Returns the log's notes."""
+        args, model, opt, loader = self.args, self.model, self.opt, self.loader
+        saved_model = {k: v.clone() for k, v in model.state_dict().items()}
+        saved_opt, saved_loader = opt.state_dict(), loader.state_dict()
+        model.prefix_table.copy_(prefix_table)  # as in the timed steps
+        notes = []
+        for step in warmup_steps(args):
+            self.validate(step, val_batch)
+            self.step(step, warm_up=True)
+            self.graphs = graphs_kept(self.graphs, notes)  # off for the run after a failed capture
+        self.validate(self.total, val_batch)  # a graph of its own where a kernel takes the window as a number
+        model.load_state_dict(saved_model)
+        model.prefix_table.fill_(-1)  # not in the state dict; the timed run builds it again
+        model.zero_grad(set_to_none=True)  # Adam gradients of an even last warm-up step must not leak in
+        self.windows = None  # the restored buffers hold the initial windows again
+        opt.load_state_dict(saved_opt)
+        loader.load_state_dict(saved_loader)
+        return notes + graphs_captured_notes(self.graphs)
 
 # ---- Checkpoints and signals (a speedrun saves none) -----------------------------------------
 
@@ -4170,6 +4236,19 @@ class RunCheckpoints(StopOnSignal):
             raise SystemExit(128 + stopping)
         return seconds
 
+def generate(model: "GPT", prompt: str, new_tokens: int, device: torch.device, seed: int = 0) -> str:
+    """Sample a continuation (top-k 40, temperature 0.8) with the offline GPT-2 tokenizer."""
+    enc = gpt2_encoding()
+    tokens = [BOS_ID] + enc.encode_ordinary(prompt)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for _ in range(new_tokens):
+            b = make_batch(np.asarray(tokens + [0], dtype=np.uint16), model.args.bigram_vocab_size).to(device)
+            logits = bf16_logits(model, b.inputs, b.cu_seqlens, b.bigram_ids)[-1, :model.args.vocab_size].float().cpu()
+            top = torch.topk(logits / 0.8, 40)
+            tokens.append(int(top.indices[torch.multinomial(torch.softmax(top.values, -1), 1, generator=gen)]))
+    return enc.decode(tokens[1:])
+
 # ---- train()'s last lines: compilation, the sample, peak memory -------------------------------------
 
 def compile_counts() -> dict:
@@ -4198,6 +4277,105 @@ def peak_memory(device: torch.device) -> str:
     import resource
     return f"peak memory (max RSS of rank 0): {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024} MiB"
 
+def _check_finite(what: str, values: tuple, step: int, log_path: str) -> None:
+    for value in values:
+        if not math.isfinite(value):
+            raise SystemExit(f"error: {what} is {value} at step {step}; stopping (log: {log_path})")
+
+def train(args: Hyperparameters, d: DistInfo) -> float:
+    """The whole run; returns the final validation loss."""
+    import time
+    import uuid
+    run_id = [args.run_id or str(uuid.uuid4())]
+    if dist.is_initialized():
+        dist.broadcast_object_list(run_id, src=0)
+    run_id = run_id[0]
+    check_batch_split(args, d.world_size)
+
+    dtype, dtype_note = compute_dtype(args, d)
+    torch.manual_seed(args.seed)
+    try:  # model and optimizer validate their configuration: a bad flag is one line, before any log
+        model = GPT(args, d.world_size, dtype=dtype).to(d.device)
+        opt = build_optimizer(args, model, d.device)
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
+    if dist.is_initialized():
+        for p in model.parameters():
+            dist.broadcast(p.data, src=0)
+    if args.fp8 and _native_fp8(d.device):  # step 0's forward reads the e4m3 weights: quantised before the
+        model.quantize_fp8(bootstrap=True)  # warm-up's snapshot, so that its reset brings them back too
+    log = RunLog(args, run_id, d, notes=[dtype_note] if dtype_note else [])
+    loader = DocumentLoader(args.train_files, args.bigram_vocab_size, d.rank, d.world_size, d.device)
+    val_batches = validation_batches(args.val_files, args.val_tokens, min(args.val_seq_len, args.val_tokens),
+                                     args.bigram_vocab_size, d.rank, d.world_size)
+    encoding = gpt2_encoding()  # read before the clock; the prefix table built from it is timed (below)
+    start_step = resume_step(args, d, model, opt, loader)  # 0 unless --resume
+
+    trainer = Trainer(args, d, model, opt, loader)
+    total = trainer.total
+    if args.compile:
+        t = time.perf_counter()
+        for note in trainer.warm_up(val_batches[:1], build_prefix_table(encoding, args.padded_vocab_size)):
+            log.note(note)
+        log.show(f"compile warm-up: {len(warmup_steps(args))} steps in {time.perf_counter() - t:.0f}s", final=True)
+
+    compiled_before = compile_counts()  # what the timed run compiles on top of the warm-up: nothing, ideally
+    cuda_synchronize(d.device)
+    train_ms, t0, val_loss = 0.0, time.perf_counter(), float("nan")
+    # the record's order: the clock starts, then the prefix table is built, timed
+    model.prefix_table.copy_(build_prefix_table(encoding, args.padded_vocab_size))
+    pending = None  # (step, losses, train_ms, steps timed): losses are read a step late, the host never waits
+    cumulative_tokens = schedule_tokens(args)
+
+    def report(now: tuple | None = None) -> None:
+        """The pending step's log line: train_loss, this rank's mean next-token loss per token (evaluation's
+        measure, on the step's batch), and objective, the mean per token of the weighted loss trained on;
+        given now = (steps done, train ms), the console's line too."""
+        nonlocal pending
+        if pending is None:
+            return
+        (step, losses, step_ms, timed), pending = pending, None
+        train_loss, objective = losses.tolist()
+        _check_finite("training loss", (objective, train_loss), step, log.path)
+        log.write(f"step:{step + 1}/{total} train_time:{step_ms:.0f}ms step_avg:{step_ms / timed:.2f}ms "
+                  f"train_loss:{train_loss:.4f} objective:{objective:.4f}")
+        if now is not None:
+            done, now_ms = now
+            tokens = cumulative_tokens[done] - cumulative_tokens[start_step]
+            log.show(f"step {step + 1}/{total}  train_loss {train_loss:.4f}  objective {objective:.4f}  "
+                     f"{tokens / max(1e-9, now_ms / 1000):,.0f} tok/s  "
+                     f"eta {eta_seconds(cumulative_tokens, start_step, done, now_ms):.0f}s")
+
+    with RunCheckpoints(args, d, run_id, start_step, model, opt, loader, log) as checkpoints:
+        for step in range(start_step, total + 1):
+            last = step == total
+            if last or (args.val_loss_every and step % args.val_loss_every == 0):
+                cuda_synchronize(d.device)
+                train_ms += 1000 * (time.perf_counter() - t0)
+                report()
+                val_loss = trainer.validate(step, val_batches)
+                log.write(f"step:{step}/{total} val_loss:{val_loss:.4f} train_time:{train_ms:.0f}ms "
+                          f"step_avg:{train_ms / max(1, step - start_step):.2f}ms")
+                log.show(f"step {step}/{total}  val_loss {val_loss:.4f}  train_time {train_ms / 1000:.1f}s", final=True)
+                _check_finite("validation loss", (val_loss,), step, log.path)
+                cuda_synchronize(d.device)
+                t0 = time.perf_counter()
+            t0 += checkpoints.between_steps(step, report)  # --save_every, signals; saving is not training time
+            if last:
+                break
+            _, losses = trainer.step(step)
+            now_ms = train_ms + 1000 * (time.perf_counter() - t0)
+            report(now=(step + 1, now_ms))  # the previous step's: its kernels are done by now or nearly
+            pending = (step, losses, now_ms, step + 1 - start_step)
+    if args.compile:
+        log.write(compile_report(compiled_before))
+    log.write(peak_memory(d.device))  # the record's line on GPUs
+    if d.is_master:
+        print(f"final val_loss {val_loss:.4f}, train_time {train_ms / 1000:.1f}s, log {log.path}")
+        if args.sample_tokens:
+            print(sample_after_training(model, args, d.device))
+    return val_loss
+
 # ---- One training step without a Trainer (tests, benchmarks, the GPU check) ----------------------
 
 def train_step(model_fn, opt: NorMuonAdam, batches: list[Batch], plan: StepPlan, mtp: torch.Tensor,
@@ -4207,292 +4385,50 @@ def train_step(model_fn, opt: NorMuonAdam, batches: list[Batch], plan: StepPlan,
     opt.step(plan.do_adam, lr_scale=plan.lr_mult, momentum=plan.momentum)
     return loss, next_token
 
-# ---- Argument checks of the functions above (one-line errors for bad input) ---------------------
+# ----------------------------------------------------------------------------------------------
+# main
+# ----------------------------------------------------------------------------------------------
 
-# ParamConfig, NorMuonAdam and its load_state_dict (the record's configuration passes every check)
-
-OPTIMIZER_KINDS = ("normuon", "adam")
-COMMS_MODES = ("none", "replicated", "sharded", "sharded_sparse")
-
-def _check_param_config(cfg: ParamConfig) -> None:
-    """ParamConfig's one-line errors; stores betas and matrix_lr_mul as tuples of floats."""
-    if cfg.optimizer not in OPTIMIZER_KINDS:
-        raise ValueError(f"ParamConfig: optimizer={cfg.optimizer!r} is not one of {', '.join(OPTIMIZER_KINDS)}")
-    if cfg.comms not in COMMS_MODES:
-        raise ValueError(f"ParamConfig: comms={cfg.comms!r} is not one of {', '.join(COMMS_MODES)}")
-    if cfg.comms == "sharded_sparse" and cfg.optimizer != "adam":
-        raise ValueError("ParamConfig: comms='sharded_sparse' is for Adam embedding tables; use 'sharded' for normuon")
-    if cfg.matrix_lr_mul is not None and cfg.optimizer != "normuon":
-        raise ValueError("ParamConfig: matrix_lr_mul applies to normuon banks only; use lr_mul for adam")
-    if cfg.every_step and cfg.optimizer != "adam":
-        raise ValueError("ParamConfig: every_step applies to adam labels (normuon steps every step)")
-    betas = tuple(float(b) for b in cfg.betas)
-    if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
-        raise ValueError(f"ParamConfig: betas={cfg.betas!r} must be two numbers in [0, 1)")
-    object.__setattr__(cfg, "betas", betas)
-    if cfg.matrix_lr_mul is not None:
-        object.__setattr__(cfg, "matrix_lr_mul", tuple(float(m) for m in cfg.matrix_lr_mul))
-
-def _check_optimizer_args(opt: NorMuonAdam, params: dict, configs: dict, tied) -> None:
-    """NorMuonAdam's one-line errors: configs and both orders name params' labels exactly once, parameters
-    suit their optimizer, and tied names an Adam (embedding, head) pair of transposes."""
-    for label in params:
-        if label not in configs:
-            raise ValueError(f"NorMuonAdam: no ParamConfig for parameter {label!r}; add configs[{label!r}]")
-    for label in configs:
-        if label not in params:
-            raise ValueError(f"NorMuonAdam: config {label!r} names no parameter; labels are {sorted(params)}")
-    for name in ("scatter_order", "work_order"):
-        order = getattr(opt, name)
-        for i, label in enumerate(order):
-            if label not in params:
-                raise ValueError(f"NorMuonAdam: {name} names unknown label {label!r}; labels are {sorted(params)}")
-            if label in order[:i]:
-                raise ValueError(f"NorMuonAdam: {name} lists {label!r} twice; list every label exactly once")
-        missing = [label for label in params if label not in order]
-        if missing:
-            raise ValueError(f"NorMuonAdam: {name} is missing {missing}; list every label exactly once")
-    for label, p in params.items():
-        cfg = configs[label]
-        if p.dtype not in (torch.bfloat16, torch.float32):
-            raise ValueError(f"NorMuonAdam: parameter {label!r} is {p.dtype}; use bfloat16 or float32")
-        if cfg.optimizer == "normuon" and p.ndim < 2:
-            raise ValueError(f"NorMuonAdam: normuon parameter {label!r} has shape {tuple(p.shape)};"
-                             " it needs matrices (..., rows, cols)")
-        n = p.numel() // (p.size(-2) * p.size(-1)) if p.ndim >= 2 else 0
-        if cfg.optimizer == "normuon" and cfg.matrix_lr_mul is not None and len(cfg.matrix_lr_mul) != n:
-            raise ValueError(f"NorMuonAdam: {label!r} has {n} matrices but matrix_lr_mul has"
-                             f" {len(cfg.matrix_lr_mul)} entries")
-    if tied is None:
-        return
-    if len(tied) != 2 or any(t not in params for t in tied):
-        raise ValueError(f"NorMuonAdam: tied={tied!r} must be (embed_label, head_label), both existing labels")
-    embed, head = (params[t] for t in tied)
-    if any(configs[t].optimizer != "adam" for t in tied):
-        raise ValueError("NorMuonAdam: tied embedding and head must both use optimizer='adam'")
-    if embed.ndim != 2 or tuple(embed.shape) != tuple(head.shape)[::-1]:
-        raise ValueError(f"NorMuonAdam: tied shapes {tuple(embed.shape)} and {tuple(head.shape)}"
-                         " must be transposes of each other")
-    if embed.dtype != head.dtype:
-        raise ValueError("NorMuonAdam: tied embedding and head must have the same dtype")
-
-def _check_state_dict(opt: NorMuonAdam, sd: dict) -> None:
-    """NorMuonAdam.load_state_dict's one-line errors unless sd is a state_dict() of the same layout."""
-    if sd.get("world_size") != opt.world_size or sd.get("rank") != opt.rank:
-        raise ValueError(f"load_state_dict: saved on rank {sd.get('rank')} of {sd.get('world_size')}, loading on rank"
-                         f" {opt.rank} of {opt.world_size}; optimizer shards need the same world size")
-    if set(sd["state"]) != set(opt.state):
-        raise ValueError(f"load_state_dict: labels {sorted(sd['state'])} differ from this optimizer's {sorted(opt.state)}")
-    for label, saved in sd["state"].items():
-        ref = opt.layout.new_state(label, torch.device("meta"))  # what load_state_dict allocates, unallocated
-        if saved and set(saved) != set(ref):
-            raise ValueError(f"load_state_dict: {label!r} has state {sorted(saved)}, expected {sorted(ref)}")
-        for name, t in saved.items():
-            if t.shape != ref[name].shape or t.dtype != ref[name].dtype:
-                raise ValueError(f"load_state_dict: {label!r}.{name} is {tuple(t.shape)} {t.dtype},"
-                                 f" expected {tuple(ref[name].shape)} {ref[name].dtype}")
-
-# The first part's other functions, in its order
-
-_FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
-
-def check_scaled_mm_args(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor) -> None:
-    """Raise ValueError unless the operands suit cuBLAS's tensor-wise FP8 GEMM, on every device (a CPU
-    accepts layouts cuBLAS rejects): 2-D float8, not both e5m2; a (M, K) row-major, b (K, N) column-major;
-    M, K, N multiples of 16; each scale one fp32 value at a 16-byte aligned address."""
-    if a.dim() != 2 or b.dim() != 2:
-        raise ValueError(f"fp8 matmul: operands must be 2-D, got {tuple(a.shape)} and {tuple(b.shape)}")
-    if a.dtype not in _FP8_DTYPES or b.dtype not in _FP8_DTYPES:
-        raise ValueError(f"fp8 matmul: operands must be float8_e4m3fn/float8_e5m2, got {a.dtype} and {b.dtype}")
-    if a.dtype == torch.float8_e5m2 and b.dtype == torch.float8_e5m2:
-        raise ValueError("fp8 matmul: cuBLAS has no e5m2 x e5m2 GEMM; make one operand float8_e4m3fn")
-    (M, K), (K2, N) = a.shape, b.shape
-    if K != K2:
-        raise ValueError(f"fp8 matmul: inner dimensions differ: a is {tuple(a.shape)}, b is {tuple(b.shape)}")
-    if M % 16 or K % 16 or N % 16:
-        raise ValueError(f"fp8 matmul: M, K, N must be multiples of 16, got M={M} K={K} N={N};"
-                         " pad the token count / dims to a multiple of 16")
-    if a.stride(1) != 1 or a.stride(0) < K:
-        raise ValueError(f"fp8 matmul: first operand must be row-major, got strides {a.stride()}; use .contiguous()")
-    if b.stride(0) != 1 or b.stride(1) < K:
-        raise ValueError(f"fp8 matmul: second operand must be column-major, got strides {b.stride()};"
-                         " use .T.contiguous().T")
-    for name, s in (("scale_a", scale_a), ("scale_b", scale_b)):
-        if s.dtype != torch.float32 or s.numel() != 1:
-            raise ValueError(f"fp8 matmul: {name} must be a single float32 value, got {s.dtype} with {s.numel()} elements")
-        if s.data_ptr() % SCALE_ALIGN_BYTES:
-            raise ValueError(f"fp8 matmul: {name} sits at byte offset {s.storage_offset() * s.element_size()} of its storage,"
-                             f" not {SCALE_ALIGN_BYTES}-byte aligned (cuBLASLt rejects it with CUBLAS_STATUS_NOT_SUPPORTED);"
-                             " keep every scale in its own 16-byte slot (FP8MLPState) or pass a fresh tensor")
-
-def _check_fp8_head_args(x: torch.Tensor, w: torch.Tensor, x_f8: torch.Tensor, w_f8: torch.Tensor, grad_s) -> None:
-    if not (math.isfinite(grad_s) and grad_s > 0):  # the kernel stores the gradient times 1 / grad_s
-        raise ValueError(f"fp8_head_loss: grad_s must be a finite number > 0, got {grad_s}")
-    for name, t, ref in (("x_f8", x_f8, x), ("w_f8", w_f8, w)):
-        if t.dtype != torch.float8_e4m3fn or t.shape != ref.shape:
-            raise ValueError(f"fp8_head_loss: {name} must be float8_e4m3fn of shape {tuple(ref.shape)},"
-                             f" got {t.dtype} {tuple(t.shape)}")
-
-def _check_fp8_mlp_args(state: FP8MLPState, x: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor) -> None:
-    H, D = state.up_f8.shape[1:]
-    dtypes = {x.dtype, w_up.dtype, w_down.dtype}
-    if x.shape[1:] != (D,) or {w_up.shape, w_down.shape} != {(H, D)} or dtypes != {torch.bfloat16}:
-        raise ValueError(f"FP8MLPState.mlp: x must be (T, {D}), w_up and w_down ({H}, {D}), all bf16; got x "
-                         f"{tuple(x.shape)} {x.dtype}, w_up {tuple(w_up.shape)} {w_up.dtype}, "
-                         f"w_down {tuple(w_down.shape)} {w_down.dtype}")
-
-def _check_post_maxima(state: FP8MLPState, post_maxima: list) -> None:
-    if len(post_maxima) != (L := state.act_scale.shape[0]):
-        raise ValueError(f"FP8MLPState.update_act_scales: post_maxima must hold {L} layers' maxima,"
-                         f" got {len(post_maxima)}")
-
-def _check_mlp_bank(state: FP8MLPState, mlp_bank: torch.Tensor) -> None:
-    L, H, D = state.up_f8.shape
-    if mlp_bank.dim() != 3 or mlp_bank.shape[0] < 2 * L or tuple(mlp_bank.shape[1:]) != (H, D):
-        raise ValueError(f"FP8MLPState.quantize: mlp_bank must be (>= {2 * L}, {H}, {D}), got {tuple(mlp_bank.shape)}")
-
-def _check_matrices(G: torch.Tensor) -> None:
-    if G.ndim < 2:
-        raise ValueError(f"orthogonalization needs matrices (..., m, n); got shape {tuple(G.shape)}")
-
-def _check_orthogonalizer(name) -> str:
-    if name not in ORTHOGONALIZERS:
-        raise ValueError(f"NorMuonAdam: orthogonalizer={name!r}; choose one of {sorted(ORTHOGONALIZERS)}")
-    return name
-
-def _check_padded_bank(n: int, world_size: int, label: str) -> None:
-    if n % world_size:
-        raise ValueError(f"NorMuonAdam: bank {label!r} has {n} matrices, not divisible by the world size {world_size};"
-                         f" pad the bank with zero matrices to a multiple of {world_size} or use ownership='balanced'")
-
-def _check_ownership(ownership: str, what: str) -> None:
-    """what: the error's start, naming the argument or the flag."""
-    if ownership not in OWNERSHIPS:
-        raise ValueError(f"{what}{ownership!r} is not one of {', '.join(OWNERSHIPS)}")
-
-def _check_sparse_declaration(exchange: ShardExchange, slot: Slot) -> None:
-    if slot.label in exchange.plans:
-        raise ValueError(f"prepare_sparse: the row exchange of {slot.label!r} was already launched for this step;"
-                         " declare every row before launch=True")
-
-def _check_sparse_rows(slot: Slot, rows: torch.Tensor) -> None:
-    """rows: the sorted unique row ids declared for slot's table."""
-    if rows.numel() and (rows[0] < 0 or rows[-1] >= slot.rows):
-        raise ValueError(f"prepare_sparse: row ids of {slot.label!r} must be in [0, {slot.rows});"
-                         f" got {int(rows[0])}..{int(rows[-1])}")
-
-def _check_sparse_label(opt: NorMuonAdam, label: str) -> None:
-    slot = opt.slots.get(label)
-    if slot is None or slot.cfg.comms != "sharded_sparse":
-        raise ValueError(f"prepare_sparse: {label!r} is not a parameter with comms='sharded_sparse'")
-
-def _check_after_update(opt: NorMuonAdam, hooks: dict) -> None:
-    for label in hooks:
-        if label not in opt.slots or opt.slots[label].cfg.optimizer != "normuon":
-            raise ValueError(f"after_update: hooks[{label!r}] needs a normuon label")
-
-def _check_untie(opt: NorMuonAdam) -> None:
-    if opt.tied is None:
-        raise ValueError("NorMuonAdam.untie(): embedding and head are not tied")
-    if opt._on_backward is not None:
-        raise ValueError("NorMuonAdam.untie(): reductions launched by reductions_on_backward are pending;"
-                         " call step() first")
-
-def _check_attention_kernel(name: str) -> str:
-    if name != "auto" and name not in GPU_ATTENTION_KERNELS:
-        raise ValueError(f"--attention_kernel {name!r} is not one of auto, {', '.join(GPU_ATTENTION_KERNELS)}")
-    return name
-
-def _check_block_mask_args(n: int, block_size: int, window) -> None:
-    if n % block_size:
-        raise ValueError(f"attention: sequence of {n} slots is not a multiple of the {block_size}-token"
-                         " attention block; make the tokens per rank a multiple of 128")
-    if isinstance(window, torch.Tensor) and window.device.type != "cpu":
-        raise ValueError("block_mask_indices: pass the window as a Python int (reading a device tensor waits for the GPU)")
-
-def _check_mask_kernel(kernel: str) -> None:
-    if kernel in START_MASKS:
-        raise ValueError(f"attention: {kernel} attention takes document starts, not ids: GPT.attention_masks builds it")
-    if kernel not in ATTENTION_MASKS:
-        raise ValueError(f"attention: kernel={kernel!r}; choose one of {', '.join([*START_MASKS, *ATTENTION_MASKS])}")
-
-def _check_window_blocks(**blocks) -> None:
-    for name, v in blocks.items():
-        if v is not None and (not isinstance(v, (int, np.integer)) or v < 1):
-            raise ValueError(f"set_windows: {name} window must be a block count >= 1, got {v!r}")
-
-def _check_flex_outside_compile(kernels: dict) -> None:
-    if "flex" in kernels.values() and torch.compiler.is_compiling():
-        raise RuntimeError("attention_masks: build the flex masks outside the compiled model and pass"
-                           " forward(masks=model.attention_masks(cu_seqlens, T))")
-
-def _check_batch_masks(model: GPT, batch: Batch) -> None:
-    """A batch's host-built flex masks are the model's: its block size and current windows."""
-    if batch.block_masks is None:
-        return
-    block_size, kinds = batch.mask_spec
-    if block_size != FLEX_BLOCK_SIZE or any(window != model.window_tokens[int(long)] for long, _, window in kinds):
-        raise ValueError(f"batch_masks: the batch's masks were built for (long?, slots per token, window) {kinds},"
-                         f" the model attends at windows {model.window_tokens}; build batches with"
-                         " flex_mask_spec(args, the step's windows) after set_windows")
-
-def _check_shards_found(files: list, pattern: str, what: str) -> None:
-    if not files:
-        hint = "cached_fineweb10B.py 9" if "fineweb" in pattern else "tokenize_text.py --help"
-        raise SystemExit(f"error: no {what} shards match {pattern!r}; create them with `python data/{hint}`"
-                         f" or point --{what}_files at existing shards")
-
-def _check_prefix_table_size(padded_vocab_size) -> None:
-    if isinstance(padded_vocab_size, bool) or not isinstance(padded_vocab_size, int) or padded_vocab_size < 1:
-        raise ValueError(f"build_prefix_table: padded_vocab_size must be a positive int, got {padded_vocab_size!r}")
-
-def _check_same_shards(saved: list, files: list) -> None:
-    if saved != list(files):
-        raise SystemExit(f"error: the checkpoint was written with other training shards ({len(saved)} "
-                         f"files starting {saved[:1]}); resume with the same --train_files")
-
-def _check_val_tokens(num_tokens: int, seq_len: int) -> None:
-    if num_tokens % seq_len:
-        raise SystemExit(f"error: --val_tokens {num_tokens} must be a multiple of the validation sequence length"
-                         f" {seq_len}")
-
-def _check_val_stream(num_tokens: int, have: int, pattern: str) -> None:
-    """have: the tokens read from the val shards."""
-    if have < num_tokens + 1:
-        raise SystemExit(f"error: --val_tokens {num_tokens} needs {num_tokens + 1} tokens but the val shards"
-                         f" {pattern!r} hold {have}; lower --val_tokens")
-
-def _check_matrix_optimizer(name: str) -> None:
-    if name not in NORMUON_BETA2_OF:
-        raise ValueError(f"--matrix_optimizer {name!r} is not one of {', '.join(NORMUON_BETA2_OF)}")
-
-def _check_finite(what: str, values: tuple, step: int, log_path: str) -> None:
-    for value in values:
-        if not math.isfinite(value):
-            raise SystemExit(f"error: {what} is {value} at step {step}; stopping (log: {log_path})")
-
-class ShardError(ValueError):
-    """A shard file that is not what the format promises; the message names the file."""
-
-def read_shard_header(path: str) -> int:
-    """Validate a shard's header against its size; return its token count."""
+def check_args(args: Hyperparameters, world_size: int) -> None:
+    """Every flag and shard checked at start-up, before the process group, model, loader or log:
+    a bad one stops the run with one line naming it (SystemExit), never a traceback from later on."""
+    for f in dataclasses.fields(Hyperparameters):
+        allowed, value = flag_range(f), getattr(args, f.name)
+        if allowed and not allowed.allows(value):
+            raise SystemExit(f"error: --{f.name} {value!r} must be {allowed}")
+    for name, choices in (("matrix_optimizer", MATRIX_OPTIMIZERS), ("orthogonalizer", sorted(ORTHOGONALIZERS)),
+                          ("cpu_dtype", ("auto", *CPU_DTYPES)), ("bank_ownership", OWNERSHIPS),
+                          ("attention_kernel", ("auto", *GPU_ATTENTION_KERNELS))):
+        if getattr(args, name) not in choices:
+            raise SystemExit(f"error: --{name} {getattr(args, name)!r} is not one of {', '.join(choices)}")
+    if args.val_tokens % min(args.val_seq_len, args.val_tokens):
+        raise SystemExit(f"error: --val_tokens {args.val_tokens} must be a multiple of --val_seq_len {args.val_seq_len}")
     try:
-        size = os.path.getsize(path)
-    except OSError as e:
-        raise ShardError(f"{path}: cannot read shard ({e.strerror})") from None
-    if size < SHARD_HEADER_BYTES:
-        what = "empty file" if size == 0 else f"{size} bytes, shorter than the {SHARD_HEADER_BYTES}-byte header"
-        raise ShardError(f"{path}: not a token shard ({what}); re-create or re-download it")
-    magic, version, num_tokens = np.fromfile(path, dtype="<i4", count=3).tolist()
-    if magic != SHARD_MAGIC:
-        raise ShardError(f"{path}: bad magic {magic} (expected {SHARD_MAGIC}); not a token shard")
-    if version != SHARD_VERSION:
-        raise ShardError(f"{path}: unsupported shard version {version} (expected {SHARD_VERSION})")
-    if num_tokens <= 0 or size != SHARD_HEADER_BYTES + 2 * num_tokens:
-        need = SHARD_HEADER_BYTES + 2 * max(num_tokens, 0)
-        raise ShardError(f"{path}: header says {num_tokens} tokens ({need} bytes) but the file has {size} bytes;"
-                         " truncated or corrupt, re-create or re-download it")
-    return num_tokens
+        check_stages(args.stages)
+        _check_model_args(args, world_size)
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
+    check_batch_split(args, world_size)
+    tokens = {"train": 0, "val": 0}
+    for what in tokens:  # headers only (size and magic): the loaders read them after the log is open
+        for path in find_shards(getattr(args, f"{what}_files"), what):
+            try:
+                tokens[what] += read_shard_header(path)
+            except ShardError as e:
+                raise SystemExit(f"error: {e}") from None
+    if tokens["val"] < args.val_tokens + 1:  # validation_batches' own check, before the log
+        raise SystemExit(f"error: --val_tokens {args.val_tokens} needs {args.val_tokens + 1} tokens but the val shards"
+                         f" {args.val_files!r} hold {tokens['val']}; lower --val_tokens")
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    check_args(args, int(os.environ.get("WORLD_SIZE", 1)))
+    d = setup_distributed()
+    try:
+        train(args, d)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 if __name__ == "__main__":
     main()

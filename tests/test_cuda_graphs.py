@@ -87,6 +87,27 @@ def test_static_buffer_step_equals_train_step_bit_for_bit(tmp_path):
     assert len(graphs.buffers) == len(args.stages) and graphs.captured() == 0
 
 
+def test_the_step_graphs_run_forward_backwards_own_loop(tmp_path, monkeypatch):
+    """One definition of a micro-batch's forward and backward: train_step (forward_backward) and the step
+    graphs (what Trainer.step runs on CUDA; here uncaptured) both go through micro_batches_forward_backward,
+    once a step, over every micro-batch; no other training forward exists."""
+    args = tg.parse_args(["--preset", "test", "--compile", "false", "--micro_batches", "2",
+                          "--stage_batch_tokens", "(256, 512, 512, 512)"])
+    pattern = make_corpus(tmp_path)
+    model, opt, loader, mtp, prefix = replica(args, pattern)
+    calls, loop = [], tg.micro_batches_forward_backward
+    monkeypatch.setattr(tg, "micro_batches_forward_backward", lambda *a, **k: (calls.append(len(a[1])), loop(*a, **k)))
+    plan, accum, scale = tg.plan_step(args, 0), tg.grad_accum_steps(args, 1), tg.grad_scale_for(args, 1)
+    request = tg.batch_request(args, plan, accum, CPU)
+    model.set_windows(*plan.windows)
+    tg.forward_backward(model, opt, loader.next_step(*request), plan, mtp, prefix, scale, CPU)
+    graphs = tg.StepGraphs(model, model, opt, mtp, prefix, scale, CPU)
+    graphs.step(loader.next_step(*request), plan, tg.step_graph_key(plan, request, accum))
+    assert calls == [accum, accum]
+    source = open(tg.__file__).read()
+    assert source.count("micro_next_token = model_fn(") == 1  # evaluate() calls it for the validation loss only
+
+
 def test_step_buffer_is_the_loaders_one_buffer(tmp_path):
     """A staging loader packs a step's micro-batches into consecutive slices of one buffer; step_buffer
     gives that buffer itself (the step's one copy), and a packed copy of batches staged apart."""
