@@ -988,9 +988,9 @@ def polar_express(G: torch.Tensor, coeffs=POLAR_EXPRESS_COEFFS, dtype: torch.dty
     X = bf16(G) / (||X||_F * 1.02 + 1e-6), norm and division in bf16. Wide and square matrices
     iterate X <- a X + (b A + c A^2) X with A = X X^T; tall ones the right-multiplied form
     X <- a X + X (b A + c A^2) with A = X^T X, so the Gram matrix is always the small side. For
-    matrices of more than 1024 rows (the MLP bank) the product with X is rounded to bf16 before a X
-    is added; smaller ones use one fused multiply-add. Returns `dtype` (bf16) with G's shape;
-    dtype=torch.float32 runs the same iteration in fp32 (CPUs without fast bf16 matmuls).
+    matrices of more than 1024 rows (the MLP bank) the product with X is rounded to bf16, then a X is added in
+    fp32 and the sum rounded once (CUDA's add_ with alpha; the CPU's would round a); smaller ones use one fused
+    multiply-add. Returns `dtype` (bf16) with G's shape; dtype=torch.float32: the same in fp32 (slow bf16 CPUs).
     """
     X = _as_bank(G).to(dtype)
     X = X / (X.norm(dim=(-2, -1), keepdim=True) * 1.02 + 1e-6)
@@ -1002,7 +1002,7 @@ def polar_express(G: torch.Tensor, coeffs=POLAR_EXPRESS_COEFFS, dtype: torch.dty
         A = gram(X, X.new_empty(X.size(0), k, k))
         B = triton_kernels.ba_plus_cAA(A, c, b, torch.empty_like(A))  # b A + c A^2
         if split:
-            X = a * X + (torch.bmm(B, X) if wide else torch.bmm(X, B))
+            X = (torch.bmm(B, X) if wide else torch.bmm(X, B)).float().add_(X, alpha=a).to(X.dtype)
         else:
             X = torch.baddbmm(X, B, X, beta=a) if wide else torch.baddbmm(X, X, B, beta=a)
     return X.reshape(G.shape)
