@@ -1,4 +1,5 @@
-"""train_gpt.py's sections stand on their own: names flow down and tables are whole where they are defined.
+"""train_gpt.py's sections stand on their own: names flow down, tables are whole where they are defined,
+and a copy of the file through a section runs the examples of that section (README.md, records/README.md).
 
 A section opens with a banner of three lines: '# ------...', '# Title', '# ------...'; it runs to the
 line before the next banner (the last to the end of the file). The lines before the first banner (the
@@ -6,8 +7,15 @@ docstring and imports) come first. A section uses only names defined in it, in a
 imported; only the last section, "main", may use anything.
 """
 import ast
+import functools
 import os
+import re
+import shutil
+import subprocess
+import sys
 from dataclasses import dataclass
+
+import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN_GPT = os.path.join(ROOT, "train_gpt.py")
@@ -142,7 +150,7 @@ def _globals_assigned(stmt) -> set:
     out = set()
     for node in ast.walk(stmt):
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-            bound, declared = _bindings(node.body)
+            declared = _bindings(node.body)[1]
             assigned = {n.id for n in ast.walk(node) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
             out |= declared & assigned
     return out
@@ -157,6 +165,11 @@ class Module:
 
     def section(self, line: int) -> int:
         return section_of(self.secs, line)
+
+
+@functools.lru_cache(maxsize=None)
+def train_gpt() -> Module:
+    return parse(read(TRAIN_GPT))
 
 
 def parse(source: str) -> Module:
@@ -231,7 +244,7 @@ def table_changes(mod: Module) -> list[tuple[int, str, str, int]]:
 # ---------------------------------------------------------------------------------------------- the tests
 
 def test_sections_are_found():
-    mod = parse(read(TRAIN_GPT))
+    mod = train_gpt()
     titles = [s.title for s in mod.secs]
     assert titles[0] == "" and titles[1].startswith("The recipe") and LAST_SECTION in titles, titles
     assert all(a.end + 1 == b.start for a, b in zip(mod.secs, mod.secs[1:])) and mod.secs[-1].end == len(mod.lines)
@@ -239,14 +252,14 @@ def test_sections_are_found():
 
 
 def test_main_is_the_last_section_and_the_last_definition():
-    mod = parse(read(TRAIN_GPT))
+    mod = train_gpt()
     assert mod.secs[-1].title == LAST_SECTION, f"the last section is {mod.secs[-1].title!r}, not {LAST_SECTION!r}"
     last = mod.tree.body[-1]
     assert isinstance(last, ast.FunctionDef) and last.name == "main", "main() is not the file's last statement"
 
 
 def test_no_section_uses_a_name_a_later_section_defines():
-    rows = forward_references(parse(read(TRAIN_GPT)))
+    rows = forward_references(train_gpt())
     names = {}  # name -> (its uses, where it is defined), in the order of first use
     for name, user, line, definer, at in rows:
         names.setdefault(name, ([], f"{definer!r} (line {at})"))[0].append(f"{user!r} (line {line})")
@@ -255,7 +268,7 @@ def test_no_section_uses_a_name_a_later_section_defines():
 
 
 def test_every_table_is_whole_where_it_is_defined():
-    rows = table_changes(parse(read(TRAIN_GPT)))
+    rows = table_changes(train_gpt())
     assert not rows, f"{len(rows)} top-level statements change a table another statement defines:\n" + "\n".join(
         f"  line {line}: {name} {what} (defined at line {at})" for line, what, name, at in rows)
 
@@ -314,3 +327,97 @@ def test_table_changes_are_found():
     mod = parse(CHECKED)
     assert [(what, name) for _, what, name, _ in table_changes(mod)] == [
         ("item set", "TABLE2"), (".update()", "TABLE2"), ("augmented assignment", "TABLE3"), ("bound again", "TABLE3")]
+
+
+# ---------------------------------------------------------------------------------------------- copies
+
+# The examples of copies: (document, the heading they follow, index among that section's python blocks,
+# what the example prints, what the document states of it: by default a last line "# <what it prints>").
+EXAMPLES = {
+    "optimizer": ("README.md", "### Using the optimizer on its own", 0, "loss after 30 steps: 0.79", "# 0.79"),
+    "polar_express": ("records/README.md", "### Copying a section", 0,
+                      "(4, 96, 64) torch.bfloat16, singular values 0.86..1.14", None),
+    "fp8_mlp": ("records/README.md", "### Copying a section", 1,
+                "relative errors of y, dx, dw_up, dw_down: 0.059 0.037 0.034 0.018", None),
+    "model_loss": ("records/README.md", "### Copying a section", 2, "loss 10.82, ln(vocab) 10.83", None),
+}
+
+
+def example(name: str) -> str:
+    doc, heading, index, _, _ = EXAMPLES[name]
+    section = read(os.path.join(ROOT, doc)).split(heading + "\n", 1)[1]
+    section = re.split(r"^###? ", section, flags=re.M)[0]  # up to the next heading
+    return re.findall(r"```python\n(.*?)```", section, re.S)[index]
+
+
+def imported_names(code: str) -> list[str]:
+    return [a.name for node in ast.walk(ast.parse(code))
+            if isinstance(node, ast.ImportFrom) and node.module == "train_gpt" for a in node.names]
+
+
+def copy_through(mod: Module, names, folder) -> Section:
+    """Write train_gpt.py from its first line through the section that defines the last-defined of names,
+    and triton_kernels.py beside it, into folder; return that section."""
+    missing = [n for n in names if n not in mod.defined]
+    assert not missing, f"train_gpt.py defines no {missing}"
+    sec = mod.secs[max(mod.section(mod.defined[n]) for n in names)]
+    os.makedirs(folder)
+    with open(os.path.join(folder, "train_gpt.py"), "w", encoding="utf-8") as f:
+        f.write("\n".join(mod.lines[: sec.end]) + "\n")
+    shutil.copy(os.path.join(ROOT, "triton_kernels.py"), folder)
+    return sec
+
+
+def python(args, cwd):
+    """A fresh interpreter in cwd that finds train_gpt only there (the script's folder is cwd for -c)."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    return subprocess.Popen([sys.executable, *args], cwd=cwd, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def finish(proc, timeout=120) -> str:
+    out, err = proc.communicate(timeout=timeout)
+    assert proc.returncode == 0, f"exit {proc.returncode}:\n{err[-3000:]}"
+    return out
+
+
+@pytest.mark.parametrize("name", list(EXAMPLES))
+def test_example_runs_from_a_copy_through_its_section(name, tmp_path):
+    """The example's imports come from a copy of train_gpt.py that ends with the section defining the last
+    of them (nothing below it), beside triton_kernels.py in an otherwise empty folder; it prints what its
+    document states."""
+    doc, _, _, printed, stated = EXAMPLES[name]
+    code = example(name)
+    assert (stated or f"# {printed}") in code, f"{doc}'s {name} example does not state {printed!r}"
+    folder = tmp_path / "copy"
+    sec = copy_through(train_gpt(), imported_names(code), folder)
+    out = finish(python(["-c", code], cwd=folder))
+    assert out == printed + "\n", f"from a copy through {sec.title!r}: {out!r}"
+
+
+RANK = """\
+import sys
+import torch.distributed as dist
+dist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=int(sys.argv[2]), world_size=2)
+try:
+    exec(compile(sys.argv[3], "README.md", "exec"), {"__name__": "__main__"})
+finally:
+    dist.destroy_process_group()
+"""
+
+
+def test_optimizer_example_runs_on_two_ranks_from_a_copy(tmp_path):
+    """The optimizer example on two gloo ranks, each a fresh interpreter importing the copy: both print
+    the one-process figure (identical data on both ranks)."""
+    code = example("optimizer")
+    folder = tmp_path / "copy"
+    copy_through(train_gpt(), imported_names(code), folder)
+    init = str(tmp_path / "init")
+    procs = [python(["-c", RANK, init, str(rank), code], cwd=folder) for rank in range(2)]
+    try:
+        outs = [finish(p) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert outs == [EXAMPLES["optimizer"][3] + "\n"] * 2
