@@ -13,6 +13,8 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
+import time
 from dataclasses import dataclass
 
 import pytest
@@ -368,17 +370,40 @@ def copy_through(mod: Module, names, folder) -> Section:
     return sec
 
 
-def python(args, cwd):
-    """A fresh interpreter in cwd that finds train_gpt only there (the script's folder is cwd for -c)."""
+def python(args, cwd) -> subprocess.Popen:
+    """A fresh interpreter in cwd that finds train_gpt only there (the script's folder is cwd for -c); its
+    output goes to files, so a process that is never read cannot block on a full pipe."""
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    return subprocess.Popen([sys.executable, *args], cwd=cwd, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
+    proc = subprocess.Popen([sys.executable, *args], cwd=cwd, env=env, stdout=out, stderr=err)
+    proc.out, proc.err = out, err
+    return proc
 
 
-def finish(proc, timeout=120) -> str:
-    out, err = proc.communicate(timeout=timeout)
-    assert proc.returncode == 0, f"exit {proc.returncode}:\n{err[-3000:]}"
-    return out
+def finish(procs: list, timeout=120) -> list[str]:
+    """What each process printed, once all have exited 0; when one fails (or time runs out) the rest are
+    stopped, not left waiting for it in a collective."""
+    deadline = time.monotonic() + timeout
+    while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+        if any(p.poll() not in (None, 0) for p in procs):
+            break
+        time.sleep(0.05)
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    outs, errs = [], []
+    for p in procs:
+        for f in (p.out, p.err):
+            f.seek(0)
+        outs.append(p.out.read())
+        errs.append(p.err.read())
+        p.out.close()
+        p.err.close()
+    failed = [f"process {k} of {len(procs)}: exit {p.returncode}" + (" (stopped)" if p.returncode < 0 else "")
+              + f":\n{errs[k][-2000:]}" for k, p in enumerate(procs) if p.returncode != 0]
+    assert not failed, "\n".join(failed)
+    return outs
 
 
 @pytest.mark.parametrize("name", list(EXAMPLES))
@@ -391,7 +416,7 @@ def test_example_runs_from_a_copy_through_its_section(name, tmp_path):
     assert (stated or f"# {printed}") in code, f"{doc}'s {name} example does not state {printed!r}"
     folder = tmp_path / "copy"
     sec = copy_through(train_gpt(), imported_names(code), folder)
-    out = finish(python(["-c", code], cwd=folder))
+    out, = finish([python(["-c", code], cwd=folder)])
     assert out == printed + "\n", f"from a copy through {sec.title!r}: {out!r}"
 
 
@@ -413,11 +438,5 @@ def test_optimizer_example_runs_on_two_ranks_from_a_copy(tmp_path):
     folder = tmp_path / "copy"
     copy_through(train_gpt(), imported_names(code), folder)
     init = str(tmp_path / "init")
-    procs = [python(["-c", RANK, init, str(rank), code], cwd=folder) for rank in range(2)]
-    try:
-        outs = [finish(p) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
+    outs = finish([python(["-c", RANK, init, str(rank), code], cwd=folder) for rank in range(2)])
     assert outs == [EXAMPLES["optimizer"][3] + "\n"] * 2
