@@ -256,8 +256,10 @@ def test_sections_are_found():
 def test_main_is_the_last_section_and_the_last_definition():
     mod = train_gpt()
     assert mod.secs[-1].title == LAST_SECTION, f"the last section is {mod.secs[-1].title!r}, not {LAST_SECTION!r}"
-    last = mod.tree.body[-1]
-    assert isinstance(last, ast.FunctionDef) and last.name == "main", "main() is not the file's last statement"
+    defining = [stmt for stmt in mod.tree.body if _bindings([stmt])[0]]
+    assert isinstance(defining[-1], ast.FunctionDef) and defining[-1].name == "main", (
+        f"the file's last definition is line {defining[-1].lineno}, not main()")
+    assert mod.section(defining[-1].lineno) == len(mod.secs) - 1, "main() is not in the last section"
 
 
 def test_no_section_uses_a_name_a_later_section_defines():
