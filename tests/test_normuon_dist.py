@@ -196,10 +196,14 @@ def test_amx_is_read_from_the_cpu_flags_and_onednns_isa_cap(tmp_path):
     amx, plain = tmp_path / "amx", tmp_path / "plain"
     amx.write_text("processor\t: 0\nflags\t\t: fpu avx2 avx512_bf16 amx_bf16 amx_tile amx_int8\n")
     plain.write_text("processor\t: 0\nflags\t\t: fpu avx2 avx512_bf16\n")
-    assert cpu_kinds.onednn_amx({}, str(amx)) and not cpu_kinds.onednn_amx({}, str(plain))
+    assert cpu_kinds.cpu_has_amx_bf16(str(amx)) and not cpu_kinds.cpu_has_amx_bf16(str(plain))
+    assert cpu_kinds.onednn_isa_allows_amx({})
     for cap, on in (("AVX512_CORE_BF16", False), ("avx2", False), ("AVX512_CORE_AMX", True), ("ALL", True)):
-        assert cpu_kinds.onednn_amx({"ONEDNN_MAX_CPU_ISA": cap}, str(amx)) == on, cap
-        assert cpu_kinds.onednn_amx({"DNNL_MAX_CPU_ISA": cap}, str(amx)) == on, cap
+        assert cpu_kinds.onednn_isa_allows_amx({"ONEDNN_MAX_CPU_ISA": cap}) == on, cap
+        assert cpu_kinds.onednn_isa_allows_amx({"DNNL_MAX_CPU_ISA": cap}) == on, cap
+    onednn = torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled
+    assert cpu_kinds.onednn_amx({}, str(amx)) == onednn and not cpu_kinds.onednn_amx({}, str(plain))
+    assert not cpu_kinds.onednn_amx({"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16"}, str(amx))
     assert cpu_kinds.AMX == cpu_kinds.onednn_amx()  # this process's answer, which the ranks inherit
 
 
