@@ -3,7 +3,10 @@ matrices with uneven collectives, 3-D and 4-D banks slice by slice, QK-Clip, the
 own, and tensor-parallel orthogonalization. All on CPU; multi-rank runs use gloo.
 
 Every distributed result is compared with a single-process run of the same global gradients
-(dyadic, so every average is exact), bit for bit where the arithmetic is the same.
+(dyadic, so every average is exact), bit for bit where the arithmetic is the same. Where oneDNN runs
+bf16 products on AMX, a batch of products rounds by its number of matrices, so a rank that owns part of
+a bank does not run the same arithmetic as one process: those comparisons are per matrix within a
+bound there (cpu_kinds.py).
 """
 from __future__ import annotations
 
@@ -19,6 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import train_gpt as T  # noqa: E402
+from cpu_kinds import AMX, assert_equal_or_within_amx_rounding  # noqa: E402
 from dist_utils import by_group_size, in_subgroups, run_on_ranks  # noqa: E402
 
 README = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")
@@ -185,22 +189,58 @@ def balanced_results():
     return {1: [bal_run(lambda s: bal_grads(s, 1)[0])], **by_group_size(per_rank, PHASES)}
 
 
+def test_amx_is_read_from_the_cpu_flags_and_onednns_isa_cap(tmp_path):
+    """cpu_kinds.onednn_amx, which picks bitwise or AMX_REL in the comparisons below: the amx_bf16 flag of
+    /proc/cpuinfo, unless ONEDNN_MAX_CPU_ISA (or DNNL_MAX_CPU_ISA) caps oneDNN below AMX."""
+    import cpu_kinds
+    amx, plain = tmp_path / "amx", tmp_path / "plain"
+    amx.write_text("processor\t: 0\nflags\t\t: fpu avx2 avx512_bf16 amx_bf16 amx_tile amx_int8\n")
+    plain.write_text("processor\t: 0\nflags\t\t: fpu avx2 avx512_bf16\n")
+    assert cpu_kinds.cpu_has_amx_bf16(str(amx)) and not cpu_kinds.cpu_has_amx_bf16(str(plain))
+    assert cpu_kinds.onednn_isa_allows_amx({})
+    for cap, on in (("AVX512_CORE_BF16", False), ("avx2", False), ("AVX512_CORE_AMX", True), ("ALL", True)):
+        assert cpu_kinds.onednn_isa_allows_amx({"ONEDNN_MAX_CPU_ISA": cap}) == on, cap
+        assert cpu_kinds.onednn_isa_allows_amx({"DNNL_MAX_CPU_ISA": cap}) == on, cap
+    onednn = torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled
+    assert cpu_kinds.onednn_amx({}, str(amx)) == onednn and not cpu_kinds.onednn_amx({}, str(plain))
+    assert not cpu_kinds.onednn_amx({"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16"}, str(amx))
+    assert cpu_kinds.AMX == cpu_kinds.onednn_amx()  # this process's answer, which the ranks inherit
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("world_size", [1, 2, 3, 5, 6, 8])
-def test_balanced_ownership_equals_single_process_bitwise(world_size, balanced_results):
+def test_balanced_ownership_equals_single_process(world_size, balanced_results):
+    """Each rank's blocks, state slices and bytes as balanced_splits says; parameters and state equal the
+    single process's bit for bit, except where oneDNN runs bf16 products on AMX (cpu_kinds.py): there a
+    rank batches its block's bf16 Polar Express products in another number than one process does, which
+    rounds them differently, so each owner's fp32 master and second moment are held to AMX_REL of the
+    single process's per matrix; what no product touches (momentum, the Adam table) stays bitwise, and
+    every rank holds the same gathered banks."""
     ref = bal_run(lambda s: bal_grads(s, world_size)[0])  # one process, the same global gradients
+    p0 = bal_params()
     results = balanced_results[world_size]
     expected = T.balanced_splits({label: (int(torch.tensor(shape[:-2]).prod()), T.orthogonalization_flops(*shape[-2:]))
                                   for label, (shape, _) in BAL_SHAPES.items() if label != "table"}, world_size)
     for rank, got in enumerate(results):
         for label in BAL_SHAPES:
-            assert torch.equal(got["params"][label], ref["params"][label]), (world_size, rank, label)
+            if label in expected and AMX:  # the gathered bank: every rank's the same; the owners' blocks below
+                assert torch.equal(got["params"][label], results[0]["params"][label]), (world_size, rank, label)
+            else:
+                assert torch.equal(got["params"][label], ref["params"][label]), (world_size, rank, label)
         for label, split in expected.items():
             lo, k, splits = got["layout"][label]
             assert (lo, k) == (sum(split[:rank]), split[rank]), (label, got["layout"][label])
             assert splits == (split if world_size > 1 else None)  # one rank: nothing is sharded
-            for name, t in got["state"][label].items():  # this rank's slice of the reference state
-                assert torch.equal(t, ref["state"][label][name][lo:lo + k]), (world_size, rank, label, name)
+            state, ref_state = got["state"][label], ref["state"][label]
+            assert torch.equal(state["momentum_buffer"], ref_state["momentum_buffer"][lo:lo + k])
+            # this rank's block of fp32 masters (a bf16 parameter and its low bits) and second moments
+            mine = lambda t: None if t is None else t.reshape(-1, *t.shape[-2:])[lo:lo + k]  # noqa: E731
+            what = (world_size, rank, label)
+            assert set(state) == set(ref_state), what
+            master = T._master_fp32(mine(got["params"][label]), state.get("mantissa"))
+            ref_master = T._master_fp32(mine(ref["params"][label]), mine(ref_state.get("mantissa")))
+            assert_equal_or_within_amx_rounding(master, ref_master, mine(p0[label].data).float(), what)
+            assert_equal_or_within_amx_rounding(state["second_moment"], mine(ref_state["second_moment"]), what=what)
             # bytes: the rows this rank does not own (reduce-scatter), its own block to every other rank
             matrix = BAL_SHAPES[label][0][-2] * BAL_SHAPES[label][0][-1] * got["params"][label].element_size()
             n = sum(split)
@@ -229,7 +269,9 @@ TEST_ARGS = T.Hyperparameters(**{**T.PRESETS["test"], "bank_ownership": "balance
 
 
 def model_step_worker(rank, world_size):
-    """The test preset's model with balanced ownership: two optimizer steps (NorMuon, then both)."""
+    """The test preset's model with balanced ownership: two optimizer steps (NorMuon, then both). Returns
+    the parameters, the splits, and each sharded bank's (first owned matrix, fp32 masters of this rank's
+    block, its second moment)."""
     torch.manual_seed(0)
     model = T.GPT(TEST_ARGS, world_size)
     opt = T.build_optimizer(TEST_ARGS, model, torch.device("cpu"))
@@ -243,16 +285,37 @@ def model_step_worker(rank, world_size):
             g = mine.to(p.dtype)
             p.grad = g if p.grad is None else p.grad + g
         opt.step(do_adam=step == 1)
-    return {label: p.data.clone() for label, p in params.items()}, {k: s.splits for k, s in opt.slots.items()}
+    blocks = {}
+    for label, s in opt.slots.items():
+        if s.cfg.optimizer == "normuon" and s.cfg.comms == "sharded":
+            st, bank = opt.state[label], params[label].data.reshape(-1, *params[label].shape[-2:])
+            k = st["second_moment"].size(0)
+            blocks[label] = (s.lo, T._master_fp32(bank[s.lo:s.lo + k], st.get("mantissa")), st["second_moment"])
+    return {label: p.data.clone() for label, p in params.items()}, {k: s.splits for k, s in opt.slots.items()}, blocks
 
 
 @pytest.mark.slow
 def test_balanced_model_on_three_ranks_equals_one():
-    one, _ = model_step_worker(0, 1)
-    for got, splits in run_on_ranks(model_step_worker, 3, timeout=120):
+    """The test preset's model on 3 ranks (uneven blocks) equals one process bit for bit; where oneDNN runs
+    bf16 products on AMX (cpu_kinds.py) the sharded banks' masters and second moments per matrix within
+    AMX_REL of one process's, every rank holding the same gathered banks, the rest bitwise."""
+    one, _, one_blocks = model_step_worker(0, 1)
+    torch.manual_seed(0)
+    start = T.GPT(TEST_ARGS, 1).params_by_label()
+    results = run_on_ranks(model_step_worker, 3, timeout=120)
+    for rank, (got, splits, blocks) in enumerate(results):
         assert splits["qk_bank"] is not None and len(set(splits["qk_bank"] + splits["mlp_bank"])) > 1
+        assert {"qk_bank", "vo_bank", "mlp_bank"} <= set(blocks) and set(blocks) == set(one_blocks)
         for label in one:
-            assert torch.equal(got[label], one[label]), label
+            if label in blocks and AMX:
+                assert torch.equal(got[label], results[0][0][label]), label
+            else:
+                assert torch.equal(got[label], one[label]), label
+        for label, (lo, master, second_moment) in blocks.items():
+            k = master.size(0)
+            p0 = start[label].data.reshape(-1, *start[label].shape[-2:])[lo:lo + k].float()
+            assert_equal_or_within_amx_rounding(master, one_blocks[label][1][lo:lo + k], p0, (rank, label))
+            assert_equal_or_within_amx_rounding(second_moment, one_blocks[label][2][lo:lo + k], what=(rank, label))
 
 
 def test_ownership_benchmark_prints_the_figures():
@@ -276,13 +339,17 @@ def test_ownership_benchmark_prints_the_figures():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_stacked_banks_update_slice_by_slice(dtype):
     """A stack of matrices scaled 1e-3 ... 1e3 (as a 3-D and as a 4-D bank) steps exactly like each
-    matrix stepped alone: normalisation, orthogonalization and the second moment are per slice."""
+    matrix stepped alone: normalisation, orthogonalization and the second moment are per slice. The 3-D
+    and 4-D banks are the same batch of products, bit for bit on every CPU; each matrix alone is a batch
+    of one, bit for bit too except where oneDNN runs bf16 products on AMX (cpu_kinds.py): there the fp32
+    masters and second moments per matrix within AMX_REL."""
     g = torch.Generator().manual_seed(11)
     scales = torch.tensor([1e-3, 1.0, 30.0, 1e3]).view(4, 1, 1)
     p0 = (torch.randn(4, 12, 20, generator=g) * scales).to(dtype)
     grads = [(torch.randn(4, 12, 20, generator=g) * scales).to(dtype) for _ in range(3)]
 
     def run(shape, pieces):
+        """(fp32 masters, second moments) of the stack after the steps, (4, 12, 20) and (4, ., .)."""
         params = {f"w{i}": torch.nn.Parameter(p.clone().reshape(shape)) for i, p in enumerate(pieces(p0))}
         labels = list(params)
         opt = T.NorMuonAdam(params, {k: T.ParamConfig("normuon", "none") for k in labels},
@@ -291,15 +358,20 @@ def test_stacked_banks_update_slice_by_slice(dtype):
             for (label, p), piece in zip(params.items(), pieces(gr)):
                 p.grad = piece.clone().reshape(shape)
             opt.step(do_adam=False)
-        return torch.cat([p.data.reshape(-1, 12, 20) for p in params.values()])
+        masters = [T._master_fp32(p.data.reshape(opt.state[k]["momentum_buffer"].shape), opt.state[k].get("mantissa"))
+                   .reshape(-1, 12, 20) for k, p in params.items()]
+        moments = [opt.state[k]["second_moment"].reshape(-1, *opt.state[k]["second_moment"].shape[-2:]) for k in labels]
+        return torch.cat(masters), torch.cat(moments)
 
-    alone = run((1, 12, 20), lambda t: t.split(1))
-    assert torch.equal(run((4, 12, 20), lambda t: [t]), alone)
-    assert torch.equal(run((2, 2, 12, 20), lambda t: [t]), alone)
+    alone, stacked = run((1, 12, 20), lambda t: t.split(1)), run((4, 12, 20), lambda t: [t])
+    for got, want in zip(run((2, 2, 12, 20), lambda t: [t]), stacked):
+        assert torch.equal(got, want)
+    assert_equal_or_within_amx_rounding(stacked[0], alone[0], p0.float(), "masters")
+    assert_equal_or_within_amx_rounding(stacked[1], alone[1], what="second moments")
     # the stack as one 48 x 20 matrix shares one normalisation and polar factor: slice 0 moves half as far
-    whole = run((1, 48, 20), lambda t: [t])
+    whole = run((1, 48, 20), lambda t: [t])[0]
     step = lambda r: (r[0].double() - p0[0].double()).norm().item()  # noqa: E731
-    assert step(alone) > 1.8 * step(whole), (step(alone), step(whole))
+    assert step(alone[0]) > 1.8 * step(whole), (step(alone[0]), step(whole))
 
 
 # ----------------------------------------------------------------------------------------------
