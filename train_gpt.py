@@ -37,7 +37,7 @@ from torch.nn.attention.flex_attention import BlockMask, flex_attention
 import triton_kernels
 
 # ----------------------------------------------------------------------------------------------
-# The recipe: stages, layers, per-parameter optimizer settings, run knobs, constants
+# The recipe: stages, layers, per-parameter optimizer settings, run knobs, constants, presets, flags
 # ----------------------------------------------------------------------------------------------
 
 # Record #89 (modded-nanogpt PR #342) as data: the schedule and the forward read these rows, so a
@@ -632,7 +632,7 @@ def keep_freed_memory() -> bool:
 # accumulation, the backward's (sums over 50,304 logits and over every token) do not, as in record #89.
 
 SCALE_ALIGN_BYTES = 16  # cuBLASLt reads scale pointers as 16-byte aligned: offsets 4, 8, 12 fail on H100
-FP8_SCALE_SLOT = SCALE_ALIGN_BYTES // 4  # fp32 entries per per-layer scale: each scale starts a 16-byte slot
+FP8_SCALE_STRIDE = SCALE_ALIGN_BYTES // 4  # fp32 entries per per-layer scale: each scale starts a 16-byte block
 FP8_SCALE_FLOOR = 1e-12  # an all-zero tensor (W2 at init) still gets a finite scale
 E4M3_MAX = triton_kernels.E4M3_MAX
 
@@ -687,7 +687,7 @@ def check_scaled_mm_args(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor
         if s.data_ptr() % SCALE_ALIGN_BYTES:
             raise ValueError(f"fp8 matmul: {name} sits at byte offset {s.storage_offset() * s.element_size()} of its storage,"
                              f" not {SCALE_ALIGN_BYTES}-byte aligned (cuBLASLt rejects it with CUBLAS_STATUS_NOT_SUPPORTED);"
-                             " keep every scale in its own 16-byte slot (FP8MLPState) or pass a fresh tensor")
+                             " keep every scale in its own 16-byte block (FP8MLPState) or pass a fresh tensor")
 
 def _fp8_transposed(t: torch.Tensor) -> torch.Tensor:
     """t^T as a contiguous copy, through the tiled transpose kernel on CUDA (float8 moved as bytes)."""
@@ -841,19 +841,19 @@ def _fp8_mlp_cpu(x, w_up, w_down, x_f8, up_f8, up_dequant, down_f8_t, down_scale
 
 class FP8MLPState(nn.Module):
     """Per-layer FP8 state of the MLPs (persistent: the warm-up's reset and checkpoints restore it), its
-    scales (L, FP8_SCALE_SLOT) fp32 with the value at byte 16 * layer (cuBLASLt's alignment). quantize()
+    scales (L, FP8_SCALE_STRIDE) fp32 with the value at byte 16 * layer (cuBLASLt's alignment). quantize()
     after every optimizer step; per forward, mlp() per layer, then update_act_scales() once."""
 
     def __init__(self, num_layers: int, hidden: int, dim: int, fast_accum: bool = True):
         super().__init__()
         self.fast_accum = fast_accum  # of the up-projection kernel (the record's: fast)
-        e4m3, slots = torch.float8_e4m3fn, (num_layers, FP8_SCALE_SLOT)
+        e4m3, scales = torch.float8_e4m3fn, (num_layers, FP8_SCALE_STRIDE)
         self.register_buffer("up_f8", torch.zeros(num_layers, hidden, dim, dtype=e4m3))
-        self.register_buffer("up_scale", torch.ones(slots))
+        self.register_buffer("up_scale", torch.ones(scales))
         self.register_buffer("down_f8_t", torch.zeros(num_layers, dim, hidden, dtype=e4m3))  # W2^T per layer
-        self.register_buffer("down_scale", torch.ones(slots))       # the scale down_f8_t was made with
-        self.register_buffer("down_next_scale", torch.ones(slots))  # headroom scale for the next quantize
-        self.register_buffer("act_scale", torch.ones(slots))
+        self.register_buffer("down_scale", torch.ones(scales))       # the scale down_f8_t was made with
+        self.register_buffer("down_next_scale", torch.ones(scales))  # headroom scale for the next quantize
+        self.register_buffer("act_scale", torch.ones(scales))
 
     def mlp(self, layer: int, x: torch.Tensor, w_up, w_down) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer `layer`'s MLP on x (T, D) bf16 with its mlp_bank entries w_up, w_down (H, D): (y, maxima
@@ -963,7 +963,7 @@ def fp8_matmul(x: torch.Tensor, w: torch.Tensor, x_s: float, w_s: float, grad_s:
     return y.view(*x.shape[:-1], w.shape[1])
 
 # ----------------------------------------------------------------------------------------------
-# Orthogonalization: Polar Express
+# Orthogonalization: Polar Express, then Gram Newton-Schulz
 # ----------------------------------------------------------------------------------------------
 
 # Polar Express: Amsel, Persson, Musco, Gower, arXiv 2505.16932 (Gram Newton-Schulz, an alternative, follows
@@ -1208,12 +1208,11 @@ def normuon_variance_reduction(O: torch.Tensor, second_moment: torch.Tensor, bet
     return O.mul_((step * (norm / new_norm.clamp_min(1e-10))).to(O.dtype))
 
 def _normuon_update(grad, momentum_buf, second_moment, param, mantissa, matrix_lr, hp, orthogonalize):
-    """One NorMuon step on a shard of matrices (k, rows, cols), in place, as record #89. hp: 0-d fp32 entries
-    (no recompiles as the schedules move) [lr, wd * wd_mul * lr, momentum, beta2]; matrix_lr (k, 1, 1)."""
-    lr, decay, momentum, beta2 = hp[0], hp[1], hp[2], hp[3]
-    g = _nesterov_momentum(grad, momentum_buf, momentum)
-    O = normuon_variance_reduction(orthogonalize(g), second_moment, beta2).float()
-    _cautious_step(O, param, mantissa, lr * matrix_lr, decay)
+    """One NorMuon step on a shard of matrices (k, rows, cols), in place, as record #89. hp: NorMuonHyperparams
+    of 0-d fp32 tensors (no recompiles as the schedules move); matrix_lr (k, 1, 1)."""
+    g = _nesterov_momentum(grad, momentum_buf, hp.momentum)
+    O = normuon_variance_reduction(orthogonalize(g), second_moment, hp.beta2).float()
+    _cautious_step(O, param, mantissa, hp.lr * matrix_lr, hp.decay)
 
 def _nesterov_momentum(grad, momentum_buf, momentum) -> torch.Tensor:
     """fp32 momentum EMA of grad, in place, and the Nesterov look-ahead along it (elementwise)."""
@@ -1230,14 +1229,13 @@ def _cautious_step(O, param, mantissa, eff_lr, decay) -> None:
 
 def _adam_update(grad, exp_avg, exp_avg_sq, param, hp):
     """One Adam step with cautious weight decay (arXiv 2411.16085) on a shard, in place, as record #89.
-    hp: adam_hyperparams; eps on the uncorrected root; a strict decay mask that reads the update."""
-    step_size, decay, beta1, beta2, eps = hp[0], hp[1], hp[2], hp[3], hp[4]
+    hp: AdamHyperparams of 0-d fp32 tensors; eps on the uncorrected root; a strict decay mask that reads the update."""
     g = grad.float()
-    exp_avg.mul_(beta1).add_(g * (1 - beta1))
-    exp_avg_sq.mul_(beta2).add_(g.square() * (1 - beta2))
-    u = step_size * exp_avg / (exp_avg_sq.sqrt() + eps)
+    exp_avg.mul_(hp.beta1).add_(g * (1 - hp.beta1))
+    exp_avg_sq.mul_(hp.beta2).add_(g.square() * (1 - hp.beta2))
+    u = hp.step_size * exp_avg / (exp_avg_sq.sqrt() + hp.eps)
     p = param.float()
-    u = u + (u * p > 0).float() * decay * p
+    u = u + (u * p > 0).float() * hp.decay * p
     param.copy_(p - u)
 
 def _adam_update_group(grads, exp_avgs, exp_avg_sqs, params, hps):
@@ -1278,21 +1276,36 @@ def update_functions(compile=False):
     return (torch.compile(_normuon_update, dynamic=False, backend=backend, fullgraph=True),
             torch.compile(_adam_update_group, dynamic=True, backend=backend, fullgraph=True))
 
-def normuon_hyperparams(lr: float, wd: float, wd_mul: float, momentum: float, beta2: float) -> list[float]:
-    """_normuon_update's hp row, padded with a 0 to Adam's length (one tensor holds every label's row)."""
-    return [lr, wd * wd_mul * lr, momentum, beta2, 0.0]
+class NorMuonHyperparams(NamedTuple):
+    """_normuon_update's numbers of a step: floats from normuon_hyperparams, 0-d tensors in the update."""
+    lr: float
+    decay: float  # wd * wd_mul * lr (the cautious decay multiplies it by lr * matrix_lr once more)
+    momentum: float
+    beta2: float
 
-def adam_hyperparams(lr: float, t: int, betas: tuple, wd: float, wd_mul: float, eps: float) -> list[float]:
-    """_adam_update's hp row for its t-th update (t from 1): the bias corrections folded into the step size."""
-    b1, b2 = betas
-    return [lr * math.sqrt(1.0 - b2 ** t) / (1.0 - b1 ** t), lr * lr * wd * wd_mul, b1, b2, eps]
+class AdamHyperparams(NamedTuple):
+    """_adam_update's numbers of its t-th update: floats from adam_hyperparams, 0-d tensors in the update."""
+    step_size: float  # lr * sqrt(1 - beta2^t) / (1 - beta1^t): the bias corrections folded in
+    decay: float      # lr^2 * wd * wd_mul
+    beta1: float
+    beta2: float
+    eps: float
 
-def hyperparam_tensors(labels, rows, device: torch.device) -> dict[str, torch.Tensor]:
-    """Every label's hp row in one host->device copy (pinned, non-blocking on CUDA); a row view per label."""
-    hp = torch.tensor(rows, dtype=torch.float32)  # no rows: shape (0,), no views
+def normuon_hyperparams(lr: float, wd: float, wd_mul: float, momentum: float, beta2: float) -> NorMuonHyperparams:
+    return NorMuonHyperparams(lr, wd * wd_mul * lr, momentum, beta2)
+
+def adam_hyperparams(lr: float, t: int, betas: tuple, wd: float, wd_mul: float, eps: float) -> AdamHyperparams:
+    b1, b2 = betas  # t counts from 1
+    return AdamHyperparams(lr * math.sqrt(1.0 - b2 ** t) / (1.0 - b1 ** t), lr * lr * wd * wd_mul, b1, b2, eps)
+
+def hyperparam_tensors(labels, rows, device: torch.device) -> dict[str, tuple]:
+    """Every label's row (NorMuonHyperparams or AdamHyperparams) in one host->device copy (pinned,
+    non-blocking on CUDA): per label the same tuple of 0-d fp32 views, fields by name."""
+    width = max(map(len, rows), default=0)
+    hp = torch.tensor([[*row, *[0.0] * (width - len(row))] for row in rows], dtype=torch.float32)
     if device.type == "cuda":
         hp = hp.pin_memory().to(device, non_blocking=True)
-    return {label: hp[i] for i, label in enumerate(labels)}
+    return {label: type(row)(*hp[i, :len(row)].unbind()) for i, (label, row) in enumerate(zip(labels, rows))}
 
 # ---- Layout: which rank owns which rows of every label ------------------------------------
 
@@ -1331,13 +1344,13 @@ def balanced_splits(banks: dict[str, tuple[int, int]], world_size: int) -> dict[
 def _balanced_ownership(banks: dict, world_size: int, orthogonalizer) -> dict[str, tuple[int, ...]]:
     """OWNERSHIPS["balanced"]: balanced_splits of the banks, a matrix costed by orthogonalization_flops (FLOP-
     sorted owners as in Motif-Technologies/optimizer)."""
-    return balanced_splits({label: (slot.rows, orthogonalization_flops(*slot.shape[1:], orthogonalizer))
-                            for label, slot in banks.items()}, world_size)
+    return balanced_splits({label: (placement.rows, orthogonalization_flops(*placement.shape[1:], orthogonalizer))
+                            for label, placement in banks.items()}, world_size)
 
-# Bank ownership by name (--bank_ownership): (sharded NorMuon banks' Slots, world size, orthogonalizer) ->
+# Bank ownership by name (--bank_ownership): (sharded NorMuon banks' Placements, world size, orthogonalizer) ->
 # label -> matrices per rank. The record's is "padded".
 OWNERSHIPS = {"padded": lambda banks, world_size, orthogonalizer: {
-    label: padded_splits(slot.rows, world_size, label) for label, slot in banks.items()},
+    label: padded_splits(placement.rows, world_size, label) for label, placement in banks.items()},
     "balanced": _balanced_ownership}
 
 def _check_ownership(ownership: str, what: str) -> None:
@@ -1346,7 +1359,7 @@ def _check_ownership(ownership: str, what: str) -> None:
         raise ValueError(f"{what}{ownership!r} is not one of {', '.join(OWNERSHIPS)}")
 
 @dataclass(frozen=True)
-class Slot:
+class Placement:
     """Static layout of one labelled parameter: the 2-D+ view it is sharded along and this rank's shard."""
     label: str
     param: torch.Tensor
@@ -1375,7 +1388,7 @@ class Slot:
         return self.param.data.view(self.shape)
 
     def grad_view(self) -> torch.Tensor:
-        """The gradient in the slot's shape (zeros when the parameter has none)."""
+        """The gradient in the placement's shape (zeros when the parameter has none)."""
         g = self.param.grad
         if g is None:
             return torch.zeros(self.shape, dtype=self.param.dtype, device=self.param.device)
@@ -1392,8 +1405,8 @@ class Slot:
         shard[:self.real_rows] = view[self.lo:self.lo + self.real_rows]
         return shard
 
-def row_slot(label: str, p: torch.Tensor, cfg: ParamConfig, world_size: int, rank: int) -> Slot:
-    """A label's Slot before bank ownership: (matrices, rows, cols) or (rows, last dim); ceil(rows / W) a rank."""
+def placement_of(label: str, p: torch.Tensor, cfg: ParamConfig, world_size: int, rank: int) -> Placement:
+    """A label's Placement before bank ownership: (matrices, rows, cols) or (rows, last dim); ceil(rows / W) a rank."""
     if cfg.optimizer == "normuon":
         shape = (p.numel() // (p.size(-2) * p.size(-1)), p.size(-2), p.size(-1))
     else:
@@ -1402,55 +1415,55 @@ def row_slot(label: str, p: torch.Tensor, cfg: ParamConfig, world_size: int, ran
     k = -(-shape[0] // world_size) if sharded else shape[0]
     lo = rank * k if sharded else 0
     real = max(0, min(k, shape[0] - lo))
-    return Slot(label, p, cfg, shape, k, lo, real, sharded, world_size)
+    return Placement(label, p, cfg, shape, k, lo, real, sharded, world_size)
 
 class OwnershipLayout:
-    """Which rows of every label `rank` of `world_size` ranks owns (slots), planned without a process group;
+    """Which rows of every label `rank` of `world_size` ranks owns (placements), planned without a process group;
     sharded NorMuon banks are split into whole matrices by OWNERSHIPS[ownership] (splits)."""
 
     def __init__(self, params: dict[str, torch.Tensor], configs: dict[str, ParamConfig], world_size: int = 1,
                  rank: int = 0, ownership: str = "balanced", orthogonalizer="polar_express", order=None):
         _check_ownership(ownership, "NorMuonAdam: ownership=")
         self.world_size, self.rank = world_size, rank
-        self.slots = {label: row_slot(label, p, configs[label], world_size, rank) for label, p in params.items()}
-        banks = {label: slot for label in (params if order is None else order)
-                 if (slot := self.slots[label]).sharded and slot.cfg.optimizer == "normuon"}
+        self.placements = {label: placement_of(label, p, configs[label], world_size, rank) for label, p in params.items()}
+        banks = {label: placement for label in (params if order is None else order)
+                 if (placement := self.placements[label]).sharded and placement.cfg.optimizer == "normuon"}
         self.splits = OWNERSHIPS[ownership](banks, world_size, orthogonalizer)
         for label, split in self.splits.items():
             k, lo = split[rank], sum(split[:rank])
-            self.slots[label] = dataclasses.replace(self.slots[label], shard_rows=k, lo=lo, real_rows=k, splits=split)
+            self.placements[label] = dataclasses.replace(self.placements[label], shard_rows=k, lo=lo, real_rows=k, splits=split)
 
     def matrix_lr(self, label: str) -> torch.Tensor:
         """A NorMuon label's lr_multipliers on the owned matrices, (shard_rows, 1, 1) fp32, 0 on padding."""
-        slot = self.slots[label]
-        per_matrix = lr_multipliers(slot.cfg, slot.shape)
-        shard = torch.zeros(slot.shard_rows, dtype=torch.float64)
-        shard[:slot.real_rows] = per_matrix[slot.lo:slot.lo + slot.real_rows]
-        return shard.to(torch.float32).view(-1, 1, 1).to(slot.param.device)
+        placement = self.placements[label]
+        per_matrix = lr_multipliers(placement.cfg, placement.shape)
+        shard = torch.zeros(placement.shard_rows, dtype=torch.float64)
+        shard[:placement.real_rows] = per_matrix[placement.lo:placement.lo + placement.real_rows]
+        return shard.to(torch.float32).view(-1, 1, 1).to(placement.param.device)
 
     def new_state(self, label: str, device: torch.device | None = None) -> dict[str, torch.Tensor]:
         """Zero state of the owned shard (on the parameter's device unless given; "meta": shapes and dtypes
         only); NorMuon's second moment has one entry per row of the longer side."""
-        slot = self.slots[label]
-        shard, dev = (slot.shard_rows, *slot.shape[1:]), device or slot.param.device
-        if slot.cfg.optimizer == "adam":
+        placement = self.placements[label]
+        shard, dev = (placement.shard_rows, *placement.shape[1:]), device or placement.param.device
+        if placement.cfg.optimizer == "adam":
             return {"exp_avg": torch.zeros(shard, dtype=torch.float32, device=dev),
                     "exp_avg_sq": torch.zeros(shard, dtype=torch.float32, device=dev)}
         n, r, c = shard
         st = {"momentum_buffer": torch.zeros(shard, dtype=torch.float32, device=dev),
               "second_moment": torch.zeros((n, r, 1) if r >= c else (n, 1, c), dtype=torch.float32, device=dev)}
-        if slot.param.dtype == torch.bfloat16:
+        if placement.param.dtype == torch.bfloat16:
             st["mantissa"] = torch.zeros(shard, dtype=torch.uint16, device=dev)
         return st
 
     def shard_of(self, label: str, full: torch.Tensor) -> torch.Tensor:
-        """This rank's shard (padding zeroed) of a tensor of label's slot shape."""
-        slot = self.slots[label]
-        mine = full.new_zeros((slot.shard_rows, *slot.shape[1:]))
-        mine[:slot.real_rows] = full[slot.lo:slot.lo + slot.real_rows]
+        """This rank's shard (padding zeroed) of a tensor of label's placement shape."""
+        placement = self.placements[label]
+        mine = full.new_zeros((placement.shard_rows, *placement.shape[1:]))
+        mine[:placement.real_rows] = full[placement.lo:placement.lo + placement.real_rows]
         return mine
 
-# ---- Comms: collectives per label, and the exchange each Slot needs ----------------------------
+# ---- Comms: collectives per label, and the exchange each Placement needs ----------------------------
 
 # torch >= 2.12 names these reduce_scatter_single / all_gather_single and deprecates the *_tensor names,
 # the only ones torch 2.11 has.
@@ -1514,16 +1527,16 @@ def all_gather_uneven(comm: CommLayer, label: str, out, shard, splits):
     work = comm.all_to_all(label, out, inp, list(splits), [shard.size(0)] * W, op="all_gather")
     return lambda: (work.wait(), inp)[0]  # inp lives until the exchange is done
 
-def scatter_uneven(comm: CommLayer, slot: Slot, g: torch.Tensor):
+def scatter_uneven(comm: CommLayer, placement: Placement, g: torch.Tensor):
     """ShardExchange.scatter of a bank with uneven owned blocks: every rank's copy of this rank's block by
     all_to_all, averaged in fp32 and rounded once to the gradient dtype (as the sparse exchange)."""
-    W, k = comm.world_size, slot.shard_rows
-    recv = g.new_empty((W * k, *slot.shape[1:]))
-    work = reduce_scatter_uneven(comm, slot.label, recv, g, slot.splits)
+    W, k = comm.world_size, placement.shard_rows
+    recv = g.new_empty((W * k, *placement.shape[1:]))
+    work = reduce_scatter_uneven(comm, placement.label, recv, g, placement.splits)
 
     def average():
         work.wait()
-        return (recv.view(W, k, *slot.shape[1:]).float().sum(0) / W).to(g.dtype)
+        return (recv.view(W, k, *placement.shape[1:]).float().sum(0) / W).to(g.dtype)
     return average
 
 @dataclass
@@ -1537,7 +1550,7 @@ class _SparsePlan:
     rows_work: object = None
 
 class ShardExchange:
-    """A Slot's reduction (scatter) and all_gather (gather), each returning its wait. sharded_sparse tables
+    """A Placement's reduction (scatter) and all_gather (gather), each returning its wait. sharded_sparse tables
     send the rows declared since their last step (dense where a rank has more than sparse_threshold of them)."""
 
     def __init__(self, comm: CommLayer, sparse_threshold: float = 0.5):
@@ -1546,24 +1559,24 @@ class ShardExchange:
         self.declared: dict[str, list[torch.Tensor]] = {}
         self.plans: dict[str, _SparsePlan] = {}
 
-    def declare_rows(self, slot: Slot, row_ids, launch: bool = False) -> None:
+    def declare_rows(self, placement: Placement, row_ids, launch: bool = False) -> None:
         """Record rows of a sharded_sparse table; launch=True also starts its exchange (a collective)."""
         if self.world_size == 1:
             return
-        _check_sparse_declaration(self, slot)
+        _check_sparse_declaration(self, placement)
         ids = torch.as_tensor(row_ids).reshape(-1).to(device="cpu", dtype=torch.int64)
-        self.declared.setdefault(slot.label, []).append(ids)
+        self.declared.setdefault(placement.label, []).append(ids)
         if launch:
-            self.plans[slot.label] = self._plan_sparse(slot)
+            self.plans[placement.label] = self._plan_sparse(placement)
 
-    def _plan_sparse(self, slot: Slot, grad: torch.Tensor | None = None) -> _SparsePlan:
+    def _plan_sparse(self, placement: Placement, grad: torch.Tensor | None = None) -> _SparsePlan:
         """Exchange row counts per owner and per rank (every rank takes the same dense-or-sparse decision),
         then launch the row-id exchange."""
-        W, k, dev = self.world_size, slot.shard_rows, slot.param.device
-        pending = self.declared.pop(slot.label, None)
+        W, k, dev = self.world_size, placement.shard_rows, placement.param.device
+        pending = self.declared.pop(placement.label, None)
         if pending:
             rows = torch.unique(torch.cat(pending))
-            _check_sparse_rows(slot, rows)
+            _check_sparse_rows(placement, rows)
         else:  # nothing declared: send the rows where this rank's gradient is nonzero
             rows = (grad != 0).flatten(1).any(dim=1).nonzero().view(-1).cpu()
         send_counts = torch.bincount(rows // k, minlength=W)
@@ -1571,85 +1584,85 @@ class ShardExchange:
         # Counts travel as CPU tensors (gloo; on GPUs the process group is "cuda:nccl,cpu:gloo"), so the
         # host knows the split sizes without waiting for the GPU, as in the record.
         recv_meta = torch.empty_like(meta)
-        self.comm.all_to_all(slot.label, recv_meta, meta).wait()
-        if int(recv_meta[:, 1].max()) > self.sparse_threshold * slot.rows:
+        self.comm.all_to_all(placement.label, recv_meta, meta).wait()
+        if int(recv_meta[:, 1].max()) > self.sparse_threshold * placement.rows:
             return _SparsePlan(dense=True)
         send, recv = send_counts.tolist(), recv_meta[:, 0].tolist()
         rows = rows.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else rows
         recv_rows = torch.empty(sum(recv), dtype=torch.int64, device=dev)
-        work = self.comm.all_to_all(slot.label, recv_rows, rows, recv, send)
+        work = self.comm.all_to_all(placement.label, recv_rows, rows, recv, send)
         return _SparsePlan(False, rows, send, recv, recv_rows, work)
 
-    def scatter(self, slot: Slot, g: torch.Tensor):
-        """Launch the reduction of gradient g (the slot's shape); the wait yields the local shard's average."""
-        label, W = slot.label, self.world_size
-        if W == 1 or slot.cfg.comms == "none":
+    def scatter(self, placement: Placement, g: torch.Tensor):
+        """Launch the reduction of gradient g (the placement's shape); the wait yields the local shard's average."""
+        label, W = placement.label, self.world_size
+        if W == 1 or placement.cfg.comms == "none":
             return lambda: g
-        if slot.cfg.comms == "replicated":
+        if placement.cfg.comms == "replicated":
             work = self.comm.all_reduce_avg(label, g)
             return lambda: (work.wait(), g)[1]
-        if slot.cfg.comms == "sharded_sparse":
-            plan = self.plans.pop(label, None) or self._plan_sparse(slot, g)
+        if placement.cfg.comms == "sharded_sparse":
+            plan = self.plans.pop(label, None) or self._plan_sparse(placement, g)
             if not plan.dense:
-                return self._scatter_sparse(slot, g, plan)
-        if slot.uneven:  # balanced ownership
-            return scatter_uneven(self.comm, slot, g)
-        k = slot.shard_rows
-        if not slot.even:
-            padded = g.new_zeros((k * W, *slot.shape[1:]))
-            padded[:slot.rows] = g
+                return self._scatter_sparse(placement, g, plan)
+        if placement.uneven:  # balanced ownership
+            return scatter_uneven(self.comm, placement, g)
+        k = placement.shard_rows
+        if not placement.even:
+            padded = g.new_zeros((k * W, *placement.shape[1:]))
+            padded[:placement.rows] = g
             g = padded
-        out = g.new_empty((k, *slot.shape[1:]))
+        out = g.new_empty((k, *placement.shape[1:]))
         work = self.comm.reduce_scatter_avg(label, out, g)
         return lambda: (work.wait(), out)[1]
 
-    def _scatter_sparse(self, slot: Slot, g: torch.Tensor, plan: _SparsePlan):
+    def _scatter_sparse(self, placement: Placement, g: torch.Tensor, plan: _SparsePlan):
         values = g[plan.rows]
-        recv_values = g.new_empty((sum(plan.recv_counts), *slot.shape[1:]))
-        work = self.comm.all_to_all(slot.label, recv_values, values, plan.recv_counts, plan.send_counts)
+        recv_values = g.new_empty((sum(plan.recv_counts), *placement.shape[1:]))
+        work = self.comm.all_to_all(placement.label, recv_values, values, plan.recv_counts, plan.send_counts)
 
         def finish():
             plan.rows_work.wait()
             work.wait()
-            acc = torch.zeros((slot.shard_rows, *slot.shape[1:]), dtype=torch.float32, device=g.device)
-            acc.index_add_(0, plan.recv_rows - slot.lo, recv_values.float())
+            acc = torch.zeros((placement.shard_rows, *placement.shape[1:]), dtype=torch.float32, device=g.device)
+            acc.index_add_(0, plan.recv_rows - placement.lo, recv_values.float())
             return (acc / self.world_size).to(g.dtype)  # rounded like the dense reduce_scatter(AVG)
         return finish
 
-    def gather(self, slot: Slot, shard: torch.Tensor):
+    def gather(self, placement: Placement, shard: torch.Tensor):
         """Launch the all_gather of an updated local shard into the parameter (None: not sharded)."""
-        if not slot.sharded:
+        if not placement.sharded:
             return None
-        view = slot.view()
-        if slot.uneven:
-            return all_gather_uneven(self.comm, slot.label, view, shard, slot.splits)
-        if slot.even:
-            return self.comm.all_gather(slot.label, view, shard).wait  # in place: shard is a slice of view
-        full = shard.new_empty((slot.shard_rows * self.world_size, *slot.shape[1:]))
-        work = self.comm.all_gather(slot.label, full, shard)
+        view = placement.view()
+        if placement.uneven:
+            return all_gather_uneven(self.comm, placement.label, view, shard, placement.splits)
+        if placement.even:
+            return self.comm.all_gather(placement.label, view, shard).wait  # in place: shard is a slice of view
+        full = shard.new_empty((placement.shard_rows * self.world_size, *placement.shape[1:]))
+        work = self.comm.all_gather(placement.label, full, shard)
 
         def finish():
             work.wait()
-            view.copy_(full[:slot.rows])
+            view.copy_(full[:placement.rows])
         return finish
 
-    def full_tensor(self, slot: Slot, shard: torch.Tensor) -> torch.Tensor:
+    def full_tensor(self, placement: Placement, shard: torch.Tensor) -> torch.Tensor:
         """All rows of a sharded fp32 state tensor (rows, *inner), gathered from every rank."""
-        if not slot.sharded:
+        if not placement.sharded:
             return shard
-        full = shard.new_empty((slot.shard_rows * self.world_size, *slot.shape[1:]))
-        self.comm.all_gather(slot.label, full, shard.contiguous()).wait()
-        return full[:slot.rows]
+        full = shard.new_empty((placement.shard_rows * self.world_size, *placement.shape[1:]))
+        self.comm.all_gather(placement.label, full, shard.contiguous()).wait()
+        return full[:placement.rows]
 
-def _check_sparse_declaration(exchange: ShardExchange, slot: Slot) -> None:
-    if slot.label in exchange.plans:
-        raise ValueError(f"prepare_sparse: the row exchange of {slot.label!r} was already launched for this step;"
+def _check_sparse_declaration(exchange: ShardExchange, placement: Placement) -> None:
+    if placement.label in exchange.plans:
+        raise ValueError(f"prepare_sparse: the row exchange of {placement.label!r} was already launched for this step;"
                          " declare every row before launch=True")
 
-def _check_sparse_rows(slot: Slot, rows: torch.Tensor) -> None:
-    """rows: the sorted unique row ids declared for slot's table."""
-    if rows.numel() and (rows[0] < 0 or rows[-1] >= slot.rows):
-        raise ValueError(f"prepare_sparse: row ids of {slot.label!r} must be in [0, {slot.rows});"
+def _check_sparse_rows(placement: Placement, rows: torch.Tensor) -> None:
+    """rows: the sorted unique row ids declared for placement's table."""
+    if rows.numel() and (rows[0] < 0 or rows[-1] >= placement.rows):
+        raise ValueError(f"prepare_sparse: row ids of {placement.label!r} must be in [0, {placement.rows});"
                          f" got {int(rows[0])}..{int(rows[-1])}")
 
 # ---- Reductions launched from gradient hooks (record #89 launches them after the backward) ----
@@ -1695,7 +1708,7 @@ def reductions_on_backward(opt: NorMuonAdam, do_adam: bool):
     handles = []
     try:
         for label in dict.fromkeys(n for ns in needs.values() for n in ns):
-            p = opt.slots[label].param
+            p = opt.placements[label].param
             if p.requires_grad:
                 handles.append(p.register_post_accumulate_grad_hook(launch.hook(label)))
             else:  # no gradient will come: ready now
@@ -1742,14 +1755,14 @@ class NorMuonAdam:
         self.orthogonalize = orthogonalizer_of(orthogonalizer)
         self.layout = OwnershipLayout(params, configs, self.world_size, self.rank, ownership,
                                       self.orthogonalize, self.scatter_order)
-        self.slots: dict[str, Slot] = self.layout.slots
+        self.placements: dict[str, Placement] = self.layout.placements
         self.exchange = ShardExchange(self.comm, sparse_threshold)
         self.tied = tied  # parameters are never touched here: a restored checkpoint may be untied
         self.state = {label: {} if self.tied and label == self.tied[0] else self.layout.new_state(label)
-                      for label in self.slots}
-        self.adam_steps = {label: 0 for label, slot in self.slots.items() if slot.cfg.optimizer == "adam"}
-        self._matrix_lr = {label: self.layout.matrix_lr(label) for label, slot in self.slots.items()
-                           if slot.cfg.optimizer == "normuon"}
+                      for label in self.placements}
+        self.adam_steps = {label: 0 for label, placement in self.placements.items() if placement.cfg.optimizer == "adam"}
+        self._matrix_lr = {label: self.layout.matrix_lr(label) for label, placement in self.placements.items()
+                           if placement.cfg.optimizer == "normuon"}
         self._normuon_fn, self._adam_fn = update_functions(compile)
         self._on_backward: tuple[bool, dict] | None = None  # (do_adam, reductions): reductions_on_backward
 
@@ -1757,61 +1770,61 @@ class NorMuonAdam:
         """Declare all rows (or none: the nonzero ones are sent) that a micro-batch's gradient of a sharded_sparse
         table touches. launch=True starts the exchange before the backward: a collective every rank calls."""
         _check_sparse_label(self, label)
-        self.exchange.declare_rows(self.slots[label], row_ids, launch)
+        self.exchange.declare_rows(self.placements[label], row_ids, launch)
 
     def _hyperparams(self, labels, lr_scale: float, momentum: float) -> dict[str, torch.Tensor]:
         rows = []
         for label in labels:
-            cfg = self.slots[label].cfg
+            cfg = self.placements[label].cfg
             if cfg.optimizer == "normuon":
                 rows.append(normuon_hyperparams(self.normuon_lr * lr_scale, self.normuon_wd, cfg.wd_mul,
                                                 momentum, self.normuon_beta2))
             else:
-                lr_mul = float(lr_multipliers(cfg, self.slots[label].shape))
+                lr_mul = float(lr_multipliers(cfg, self.placements[label].shape))
                 rows.append(adam_hyperparams(self.adam_lr * lr_scale * lr_mul, self.adam_steps[label] + 1,
                                              cfg.betas, self.adam_wd, cfg.wd_mul, self.adam_eps))
-        return hyperparam_tensors(labels, rows, next(iter(self.slots.values())).param.device)
+        return hyperparam_tensors(labels, rows, next(iter(self.placements.values())).param.device)
 
     def _active(self, do_adam: bool) -> list[str]:
         """The step's labels in scatter_order: NorMuon's, Adam's on do_adam steps; never the tied embedding."""
         skip = self.tied[0] if self.tied else None
         return [label for label in self.scatter_order
-                if label != skip and (do_adam or self.slots[label].cfg.optimizer == "normuon"
-                                      or self.slots[label].cfg.every_step)]
+                if label != skip and (do_adam or self.placements[label].cfg.optimizer == "normuon"
+                                      or self.placements[label].cfg.every_step)]
 
     def _launch_reduction(self, label: str, do_adam: bool):
         """Launch label's reduction; while tied, the head's gradient first takes in embed.grad^T."""
-        if self.tied and do_adam and label == self.tied[1] and self.slots[self.tied[0]].param.grad is not None:
-            embed, head = (self.slots[t].param for t in self.tied)
+        if self.tied and do_adam and label == self.tied[1] and self.placements[self.tied[0]].param.grad is not None:
+            embed, head = (self.placements[t].param for t in self.tied)
             if head.grad is None:
                 head.grad = embed.grad.mT.contiguous()
             else:
                 triton_kernels.transpose_add(embed.grad, head.grad)
             embed.grad = None
-        slot = self.slots[label]
-        return self.exchange.scatter(slot, slot.grad_view())
+        placement = self.placements[label]
+        return self.exchange.scatter(placement, placement.grad_view())
 
     def _adam_groups(self, active) -> list[list[str]]:
         """The step's Adam labels in work_order, one update call per group: unsharded first (landed first)."""
-        adam = [label for label in self.work_order if label in active and self.slots[label].cfg.optimizer == "adam"]
-        groups = ([label for label in adam if not self.slots[label].sharded],
-                  [label for label in adam if self.slots[label].sharded])
+        adam = [label for label in self.work_order if label in active and self.placements[label].cfg.optimizer == "adam"]
+        groups = ([label for label in adam if not self.placements[label].sharded],
+                  [label for label in adam if self.placements[label].sharded])
         return [group for group in groups if group]
 
     def _adam_work(self, labels, reduced, hps) -> dict:
         """Wait for a group's reductions, update its shards in one call; returns the sharded ones' gathers."""
-        slots = [self.slots[label] for label in labels]
+        placements = [self.placements[label] for label in labels]
         grads = [reduced[label]() for label in labels]
-        shards = [slot.local_shard() for slot in slots]
+        shards = [placement.local_shard() for placement in placements]
         states = [self.state[label] for label in labels]
         self._adam_fn(grads, [st["exp_avg"] for st in states], [st["exp_avg_sq"] for st in states], shards,
                       [hps[label] for label in labels])
         gathers = {}
-        for slot, shard in zip(slots, shards):
-            self.adam_steps[slot.label] += 1
-            done = self.exchange.gather(slot, shard)
+        for placement, shard in zip(placements, shards):
+            self.adam_steps[placement.label] += 1
+            done = self.exchange.gather(placement, shard)
             if done is not None:
-                gathers[slot.label] = done
+                gathers[placement.label] = done
         return gathers
 
     @torch.no_grad()
@@ -1831,33 +1844,33 @@ class NorMuonAdam:
         for group in self._adam_groups(active):
             gathers.update(self._adam_work(group, reduced, hps))
         for label in self.work_order:
-            if label not in reduced or self.slots[label].cfg.optimizer != "normuon":
+            if label not in reduced or self.placements[label].cfg.optimizer != "normuon":
                 continue
-            slot, st, grad = self.slots[label], self.state[label], reduced[label]()
-            shard = slot.local_shard()
+            placement, st, grad = self.placements[label], self.state[label], reduced[label]()
+            shard = placement.local_shard()
             if shard.size(0):  # a balanced bank may give this rank none of its matrices
                 self._normuon_fn(grad, st["momentum_buffer"], st["second_moment"], shard, st.get("mantissa"),
                                  self._matrix_lr[label], hps[label], self.orthogonalize)
-            done = self.exchange.gather(slot, shard)
+            done = self.exchange.gather(placement, shard)
             if done is not None:
                 gathers[label] = done
         # phase 3: finalize. The head's gather is waited on first, so the tied embedding is refreshed
         # while the other gathers are still in flight.
         if self.tied and do_adam:
-            embed, head = (self.slots[t].param for t in self.tied)
+            embed, head = (self.placements[t].param for t in self.tied)
             gathers.pop(self.tied[1], lambda: None)()
             triton_kernels.transpose_copy(head.data, embed.data)
         for done in gathers.values():
             done()
         for label in active:
-            self.slots[label].param.grad = None
+            self.placements[label].param.grad = None
 
     @torch.no_grad()
     def untie(self) -> None:
         """Give the embedding its own Adam state: the head's, transposed and resharded (a collective)."""
         _check_untie(self)
         e_label, h_label = self.tied
-        e, h = self.slots[e_label], self.slots[h_label]
+        e, h = self.placements[e_label], self.placements[h_label]
         self.state[e_label] = {name: self.layout.shard_of(e_label, self.exchange.full_tensor(h, shard)
                                                           .reshape(h.param.shape).mT.reshape(e.shape))
                                for name, shard in self.state[h_label].items()}
@@ -1945,8 +1958,8 @@ def _check_state_dict(opt: NorMuonAdam, sd: dict) -> None:
                                  f" expected {tuple(ref[name].shape)} {ref[name].dtype}")
 
 def _check_sparse_label(opt: NorMuonAdam, label: str) -> None:
-    slot = opt.slots.get(label)
-    if slot is None or slot.cfg.comms != "sharded_sparse":
+    placement = opt.placements.get(label)
+    if placement is None or placement.cfg.comms != "sharded_sparse":
         raise ValueError(f"prepare_sparse: {label!r} is not a parameter with comms='sharded_sparse'")
 
 def _check_untie(opt: NorMuonAdam) -> None:
@@ -1961,8 +1974,8 @@ def _check_untie(opt: NorMuonAdam) -> None:
 def learning_rates(opt: NorMuonAdam, lr_scale: float = 1.0) -> dict[str, torch.Tensor]:
     """Every label's lr at schedule multiplier lr_scale: its optimizer's base lr x lr_scale x lr_multipliers
     (float64; the updates apply them rounded to fp32)."""
-    return {label: (opt.normuon_lr if slot.cfg.optimizer == "normuon" else opt.adam_lr) * lr_scale
-            * lr_multipliers(slot.cfg, slot.shape) for label, slot in opt.slots.items()}
+    return {label: (opt.normuon_lr if placement.cfg.optimizer == "normuon" else opt.adam_lr) * lr_scale
+            * lr_multipliers(placement.cfg, placement.shape) for label, placement in opt.placements.items()}
 
 # ---- One rank of a larger world, in one process ----------------------------------------------
 # tests/benchmarks/step_timing.py --as_rank_of N times rank 0's share of an N-rank step on one device:
@@ -1982,7 +1995,7 @@ class SimulatedComm(CommLayer):
     """Rank `rank` of `world_size` ranks in one process, no process group: every collective completes at
     once with the output a real group gives when every other rank holds the same tensors as this one.
     reduce_scatter (average): this rank's block of the input; all_reduce (average): the tensor as it is;
-    all_gather: the local shard in every rank's slot; all_to_all: each rank's block of the output is the
+    all_gather: the local shard in every rank's placement; all_to_all: each rank's block of the output is the
     block this rank addresses to itself, where their sizes agree, and is left as it is where they do not
     (the other owners' blocks of an uneven all_gather). Bytes are counted as the world_size-rank
     collectives send them (CommLayer's counts), so bytes_sent and bytes_by_op are a real rank's.
@@ -2009,7 +2022,7 @@ class SimulatedComm(CommLayer):
 
     def _all_gather(self, out, shard):
         blocks, r = out.view(self.world_size, *shard.shape), self.rank
-        if blocks[r].data_ptr() == shard.data_ptr():  # in place: this rank's slot is the shard itself
+        if blocks[r].data_ptr() == shard.data_ptr():  # in place: this rank's placement is the shard itself
             for others in (blocks[:r], blocks[r + 1:]):  # (two copies, not one per rank: launches count)
                 others.copy_(shard.expand_as(others))
         else:
@@ -2048,15 +2061,15 @@ def qk_clip_(param, mantissa, max_logits, tau: float) -> None:
 
 @contextlib.contextmanager
 def after_update(opt: NorMuonAdam, hooks: dict):
-    """Around opt.step(): hooks[label](slot, shard, mantissa) runs on this rank's updated matrices of a NorMuon
+    """Around opt.step(): hooks[label](placement, shard, mantissa) runs on this rank's updated matrices of a NorMuon
     label (shard, in place) just before they are gathered, e.g. qk_clip_hooks: the hook wraps opt's gather."""
     _check_after_update(opt, hooks)
     gather, wrapped = opt.exchange.gather, vars(opt.exchange).get("gather")  # wrapped: an enclosing block's
 
-    def gather_after_hook(slot: Slot, shard: torch.Tensor):
-        if slot.label in hooks:
-            hooks[slot.label](slot, shard, opt.state[slot.label].get("mantissa"))
-        return gather(slot, shard)
+    def gather_after_hook(placement: Placement, shard: torch.Tensor):
+        if placement.label in hooks:
+            hooks[placement.label](placement, shard, opt.state[placement.label].get("mantissa"))
+        return gather(placement, shard)
     opt.exchange.gather = gather_after_hook
     try:
         yield opt
@@ -2070,15 +2083,15 @@ def qk_clip_hooks(max_logits: dict, tau: float = QK_CLIP_TAU) -> dict:
     """after_update's hooks for QK-Clip: label of a Q or K bank -> the step's largest
     logit per head, broadcastable to the bank's (matrices, rows, 1) and the same on every rank."""
     def clip(m):
-        def hook(slot, shard, mantissa):
-            full = torch.broadcast_to(torch.as_tensor(m, device=shard.device), (slot.rows, slot.shape[1], 1))
-            qk_clip_(shard, mantissa, full[slot.lo: slot.lo + slot.shard_rows], tau)
+        def hook(placement, shard, mantissa):
+            full = torch.broadcast_to(torch.as_tensor(m, device=shard.device), (placement.rows, placement.shape[1], 1))
+            qk_clip_(shard, mantissa, full[placement.lo: placement.lo + placement.shard_rows], tau)
         return hook
     return {label: clip(m) for label, m in max_logits.items()}
 
 def _check_after_update(opt: NorMuonAdam, hooks: dict) -> None:
     for label in hooks:
-        if label not in opt.slots or opt.slots[label].cfg.optimizer != "normuon":
+        if label not in opt.placements or opt.placements[label].cfg.optimizer != "normuon":
             raise ValueError(f"after_update: hooks[{label!r}] needs a normuon label")
 
 # ---- Tensor-parallel orthogonalization and NorMuon ------------------------------------------
@@ -2190,15 +2203,14 @@ def tensor_parallel_normuon_update(grad, momentum_buf, second_moment, param, man
     orthogonalize = functools.partial(polar_express, dtype=dtype)
     if mode == "blockwise":
         return _normuon_update(grad, momentum_buf, second_moment, param, mantissa, matrix_lr, hp, orthogonalize)
-    lr, decay, momentum, beta2 = hp[0], hp[1], hp[2], hp[3]
-    g = _nesterov_momentum(grad, momentum_buf, momentum)
+    g = _nesterov_momentum(grad, momentum_buf, hp.momentum)
     if mode == "duplicated":
-        O = normuon_variance_reduction(orthogonalize(_gather_shards(g, dim, group)), second_moment, beta2)
+        O = normuon_variance_reduction(orthogonalize(_gather_shards(g, dim, group)), second_moment, hp.beta2)
         O = O.chunk(W, dim=dim)[dist.get_rank(group)]
     else:
         O = tensor_parallel_orthogonalize(g, "distributed", shard_dim, group, dtype=dtype)
-        O = _split_variance_reduction(O, second_moment, beta2, dim, rows, cols, group)
-    _cautious_step(O.float(), param, mantissa, lr * matrix_lr, decay)
+        O = _split_variance_reduction(O, second_moment, hp.beta2, dim, rows, cols, group)
+    _cautious_step(O.float(), param, mantissa, hp.lr * matrix_lr, hp.decay)
 
 # ----------------------------------------------------------------------------------------------
 # Model
@@ -2657,14 +2669,14 @@ class GPT(nn.Module):
         self.layers = layers = args.layers
         L = len(layers)
         self.attn_layers = [i for i, r in enumerate(layers) if r.attention != "none"]
-        self.attn_slot = {layer: j for j, layer in enumerate(self.attn_layers)}
-        self.ve_slot = {layer: j for j, layer in enumerate(i for i, r in enumerate(layers) if r.value_embed)}
+        self.attn_index = {layer: j for j, layer in enumerate(self.attn_layers)}
+        self.ve_index = {layer: j for j, layer in enumerate(i for i, r in enumerate(layers) if r.value_embed)}
         self.post_gates_layer = next(i for i, r in enumerate(layers) if r.post_gates)
         self.gate_layout = mudd_gate_layout(layers, H)
         self.gate_outputs = tuple(sum(width for _, width in layout.values()) for layout in self.gate_layout)
         n_attn = len(self.attn_layers)
         n_qk, n_vo, n_mlp = (bank_padding(n, world_size, args) for n in (H * n_attn, 2 * n_attn, 2 * L))
-        n_ve = len(self.ve_slot)
+        n_ve = len(self.ve_index)
         fp32 = torch.float32
         self.lm_head = nn.Parameter(torch.empty(D, V, dtype=dtype))
         self.embed = nn.Parameter(torch.empty(V, D, dtype=dtype))
@@ -2865,7 +2877,7 @@ class GPT(nn.Module):
         value embedding with per-head gates ve_gate (T, H) (None: from ve_gate_bank); aux_v is MUDD's V."""
         a, row = self.args, self.layers[i]
         T, H, hd = xn.shape[0], a.num_heads, a.head_dim
-        j = self.attn_slot[i]
+        j = self.attn_index[i]
 
         def scaled(lam, weight):  # the fp32 lambda times the bf16 weight, rounded once (the record's)
             return (lam * weight.float()).to(weight.dtype)
@@ -2882,7 +2894,7 @@ class GPT(nn.Module):
             if ve_gate is None:  # 2 sigmoid(W [x[:C/2], ve[:C/2]]): one gate per head, 1 at init
                 half = a.gate_channels // 2
                 gate_in = torch.cat([xn[:, :half], ve[:, :half]], dim=-1)
-                ve_gate = 2 * self._gate(self.ve_gate_bank[self.ve_slot[i]], gate_in)
+                ve_gate = 2 * self._gate(self.ve_gate_bank[self.ve_index[i]], gate_in)
             ve_v = ve_gate[..., None] * ve.view(T, H, hd)
             aux_v = ve_v if aux_v is None else ve_v + aux_v  # v + (g ve + MUDD's V): the record's order of sums
         if aux_v is not None:
@@ -2950,7 +2962,7 @@ class GPT(nn.Module):
         for i, row in enumerate(self.layers):
             if i == self.post_gates_layer:
                 gates[1] = self._mudd_gate(1, x)  # from the raw residual entering this layer
-            ve_i = ve[self.ve_slot[i]] if i in self.ve_slot else None
+            ve_i = ve[self.ve_index[i]] if i in self.ve_index else None
             if row.attention == "none":
                 x = self.unet_skip(x, coef("skip", i), skip_src)
             elif row.mudd:
@@ -3078,13 +3090,13 @@ def cpu_model(cpu_name_file: str = "/proc/cpuinfo") -> str:
         pass
     return platform.processor() or platform.machine()
 
-def hardware_line(d: DistInfo) -> str:
+def hardware_line(dist_info: DistInfo) -> str:
     """The run log's line on the machine: GPU model, memory and CUDA, or the CPU model, cores and threads."""
-    if d.device.type == "cuda":
-        props = torch.cuda.get_device_properties(d.device)
-        return (f"hardware: {d.world_size} x {props.name} ({props.total_memory / 2**30:.0f} GiB), "
+    if dist_info.device.type == "cuda":
+        props = torch.cuda.get_device_properties(dist_info.device)
+        return (f"hardware: {dist_info.world_size} x {props.name} ({props.total_memory / 2**30:.0f} GiB), "
                 f"CUDA {torch.version.cuda}")
-    return (f"hardware: {d.world_size} CPU process(es) on {cpu_model()}, "
+    return (f"hardware: {dist_info.world_size} CPU process(es) on {cpu_model()}, "
             f"{os.cpu_count()} cores, {torch.get_num_threads()} threads per process")
 
 def matmul_gflops(dtype: torch.dtype, m: int, k: int, n: int, seconds: float = 0.15) -> float:
@@ -3137,13 +3149,13 @@ def checkpoint_cpu_dtype(args: Hyperparameters) -> tuple[torch.dtype, str] | Non
         return None
     return CPU_DTYPES[name], f"cpu dtype {name} (the checkpoint's: --resume {args.resume}) on {cpu_model()}"
 
-def compute_dtype(args: Hyperparameters, d: DistInfo) -> tuple[torch.dtype, str | None]:
+def compute_dtype(args: Hyperparameters, dist_info: DistInfo) -> tuple[torch.dtype, str | None]:
     """The model's compute dtype: bf16 on GPUs; on CPUs rank 0's choose_cpu_dtype, taken by every rank
     (timings differ between processes), with its log line."""
-    if d.device.type != "cpu":
+    if dist_info.device.type != "cpu":
         return torch.bfloat16, None
     choice = [None]
-    if d.is_master:
+    if dist_info.is_master:
         dtype, note = checkpoint_cpu_dtype(args) or choose_cpu_dtype(args)
         choice = [(str(dtype).removeprefix("torch."), note)]
     if dist.is_initialized():
@@ -3580,10 +3592,10 @@ def eta_seconds(cumulative: list[int], first: int, done: int, elapsed_ms: float)
     trained = cumulative[done] - cumulative[first]
     return elapsed_ms / 1000 * (cumulative[-1] - cumulative[done]) / max(1, trained)
 
-def batch_request(args: Hyperparameters, plan: StepPlan, slots: int, device: torch.device) -> tuple:
+def batch_request(args: Hyperparameters, plan: StepPlan, batches_per_step: int, device: torch.device) -> tuple:
     """DocumentLoader.next_step's arguments for a step; on CUDA the loader also builds the flex block masks."""
     spec = flex_mask_spec(args, plan.windows, attention_kernels(args, device)) if device.type == "cuda" else None
-    return plan.batch_tokens // slots, plan.max_doc_len, slots, spec
+    return plan.batch_tokens // batches_per_step, plan.max_doc_len, batches_per_step, spec
 
 def warmup_steps(args: Hyperparameters) -> list[int]:
     """The steps the compile warm-up runs (the record's 14): 0, 1 and two either side of each stage start,
@@ -3600,16 +3612,16 @@ def grad_accum_steps(args: Hyperparameters, world_size: int) -> int:
 def check_batch_split(args: Hyperparameters, world_size: int) -> int:
     """grad_accum_steps, or a start-up error where a stage's batch does not split into ranks x accumulation steps."""
     accum = grad_accum_steps(args, world_size)
-    slots = world_size * accum
+    batches_per_step = world_size * accum
     for tokens in (row.batch_tokens for row in args.stages):
-        if tokens % slots:
+        if tokens % batches_per_step:
             raise SystemExit(f"error: the global batch of {tokens} tokens (--stage_batch_tokens) does not split into "
                              f"{world_size} ranks x {accum} accumulation steps; use a world size that divides "
-                             f"{args.micro_batches} or batch sizes divisible by {slots}")
+                             f"{args.micro_batches} or batch sizes divisible by {batches_per_step}")
     return accum
 
 # ----------------------------------------------------------------------------------------------
-# Training: optimizer wiring, logging, evaluation, the loop
+# Training: optimizer wiring, logging, evaluation, the step, CUDA graphs, checkpoints, the loop
 # ----------------------------------------------------------------------------------------------
 
 def optimizer_configs(args: Hyperparameters, model: "GPT") -> dict[str, ParamConfig]:
@@ -3678,10 +3690,10 @@ class RunLog:
     """What rank 0 reports: logs/<run_id>.txt (both source files, versions, hardware, hyperparameters, then
     the record's lines, each flushed: a crash keeps everything up to it) and a self-rewriting console line."""
 
-    def __init__(self, args: Hyperparameters, run_id: str, d: DistInfo, notes: list[str] = ()):
+    def __init__(self, args: Hyperparameters, run_id: str, dist_info: DistInfo, notes: list[str] = ()):
         self.file, self.path = None, os.path.join(args.log_dir, f"{run_id}.txt")
-        self.console, self.tty = d.is_master, sys.stdout.isatty()
-        if not d.is_master:
+        self.console, self.tty = dist_info.is_master, sys.stdout.isatty()
+        if not dist_info.is_master:
             return
         os.makedirs(args.log_dir, exist_ok=True)
         self.file = open(self.path, "x", encoding="utf-8")  # never overwrite an earlier run's log
@@ -3692,7 +3704,7 @@ class RunLog:
         import triton
         self.write(f"==== environment ====\npython {platform.python_version()} torch {torch.__version__} "
                    f"triton {triton.__version__} numpy {np.__version__}")
-        self.write(hardware_line(d))  # GPUs or CPUs
+        self.write(hardware_line(dist_info))  # GPUs or CPUs
         for line in notes:
             self.note(line)
         self.write("==== hyperparameters ====")
@@ -3719,13 +3731,13 @@ class RunLog:
         self.show(line, final=True)
 
 @torch.no_grad()
-def evaluate(model_fn, batches: list[Batch], device: torch.device) -> float:
+def evaluate(compiled_model, batches: list[Batch], device: torch.device) -> float:
     """Mean next-token cross-entropy over every validation token (all ranks' sequences together)."""
     sums = torch.zeros(2, dtype=torch.float64, device=device)  # (loss summed over tokens, tokens)
     for b in batches:
         b = b.to(device)
-        masks = model_fn.batch_masks(b)  # outside the compiled graph
-        sums[0] += model_fn(b.inputs, b.targets, b.cu_seqlens, b.bigram_ids, masks=masks).double() * b.inputs.numel()
+        masks = compiled_model.batch_masks(b)  # outside the compiled graph
+        sums[0] += compiled_model(b.inputs, b.targets, b.cu_seqlens, b.bigram_ids, masks=masks).double() * b.inputs.numel()
     sums[1] = float(sum(b.inputs.numel() for b in batches))
     if dist.is_initialized():
         dist.all_reduce(sums)
@@ -3745,34 +3757,32 @@ def begin_step(opt: NorMuonAdam, batches: list[Batch], plan: StepPlan, mtp: torc
     for i, b in enumerate(batches):
         opt.prepare_sparse("bigram_embed", b.bigram_ids, launch=plan.do_adam and i == len(batches) - 1)
 
-def forward_backward(model_fn, opt: NorMuonAdam, batches: list[Batch], plan: StepPlan, mtp: torch.Tensor,
-                     prefix: torch.Tensor, grad_scale: float,
-                     device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Forward and backward of this rank's micro-batches (the optimizer step is the caller's). mtp (K,) and
-    prefix (0-D) are device tensors that receive this step's loss weights. Returns this rank's (summed
-    training objective times grad_scale, summed next-token loss), 0-D tensors; nothing here waits for the GPU."""
-    begin_step(opt, batches, plan, mtp, prefix)
-    loss, next_token = torch.zeros((), device=device), torch.zeros((), device=device)
-    # The last backward launches each gradient's reduction as soon as that gradient is final.
-    micro_batches_forward_backward(model_fn, batches, mtp, prefix, grad_scale, device, loss, next_token,
-                                   last_backward=lambda: reductions_on_backward(opt, plan.do_adam))
-    return loss, next_token
-
-def micro_batches_forward_backward(model_fn, batches: list[Batch], mtp: torch.Tensor, prefix: torch.Tensor,
-                                   grad_scale: float, device: torch.device, loss: torch.Tensor,
-                                   next_token: torch.Tensor, last_backward=contextlib.nullcontext) -> None:
-    """The forward and backward of every micro-batch, the one loop forward_backward and the step graphs
-    (StepGraphs, which capture it) run: objective and next-token loss added into the 0-D tensors loss and
-    next_token, gradients into .grad; last_backward() wraps the last micro-batch's backward."""
+def forward_backward(compiled_model, opt: NorMuonAdam, batches: list[Batch], plan: StepPlan, mtp: torch.Tensor,
+                     prefix: torch.Tensor, grad_scale: float, device: torch.device,
+                     into: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Forward and backward of this rank's micro-batches (the optimizer step is the caller's): the one
+    definition, which the step graphs (StepGraphs) run and capture. mtp (K,) and prefix (0-D) are device
+    tensors that receive this step's loss weights. Returns this rank's (summed training objective times
+    grad_scale, summed next-token loss), 0-D tensors; nothing here waits for the GPU. into: the 0-D tensors
+    to write the sums into (the step graphs' static ones), whose caller has run begin_step and leaves the
+    reductions to opt.step; otherwise begin_step here, and the last backward launches each gradient's
+    reduction as soon as that gradient is final."""
+    if into is None:
+        begin_step(opt, batches, plan, mtp, prefix)
+    loss, next_token = into or (torch.zeros((), device=device), torch.zeros((), device=device))
+    loss.zero_()
+    next_token.zero_()
     for i, b in enumerate(batches):
         b = b.to(device)
-        masks = model_fn.batch_masks(b)  # outside the compiled graph; built by the loader when it could
-        micro, micro_next_token = model_fn(b.inputs, b.targets, b.cu_seqlens, b.bigram_ids, mtp_weights=mtp,
-                                           loss_scale=grad_scale, prefix_weight=prefix, masks=masks)
-        with last_backward() if i == len(batches) - 1 else contextlib.nullcontext():
+        masks = compiled_model.batch_masks(b)  # outside the compiled graph; built by the loader when it could
+        micro, micro_next_token = compiled_model(b.inputs, b.targets, b.cu_seqlens, b.bigram_ids, mtp_weights=mtp,
+                                                 loss_scale=grad_scale, prefix_weight=prefix, masks=masks)
+        hooks = into is None and i == len(batches) - 1
+        with reductions_on_backward(opt, plan.do_adam) if hooks else contextlib.nullcontext():
             micro.backward()
         loss += micro.detach()
         next_token += micro_next_token
+    return loss, next_token
 
 def compile_model(model: nn.Module):
     """The model compiled whole (fullgraph: a graph break is an error), one graph per shape: the record
@@ -3802,9 +3812,9 @@ def graphs_captured_notes(graphs: StepGraphs | None) -> list[str]:
 def step_graphs(trainer: Trainer) -> StepGraphs | None:
     """The Trainer's StepGraphs where use_cuda_graphs, else None (Trainer.step runs forward_backward)."""
     t = trainer
-    if not use_cuda_graphs(t.args, t.d.device):
+    if not use_cuda_graphs(t.args, t.dist_info.device):
         return None
-    return StepGraphs(t.model, t.model_fn, t.opt, t.mtp, t.prefix, t.grad_scale, t.d.device)
+    return StepGraphs(t.model, t.compiled_model, t.opt, t.mtp, t.prefix, t.grad_scale, t.dist_info.device)
 
 def step_graph_key(plan: StepPlan, request: tuple, micro_batches: int) -> tuple:
     """What a step's captured forward+backward depends on beyond its buffers' values: the windows (numbers
@@ -3829,9 +3839,9 @@ class StepGraphs:
     data-dependent bigram exchange, NCCL, state replaced by untie and load_state_dict): Trainer.step runs
     it after the replay, and it launches the reductions itself. capture=False (CPUs) runs the same code without graphs."""
 
-    def __init__(self, model: nn.Module, model_fn, opt: NorMuonAdam, mtp: torch.Tensor, prefix: torch.Tensor,
+    def __init__(self, model: nn.Module, compiled_model, opt: NorMuonAdam, mtp: torch.Tensor, prefix: torch.Tensor,
                  grad_scale: float, device: torch.device, capture: bool | None = None):
-        self.model, self.model_fn, self.opt = model, model_fn, opt
+        self.model, self.compiled_model, self.opt = model, compiled_model, opt
         self.mtp, self.prefix, self.grad_scale, self.device = mtp, prefix, grad_scale, device
         self.capture = device.type == "cuda" if capture is None else capture
         self.named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
@@ -3866,19 +3876,16 @@ class StepGraphs:
         if fresh:
             torch._foreach_zero_(fresh)
 
-    def _forward_backward(self, entry: _StepBuffers) -> None:
-        """forward_backward's micro-batch loop on the static buffers (its reductions: the optimizer's)."""
-        entry.loss.zero_()
-        entry.next_token.zero_()
-        micro_batches_forward_backward(self.model_fn, entry.batches, self.mtp, self.prefix, self.grad_scale,
-                                       self.device, entry.loss, entry.next_token)
+    def _forward_backward(self, entry: _StepBuffers, plan: StepPlan) -> None:
+        forward_backward(self.compiled_model, self.opt, entry.batches, plan, self.mtp, self.prefix, self.grad_scale,
+                         self.device, into=(entry.loss, entry.next_token))
 
     def _state(self, entry: _StepBuffers) -> dict[str, torch.Tensor]:
         """What a forward+backward writes: the losses, the gradients, the model's buffers (FP8 scales)."""
         grads = {f"grad of {n}": g for (n, _), g in zip(self.named, self.grads)}
         return {"loss": entry.loss, "next-token loss": entry.next_token, **grads, **dict(self.model.named_buffers())}
 
-    def _capture(self, entry: _StepBuffers) -> None:
+    def _capture(self, entry: _StepBuffers, plan: StepPlan) -> None:
         """Capture entry's forward+backward after two uncaptured runs from the same state on a side stream
         (PyTorch's warm-up), and raise with the reason where a replay differs from them (replay_mismatch)."""
         state = self._state(entry)
@@ -3890,7 +3897,7 @@ class StepGraphs:
             for _ in range(2):
                 for k, t in state.items():
                     t.copy_(before[k])
-                self._forward_backward(entry)
+                self._forward_backward(entry, plan)
                 runs.append({k: t.clone() for k, t in state.items()})
             for k, t in state.items():
                 t.copy_(before[k])
@@ -3900,7 +3907,7 @@ class StepGraphs:
         try:
             # thread_local: the loader's threads may allocate pinned memory meanwhile
             with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
-                self._forward_backward(entry)
+                self._forward_backward(entry, plan)
             graph.replay()
             why = replay_mismatch(state, *runs)
         except Exception as e:  # reported; the step runs uncaptured
@@ -3928,11 +3935,11 @@ class StepGraphs:
             entry.graph.replay()
         elif capture and self.capture and not self.failure:
             try:
-                self._capture(entry)
+                self._capture(entry, plan)
             except RuntimeError as e:
                 self.failure = str(e)
         else:
-            self._forward_backward(entry)
+            self._forward_backward(entry, plan)
         return entry.loss.clone(), entry.next_token.clone()
 
 def step_buffer(batches: list[Batch]) -> torch.Tensor:
@@ -3968,16 +3975,16 @@ class Trainer:
     """The step train() runs (the benchmarks and the GPU check time it), with what it needs built once:
     the compiled model, optimizer, loader, the loss weights' device buffers and, on CUDA, the step graphs."""
 
-    def __init__(self, args: Hyperparameters, d: DistInfo, model: "GPT", opt: NorMuonAdam, loader: DocumentLoader):
-        self.args, self.d, self.model, self.opt, self.loader = args, d, model, opt, loader
-        self.model_fn = compile_model(model) if args.compile else model
-        self.accum = grad_accum_steps(args, d.world_size)  # train() checked the split
-        self.slots = d.world_size * self.accum
+    def __init__(self, args: Hyperparameters, dist_info: DistInfo, model: "GPT", opt: NorMuonAdam, loader: DocumentLoader):
+        self.args, self.dist_info, self.model, self.opt, self.loader = args, dist_info, model, opt, loader
+        self.compiled_model = compile_model(model) if args.compile else model
+        self.accum = grad_accum_steps(args, dist_info.world_size)  # train() checked the split
+        self.batches_per_step = dist_info.world_size * self.accum
         self.total = total_steps(args)
-        self.fp8 = args.fp8 and _native_fp8(d.device)
-        self.grad_scale = grad_scale_for(args, d.world_size)
-        self.mtp = torch.zeros(len(args.stages[0].mtp_start), dtype=torch.float32, device=d.device)
-        self.prefix = torch.zeros((), dtype=torch.float32, device=d.device)
+        self.fp8 = args.fp8 and _native_fp8(dist_info.device)
+        self.grad_scale = grad_scale_for(args, dist_info.world_size)
+        self.mtp = torch.zeros(len(args.stages[0].mtp_start), dtype=torch.float32, device=dist_info.device)
+        self.prefix = torch.zeros((), dtype=torch.float32, device=dist_info.device)
         self.graphs = step_graphs(self)  # record #92's CUDA graphs where --cuda_graphs applies
         self.windows = None
         self.batches: list[Batch] = []
@@ -3989,7 +3996,7 @@ class Trainer:
             self.set_windows(plan_step(self.args, step).windows)
         else:
             self.set_windows(self.args.final_val_windows, plan_step(self.args, self.total - 1).windows[1])
-        return evaluate(self.model_fn, batches, self.d.device)
+        return evaluate(self.compiled_model, batches, self.dist_info.device)
 
     def set_windows(self, windows: tuple, yarn: int | None = None) -> None:
         """The model's windows; the YaRN update runs only when the windows actually change."""
@@ -4004,27 +4011,27 @@ class Trainer:
         `next_step`'s batches (default step + 1) on its thread meanwhile. warm_up: the untimed warm-up,
         where the step graphs are captured. Returns the plan and this rank's (mean next-token loss, mean
         objective) per token, a device tensor: nothing here waits for the GPU."""
-        args, d, graphs = self.args, self.d, self.graphs
+        args, dist_info, graphs = self.args, self.dist_info, self.graphs
         plan = plan or plan_step(args, step)
         self.set_windows(plan.windows)
-        request = batch_request(args, plan, self.slots, d.device)
+        request = batch_request(args, plan, self.batches_per_step, dist_info.device)
         batches = self.loader.next_step(*request)
         next_step = step + 1 if next_step is None else next_step
         # not while a warm-up step may capture a graph: the warm-up's next step is rarely its successor
         if next_step < self.total and not (warm_up and graphs is not None):
-            self.loader.look_ahead(*batch_request(args, plan_step(args, next_step), self.slots, d.device))
+            self.loader.look_ahead(*batch_request(args, plan_step(args, next_step), self.batches_per_step, dist_info.device))
         if graphs is not None:  # the warm-up captures each key's graph (and checks it against the uncaptured step)
             objective, next_token = graphs.step(batches, plan, step_graph_key(plan, request, self.accum), capture=warm_up)
         else:
-            objective, next_token = forward_backward(self.model_fn, self.opt, batches, plan, self.mtp, self.prefix,
-                                                     self.grad_scale, d.device)
+            objective, next_token = forward_backward(self.compiled_model, self.opt, batches, plan, self.mtp, self.prefix,
+                                                     self.grad_scale, dist_info.device)
         self.opt.step(plan.do_adam, lr_scale=plan.lr_mult, momentum=plan.momentum)
         if step == untie_step(args) and self.opt.tied:  # (a benchmark may have untied already)
             self.opt.untie()
         self.batches = batches  # the benchmarks count the step's documents
         if self.fp8:  # after the optimizer step (the record's per-step order), for the next forward
             self.model.quantize_fp8(bootstrap=step < FP8_BOOTSTRAP_STEPS)
-        tokens = plan.batch_tokens / d.world_size  # means per token of this rank's batch (no collective)
+        tokens = plan.batch_tokens / dist_info.world_size  # means per token of this rank's batch (no collective)
         return plan, torch.stack([next_token / tokens, objective / (self.grad_scale * tokens)])
 
     def warm_up(self, val_batch: list[Batch], prefix_table: torch.Tensor) -> list[str]:
@@ -4051,18 +4058,18 @@ class Trainer:
 # ---- Checkpoints and signals (a speedrun saves none) -----------------------------------------
 
 CHECKPOINT_FORMAT = 5  # 3: the record-#89 model (layer table, MUDD, FP8 MLP state); 4: FP8 scales in 16-byte
-#                        slots; 5: the stage and layer rows in the saved settings
+#                        blocks; 5: the stage and layer rows in the saved settings
 
 # Fields that may differ between a checkpoint and the run resuming from it.
 RESUMABLE_CHANGES = {"resume", "save_every", "keep_checkpoints", "val_loss_every", "log_dir", "checkpoint_dir",
                      "run_id", "compile", "cuda_graphs"}
 
 def save_checkpoint(path: str, step: int, model: nn.Module, opt: NorMuonAdam, loader: DocumentLoader,
-                    args: Hyperparameters, d: DistInfo) -> None:
+                    args: Hyperparameters, dist_info: DistInfo) -> None:
     """A directory written whole or not at all: every rank writes its files into path.tmp, rank 0
     renames it to path once all have finished."""
     tmp = path + ".tmp"
-    if d.is_master:
+    if dist_info.is_master:
         if os.path.exists(tmp):
             shutil.rmtree(tmp)
         os.makedirs(tmp)
@@ -4071,14 +4078,14 @@ def save_checkpoint(path: str, step: int, model: nn.Module, opt: NorMuonAdam, lo
     # Adam gradients accumulate over even steps: this rank's pending ones are part of the state too.
     pending = {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
     torch.save({"optimizer": opt.state_dict(), "rng": torch.get_rng_state(), "grads": pending},
-               os.path.join(tmp, f"rank{d.rank:03d}.pt"))
-    if d.is_master:
-        torch.save({"format": CHECKPOINT_FORMAT, "step": step, "world_size": d.world_size,
+               os.path.join(tmp, f"rank{dist_info.rank:03d}.pt"))
+    if dist_info.is_master:
+        torch.save({"format": CHECKPOINT_FORMAT, "step": step, "world_size": dist_info.world_size,
                     "args": dataclasses.asdict(args), "model": model.state_dict(), "loader": loader.state_dict()},
                    os.path.join(tmp, "model.pt"))
     if dist.is_initialized():
         dist.barrier()
-    if d.is_master:
+    if dist_info.is_master:
         if os.path.exists(path):
             shutil.rmtree(path)
         os.replace(tmp, path)
@@ -4110,7 +4117,7 @@ class StopOnSignal:
         self.enabled = enabled and threading.current_thread() is threading.main_thread()
         self.signum = 0
         self.shared = self.host = self.done = None
-        if world_size > 1 and self.enabled:  # one slot per step parity
+        if world_size > 1 and self.enabled:  # one flag per step parity
             cuda = device.type == "cuda"
             self.shared = [torch.zeros(1, device=device) for _ in range(2)]
             self.host = [torch.zeros(1, pin_memory=cuda) for _ in range(2)]
@@ -4154,23 +4161,23 @@ class StopOnSignal:
         return int(self.host[i])
 
 def load_checkpoint(path: str, model: nn.Module, opt: NorMuonAdam, loader: DocumentLoader,
-                    args: Hyperparameters, d: DistInfo) -> int:
+                    args: Hyperparameters, dist_info: DistInfo) -> int:
     """Restore everything a step depends on; returns the step to continue from. Refuses a checkpoint of
     another configuration or world size with a one-line reason."""
     def refuse(why):
         raise SystemExit(f"error: cannot resume from {path}: {why}")
 
     try:
-        meta = torch.load(os.path.join(path, "model.pt"), map_location=d.device, weights_only=False)
-        mine = torch.load(os.path.join(path, f"rank{d.rank:03d}.pt"), map_location=d.device, weights_only=False)
+        meta = torch.load(os.path.join(path, "model.pt"), map_location=dist_info.device, weights_only=False)
+        mine = torch.load(os.path.join(path, f"rank{dist_info.rank:03d}.pt"), map_location=dist_info.device, weights_only=False)
     except FileNotFoundError as e:
         refuse(f"missing {os.path.basename(e.filename)} (not a checkpoint directory, or an unfinished one)")
     except Exception as e:  # torch.load raises many types for a damaged file
         refuse(f"unreadable checkpoint file ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})")
     if meta.get("format") != CHECKPOINT_FORMAT:
         refuse(f"checkpoint format {meta.get('format')}, this script reads {CHECKPOINT_FORMAT}")
-    if meta["world_size"] != d.world_size:
-        refuse(f"written by {meta['world_size']} ranks, this run has {d.world_size}; resume with the same world size")
+    if meta["world_size"] != dist_info.world_size:
+        refuse(f"written by {meta['world_size']} ranks, this run has {dist_info.world_size}; resume with the same world size")
     now = dataclasses.asdict(args)  # rows as dicts, as saved
     changed = [k for k in [*meta["args"], *(k for k in now if k not in meta["args"])]  # in field order
                if k not in RESUMABLE_CHANGES and meta["args"].get(k) != now.get(k)]
@@ -4190,12 +4197,12 @@ def load_checkpoint(path: str, model: nn.Module, opt: NorMuonAdam, loader: Docum
 
 # ---- train()'s resume, checkpoints and signals ----------------------------------------------
 
-def resume_step(args: Hyperparameters, d: DistInfo, model: nn.Module, opt: NorMuonAdam,
+def resume_step(args: Hyperparameters, dist_info: DistInfo, model: nn.Module, opt: NorMuonAdam,
                 loader: DocumentLoader) -> int:
     """The step train() starts from: 0, or that of --resume's checkpoint, loaded."""
     if not args.resume:
         return 0
-    step = load_checkpoint(args.resume, model, opt, loader, args, d)
+    step = load_checkpoint(args.resume, model, opt, loader, args, dist_info)
     if opt.tied and step > untie_step(args):
         raise SystemExit(f"error: checkpoint at step {step} is past the untie step but still tied")
     return step
@@ -4204,10 +4211,10 @@ class RunCheckpoints(StopOnSignal):
     """train()'s --save_every checkpoints (the newest --keep_checkpoints kept) and, with them, its stop on
     SIGINT or SIGTERM: the run saves where it is, then exits (StopOnSignal)."""
 
-    def __init__(self, args: Hyperparameters, d: DistInfo, run_id: str, start_step: int, model: nn.Module,
+    def __init__(self, args: Hyperparameters, dist_info: DistInfo, run_id: str, start_step: int, model: nn.Module,
                  opt: NorMuonAdam, loader: DocumentLoader, log: RunLog):
-        super().__init__(bool(args.save_every), d.world_size, d.device)
-        self.args, self.d, self.start, self.total = args, d, start_step, total_steps(args)
+        super().__init__(bool(args.save_every), dist_info.world_size, dist_info.device)
+        self.args, self.dist_info, self.start, self.total = args, dist_info, start_step, total_steps(args)
         self.state, self.log = (model, opt, loader), log
         self.run_dir = os.path.join(args.checkpoint_dir, run_id)
 
@@ -4216,16 +4223,16 @@ class RunCheckpoints(StopOnSignal):
         due; on an agreed signal, flush() (the pending step's log line), a note, and SystemExit with the
         shell's status for the signal. Returns the seconds spent saving (not training time)."""
         import time
-        args, d, last = self.args, self.d, step == self.total
+        args, dist_info, last = self.args, self.dist_info, step == self.total
         if step > self.start:
             self.share(step - 1)
         stopping = 0 if last else self.agreed(step)
         path, seconds = os.path.join(self.run_dir, f"step_{step:06d}"), 0.0
         if args.save_every and step > self.start and (step % args.save_every == 0 or last or stopping):
-            cuda_synchronize(d.device)
+            cuda_synchronize(dist_info.device)
             t = time.perf_counter()
-            save_checkpoint(path, step, *self.state, args, d)
-            if args.keep_checkpoints and d.is_master:
+            save_checkpoint(path, step, *self.state, args, dist_info)
+            if args.keep_checkpoints and dist_info.is_master:
                 prune_checkpoints(self.run_dir, args.keep_checkpoints)
             seconds = time.perf_counter() - t
         if stopping:
@@ -4282,7 +4289,7 @@ def _check_finite(what: str, values: tuple, step: int, log_path: str) -> None:
         if not math.isfinite(value):
             raise SystemExit(f"error: {what} is {value} at step {step}; stopping (log: {log_path})")
 
-def train(args: Hyperparameters, d: DistInfo) -> float:
+def train(args: Hyperparameters, dist_info: DistInfo) -> float:
     """The whole run; returns the final validation loss."""
     import time
     import uuid
@@ -4290,28 +4297,28 @@ def train(args: Hyperparameters, d: DistInfo) -> float:
     if dist.is_initialized():
         dist.broadcast_object_list(run_id, src=0)
     run_id = run_id[0]
-    check_batch_split(args, d.world_size)
+    check_batch_split(args, dist_info.world_size)
 
-    dtype, dtype_note = compute_dtype(args, d)
+    dtype, dtype_note = compute_dtype(args, dist_info)
     torch.manual_seed(args.seed)
     try:  # model and optimizer validate their configuration: a bad flag is one line, before any log
-        model = GPT(args, d.world_size, dtype=dtype).to(d.device)
-        opt = build_optimizer(args, model, d.device)
+        model = GPT(args, dist_info.world_size, dtype=dtype).to(dist_info.device)
+        opt = build_optimizer(args, model, dist_info.device)
     except ValueError as e:
         raise SystemExit(f"error: {e}") from None
     if dist.is_initialized():
         for p in model.parameters():
             dist.broadcast(p.data, src=0)
-    if args.fp8 and _native_fp8(d.device):  # step 0's forward reads the e4m3 weights: quantised before the
+    if args.fp8 and _native_fp8(dist_info.device):  # step 0's forward reads the e4m3 weights: quantised before the
         model.quantize_fp8(bootstrap=True)  # warm-up's snapshot, so that its reset brings them back too
-    log = RunLog(args, run_id, d, notes=[dtype_note] if dtype_note else [])
-    loader = DocumentLoader(args.train_files, args.bigram_vocab_size, d.rank, d.world_size, d.device)
+    log = RunLog(args, run_id, dist_info, notes=[dtype_note] if dtype_note else [])
+    loader = DocumentLoader(args.train_files, args.bigram_vocab_size, dist_info.rank, dist_info.world_size, dist_info.device)
     val_batches = validation_batches(args.val_files, args.val_tokens, min(args.val_seq_len, args.val_tokens),
-                                     args.bigram_vocab_size, d.rank, d.world_size)
+                                     args.bigram_vocab_size, dist_info.rank, dist_info.world_size)
     encoding = gpt2_encoding()  # read before the clock; the prefix table built from it is timed (below)
-    start_step = resume_step(args, d, model, opt, loader)  # 0 unless --resume
+    start_step = resume_step(args, dist_info, model, opt, loader)  # 0 unless --resume
 
-    trainer = Trainer(args, d, model, opt, loader)
+    trainer = Trainer(args, dist_info, model, opt, loader)
     total = trainer.total
     if args.compile:
         t = time.perf_counter()
@@ -4320,7 +4327,7 @@ def train(args: Hyperparameters, d: DistInfo) -> float:
         log.show(f"compile warm-up: {len(warmup_steps(args))} steps in {time.perf_counter() - t:.0f}s", final=True)
 
     compiled_before = compile_counts()  # what the timed run compiles on top of the warm-up: nothing, ideally
-    cuda_synchronize(d.device)
+    cuda_synchronize(dist_info.device)
     train_ms, t0, val_loss = 0.0, time.perf_counter(), float("nan")
     # the record's order: the clock starts, then the prefix table is built, timed
     model.prefix_table.copy_(build_prefix_table(encoding, args.padded_vocab_size))
@@ -4346,11 +4353,11 @@ def train(args: Hyperparameters, d: DistInfo) -> float:
                      f"{tokens / max(1e-9, now_ms / 1000):,.0f} tok/s  "
                      f"eta {eta_seconds(cumulative_tokens, start_step, done, now_ms):.0f}s")
 
-    with RunCheckpoints(args, d, run_id, start_step, model, opt, loader, log) as checkpoints:
+    with RunCheckpoints(args, dist_info, run_id, start_step, model, opt, loader, log) as checkpoints:
         for step in range(start_step, total + 1):
             last = step == total
             if last or (args.val_loss_every and step % args.val_loss_every == 0):
-                cuda_synchronize(d.device)
+                cuda_synchronize(dist_info.device)
                 train_ms += 1000 * (time.perf_counter() - t0)
                 report()
                 val_loss = trainer.validate(step, val_batches)
@@ -4358,7 +4365,7 @@ def train(args: Hyperparameters, d: DistInfo) -> float:
                           f"step_avg:{train_ms / max(1, step - start_step):.2f}ms")
                 log.show(f"step {step}/{total}  val_loss {val_loss:.4f}  train_time {train_ms / 1000:.1f}s", final=True)
                 _check_finite("validation loss", (val_loss,), step, log.path)
-                cuda_synchronize(d.device)
+                cuda_synchronize(dist_info.device)
                 t0 = time.perf_counter()
             t0 += checkpoints.between_steps(step, report)  # --save_every, signals; saving is not training time
             if last:
@@ -4369,19 +4376,19 @@ def train(args: Hyperparameters, d: DistInfo) -> float:
             pending = (step, losses, now_ms, step + 1 - start_step)
     if args.compile:
         log.write(compile_report(compiled_before))
-    log.write(peak_memory(d.device))  # the record's line on GPUs
-    if d.is_master:
+    log.write(peak_memory(dist_info.device))  # the record's line on GPUs
+    if dist_info.is_master:
         print(f"final val_loss {val_loss:.4f}, train_time {train_ms / 1000:.1f}s, log {log.path}")
         if args.sample_tokens:
-            print(sample_after_training(model, args, d.device))
+            print(sample_after_training(model, args, dist_info.device))
     return val_loss
 
 # ---- One training step without a Trainer (tests, benchmarks, the GPU check) ----------------------
 
-def train_step(model_fn, opt: NorMuonAdam, batches: list[Batch], plan: StepPlan, mtp: torch.Tensor,
+def train_step(compiled_model, opt: NorMuonAdam, batches: list[Batch], plan: StepPlan, mtp: torch.Tensor,
                prefix: torch.Tensor, grad_scale: float, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """forward_backward, then the optimizer step, as Trainer.step runs them; forward_backward's losses."""
-    loss, next_token = forward_backward(model_fn, opt, batches, plan, mtp, prefix, grad_scale, device)
+    loss, next_token = forward_backward(compiled_model, opt, batches, plan, mtp, prefix, grad_scale, device)
     opt.step(plan.do_adam, lr_scale=plan.lr_mult, momentum=plan.momentum)
     return loss, next_token
 
@@ -4423,9 +4430,9 @@ def check_args(args: Hyperparameters, world_size: int) -> None:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     check_args(args, int(os.environ.get("WORLD_SIZE", 1)))
-    d = setup_distributed()
+    dist_info = setup_distributed()
     try:
-        train(args, d)
+        train(args, dist_info)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

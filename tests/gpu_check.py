@@ -768,7 +768,7 @@ def check_sync_free_step(res: Result) -> None:
     device = torch.device("cuda")
     model = T.GPT(args).to(device)
     opt = T.build_optimizer(args, model, device)
-    model_fn = T.compile_model(model)
+    compiled_model = T.compile_model(model)
     loader = T.DocumentLoader(args.train_files, args.bigram_vocab_size, device=device)
     mtp = torch.zeros(len(args.stages[0].mtp_start), device=device)
     prefix = torch.zeros((), device=device)
@@ -780,7 +780,7 @@ def check_sync_free_step(res: Result) -> None:
         plan = T.plan_step(args, i)
         model.set_windows(*plan.windows)
         batches = loader.next_step(*T.batch_request(args, plan, slots, device))  # masks built by the loader
-        loss, _ = T.train_step(model_fn, opt, batches, plan, mtp, prefix, T.grad_scale_for(args, 1), device)
+        loss, _ = T.train_step(compiled_model, opt, batches, plan, mtp, prefix, T.grad_scale_for(args, 1), device)
         model.quantize_fp8(bootstrap=i < T.FP8_BOOTSTRAP_STEPS)
         return loss
 
@@ -1189,14 +1189,14 @@ def check_cuda_graphs(res: Result) -> None:
     torch.manual_seed(0)
     model = T.GPT(args).to(device)
     opt = T.build_optimizer(args, model, device)
-    model_fn = T.compile_model(model)
+    compiled_model = T.compile_model(model)
     model.prefix_table.copy_(T.build_prefix_table(T.gpt2_encoding(), args.padded_vocab_size))
     model.quantize_fp8(bootstrap=True)
     accum = T.check_batch_split(args, 1)
     loader = T.DocumentLoader(args.train_files, args.bigram_vocab_size, device=device)
     mtp, prefix = torch.zeros(len(args.stages[0].mtp_start), device=device), torch.zeros((), device=device)
     scale = T.grad_scale_for(args, 1)
-    graphs = T.StepGraphs(model, model_fn, opt, mtp, prefix, scale, device)
+    graphs = T.StepGraphs(model, compiled_model, opt, mtp, prefix, scale, device)
     saved = ({k: v.clone() for k, v in model.state_dict().items()}, opt.state_dict(), loader.state_dict())
 
     def restore():  # as train() after its warm-up: in place, so the graphs keep their storages
@@ -1216,7 +1216,7 @@ def check_cuda_graphs(res: Result) -> None:
                 loss = torch.stack(graphs.step(batches, plan, T.step_graph_key(plan, request, accum), capture=capture))
                 opt.step(plan.do_adam, lr_scale=plan.lr_mult, momentum=plan.momentum)  # as Trainer.step does
             else:
-                loss = torch.stack(T.train_step(model_fn, opt, batches, plan, mtp, prefix, scale, device))
+                loss = torch.stack(T.train_step(compiled_model, opt, batches, plan, mtp, prefix, scale, device))
             if i == T.untie_step(args):
                 opt.untie()
             model.quantize_fp8(bootstrap=i < T.FP8_BOOTSTRAP_STEPS)

@@ -239,9 +239,9 @@ def _one_step(args, do_adam, seed=0):
         p.grad = grads[name].clone()
     opt = tg.build_optimizer(args, model, torch.device("cpu"))
     opt.step(do_adam, lr_scale=1.0, momentum=0.9)
-    after = {label: tg._master_fp32(opt.slots[label].view(), opt.state[label].get("mantissa")).double()
-             .reshape(opt.slots[label].param.shape) if opt.state[label] else opt.slots[label].param.detach().double()
-             for label in opt.slots}
+    after = {label: tg._master_fp32(opt.placements[label].view(), opt.state[label].get("mantissa")).double()
+             .reshape(opt.placements[label].param.shape) if opt.state[label] else opt.placements[label].param.detach().double()
+             for label in opt.placements}
     model.opt = opt  # for tests that look at optimizer state
     return model, before, grads, after
 

@@ -87,25 +87,25 @@ def test_static_buffer_step_equals_train_step_bit_for_bit(tmp_path):
     assert len(graphs.buffers) == len(args.stages) and graphs.captured() == 0
 
 
-def test_the_step_graphs_run_forward_backwards_own_loop(tmp_path, monkeypatch):
-    """One definition of a micro-batch's forward and backward: train_step (forward_backward) and the step
-    graphs (what Trainer.step runs on CUDA; here uncaptured) both go through micro_batches_forward_backward,
-    once a step, over every micro-batch; no other training forward exists."""
+def test_the_step_graphs_run_forward_backward_itself(tmp_path, monkeypatch):
+    """One definition of a micro-batch's forward and backward: train_step and the step graphs (what
+    Trainer.step runs on CUDA; here uncaptured) both run forward_backward, once a step, over every
+    micro-batch, the graphs into their static buffers; no other training forward exists."""
     args = tg.parse_args(["--preset", "test", "--compile", "false", "--micro_batches", "2",
                           "--stage_batch_tokens", "(256, 512, 512, 512)"])
     pattern = make_corpus(tmp_path)
     model, opt, loader, mtp, prefix = replica(args, pattern)
-    calls, loop = [], tg.micro_batches_forward_backward
-    monkeypatch.setattr(tg, "micro_batches_forward_backward", lambda *a, **k: (calls.append(len(a[1])), loop(*a, **k)))
+    calls, step = [], tg.forward_backward
+    monkeypatch.setattr(tg, "forward_backward", lambda *a, **k: (calls.append((len(a[2]), "into" in k)), step(*a, **k))[1])
     plan, accum, scale = tg.plan_step(args, 0), tg.grad_accum_steps(args, 1), tg.grad_scale_for(args, 1)
     request = tg.batch_request(args, plan, accum, CPU)
     model.set_windows(*plan.windows)
-    tg.forward_backward(model, opt, loader.next_step(*request), plan, mtp, prefix, scale, CPU)
+    tg.train_step(model, opt, loader.next_step(*request), plan, mtp, prefix, scale, CPU)
     graphs = tg.StepGraphs(model, model, opt, mtp, prefix, scale, CPU)
     graphs.step(loader.next_step(*request), plan, tg.step_graph_key(plan, request, accum))
-    assert calls == [accum, accum]
+    assert calls == [(accum, False), (accum, True)]
     source = open(tg.__file__).read()
-    assert source.count("micro_next_token = model_fn(") == 1  # evaluate() calls it for the validation loss only
+    assert source.count("micro_next_token = compiled_model(") == 1  # evaluate() calls it for the validation loss only
 
 
 def test_step_buffer_is_the_loaders_one_buffer(tmp_path):
@@ -177,7 +177,8 @@ def run_train(tmp_path, monkeypatch, graphs: bool, *flags):
 
     def recording_forward_backward(*a, **k):
         out = forward_backward(*a, **k)
-        losses.append(torch.stack(out))  # (objective, next-token loss)
+        if "into" not in k:  # the step graphs' run: recorded by recording_step
+            losses.append(torch.stack(out))  # (objective, next-token loss)
         return out
 
     def recording_step(self, *a, **k):

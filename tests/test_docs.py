@@ -115,34 +115,31 @@ def test_map_names_sections_of_train_gpt():
 
 
 
-# records/README.md's "Two parts" table: each row's sections of the first part, by the start of their titles
-TWO_PARTS_ROWS = {"header, imports": ("",), "distributed set-up": ("Distributed setup",), "FP8 ops": ("FP8 custom ops",),
-                  "Polar Express": ("Orthogonalization",), "optimizer, sparse exchange": ("Optimizer",),
-                  "model": ("Model",), "shards, loader": ("Shard files", "Data loader"),
-                  "recipe, schedule, training, main": ("The recipe", "Schedule", "Training", "main")}
+# records/README.md's "Sections" table: each row's sections of train_gpt.py, by the start of their titles
+SECTION_ROWS = {"header, imports": ("",), "distributed set-up": ("Distributed setup",), "FP8 ops": ("FP8 custom ops",),
+                "Polar Express": ("Orthogonalization",), "optimizer, sparse exchange": ("Optimizer",),
+                "model": ("Model",), "shards, loader": ("Shard files", "Data loader"),
+                "recipe, schedule, training, main": ("The recipe", "Schedule", "Training", "main")}
 
 
-def test_two_parts_figures_are_the_files():
-    """records/README.md's size of train_gpt.py's first part (the lines before the fence's banner), the
-    line grep prints for the fence, and its per-section table ("ours") are counted from the file's banners."""
-    lines = read(os.path.join(ROOT, "train_gpt.py")).split("\n")
-    fence = lines.index("# What the record does not run") - 1  # the banner's first line (0-based): lines before it
-    banners = [i for i in range(fence) if lines[i].startswith("# ------") and lines[i + 1].startswith("# ")
+def test_section_figures_are_the_files():
+    """records/README.md's size of train_gpt.py and its per-section table ("ours") are counted from the
+    file's banners."""
+    lines = read(os.path.join(ROOT, "train_gpt.py")).rstrip("\n").split("\n")
+    banners = [i for i in range(len(lines) - 1) if lines[i].startswith("# ------") and lines[i + 1].startswith("# ")
                and not lines[i + 1].startswith("# --")]
     sizes = {"": banners[0]}
-    for start, end in zip(banners, banners[1:] + [fence]):
+    for start, end in zip(banners, banners[1:] + [len(lines)]):
         sizes[lines[start + 1][2:]] = end - start
-    doc = read(os.path.join(ROOT, "records/README.md")).split("**Two parts.**", 1)[1].split("\n## ", 1)[0]
-    stated = re.search(r"The first part is ([\d,]+) lines", doc)
-    grep_line = re.search(r"train_gpt\.py` prints ([\d,]+)", doc)
-    assert stated and int(stated.group(1).replace(",", "")) == fence, f"the first part is {fence} lines"
-    assert grep_line and int(grep_line.group(1).replace(",", "")) == fence + 2
+    doc = read(os.path.join(ROOT, "records/README.md")).split("**Sections.**", 1)[1].split("\n## ", 1)[0]
+    stated = re.search(r"The file is ([\d,]+) lines", doc)
+    assert stated and int(stated.group(1).replace(",", "")) == len(lines), f"the file is {len(lines)} lines"
     table = {m.group(1): int(m.group(2).replace(",", ""))
              for m in re.finditer(r"^\| ([^|]+?) \| [\d,]+ \| ([\d,]+) \|", doc, re.M)}
-    assert table.pop("total") == fence
+    assert table.pop("total") == len(lines)
     want = {row: sum(n for title, n in sizes.items() if any(title.startswith(p) if p else not title for p in prefixes))
-            for row, prefixes in TWO_PARTS_ROWS.items()}
-    assert sum(want.values()) == fence and table == want, f"the file's sections give {want}"
+            for row, prefixes in SECTION_ROWS.items()}
+    assert sum(want.values()) == len(lines) and table == want, f"the file's sections give {want}"
 
 
 def rename_table_names(doc: str) -> list[str]:

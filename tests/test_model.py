@@ -522,7 +522,7 @@ def test_every_parameter_gets_a_gradient():
     for name in ("resid_lambdas", "post_lambdas"):
         dead[name][skip_row, 0] = True
         dead[name][mudd_row] = True
-    dead["ve_gate_bank"][model.ve_slot[mudd_row]] = True
+    dead["ve_gate_bank"][model.ve_index[mudd_row]] = True
     dead["mudd_w2"][1, 5:] = dead["mudd_b2"][1, 5:] = True
     for k, n in enumerate(model.gate_outputs):
         dead["mudd_gate_w2"][k, n:] = dead["mudd_gate_b2"][k, n:] = True

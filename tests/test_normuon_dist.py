@@ -93,13 +93,13 @@ def test_ownership_layout_without_a_process_group():
     layouts = [T.OwnershipLayout(params, cfgs, W, rank) for rank in range(W)]
     for label in shapes:
         assert all(lay.splits[label] == splits[label] for lay in layouts)
-        assert [(lay.slots[label].lo, lay.slots[label].shard_rows) for lay in layouts] == \
+        assert [(lay.placements[label].lo, lay.placements[label].shard_rows) for lay in layouts] == \
             [(sum(splits[label][:r]), splits[label][r]) for r in range(W)]
-    assert [(lay.slots["t"].lo, lay.slots["t"].real_rows) for lay in layouts] == [(0, 4), (4, 4), (8, 2)]
+    assert [(lay.placements["t"].lo, lay.placements["t"].real_rows) for lay in layouts] == [(0, 4), (4, 4), (8, 2)]
     # per-matrix lr of b: the shape factor sqrt(32 / 8) = 2 times matrix_lr_mul, owned blocks in rank order
     assert torch.cat([lay.matrix_lr("b").view(-1) for lay in layouts]).tolist() == [2.0, 4.0, 6.0]
     padded = T.OwnershipLayout({"a": torch.zeros(6, 8, 16)}, {"a": cfgs["a"]}, 3, 1, ownership="padded")
-    assert padded.splits == {"a": (2, 2, 2)} and (padded.slots["a"].lo, padded.slots["a"].shard_rows) == (2, 2)
+    assert padded.splits == {"a": (2, 2, 2)} and (padded.placements["a"].lo, padded.placements["a"].shard_rows) == (2, 2)
 
 
 def test_padded_splits_are_the_records_and_refuse_a_remainder():
@@ -167,7 +167,7 @@ def bal_run(grads_of_step, **kw):
         for label, g in grads_of_step(step).items():
             params[label].grad = g.clone()
         opt.step(do_adam=step % 2 == 1, lr_scale=1.0 - 0.1 * step, momentum=0.85 + 0.03 * step)
-    layout = {label: (s.lo, s.shard_rows, s.splits) for label, s in opt.slots.items()}
+    layout = {label: (s.lo, s.shard_rows, s.splits) for label, s in opt.placements.items()}
     return {"params": {k: p.data.clone() for k, p in params.items()}, "state": opt.state_dict()["state"],
             "layout": layout, "bytes": dict(opt.comm.bytes_by_op)}
 
@@ -286,12 +286,12 @@ def model_step_worker(rank, world_size):
             p.grad = g if p.grad is None else p.grad + g
         opt.step(do_adam=step == 1)
     blocks = {}
-    for label, s in opt.slots.items():
+    for label, s in opt.placements.items():
         if s.cfg.optimizer == "normuon" and s.cfg.comms == "sharded":
             st, bank = opt.state[label], params[label].data.reshape(-1, *params[label].shape[-2:])
             k = st["second_moment"].size(0)
             blocks[label] = (s.lo, T._master_fp32(bank[s.lo:s.lo + k], st.get("mantissa")), st["second_moment"])
-    return {label: p.data.clone() for label, p in params.items()}, {k: s.splits for k, s in opt.slots.items()}, blocks
+    return {label: p.data.clone() for label, p in params.items()}, {k: s.splits for k, s in opt.placements.items()}, blocks
 
 
 @pytest.mark.slow
@@ -450,7 +450,7 @@ def run_readme_example(rank, world_size):
     scope = {}
     with contextlib.redirect_stdout(io.StringIO()) as out:
         exec(compile(readme_example(), "README.md", "exec"), scope)
-    owners = {label: s.splits for label, s in scope["opt"].slots.items() if s.splits}
+    owners = {label: s.splits for label, s in scope["opt"].placements.items() if s.splits}
     return out.getvalue(), {k: p.data.clone() for k, p in scope["params"].items()}, owners
 
 
@@ -525,7 +525,8 @@ def tp_inputs(shape):
     p0 = 0.01 * torch.randn(shape, generator=gen)
     grads = [torch.randn(shape, generator=gen) for _ in range(TP_STEPS)]
     matrix_lr = torch.full((shape[0], 1, 1), max(1.0, shape[1] / shape[2]) ** 0.5)
-    hps = [torch.tensor(T.normuon_hyperparams(0.02 * (1 - 0.1 * s), 1.2, 1.0, 0.9 + 0.01 * s, 0.9)) for s in range(TP_STEPS)]
+    hps = [T.hyperparam_tensors(["w"], [T.normuon_hyperparams(0.02 * (1 - 0.1 * s), 1.2, 1.0, 0.9 + 0.01 * s, 0.9)],
+                                torch.device("cpu"))["w"] for s in range(TP_STEPS)]
     return p0, grads, matrix_lr, hps
 
 
@@ -705,10 +706,10 @@ def sim_model_run(world_size, rank, comm=None):
             sim_grads(params, step)
             opt.step(do_adam=step == 1)
         # not the tied embedding: the head's transpose, every rank's head rows (the head's own rows are here)
-        owned = {label: s.view()[s.lo:s.lo + s.real_rows].clone() for label, s in opt.slots.items()
+        owned = {label: s.view()[s.lo:s.lo + s.real_rows].clone() for label, s in opt.placements.items()
                  if label != opt.tied[0]}
         out[ownership] = {"owned": owned, "state": opt.state_dict()["state"], "bytes": dict(opt.comm.bytes_by_op),
-                          "splits": {label: s.splits for label, s in opt.slots.items()}}
+                          "splits": {label: s.splits for label, s in opt.placements.items()}}
     return out
 
 

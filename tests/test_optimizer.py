@@ -225,7 +225,7 @@ def single_opt(params, configs, **kw):
 
 def master_of(opt, label):
     """The fp32 master value of a (single-process) parameter: bf16 bits + stored mantissa."""
-    p = opt.slots[label].param.data
+    p = opt.placements[label].param.data
     mant = opt.state[label].get("mantissa")
     return T._master_fp32(p, mant.view(p.shape) if mant is not None else None)
 
@@ -353,7 +353,7 @@ def test_sliced_cpu_adam_is_bit_identical(dtype, monkeypatch):
     grad = torch.randn(n // 3 + 1, 3, generator=g)[: n // 3].to(dtype)  # 2-D: a table's shard
     state = [torch.randn(grad.shape, generator=g), torch.rand(grad.shape, generator=g)]
     param = torch.randn(grad.shape, generator=g).to(dtype)
-    hp = torch.tensor([0.01, 0.003, 0.9, 0.95, 1e-10])
+    hp = T.AdamHyperparams(*torch.tensor([0.01, 0.003, 0.9, 0.95, 1e-10]).unbind())
     whole = [t.clone() for t in (grad, *state, param)]
     T._adam_update(*whole, hp)
     sliced = [t.clone() for t in (grad, *state, param)]
@@ -613,7 +613,7 @@ def distributed_worker(rank: int, world_size: int, group=None):
         drive(opt, params, lambda s: step_grads(s, world_size)[1][rank], rows if mode == "sparse" else None)
         out[mode] = {"params": {k: p.data.clone() for k, p in params.items()},
                      "state": opt.state_dict(),
-                     "layout": {k: (s.lo, s.real_rows, s.sharded) for k, s in opt.slots.items()},
+                     "layout": {k: (s.lo, s.real_rows, s.sharded) for k, s in opt.placements.items()},
                      "bytes": dict(opt.comm.bytes_sent)}
     try:  # with padded ownership, a bank that does not divide the world size is refused in one line
         T.NorMuonAdam({"b": torch.nn.Parameter(torch.zeros(world_size + 1, 4, 4))},
@@ -914,7 +914,7 @@ def hooked_worker(rank: int, world_size: int, group=None):
             drive_backward(opt, params, lambda s: step_grads(s, world_size)[1][rank], rows if mode == "sparse" else None,
                            hooked, log)
             out[mode, hooked] = {"params": {k: p.data.clone() for k, p in params.items()}, "state": opt.state_dict(),
-                                 "layout": {k: (s.lo, s.real_rows, s.sharded) for k, s in opt.slots.items()},
+                                 "layout": {k: (s.lo, s.real_rows, s.sharded) for k, s in opt.placements.items()},
                                  "bytes": dict(opt.comm.bytes_sent), "events": log.events,
                                  "hooks_left": any(p._post_accumulate_grad_hooks and len(p._post_accumulate_grad_hooks) > 1
                                                    for p in params.values())}

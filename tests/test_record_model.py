@@ -245,7 +245,7 @@ def _v_seen_by_attention(model, layer, lam, w_v, ve_value, aux_value):
     T, D = 128, model.args.model_dim
     with torch.no_grad():
         model.scalars[2 * layer] = lam
-        j = model.attn_slot[layer]
+        j = model.attn_index[layer]
         model.vo_bank[2 * j].zero_()
         model.vo_bank[2 * j][:, 0] = w_v
     xn = torch.zeros(T, D, dtype=torch.bfloat16)

@@ -42,9 +42,10 @@ and ends there):
     files register (`op.register_autograd(fn, ...)`, torch.autograd.Function.backward): autograd calls
     it. Which ops the forward actually ran is not tracked: every registered backward is a candidate.
 
-The CUDA path. Nothing after the line `# What the record does not run` in train_gpt.py is followed:
-functions, classes, table entries and backward registrations defined there are what the speedrun does
-not run (CPU twins, checkpoints, the alternatives). Where a function branches on the device (`x.is_cuda`,
+The CUDA path of record #89. The definitions of train_gpt.py named in NOT_FOLLOWED are not followed:
+the CPU twins, the alternatives, checkpoints, and what record #89's path does not have (record #92's
+step graphs, the one-buffer staging, the reductions launched from gradient hooks); a table entry holding
+one of them is skipped. Where a function branches on the device (`x.is_cuda`,
 `device.type == "cuda"`) or on anything else the source does not fix, both sides are followed and the
 shorter chain is reported: the chain is printed so that a reader can see which side it took. A branch
 that the call fixes is followed on its known side only: a parameter passed a constant or left at its
@@ -60,7 +61,7 @@ Not resolved statically (listed at the end of the output for the functions the s
 callables that arrive as data: the waits ShardExchange returns (`reduced[label]()`, `done()`), closures
 passed on (GPT.forward's `coef`), flex attention's compiled function and mask function, torch's
 baddbmm or addmm picked in ba_plus_cAA; and, not listed, the post-accumulate-grad hooks of
-reductions_on_backward (below the fence). In today's code none of them launches a Triton kernel (the
+reductions_on_backward (not followed). In today's code none of them launches a Triton kernel (the
 hooks' reductions, with the tied fold's transpose, are the ones NorMuonAdam.step launches directly),
 but the list says where to look when the code changes.
 """
@@ -75,16 +76,31 @@ from collections import deque
 from dataclasses import dataclass, field
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-FENCE = "# What the record does not run"
+NOT_FOLLOWED = frozenset((
+    '_fp8_mm_fake', 'fp8_mm', 'fp8_mm_backward', '_fp8_mm_backward_fake', '_fp8_mm_setup_context', '_fp8_mm_autograd',
+    'fp8_matmul', '_fp8_mlp_cpu', '_fp8_head_loss_cpu', '_normalized_bank', 'gram_newton_schulz', 'auto_orthogonalizer',
+    'orthogonalize_auto', 'tensor_parallel_orthogonalize', '_gather_shards', '_tp_layout', 'tensor_parallel_normuon_state', '_split_variance_reduction',
+    'tensor_parallel_normuon_update', '_adam_update_sliced', 'adam_update_group_sliced', 'learning_rates', 'reduce_scatter_uneven', 'all_gather_uneven',
+    'scatter_uneven', '_balanced_ownership', '_CompletedWork', 'SimulatedComm', 'qk_clip_', 'after_update',
+    'qk_clip_hooks', 'BackwardReductions', 'reductions_on_backward', 'launched_reductions', 'dense_attention_mask', 'banded_attention',
+    'attention_band', 'SDPAMask', 'sdpa_mask', 'sdpa_attend_tokens', 'VarlenMask', 'varlen_mask',
+    'varlen_attend', 'varlen_attend_tokens', 'compiled_flex_attention', '_runs_compiled_flex', 'bf16_head', 'cpu_head',
+    'cpu_evaluation_ce', 'final_hidden', 'bf16_logits', 'stage_batch', 'unstage', 'stage_step',
+    'step_slices', 'batch_tensors', 'batch_with_tensors', 'staged_bytes', '_staged_bytes', 'generate',
+    'use_cuda_graphs', 'graphs_kept', 'graphs_captured_notes', 'step_graphs', 'step_graph_key', '_StepBuffers',
+    'StepGraphs', 'step_buffer', 'replay_mismatch', 'save_checkpoint', 'load_checkpoint', 'StopOnSignal',
+    'resume_step', 'RunCheckpoints', 'sample_after_training', 'train_step', 'ablated', 'parse_args',
+    'check_args', 'adamw_bank_configs', 'switched_off_configs',
+))
 GRAM_KERNEL = "_sym_mm_kernel"  # XXT / XTX (the Gram matrix) and b A + c A^2 of Polar Express, one kernel
 
 # Names whose type inference cannot see, each: name -> class. A bare name (parameter or local) or an
 # attribute `self.<name>` without a type of its own takes this class.
 TYPED_NAMES = {
-    # Trainer.__init__: self.model_fn = compile_model(model) if args.compile else model. torch.compile's
+    # Trainer.__init__: self.compiled_model = compile_model(model) if args.compile else model. torch.compile's
     # wrapper calls GPT.forward and forwards attribute reads (batch_masks) to the GPT; passed on as the
-    # unannotated `model_fn` of forward_backward, evaluate and StepGraphs.__init__ (self.model_fn there).
-    "model_fn": "GPT",
+    # unannotated `compiled_model` of forward_backward, evaluate and StepGraphs.__init__ (self.compiled_model there).
+    "compiled_model": "GPT",
 }
 
 # Callables stored under one name and called under it: (class or function, attribute or parameter)
@@ -94,7 +110,7 @@ STORED_CALLABLES = {
     # returns _normuon_update (torch.compile'd on CUDA, as it is otherwise) ...
     ("NorMuonAdam", "_normuon_fn"): ("_normuon_update",),
     # ... and _adam_update_group compiled (CUDA); uncompiled, UNCOMPILED_UPDATES["adam"]: the sliced one that
-    # the part below the fence puts there (CPU runs)
+    # the CPU runs take (not followed)
     ("NorMuonAdam", "_adam_fn"): ("_adam_update_group",),
     # NorMuonAdam.__init__: self.orthogonalize = orthogonalizer_of(orthogonalizer); build_optimizer
     # passes functools.partial(ORTHOGONALIZERS[args.orthogonalizer], dtype=...)
@@ -124,7 +140,7 @@ class Func:
 class Module:
     name: str
     tree: ast.Module
-    fence: int | None  # first line not followed (None: the whole file)
+    skipped: frozenset  # top-level names not followed
     functions: dict = field(default_factory=dict)  # qualname -> Func
     classes: dict = field(default_factory=dict)  # name -> ast.ClassDef
     kernels: set = field(default_factory=set)  # @triton.jit function names
@@ -134,7 +150,9 @@ class Module:
     imports: dict = field(default_factory=dict)  # local name -> module name, or (module, attribute)
 
     def followed(self, node) -> bool:
-        return self.fence is None or node.lineno < self.fence
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            return node.name not in self.skipped
+        return True
 
 
 def _is_jit(dec) -> bool:
@@ -158,15 +176,9 @@ def _dict_items(value) -> list | None:
     return None
 
 
-def load_module(name: str, source: str, fence_marker: str | None = FENCE) -> Module:
+def load_module(name: str, source: str, skipped: frozenset = NOT_FOLLOWED) -> Module:
     tree = ast.parse(source)
-    fence = None
-    if fence_marker:
-        for i, line in enumerate(source.splitlines(), 1):
-            if line.strip() == fence_marker:
-                fence = i
-                break
-    m = Module(name, tree, fence)
+    m = Module(name, tree, frozenset(skipped))
 
     def add_function(node, qual, cls, parent):
         m.functions[qual] = Func(name, qual, node, cls, parent)
@@ -198,7 +210,7 @@ def load_module(name: str, source: str, fence_marker: str | None = FENCE) -> Mod
             items = _dict_items(node.value) if node.value is not None else None
             for t in targets:
                 if isinstance(t, ast.Name) and items is not None:
-                    m.tables[t.id] = items
+                    m.tables[t.id] = [(k, v) for k, v in items if not (isinstance(v, ast.Name) and v.id in m.skipped)]
         elif isinstance(node, ast.Expr) and isinstance(node.value, ast.Call):
             call = node.value
             if isinstance(call.func, ast.Attribute) and call.func.attr == "register_autograd" and call.args:
@@ -334,9 +346,9 @@ class CallGraph:
         for t in targets:
             if t.startswith("table:"):
                 if not any(t[6:] in m.tables for m in self.modules.values()):
-                    raise SystemExit(f"{where}: no table {t[6:]} above the fence; update the table")
+                    raise SystemExit(f"{where}: no table {t[6:]} followed; update the table")
             elif not any(t in m.functions for m in self.modules.values()):
-                raise SystemExit(f"{where}: no function {t} above the fence; update the table")
+                raise SystemExit(f"{where}: no function {t} followed; update the table")
 
     def _stored(self, owner: str | None, name: str, module: str) -> list | None:
         targets = STORED_CALLABLES.get((owner, name)) if owner else None
@@ -866,10 +878,10 @@ class Result:
 
 
 def analyze(sources: dict[str, str], loop_module: str = "train_gpt", loop_function: str = "train",
-            loop_var: str = "step", kernel_module: str = "triton_kernels", fence: str | None = FENCE) -> Result:
+            loop_var: str = "step", kernel_module: str = "triton_kernels", skipped: frozenset = NOT_FOLLOWED) -> Result:
     """The shortest chain from the loop to every kernel launch of kernel_module. sources: module name ->
-    source text (the fence applies to loop_module only)."""
-    modules = {name: load_module(name, src, fence if name == loop_module else None) for name, src in sources.items()}
+    source text (skipped: names of loop_module not followed)."""
+    modules = {name: load_module(name, src, skipped if name == loop_module else frozenset()) for name, src in sources.items()}
     graph = CallGraph(modules)
     loop_mod = modules[loop_module]
     loop = find_loop(loop_mod, loop_function, loop_var)

@@ -290,7 +290,7 @@ def sdpa_for_block_mask(q, k, v, block_mask, scale):
 
 
 class _PhaseMarked:
-    """A model_fn / optimizer stand-in for train_step: calls run inside the phase event `call`, the
+    """A compiled_model / optimizer stand-in for train_step: calls run inside the phase event `call`, the
     attributes given replace the inner object's, everything else passes through."""
 
     def __init__(self, inner, call: str | None = None, **attrs):
@@ -333,10 +333,10 @@ class StepRunner:
         self.opt._normuon_fn, self.opt._adam_fn = T.update_functions(True if backend == "inductor" else backend)
         self.model.quantize_fp8(bootstrap=True)  # as train() does before step 0
         if backend == "inductor":
-            self.model_fn = T.compile_model(self.model)
+            self.compiled_model = T.compile_model(self.model)
         else:  # compile_model's settings, another backend
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-            self.model_fn = torch.compile(self.model, dynamic=False, fullgraph=True, backend=backend)
+            self.compiled_model = torch.compile(self.model, dynamic=False, fullgraph=True, backend=backend)
         self.mtp = torch.zeros(len(args.stages[0].mtp_start), dtype=torch.float32)
         self.prefix = torch.zeros((), dtype=torch.float32)
         self.grad_scale = T.grad_scale_for(args, 1)
@@ -368,14 +368,14 @@ class StepRunner:
 
         # forward and backward are one phase: AOTAutograd's partitioner may move backward work into the
         # forward graph (aot_eager does: the loss's gradient does not depend on the incoming one)
-        model_fn = _PhaseMarked(self.model_fn, call=FORWARD_BACKWARD, batch_masks=marked(batch_masks, PHASE_PREFIX + "masks"))
+        compiled_model = _PhaseMarked(self.compiled_model, call=FORWARD_BACKWARD, batch_masks=marked(batch_masks, PHASE_PREFIX + "masks"))
         opt = _PhaseMarked(self.opt, step=marked(self.opt.step, PHASE_PREFIX + "optimizer"))
         backward, to = torch.Tensor.backward, T.Batch.to
         torch.Tensor.backward = marked(backward, PHASE_PREFIX + FORWARD_BACKWARD)
         T.Batch.to = lambda batch, device: T.unstage(batch, batch.staged.clone())  # the device copy, and its views
         try:
             with record_function(PHASE_PREFIX + OTHER_PHASE):
-                objective, next_token = T.train_step(model_fn, opt, batches, plan, self.mtp, self.prefix,
+                objective, next_token = T.train_step(compiled_model, opt, batches, plan, self.mtp, self.prefix,
                                                      self.grad_scale, self.device)
             with record_function(PHASE_PREFIX + "fp8 quantize"):
                 model.quantize_fp8(bootstrap=step < T.FP8_BOOTSTRAP_STEPS)
