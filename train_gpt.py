@@ -782,17 +782,6 @@ def _fp8_head_loss_autograd(ctx, _grad_loss, _grad_next_token, _grad_g):
 
 fp8_head_loss.register_autograd(_fp8_head_loss_autograd, setup_context=_fp8_head_loss_setup_context)
 
-# ---- The FP8 head on a CPU: emulated (tests, host-dispatch counts) ---------------------------------
-
-@fp8_head_loss.register_kernel("cpu")
-def _fp8_head_loss_cpu(x, w, x_f8, w_f8, targets, mtp_weights, prefix_ids, prefix_weight, x_s, w_s, grad_s,
-                       grad_scale):
-    """fp8_head_loss on CPU tensors: the float8 matmul emulated (_scaled_matmul), the loss kernel's CPU twin."""
-    _check_fp8_head_args(x, w, x_f8, w_f8, grad_s)
-    logits = _scaled_matmul(x_f8, w_f8, x_s, w_s, torch.bfloat16, fast_accum=True)
-    return triton_kernels.softcapped_ce_mtp_e5m2(logits, targets, mtp_weights, prefix_ids, prefix_weight,
-                                                 grad_scale, grad_s)
-
 # ---- FP8 MLP (record #89, modded-nanogpt PR #342) ---------------------------------------------
 # Training forward only. Up: x_f8 = e4m3(x * 448 / amax|x|) (its current amax, in the traced graph), W1 / s1 with s1 =
 # amax|W1| / 448 per layer after every optimizer step; the kernel keeps post = relu(pre)^2 in bf16 and e4m3 and leaves
@@ -828,16 +817,6 @@ def _fp8_mlp_autograd(ctx, grad_y, grad_post, grad_max):
     return *triton_kernels.relu2_mlp_backward(grad_y, x, w_up, w_down, post), *(None,) * 7
 
 fp8_mlp.register_autograd(_fp8_mlp_autograd, setup_context=_fp8_mlp_setup_context)
-
-# ---- The FP8 MLP on a CPU: emulated (tests, host-dispatch counts) ---------------------------------
-
-@fp8_mlp.register_kernel("cpu")
-def _fp8_mlp_cpu(x, w_up, w_down, x_f8, up_f8, up_dequant, down_f8_t, down_scale, act_scale, fast_accum=True):
-    """fp8_mlp on CPU tensors: the up-projection's reference (its float8 products exact in fp32), the
-    down-projection's float8 matmul emulated (_scaled_matmul)."""
-    post, post_f8, post_max = triton_kernels.relu2_fp8_up_partials(x_f8, up_f8, up_dequant, act_scale,
-                                                                   fast_accum=fast_accum)
-    return _scaled_matmul(post_f8, down_f8_t.mT, act_scale, down_scale, torch.bfloat16, fast_accum=True), post, post_max
 
 class FP8MLPState(nn.Module):
     """Per-layer FP8 state of the MLPs (persistent: the warm-up's reset and checkpoints restore it), its
@@ -907,6 +886,27 @@ def _check_mlp_bank(state: FP8MLPState, mlp_bank: torch.Tensor) -> None:
     L, H, D = state.up_f8.shape
     if mlp_bank.dim() != 3 or mlp_bank.shape[0] < 2 * L or tuple(mlp_bank.shape[1:]) != (H, D):
         raise ValueError(f"FP8MLPState.quantize: mlp_bank must be (>= {2 * L}, {H}, {D}), got {tuple(mlp_bank.shape)}")
+
+# ---- The FP8 head on a CPU: emulated (tests, host-dispatch counts) ---------------------------------
+
+@fp8_head_loss.register_kernel("cpu")
+def _fp8_head_loss_cpu(x, w, x_f8, w_f8, targets, mtp_weights, prefix_ids, prefix_weight, x_s, w_s, grad_s,
+                       grad_scale):
+    """fp8_head_loss on CPU tensors: the float8 matmul emulated (_scaled_matmul), the loss kernel's CPU twin."""
+    _check_fp8_head_args(x, w, x_f8, w_f8, grad_s)
+    logits = _scaled_matmul(x_f8, w_f8, x_s, w_s, torch.bfloat16, fast_accum=True)
+    return triton_kernels.softcapped_ce_mtp_e5m2(logits, targets, mtp_weights, prefix_ids, prefix_weight,
+                                                 grad_scale, grad_s)
+
+# ---- The FP8 MLP on a CPU: emulated (tests, host-dispatch counts) ---------------------------------
+
+@fp8_mlp.register_kernel("cpu")
+def _fp8_mlp_cpu(x, w_up, w_down, x_f8, up_f8, up_dequant, down_f8_t, down_scale, act_scale, fast_accum=True):
+    """fp8_mlp on CPU tensors: the up-projection's reference (its float8 products exact in fp32), the
+    down-projection's float8 matmul emulated (_scaled_matmul)."""
+    post, post_f8, post_max = triton_kernels.relu2_fp8_up_partials(x_f8, up_f8, up_dequant, act_scale,
+                                                                   fast_accum=fast_accum)
+    return _scaled_matmul(post_f8, down_f8_t.mT, act_scale, down_scale, torch.bfloat16, fast_accum=True), post, post_max
 
 # ---- The generic FP8 matmul: any linear layer (the record's FP8 layers have their own ops) ------
 
@@ -1665,71 +1665,6 @@ def _check_sparse_rows(placement: Placement, rows: torch.Tensor) -> None:
         raise ValueError(f"prepare_sparse: row ids of {placement.label!r} must be in [0, {placement.rows});"
                          f" got {int(rows[0])}..{int(rows[-1])}")
 
-# ---- Reductions launched from gradient hooks (record #89 launches them after the backward) ----
-
-class BackwardReductions:
-    """Phase 1 from post-accumulate-grad hooks in the last backward, as modded-nanogpt's DistAdam before record
-    #89 (which launches after it: the same numbers). In `order`, a label launches once its needs[label] hooks
-    (the tied head's: the embedding's too) and every label before it have fired: the same order on every rank."""
-
-    def __init__(self, order, needs: dict[str, tuple[str, ...]], launch):
-        self.order, self.needs, self.launch = list(order), needs, launch
-        self.fired: set[str] = set()
-        self.launched: dict = {}  # label -> the function that waits for its reduction (ShardExchange.scatter)
-
-    def hook(self, label: str):
-        def on_final_grad(_param):
-            self.fired.add(label)
-            self.advance()
-        return on_final_grad
-
-    def advance(self, final: bool = False) -> None:
-        """Launch, in order, every ready label (final: every label left, after the backward)."""
-        while len(self.launched) < len(self.order):
-            label = self.order[len(self.launched)]
-            if not final and not self.fired.issuperset(self.needs[label]):
-                return
-            self.launched[label] = self.launch(label)
-
-@contextlib.contextmanager
-def reductions_on_backward(opt: NorMuonAdam, do_adam: bool):
-    """Around the last micro-batch's backward: launch opt's reductions of the step from gradient hooks
-    (BackwardReductions); the next opt.step(do_adam) takes them (launched_reductions). One rank: nothing."""
-    do_adam = bool(do_adam)
-    if opt._on_backward is not None:
-        raise ValueError("reductions_on_backward: this step's reductions are already launched; call step() first")
-    if opt.world_size == 1:
-        yield
-        return
-    active = opt._active(do_adam)
-    head = opt.tied[1] if opt.tied and do_adam else None
-    needs = {label: (label, opt.tied[0]) if label == head else (label,) for label in active}
-    launch = BackwardReductions(active, needs, functools.partial(opt._launch_reduction, do_adam=do_adam))
-    handles = []
-    try:
-        for label in dict.fromkeys(n for ns in needs.values() for n in ns):
-            p = opt.placements[label].param
-            if p.requires_grad:
-                handles.append(p.register_post_accumulate_grad_hook(launch.hook(label)))
-            else:  # no gradient will come: ready now
-                launch.fired.add(label)
-        yield
-    finally:
-        for h in handles:
-            h.remove()
-    launch.advance(final=True)
-    opt._on_backward = (do_adam, launch.launched)
-
-def launched_reductions(opt: NorMuonAdam, do_adam: bool) -> dict | None:
-    """The reductions reductions_on_backward launched for opt's next step (taken: launched once), else None."""
-    if opt._on_backward is None:
-        return None
-    (launched_adam, reduced), opt._on_backward = opt._on_backward, None
-    if launched_adam != bool(do_adam):
-        raise ValueError(f"NorMuonAdam.step: do_adam={do_adam} but reductions_on_backward launched"
-                         f" the reductions of a do_adam={launched_adam} step")
-    return reduced
-
 # ---- NorMuonAdam: the orchestrator ----------------------------------------------------------
 
 class NorMuonAdam:
@@ -1968,6 +1903,71 @@ def _check_untie(opt: NorMuonAdam) -> None:
     if opt._on_backward is not None:
         raise ValueError("NorMuonAdam.untie(): reductions launched by reductions_on_backward are pending;"
                          " call step() first")
+
+# ---- Reductions launched from gradient hooks (record #89 launches them after the backward) ----
+
+class BackwardReductions:
+    """Phase 1 from post-accumulate-grad hooks in the last backward, as modded-nanogpt's DistAdam before record
+    #89 (which launches after it: the same numbers). In `order`, a label launches once its needs[label] hooks
+    (the tied head's: the embedding's too) and every label before it have fired: the same order on every rank."""
+
+    def __init__(self, order, needs: dict[str, tuple[str, ...]], launch):
+        self.order, self.needs, self.launch = list(order), needs, launch
+        self.fired: set[str] = set()
+        self.launched: dict = {}  # label -> the function that waits for its reduction (ShardExchange.scatter)
+
+    def hook(self, label: str):
+        def on_final_grad(_param):
+            self.fired.add(label)
+            self.advance()
+        return on_final_grad
+
+    def advance(self, final: bool = False) -> None:
+        """Launch, in order, every ready label (final: every label left, after the backward)."""
+        while len(self.launched) < len(self.order):
+            label = self.order[len(self.launched)]
+            if not final and not self.fired.issuperset(self.needs[label]):
+                return
+            self.launched[label] = self.launch(label)
+
+@contextlib.contextmanager
+def reductions_on_backward(opt: NorMuonAdam, do_adam: bool):
+    """Around the last micro-batch's backward: launch opt's reductions of the step from gradient hooks
+    (BackwardReductions); the next opt.step(do_adam) takes them (launched_reductions). One rank: nothing."""
+    do_adam = bool(do_adam)
+    if opt._on_backward is not None:
+        raise ValueError("reductions_on_backward: this step's reductions are already launched; call step() first")
+    if opt.world_size == 1:
+        yield
+        return
+    active = opt._active(do_adam)
+    head = opt.tied[1] if opt.tied and do_adam else None
+    needs = {label: (label, opt.tied[0]) if label == head else (label,) for label in active}
+    launch = BackwardReductions(active, needs, functools.partial(opt._launch_reduction, do_adam=do_adam))
+    handles = []
+    try:
+        for label in dict.fromkeys(n for ns in needs.values() for n in ns):
+            p = opt.placements[label].param
+            if p.requires_grad:
+                handles.append(p.register_post_accumulate_grad_hook(launch.hook(label)))
+            else:  # no gradient will come: ready now
+                launch.fired.add(label)
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+    launch.advance(final=True)
+    opt._on_backward = (do_adam, launch.launched)
+
+def launched_reductions(opt: NorMuonAdam, do_adam: bool) -> dict | None:
+    """The reductions reductions_on_backward launched for opt's next step (taken: launched once), else None."""
+    if opt._on_backward is None:
+        return None
+    (launched_adam, reduced), opt._on_backward = opt._on_backward, None
+    if launched_adam != bool(do_adam):
+        raise ValueError(f"NorMuonAdam.step: do_adam={do_adam} but reductions_on_backward launched"
+                         f" the reductions of a do_adam={launched_adam} step")
+    return reduced
 
 # ---- Every label's learning rate, as the updates apply it (tests) ----------------------------------
 
@@ -2400,17 +2400,6 @@ def flex_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask: B
     fn = compiled_flex_attention() if _runs_compiled_flex(q) else flex_attention  # --compile false: below
     return fn(q, k, v, score_mod=scaled, block_mask=block_mask, scale=1.0)
 
-# ---- On GPUs, off the record's path: flex attention outside compiled graphs, the bf16 head -------
-
-@functools.lru_cache(maxsize=None)
-def compiled_flex_attention():
-    """flex_attention compiled once, for CUDA calls outside a compiled graph (eager, it materialises scores)."""
-    return torch.compile(flex_attention, dynamic=False)
-
-def _runs_compiled_flex(q: torch.Tensor) -> bool:
-    """A CUDA call outside a compiled graph (inside one, flex_attention is traced into the graph)."""
-    return q.is_cuda and not torch.compiler.is_compiling()
-
 def as_slots(t: torch.Tensor, r: int) -> torch.Tensor:
     """(T, H, hd) -> (1, H/r, r*T, hd): r slots per token, each holding H/r of its heads."""
     T, H, hd = t.shape
@@ -2423,6 +2412,17 @@ def from_slots(y: torch.Tensor, T: int) -> torch.Tensor:
 def flex_attend_tokens(q, k, v, mask: BlockMask, r: int, scale: torch.Tensor, scale_value: float) -> torch.Tensor:
     """flex_attend of (T, H, hd) q, k, v at r slots per token."""
     return from_slots(flex_attend(as_slots(q, r), as_slots(k, r), as_slots(v, r), mask, scale), q.shape[0])
+
+# ---- On GPUs outside compiled graphs (--compile false): flex attention compiled once ------------
+
+@functools.lru_cache(maxsize=None)
+def compiled_flex_attention():
+    """flex_attention compiled once, for CUDA calls outside a compiled graph (eager, it materialises scores)."""
+    return torch.compile(flex_attention, dynamic=False)
+
+def _runs_compiled_flex(q: torch.Tensor) -> bool:
+    """A CUDA call outside a compiled graph (inside one, flex_attention is traced into the graph)."""
+    return q.is_cuda and not torch.compiler.is_compiling()
 
 # ---- The CPU's attention: SDPA, banded where that saves work ---------------------------------
 
@@ -3250,7 +3250,7 @@ def _check_prefix_table_size(padded_vocab_size) -> None:
     if isinstance(padded_vocab_size, bool) or not isinstance(padded_vocab_size, int) or padded_vocab_size < 1:
         raise ValueError(f"build_prefix_table: padded_vocab_size must be a positive int, got {padded_vocab_size!r}")
 
-# ---- Data: the offline GPT-2 tokenizer, the batch split's start-up check -----------------------
+# ---- The offline GPT-2 tokenizer; writing a shard ------------------------------------------------
 
 # GPT-2 BPE, built offline from the rank file shipped in data/ (same ranks as tiktoken's "gpt2").
 GPT2_TIKTOKEN_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "gpt2.tiktoken")
