@@ -1995,7 +1995,7 @@ class SimulatedComm(CommLayer):
     """Rank `rank` of `world_size` ranks in one process, no process group: every collective completes at
     once with the output a real group gives when every other rank holds the same tensors as this one.
     reduce_scatter (average): this rank's block of the input; all_reduce (average): the tensor as it is;
-    all_gather: the local shard in every rank's placement; all_to_all: each rank's block of the output is the
+    all_gather: the local shard in every rank's block; all_to_all: each rank's block of the output is the
     block this rank addresses to itself, where their sizes agree, and is left as it is where they do not
     (the other owners' blocks of an uneven all_gather). Bytes are counted as the world_size-rank
     collectives send them (CommLayer's counts), so bytes_sent and bytes_by_op are a real rank's.
@@ -2022,7 +2022,7 @@ class SimulatedComm(CommLayer):
 
     def _all_gather(self, out, shard):
         blocks, r = out.view(self.world_size, *shard.shape), self.rank
-        if blocks[r].data_ptr() == shard.data_ptr():  # in place: this rank's placement is the shard itself
+        if blocks[r].data_ptr() == shard.data_ptr():  # in place: this rank's block is the shard itself
             for others in (blocks[:r], blocks[r + 1:]):  # (two copies, not one per rank: launches count)
                 others.copy_(shard.expand_as(others))
         else:
