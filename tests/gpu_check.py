@@ -665,7 +665,9 @@ def ce_target_runs(T_: int, V: int, form: str, runs: int, g, kernel: bool | None
     tol = (0.05 if form == "bf16" else 0.25) * want_cols.abs() + (1e-6 if form == "bf16" else 1e-6 / grad_s)
     for i in range(runs):
         out = first if i == 0 else run(i)
-        got_cols = out[2][rows, cols].float().double()
+        grad = out[2]  # float8 indexed as its bytes
+        got_cols = (grad.view(torch.uint8)[rows, cols].view(grad.dtype) if grad.element_size() == 1
+                    else grad[rows, cols]).float().double()
         f["target_off"].append(int(((got_cols - want_cols).abs() > tol).sum()))
         if i and not torch.equal(out[2].view(torch.uint8), first[2].view(torch.uint8)):
             f["unequal_runs"] += 1
@@ -1509,8 +1511,10 @@ def compare_default_runs(graphs: dict, eager: dict, t_graphs: dict | None, t_eag
                     problems.append(f"step {g['step']}: the update of {n} (sampled) differs from eager's by {err:.2e}, "
                                     f"over {lim:g}")
         rows.append(row)
-    if t_graphs and t_eager:
-        final = {n: update_error(t_graphs["final"][n], t_eager["final"][n], t_eager["first"][n]) for n in t_eager["final"]}
+    if t_graphs and t_eager:  # every parameter whole, on the GPU where there is one (bigram_embed: 290M numbers)
+        dev = "cuda" if torch.cuda.is_available() else "cpu"
+        final = {n: update_error(*(t[key][n].to(dev) for t, key in ((t_graphs, "final"), (t_eager, "final"), (t_eager, "first"))))
+                 for n in t_eager["final"]}
         out["final"] = dict(sorted(final.items(), key=lambda kv: -kv[1]))
         for n, err in final.items():
             lim = bounds["update_small"] if sizes[n] < SMALL_PARAM else bounds["update"]
