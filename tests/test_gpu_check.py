@@ -1005,3 +1005,17 @@ def test_the_report_shows_the_default_speedrun_and_the_loss_kernel(tmp_path):
                  "| 16,384 | e5m2 | 3.450 | 1195 | 36% | 72.0 | 6.0 | 45 | 5 | 1.88 | 1.25 | 1.23 | latency: 3.45 ms is 1.8x its "
                  "largest limit |"):
         assert line + "\n" in text, line
+
+
+def test_the_docs_name_every_check_and_the_next_lease_holds_the_plans_commands():
+    """tests/README.md's GPU check table has one row per check of the table, in its group; records/gpu_check/
+    README.md's "Next lease" gives the plan's commands (`--lease N`, one per command of LEASE) and their caps."""
+    import re
+    text = open(os.path.join(ROOT, "tests", "README.md")).read()
+    rows = re.findall(r"^\| (\w+) \| `([\w-]+)` \|", text, re.M)
+    assert sorted(rows) == sorted((c.group, c.name) for c in G.CHECKS)
+    records = open(os.path.join(ROOT, "records", "gpu_check", "README.md")).read()
+    next_lease = records[records.index("## Next lease"):records.index("\n## ", records.index("## Next lease") + 1)]
+    for i, cmd in enumerate(G.LEASE, 1):
+        assert f"./run.sh gpu-check --lease {i}   # {cmd.budget_s:.0f} s" in next_lease
+    assert "--lease 3" not in next_lease
