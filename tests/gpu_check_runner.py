@@ -245,11 +245,13 @@ def render_markdown(report: dict) -> str:
             figures += f" (commit {r['commit']})"
         lines.append(f"| {r['name']} | {r.get('group', '-')} | {r['status']} | {r['seconds']:.1f} | "
                      f"{figures.replace('|', '/')} |")
-    timing = next((r for r in results if r["name"] == "speedrun-timing" and r.get("data", {}).get("stages")), None)
-    if timing:
+    timing = next((r for r in results if r["name"] == "speedrun-timing"
+                   and (r.get("data", {}).get("stages") or r.get("data", {}).get("rank_stages"))), None)
+    if timing:  # rank 0 of 8 is timed first: its section stands without the one-GPU stages
         t = timing["data"]
-        lines += ["", "## Speedrun preset on this GPU", "",
-                  f"{t['world_size']} GPU, accumulation {t['accumulation']}, {t['warmup']} warm-up + {t['steps']} "
+        lines += ["", "## Speedrun preset on this GPU", ""]
+    if timing and t.get("stages"):
+        lines += [f"{t['world_size']} GPU, accumulation {t['accumulation']}, {t['warmup']} warm-up + {t['steps']} "
                   f"timed steps per stage; MFU against {_fmt(t['peak_tflops'], '.1f', 'unknown')} TFLOP/s dense bf16.",
                   "", "| stage | steps | batch tokens | warm-up s (compile) | ms/step | host ms | optimizer ms | "
                   "tokens/s | GFLOP/token | MFU |",
@@ -275,6 +277,7 @@ def render_markdown(report: dict) -> str:
             c = t["compiles"]
             lines.append(f"- torch.compile: {c['graphs_warmup']} graphs compiled in the warm-up steps, "
                          f"{c['graphs_timed']} in the timed steps (recompiles), {c['graph_breaks']} graph breaks")
+    if timing:
         lines += rank_lines(t)
     default = next((r for r in results if r["name"] == "speedrun-default" and r.get("data", {}).get("runs")), None)
     if default:

@@ -1019,3 +1019,13 @@ def test_the_docs_name_every_check_and_the_next_lease_holds_the_plans_commands()
     for i, cmd in enumerate(G.LEASE, 1):
         assert f"./run.sh gpu-check --lease {i}   # {cmd.budget_s:.0f} s" in next_lease
     assert "--lease 3" not in next_lease
+
+
+def test_rank_0_of_8_is_reported_without_the_one_gpu_stages():
+    """speedrun-timing times rank 0 of 8 first: cut before the one-GPU stages, its projection is in the report."""
+    timing = dict(rank_of=8, rank_stages=RANK_STAGES, rank_projection=RANK_PROJECTION, stages=[], stages_total=4)
+    rep = dict(info=INFO, total_s=180.0, checks=[dict(name="speedrun-timing", group="speedrun", status="timeout",
+                                                      seconds=180.0, summary="", error="", traceback="", data=timing)])
+    text = R.render_markdown(rep)
+    assert "### This GPU as rank 0 of 8" in text and "| stage 1 | 423 | 60.0 | 12.5 | 300.0 |" in text
+    assert "| stage | steps | batch tokens |" not in text and "- stages measured: 2 of 4 (projection covers those only)" in text
