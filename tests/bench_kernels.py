@@ -327,7 +327,7 @@ def loss_kernel_report(tk, bench, token_counts, json_path: str | None = None) ->
     figures = []
     for T in token_counts:
         g = torch.Generator(device="cuda").manual_seed(T)
-        x = (torch.randn(T, 50304, device="cuda", generator=g) * 5).to(torch.bfloat16)
+        x = torch.randn(T, 50304, device="cuda", generator=g, dtype=torch.bfloat16).mul_(5)
         targets = torch.randint(0, 50304, (T,), device="cuda", generator=g)
         w = torch.tensor([1.0, 0.5, 0.25], device="cuda")
         prefix_ids = torch.randint(-1, 50304, (T,), device="cuda", generator=g)
