@@ -21,7 +21,8 @@
 #   ./run.sh gpu-check [ARGS...]    every CUDA path checked on this machine's GPU, then the speedrun's step
 #                                   times; report in records/gpu_check/ (tests/README.md "GPU check"). Uses
 #                                   PYTHON or python3 as it is (no .venv, no install); `--dry-run` lists
-#                                   the checks on any machine. ARGS pass through to tests/gpu_check.py.
+#                                   the checks and `--plan` prints the next lease's commands (run them with
+#                                   `--lease N`) on any machine. ARGS pass through to tests/gpu_check.py.
 #
 # Interpreter. By default run.sh makes .venv here (python3 -m venv, Python >= 3.10) and installs the
 # pinned requirements into it when they are not already met; it never installs anywhere else.
@@ -155,7 +156,7 @@ if [[ $mode == gpu-check ]]; then
   PY=${PYTHON:-python3}
   command -v "$PY" >/dev/null || die "gpu-check: ${PY} is not an executable; set PYTHON=/path/to/python with torch >= 2.11"
   python_version "$PY" >/dev/null || die "gpu-check: $PY is not Python >= 3.10; set PYTHON=/path/to/python with torch >= 2.11"
-  if [[ " $* " != *" --dry-run "* ]]; then  # the list needs no packages; the checks do
+  if [[ " $* " != *" --dry-run "* && " $* " != *" --plan "* ]]; then  # the list and the plan need no packages; the checks do
     missing=$(missing_modules "torch>=2.11" "triton>=3.6" numpy) ||
       die "gpu-check: $PY lacks ${missing:-the required packages}; set PYTHON=/path/to/python with them"
   fi

@@ -12,6 +12,7 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tests"))
+import bench_kernels  # noqa: E402,F401  (the loss kernel's limits)
 import gpu_check as G  # noqa: E402  (the checks)
 import gpu_check_coverage as C  # noqa: E402  (the coverage scan)
 import gpu_check_runner as R  # noqa: E402  (the runner and the report writer)
@@ -119,7 +120,7 @@ def test_comments_docstrings_and_cpu_only_code_are_no_cuda_paths():
 
 def test_every_check_has_its_function_and_each_group_fits_in_nine_minutes():
     names = [c.name for c in G.CHECKS]
-    assert len(names) == len(set(names)) == 17
+    assert len(names) == len(set(names)) == 22
     for c in G.CHECKS:
         assert callable(G.check_function(c)) and c.cap_s > 0 and c.what and c.group in R.GROUPS
     for group in R.GROUPS:
@@ -175,9 +176,9 @@ FAKE = {  # check name -> what its process does
 }
 
 
-def fake_command(check, result_path):
+def fake_command(check, result_path, fake=FAKE):
     code = (f"import sys; sys.path.insert(0, {os.path.join(ROOT, 'tests')!r}); import gpu_check_runner as runner; "
-            f"R = runner.Result({result_path!r}); " + FAKE[check.name])
+            f"R = runner.Result({result_path!r}); " + fake[check.name])
     return [sys.executable, "-c", code]
 
 
@@ -239,6 +240,157 @@ def test_result_is_on_disk_after_every_set(tmp_path):
     r.set(b=[2.5])
     assert json.loads(path.read_text()) == {"a": 1, "b": [2.5]}
     assert os.listdir(tmp_path) == ["r.json"]
+
+
+def test_lanes_run_side_by_side_under_one_budget(tmp_path):
+    """run_lanes: each lane's checks one after another, the lanes at the same time, one time limit for all."""
+    import time
+    fake = dict(FAKE, nap1="import time; time.sleep(2); R.set(summary='1')", nap2="import time; time.sleep(2)",
+                nap3="import time; time.sleep(2)")
+    t = time.monotonic()
+    results = R.run_lanes([[R.Check("nap1", 20, "-")], [R.Check("nap2", 20, "-"), R.Check("nap3", 20, "-")]],
+                          command=lambda c, p: fake_command(c, p, fake), total_limit_s=30, log=lambda line: None,
+                          log_dir=str(tmp_path))
+    took = time.monotonic() - t
+    assert sorted(r["name"] for r in results) == ["nap1", "nap2", "nap3"]
+    assert all(r["status"] == "pass" for r in results)
+    assert 4 <= took < 5.9  # the longer lane's 2 x 2 s, not the 6 s of all three one after another
+
+
+def test_a_budget_cut_run_still_writes_its_report(tmp_path):
+    """A lease command whose budget ends while a check runs: that check is stopped at what is left (its
+    figures so far kept), a check after it in its lane is not started, the other lane's results stand, and
+    the report holds all of them (written after every check)."""
+    lanes = [[R.Check("slow", 60, "-"), R.Check("later", 20, "-")], [R.Check("good", 20, "-"), R.Check("bad", 20, "-")]]
+    info = dict(INFO, date="2026-12-24")
+    results = R.run_and_report([(8.0, lanes)], info, str(tmp_path), order=["good", "bad", "slow", "later"],
+                               command=fake_command, log=lambda line: None, log_dir=str(tmp_path))
+    by = {r["name"]: r for r in results}
+    assert by["slow"]["status"] == "timeout" and by["slow"]["error"].startswith("stopped at its ")
+    assert by["later"]["status"] == "skipped" and by["good"]["status"] == "pass" and by["bad"]["status"] == "fail"
+    md, js = R.report_paths(info, str(tmp_path))
+    report = json.loads(open(js).read())
+    assert [r["name"] for r in report["checks"]] == ["good", "bad", "slow", "later"]
+    assert {r["name"]: r["status"] for r in report["checks"]} == {"good": "pass", "bad": "fail", "slow": "timeout",
+                                                                  "later": "skipped"}
+    slow = next(r for r in report["checks"] if r["name"] == "slow")
+    assert slow["data"]["stages"] == [1] and 7 < slow["seconds"] < 12  # what it measured before the cut
+    assert "| slow | kernels | timeout |" in open(md).read()
+
+
+def test_a_stopped_run_writes_its_report(tmp_path):
+    """SIGTERM (the lease ending, `timeout`) while a check runs: the check's process group is killed, the
+    check is reported as stopped with what it measured, nothing starts after it, and the report is written."""
+    import signal
+    import time
+    tests = os.path.join(ROOT, "tests")
+    child = f"""
+import json, signal, sys
+sys.path.insert(0, {tests!r})
+import gpu_check_runner as R
+
+def command(check, result_path):
+    body = "import time; R.set(stages=[1]); print('started', flush=True); time.sleep(60)" if check.name == "slow" else "R.set(x=1)"
+    return [sys.executable, "-c", f"import sys; sys.path.insert(0, {tests!r}); import gpu_check_runner as runner; "
+            f"R = runner.Result({{result_path!r}}); " + body]
+
+stopper = R.Stopper()
+signal.signal(signal.SIGTERM, stopper.handle)
+info = json.loads({json.dumps(json.dumps(dict(INFO, date="2026-12-25")))})
+R.run_and_report([(120, [[R.Check("quick", 60, "-"), R.Check("slow", 60, "-"), R.Check("never", 60, "-")]])], info,
+                 {str(tmp_path)!r}, order=["quick", "slow", "never"], command=command, log=print, log_dir={str(tmp_path)!r},
+                 stopper=stopper)
+print("reported", flush=True)
+"""
+    proc = subprocess.Popen([sys.executable, "-c", child], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    log = tmp_path / "slow.log"
+    for _ in range(300):  # until the slow check is running
+        if log.exists() and "started" in log.read_text():
+            break
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 0 and "reported" in out, out
+    md, js = R.report_paths(dict(INFO, date="2026-12-25"), str(tmp_path))
+    by = {r["name"]: r for r in json.loads(open(js).read())["checks"]}
+    assert by["quick"]["status"] == "pass"
+    assert by["slow"]["status"] == "timeout" and by["slow"]["error"].startswith("stopped by SIGTERM after ")
+    assert by["slow"]["data"] == {"stages": [1]} and by["slow"]["seconds"] < 30
+    assert by["never"]["status"] == "skipped" and "stopped by SIGTERM" in by["never"]["error"]
+
+
+def test_a_check_hands_over_the_traceback_of_what_it_ran(tmp_path):
+    """A check that ran a program of its own (train_gpt.py under torchrun) puts that program's traceback in
+    its data: the report shows it first, then the check's own."""
+    fake = dict(FAKE, handing="R.set(traceback='Traceback (most recent call last):\\n  File \"train_gpt.py\", line 9\\n"
+                              "RuntimeError: CUDA error: an illegal memory access'); raise AssertionError('the run failed')")
+    (r,) = R.run_checks([R.Check("handing", 20, "-")], command=lambda c, p: fake_command(c, p, fake), total_limit_s=20,
+                        log=lambda line: None, log_dir=str(tmp_path))
+    assert r["status"] == "fail" and r["error"] == "AssertionError: the run failed"
+    assert r["traceback"].startswith("Traceback (most recent call last):\n  File \"train_gpt.py\", line 9\n"
+                                     "RuntimeError: CUDA error: an illegal memory access\n\nTraceback")
+    assert r["traceback"].rstrip().endswith("AssertionError: the run failed") and "traceback" not in r["data"]
+
+
+def plan_output():
+    r = run_sh("--plan", env={"PYTHON": "python3"})  # the plan needs no torch
+    assert r.returncode == 0, r.stdout + r.stderr
+    return r.stdout
+
+
+def test_the_plan_is_two_commands_of_8_and_3_minutes_that_start_with_the_default_speedrun():
+    """`./run.sh gpu-check --plan` (no GPU, no torch): two commands, the first at most 480 s, the second at
+    most 180 s, 660 s in all; every lane's caps add up to its command's budget at most, and its printed
+    sums are the table's caps; the first check of the first command is speedrun-default; every planned
+    check exists; the commands run with --lease N."""
+    import re
+    text = plan_output()
+    commands = re.findall(r"^command (\d) of (\d): --budget (\d+) s", text, re.M)
+    assert [(int(i), int(n)) for i, n, _ in commands] == [(1, 2), (2, 2)]
+    budgets = [int(b) for _, _, b in commands]
+    assert budgets[0] <= 480 and budgets[1] <= 180 and sum(budgets) <= 660
+    assert f"total: {budgets[0]} + {budgets[1]} = {sum(budgets)} s" in text
+    caps = {c.name: c.cap_s for c in G.CHECKS}
+    blocks = re.split(r"^command \d of \d", text, flags=re.M)[1:]
+    planned = []
+    for budget, block in zip(budgets, blocks):
+        assert "./run.sh gpu-check --lease" in block
+        lanes = re.split(r"^  (?:main lane|beside lane \d+).*:$", block, flags=re.M)[1:]
+        assert lanes
+        for lane in lanes:
+            rows = re.findall(r"^    (\S+)\s+cap\s+(\d+) s$", lane, re.M)
+            total = int(re.search(r"^    sum\s+(\d+) s$", lane, re.M).group(1))
+            assert rows and all(name in caps and int(cap) == caps[name] for name, cap in rows), rows
+            assert total == sum(int(cap) for _, cap in rows) <= budget
+            planned += [name for name, _ in rows]
+    first_lane = re.split(r"^  (?:main lane|beside lane \d+).*:$", blocks[0], flags=re.M)[1]
+    assert re.findall(r"^    (\S+)\s+cap", first_lane, re.M)[0] == "speedrun-default"
+    assert len(planned) == len(set(planned))
+    # the plan the module holds is the one printed
+    assert [c.budget_s for c in G.LEASE] == budgets and G.LEASE[0].lanes[0][0] == "speedrun-default"
+    assert R.check_plan(G.LEASE, G.CHECKS, G.LEASE_LIMITS_S) == [] and G.LEASE_LIMITS_S == (480.0, 180.0)
+
+
+def test_a_plan_over_its_limits_is_refused():
+    checks = [R.Check("a", 100, "-"), R.Check("b", 90, "-"), R.Check("c", 30, "-")]
+    ok = (R.LeaseCommand(190, (("a", "b"),)), R.LeaseCommand(30, (("c",),)))
+    assert R.check_plan(ok, checks, (200, 30)) == []
+    over = (R.LeaseCommand(150, (("a",), ("b", "c"))), R.LeaseCommand(30, (("c", "d"),)))
+    problems = R.check_plan(over, checks, (140, 60))
+    assert any("over its limit of 140 s" in p for p in problems)
+    assert not any("the lane b, c" in p for p in problems)  # 120 s of caps within its 150 s budget
+    assert any("no check named 'd'" in p for p in problems) and any("c is planned twice" in p for p in problems)
+    lines = R.plan_lines(ok, checks, (200, 30))
+    assert "total: 190 + 30 = 220 s (3.7 min) of 230 s allowed" in lines
+
+
+def test_lease_runs_a_command_of_the_plan_and_nothing_else():
+    r = run_sh("--lease", "1", "--only", "fp8-head", env={"PYTHON": sys.executable})
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "--lease runs its command's checks" in r.stderr
+    r = run_sh("--lease", "3", env={"PYTHON": sys.executable})
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "the plan has commands 1 to 2" in r.stderr
+    r = run_sh("--lease", "1", env={"PYTHON": sys.executable, "CUDA_VISIBLE_DEVICES": ""})
+    assert r.returncode == 2 and r.stderr.startswith("gpu-check: no CUDA GPU visible")
 
 
 # ---- report ------------------------------------------------------------------------------------------
@@ -523,3 +675,357 @@ def test_host_cpu_names_the_processor_when_run_as_a_script(tmp_path):
     r = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.strip() == f"{T.cpu_model()}, {os.cpu_count()} CPUs"
+
+
+# ---- the references: plain torch, run here against the CPU paths ------------------------------------
+
+def ce_case(T_=37, V=300, seed=0):
+    import torch
+    g = torch.Generator().manual_seed(seed)
+    logits = (3 * torch.randn(T_, V, generator=g)).bfloat16()
+    targets, prefix = G.ce_targets(T_, V, g)
+    return logits, targets, prefix, torch.tensor([1.0, 0.5, 0.25]), torch.tensor(0.25)
+
+
+def test_the_loss_reference_is_the_kernels_specification_in_float64():
+    """ce_reference_rows (what triton-cross-entropy holds the kernel's target columns to) against
+    triton_kernels' own float64 autograd reference and the CPU twin, whatever the rows per block."""
+    import torch
+    import triton_kernels as tk
+    logits, targets, prefix, w, pi = ce_case()
+    assert (targets[1:] == targets[:-1]).any() and (prefix == targets).any() and (prefix < 0).any()
+    x64 = logits.double().requires_grad_()
+    tk.softcapped_ce_mtp_reference(x64, targets, w.double(), prefix, pi.double(), grad_scale=0.5).sum().backward()
+    loss_want = tk.softcapped_ce_mtp_reference(logits.double(), targets, w.double(), prefix, pi.double(), grad_scale=0.5)
+    for rows in (5, 64):
+        parts = list(G.ce_reference_rows(logits, targets, w, prefix, pi, 0.5, rows=rows))
+        loss, grad = torch.cat([p[1] for p in parts]), torch.cat([p[3] for p in parts])
+        assert G.rel_err(loss, loss_want) < 1e-6 and G.rel_err(grad, x64.grad) < 1e-6
+    twin = logits.clone().requires_grad_()
+    tk.softcapped_ce_mtp(twin, targets, w, prefix, pi, grad_scale=0.5).sum().backward()
+    assert G.rel_err(twin.grad, grad) < 1e-2  # bf16
+    rows, cols = G.target_entries(targets, prefix, 3)
+    assert rows.numel() == 37 + 36 + 35 + int((prefix >= 0).sum())
+    assert (grad[rows, cols] < 0).all()  # a target column's gradient carries its one-hot term
+
+
+def test_the_target_column_runs_catch_a_lost_one_hot_term():
+    """ce_target_runs on the CPU twin: within every bound; a run whose target columns lost their one-hot
+    term (what the loss kernel writes without its barrier's order) is off in that run and unequal to the
+    first, in both gradient forms."""
+    import torch
+    for form in ("bf16", "e5m2"):
+        f = G.ce_target_runs(192, 1024, form, 3, torch.Generator().manual_seed(1), kernel=False)
+        assert f["target_off"] == [0, 0, 0] and f["unequal_runs"] == 0 and G.ce_target_problems(form, f) == [], f
+
+        def corrupt(run, grad):
+            if run == 2:
+                grad[7] = grad[7].abs()
+        f = G.ce_target_runs(192, 1024, form, 3, torch.Generator().manual_seed(1), kernel=False, corrupt=corrupt)
+        assert f["target_off"][:2] == [0, 0] and f["target_off"][2] > 0 and f["unequal_runs"] == 1
+        assert len(G.ce_target_problems(form, f)) == 2
+
+
+def test_the_fp8_references_match_the_ops_cpu_paths():
+    """fp8-head's and fp8-mlp's figures on CPU tensors: the ops' CPU bodies (float8 products emulated in
+    fp32, the loss kernel's twin) against the float64 references are within the checks' bounds, and exact
+    where the CPU path is (the e5m2 gradient, post)."""
+    import torch
+    g = torch.Generator().manual_seed(0)
+    M, K_, N = 128, 64, 1024
+    x = T.norm(torch.randn(M, K_, generator=g)).bfloat16()
+    w = (0.05 * torch.randn(K_, N, generator=g)).bfloat16()
+    targets, prefix = G.ce_targets(M, N, g)
+    e = G.fp8_head_figures(x, w, targets, torch.tensor([1.0, 0.5, 0.25]), prefix, torch.tensor(0.25), 1 / 8, rows=48)
+    e.update(G.fp8_mm_figures(x, w, (torch.randn(M, N, generator=g) * 1e-3).bfloat16()))
+    assert e["loss"] < 1e-6 and e["e5m2_differ"] == 0 and e["dlogits_e5m2"] > 0.01  # e5m2's own rounding
+    assert not [k for k, tol in G.FP8_HEAD_TOL.items() if not e[k] < tol], e
+    Tn, D, H, L = 128, 64, 256, 3
+    x = T.norm(torch.randn(Tn, D, generator=g)).bfloat16()
+    bank = torch.stack([((torch.rand(H, D, generator=g) * 2 - 1) * D ** -0.5) if i % 2 == 0 else
+                        0.05 * torch.randn(H, D, generator=g) for i in range(2 * L)]).bfloat16()
+    state = T.FP8MLPState(L, H, D)
+    state.quantize(bank, bootstrap=True)
+    with torch.no_grad():
+        state.update_act_scales([state.mlp(i, x, bank[2 * i], bank[2 * i + 1])[1] for i in range(L)])
+    e = G.fp8_mlp_figures(state, 2, x, bank[4], bank[5], torch.randn(Tn, D, generator=g).bfloat16())
+    assert e["post"] == 0 and e["post_differ"] == 0 and e["y_vs_bf16_mlp"] > 0.01  # FP8's own error
+    assert not [k for k, tol in G.FP8_MLP_TOL.items() if not e[k] < tol], e
+
+
+@pytest.mark.slow
+def test_the_reference_ops_replace_only_the_fp8_bodies_in_the_model(monkeypatch):
+    """compiled-model's reference: the test preset's model with its FP8 path forced on a CPU, the two FP8
+    ops replaced by their plain-torch references (reference_fp8_ops): the same loss and gradients as with
+    the ops' CPU bodies, and the ops are the real ones again afterwards."""
+    import numpy as np
+    import torch
+    monkeypatch.setattr(T, "_native_fp8", lambda device: True)
+    args = T.parse_args(["--preset", "test"])
+    torch.manual_seed(0)
+    model = T.GPT(args)
+    G.near_init(model, seed=1)
+    model.prefix_table.copy_(T.build_prefix_table(T.gpt2_encoding(), args.padded_vocab_size))
+    model.quantize_fp8(bootstrap=True)
+    state = {k: v.clone() for k, v in model.fp8_mlp.state_dict().items()}
+    tokens = np.random.default_rng(0).integers(0, 50256, 513).astype("uint16")
+    tokens[[0, 200]] = T.BOS_ID
+    b = T.make_batch(tokens, args.bigram_vocab_size)
+
+    def run():
+        model.zero_grad(set_to_none=True)
+        model.fp8_mlp.load_state_dict(state)
+        loss, _ = model(b.inputs, b.targets, b.cu_seqlens, b.bigram_ids, mtp_weights=torch.tensor([1.0, 0.5, 0.25]),
+                        loss_scale=1 / 8, prefix_weight=torch.tensor(0.25))
+        loss.backward()
+        return float(loss.detach()), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    ops = (T.fp8_mlp, T.fp8_head_loss)
+    loss, grads = run()
+    with G.reference_fp8_ops():
+        assert (T.fp8_mlp, T.fp8_head_loss) == (G.reference_fp8_mlp, G.reference_fp8_head_loss)
+        loss_r, grads_r = run()
+    assert (T.fp8_mlp, T.fp8_head_loss) == ops
+    assert abs(loss - loss_r) / abs(loss_r) < 1e-5 and set(grads) == set(grads_r)
+    for n in grads_r:
+        if grads_r[n].abs().max() > 0:
+            assert G.rel_err(grads[n], grads_r[n]) < (0.1 if grads_r[n].numel() >= 4096 else 0.5), n
+
+
+def test_polar_express_reference_is_the_iteration_in_float64():
+    import torch
+    g = torch.Generator().manual_seed(0)
+    for shape in ((3, 64, 96), (2, 96, 64)):
+        A = torch.randn(shape, generator=g)
+        ref = G.polar_express_reference(A, T.POLAR_EXPRESS_COEFFS)
+        assert ref.dtype == torch.float32 and ref.shape == A.shape
+        assert G.rel_err(T.polar_express(A, dtype=torch.float32), ref) < 1e-4  # the same iteration in fp32
+        assert 1e-3 < G.rel_err(T.polar_express(A), ref) < 5e-2  # bf16's
+
+
+# ---- speedrun-default: the comparison of the two runs, the driver -------------------------------------
+
+def fake_runs(steps=3, seed=0):
+    """Records and tensors as tests/gpu_check_train.py writes them, for two runs that agree exactly."""
+    import torch
+    g = torch.Generator().manual_seed(seed)
+    names = [("bank", 8), ("gate", 3)]
+    first = {"bank": torch.randn(64, 64, generator=g), "gate": torch.randn(3, generator=g)}
+    moves = [{n: 0.01 * torch.randn(t.shape, generator=g) for n, t in first.items()} for _ in range(steps)]
+    idx = {"bank": torch.arange(8) * 7}
+
+    def sample(p):
+        return torch.cat([p["bank"].reshape(-1)[idx["bank"]], p["gate"]])
+
+    params, samples = dict(first), []
+    for m in moves:
+        params = {n: params[n] + m[n] for n in params}
+        samples.append(sample(params))
+    record = dict(sample_names=names, steps=[dict(step=i, batch_tokens=131072, windows=[1, 3], next_token=10.0 - i,
+                                                  objective=20.0 - i, device_ms=400.0, profiled=i == 1) for i in range(steps)],
+                  warmup=[dict(step=i, next_token=10.0 - i, objective=20.0 - i) for i in range(steps)])
+    tensors = dict(first=first, final=params, sample0=sample(first), samples=torch.stack(samples))
+    return record, tensors
+
+
+def test_the_default_runs_comparison_states_each_bound():
+    import copy
+    import torch
+    record, tensors = fake_runs()
+    c = G.compare_default_runs(record, copy.deepcopy(record), tensors, copy.deepcopy(tensors))
+    assert c["problems"] == [] and c["first_equal"] and c["replay"] == [0, 0, 0]
+    assert c["steps"][0]["update"][1] == 0 and set(c["final"]) == {"bank", "gate"}
+    # a loss off at step 0 (same weights, same batch): over first_loss; a later step within loss
+    other = copy.deepcopy(record)
+    other["steps"][0]["next_token"] *= 1 + 5e-3
+    other["steps"][2]["objective"] *= 1 + 5e-3
+    problems = G.compare_default_runs(record, other, tensors, tensors)["problems"]
+    assert len(problems) == 1 and problems[0].startswith("step 0: losses")
+    # an update that went the other way (a stale gradient buffer, a missing update)
+    wrong = copy.deepcopy(tensors)
+    wrong["samples"][1, :8] = 2 * tensors["sample0"][:8] - tensors["samples"][1, :8]
+    wrong["final"]["bank"] = torch.zeros_like(wrong["final"]["bank"]) + tensors["first"]["bank"]
+    problems = G.compare_default_runs(record, record, wrong, tensors)["problems"]
+    assert any(p.startswith("step 1: the update of bank (sampled)") for p in problems)
+    assert any(p.startswith("after the last step: bank") for p in problems)
+    # different starting weights; the timed run against its warm-up
+    moved = copy.deepcopy(tensors)
+    moved["first"]["gate"] += 1
+    warm = copy.deepcopy(record)
+    warm["warmup"][0]["objective"] += 1e-3
+    problems = G.compare_default_runs(warm, record, moved, tensors)["problems"]
+    assert any("start from different weights" in p for p in problems)
+    assert any(p.startswith("step 0: the timed run's losses differ from the warm-up's") for p in problems)
+
+
+def test_the_graphs_runs_own_verdicts():
+    record, _ = fake_runs()
+    s = dict(code=0, error="", steps=record["steps"], graphs=dict(enabled=True, kept=True, captured=1, failure=""),
+             val_losses=[7.5], graphs_notes=[], graphs_after_warmup=0, graph_breaks=0,
+             compile_line="torch.compile: 0 graphs compiled during the timed run (recompiles after the warm-up), 0 graph breaks",
+             hardware="hardware: 1 x NVIDIA H100 80GB HBM3 (79 GiB), CUDA 13.0", peak_memory="peak memory allocated: 1 MiB")
+    assert G.default_run_problems(s) == []
+    bad = dict(s, graphs=dict(enabled=True, kept=False, captured=0, failure=""), graphs_notes=["cuda graphs off for this "
+               "run: capture failed: RuntimeError: operation not permitted when stream is capturing"], val_losses=[11.0],
+               graphs_after_warmup=2)
+    problems = G.default_run_problems(bad)
+    assert len(problems) == 3 and "operation not permitted" in problems[0] and "validation losses [11.0]" in problems[1]
+    assert problems[2].startswith("compiled after the warm-up")
+
+
+def test_the_run_logs_facts_are_read_after_its_sources():
+    log = ('==== train_gpt.py ====\n        return (f"peak memory allocated: {x} MiB "\n    log.write(f"hardware: {h}")\n'
+           '        self.write(f"==== environment ====\\npython {v}")\n'
+           "==== environment ====\npython 3.12\nhardware: 1 x NVIDIA H200 (140 GiB), CUDA 13.0\n"
+           "cuda graphs: 4 step shapes captured in the warm-up, each replay equal to the uncaptured step\n"
+           "compile warm-up: 11 steps in 301s\nstep:11/11 val_loss:6.1234 train_time:5000ms step_avg:454.55ms\n"
+           "torch.compile: 0 graphs compiled during the timed run (recompiles after the warm-up), 0 graph breaks\n"
+           "peak memory allocated: 22000 MiB reserved: 24000 MiB\n")
+    f = G.log_facts(log, "\rcompile warm-up: 11 steps in 301s\n")
+    assert f["val_losses"] == [6.1234] and f["warmup_line"] == "compile warm-up: 11 steps in 301s"
+    assert f["hardware"].startswith("hardware: 1 x NVIDIA H200") and f["peak_memory"].startswith("peak memory allocated: 22000")
+    assert f["graphs_after_warmup"] == 0 and f["graph_breaks"] == 0 and len(f["graphs_notes"]) == 1
+    steps = [dict(batch_tokens=b, windows=w) for b, w in ((131072, [1, 3]), (131072, [1, 3]), (262144, [3, 7]),
+                                                         (393216, [5, 11]), (393216, [6, 13]))]
+    assert G.stage_of_steps(steps) == ["stage 1", "stage 1", "stage 2", "stage 3", "extension"]
+
+
+def test_the_text_val_shard_holds_whole_documents(tmp_path):
+    pattern = G.text_val_shard(str(tmp_path), tokens=100_000)
+    (path,) = [os.path.join(tmp_path, f) for f in os.listdir(tmp_path)]
+    assert pattern == os.path.join(str(tmp_path), "tinyshakespeare_val_*.bin")
+    tokens = T.read_shard(path).numpy()
+    assert len(tokens) >= 100_000 and tokens[0] == T.BOS_ID and len(tokens) % 36032 == 0
+
+
+def test_dispatch_counts_read_a_profile():
+    import torch
+    sys.path.insert(0, os.path.join(ROOT, "tests"))
+    import gpu_check_train
+    from torch.profiler import ProfilerActivity, profile
+    a = torch.randn(16, 16)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        (a @ a + 1).relu()
+    d = gpu_check_train.dispatch_counts(prof.events())
+    assert d["aten_ops"] >= 3 and d["kernel_launches"] == d["graph_launches"] == d["host_dispatches"] == 0
+
+    class E:
+        def __init__(self, name):
+            self.name = name
+    d = gpu_check_train.dispatch_counts([E("cudaLaunchKernel")] * 5 + [E("cudaGraphLaunch"), E("cudaMemcpyAsync"),
+                                                                         E("aten::mm")])
+    assert d == dict(aten_ops=1, kernel_launches=5, graph_launches=1, copies=1, host_dispatches=7)
+
+
+@pytest.mark.slow
+def test_the_training_driver_records_train_gpt_s_own_run(tmp_path):
+    """tests/gpu_check_train.py around train_gpt.main under torchrun (the test preset on this CPU, fp32):
+    every step's losses, samples and the weights before and after, the profiled step's dispatches, the log's
+    facts; a run compared with itself meets every bound; a failing run hands over its traceback."""
+    import torch
+    flags = ["--preset", "test", "--compile", "false", "--cpu_dtype", "fp32", "--num_iterations", "3",
+             "--extension_iterations", "0", "--val_loss_every", "0"]
+    run = G.run_training(flags, str(tmp_path), "graphs", profile_step=1)
+    assert run["code"] == 0, run["output"]
+    rec = run["record"]
+    assert [s["step"] for s in rec["steps"]] == [0, 1, 2] and rec["steps"][1]["profiled"]
+    assert rec["dispatch"]["step"] == 1 and rec["dispatch"]["aten_ops"] > 1000 and rec["graphs"]["enabled"] is False
+    t = torch.load(run["tensors"])
+    assert t["samples"].shape == (3, sum(n for _, n in rec["sample_names"])) and set(t["first"]) == set(t["final"])
+    s = G.default_run_summary("graphs", run)
+    assert s["val_losses"] and G.default_run_problems(s, cuda=False) == []
+    c = G.compare_default_runs(rec, rec, t, t)
+    assert c["problems"] == [] and c["first_equal"]
+    assert "graphs: next-token loss" in G.default_run_line(dict(runs={"graphs": s}, comparison=c))
+    bad = G.run_training([*flags, "--train_files", str(tmp_path / "none_*.bin")], str(tmp_path), "eager")
+    assert bad["code"] != 0 and "no train shards match" in bad["record"]["error"]
+    assert bad["record"]["traceback"].startswith("Traceback (most recent call last):")
+
+
+# ---- the loss kernel's limits, from its own SASS --------------------------------------------------------
+
+def test_the_loss_kernels_limits_come_from_its_sass(tmp_path):
+    """bench_kernels' analysis of the loss kernel compiled for sm_90 (`--only ce_limits`: no GPU, Triton's
+    compiler without the interpreter): its two passes are its two loops, each a few dozen instructions and 3
+    MUFU operations (two exp, one reciprocal) per logit with the accurate tanh; an H100's figures make it
+    issue-bound; a measured time far above every limit reads as latency, one at over half the bandwidth as
+    such."""
+    import bench_kernels as B
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    path = tmp_path / "limits.json"
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "bench_kernels.py"), "--only", "ce_limits", "--json",
+                        str(path)], capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "the largest: issue" in r.stdout
+    out = json.loads(path.read_text())
+    sass, regs = out["sass"]["e5m2"], out["regs"]["e5m2"]
+    assert 16 <= regs <= 255
+    assert len([lp for lp in B.sass_loops(sass) if lp["instructions"] > 50]) == 2
+    f = B.loss_kernel_limits(sass, 16384, 50304, 4096, 8, 1, regs, 132, 1.98, 3350.0)
+    assert [round(p["mufu_per_logit"]) for p in f["passes"]] == [3, 3]
+    assert all(10 < p["instructions_per_logit"] < 100 for p in f["passes"]) and f["bytes_per_logit"] == 5
+    assert f["bound"] == "issue" and f["programs_per_sm"] >= 1
+    assert f["memory_ms"] == pytest.approx(16384 * 50304 * 5 / 3.35e12 * 1e3)
+    fast = B.loss_kernel_limits(out["sass"]["e5m2 FAST_TANH"], 16384, 50304, 4096, 8, 1, out["regs"]["e5m2 FAST_TANH"],
+                                132, 1.98, 3350.0)
+    assert fast["instructions_per_logit"] < f["instructions_per_logit"]  # the hardware tanh: fewer instructions
+    slow = B.loss_kernel_limits(sass, 16384, 50304, 4096, 8, 1, regs, 132, 1.98, 3350.0, measured_ms=3 * f["issue_ms"])
+    assert slow["verdict"].startswith("latency: ") and slow["bandwidth_share"] < 0.5
+    quick = B.loss_kernel_limits(sass, 16384, 50304, 4096, 8, 1, regs, 132, 1.98, 3350.0, measured_ms=1.5 * f["memory_ms"])
+    assert quick["verdict"].endswith("of the peak bandwidth")
+    assert any(line.startswith("  from its SASS: ") for line in B.limits_lines(slow))
+    assert B.programs_per_sm(45, 256) == 5 and B.programs_per_sm(32, 128) == 16
+
+
+def test_the_report_shows_the_default_speedrun_and_the_loss_kernel(tmp_path):
+    record, tensors = fake_runs()
+    import copy
+    c = G.compare_default_runs(record, copy.deepcopy(record), tensors, copy.deepcopy(tensors))
+    c.pop("problems")
+    run = dict(code=0, seconds=351.2, error="", graphs=dict(enabled=True, kept=True, captured=4, failure=""),
+               dispatch=dict(host_dispatches=812, aten_ops=2301, step=2), steps=[dict(s, stage="stage 1") for s in record["steps"]],
+               ms_per_stage={"stage 1": 400.0}, val_losses=[6.5], warmup_line="compile warm-up: 11 steps in 301s")
+    data = dict(flags=["--num_iterations", "9"], eager_flags=["--compile", "false"], runs={"graphs": run, "eager": dict(
+        run, graphs=dict(enabled=False), dispatch=dict(host_dispatches=20345, aten_ops=30111, step=2))}, comparison=c,
+        bounds=dict(loss=1e-2), problems=["step 4: over"])
+    limits = dict(instructions_per_logit=72.0, mufu_per_logit=6.0, regs=45, programs_per_sm=5, issue_ms=1.88,
+                  mufu_ms=1.25, memory_ms=1.23, verdict="latency: 3.45 ms is 1.8x its largest limit")
+    loss = dict(sms=132, clock_ghz=1.98, kernels=[dict(tokens=16384, gradient="e5m2", ms=3.45, gb_per_s=1195.0,
+                                                       peak_gbs=3350.0, limits=limits)])
+    rep = dict(info=INFO, total_s=400.0, checks=[
+        dict(name="speedrun-default", group="run", status="fail", seconds=400.0, summary="s", error="e", traceback="", data=data),
+        dict(name="loss-kernel", group="kernels", status="pass", seconds=20.0, summary="l", error="", traceback="", data=loss)])
+    text = R.render_markdown(rep)
+    for line in ("## The default speedrun: train_gpt.py through torchrun",
+                 "| graphs | 0 | 351 | 4 captured | compile warm-up: 11 steps in 301s | 6.5000 | stage 1 400 | 812 (2,301) in step 2 |",
+                 "| eager | 0 | 351 | off | compile warm-up: 11 steps in 301s | 6.5000 | stage 1 400 | 20,345 (30,111) in step 2 |",
+                 "| 1 | stage 1 | 9.0000 / 9.0000 | 19.0000 / 19.0000 | 0.0e+00 | 0.0e+00 (bank) | 400 / 400 (profiled) |",
+                 "- weights before step 0 the same in both runs: yes", "- not met: step 4: over",
+                 "## The loss kernel alone",
+                 "| 16,384 | e5m2 | 3.450 | 1195 | 36% | 72.0 | 6.0 | 45 | 5 | 1.88 | 1.25 | 1.23 | latency: 3.45 ms is 1.8x its "
+                 "largest limit |"):
+        assert line + "\n" in text, line
+
+
+def test_the_docs_name_every_check_and_the_next_lease_holds_the_plans_commands():
+    """tests/README.md's GPU check table has one row per check of the table, in its group; records/gpu_check/
+    README.md's "Next lease" gives the plan's commands (`--lease N`, one per command of LEASE) and their caps."""
+    import re
+    text = open(os.path.join(ROOT, "tests", "README.md")).read()
+    rows = re.findall(r"^\| (\w+) \| `([\w-]+)` \|", text, re.M)
+    assert sorted(rows) == sorted((c.group, c.name) for c in G.CHECKS)
+    records = open(os.path.join(ROOT, "records", "gpu_check", "README.md")).read()
+    next_lease = records[records.index("## Next lease"):records.index("\n## ", records.index("## Next lease") + 1)]
+    for i, cmd in enumerate(G.LEASE, 1):
+        assert f"./run.sh gpu-check --lease {i}   # {cmd.budget_s:.0f} s" in next_lease
+    assert "--lease 3" not in next_lease
+
+
+def test_rank_0_of_8_is_reported_without_the_one_gpu_stages():
+    """speedrun-timing times rank 0 of 8 first: cut before the one-GPU stages, its projection is in the report."""
+    timing = dict(rank_of=8, rank_stages=RANK_STAGES, rank_projection=RANK_PROJECTION, stages=[], stages_total=4)
+    rep = dict(info=INFO, total_s=180.0, checks=[dict(name="speedrun-timing", group="speedrun", status="timeout",
+                                                      seconds=180.0, summary="", error="", traceback="", data=timing)])
+    text = R.render_markdown(rep)
+    assert "### This GPU as rank 0 of 8" in text and "| stage 1 | 423 | 60.0 | 12.5 | 300.0 |" in text
+    assert "| stage | steps | batch tokens |" not in text and "- stages measured: 2 of 4 (projection covers those only)" in text

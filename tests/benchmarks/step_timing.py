@@ -242,7 +242,7 @@ def optimizer_split(opt, step, device: torch.device, n: int) -> dict:
 
 def run(args: T.Hyperparameters, d: T.DistInfo, steps: int, warmup: int, peak: float | None,
         on_stage=None, profile_stage: str | None = None, profile_steps: int = 2, split_steps: int = 2,
-        as_rank_of: int | None = None, bus: float | None = None) -> list[dict]:
+        as_rank_of: int | None = None, bus: float | None = None, only: tuple[str, ...] | None = None) -> list[dict]:
     """Times every stage; on_stage(result) is called as each stage finishes (so a caller keeps the
     stages measured before an interruption). warmup_s is the wall time of a stage's warm-up steps,
     its compilation included; graphs_warmup / graphs_timed count the graphs torch.compile made in the
@@ -254,7 +254,8 @@ def run(args: T.Hyperparameters, d: T.DistInfo, steps: int, warmup: int, peak: f
     split N ways but the optimizer's launches and collectives do not (the projections' upper bound).
     as_rank_of: N to time rank 0's work of an N-rank run in this one process (the module's docstring;
     needs no process group); every stage of a run on more than one rank then has comm_bytes (bytes
-    rank 0 sends per step by collective), and bus (GB/s) gives the projection's communication estimate."""
+    rank 0 sends per step by collective), and bus (GB/s) gives the projection's communication estimate.
+    only: the names of the stages to time (stage_table's), the others skipped; default all."""
     comm = None
     if as_rank_of is not None:
         if dist.is_initialized():
@@ -285,6 +286,8 @@ def run(args: T.Hyperparameters, d: T.DistInfo, steps: int, warmup: int, peak: f
     for name, first, length in stage_table(args):
         if name == "stage 3" and opt.tied:
             opt.untie()
+        if only is not None and name not in only:
+            continue
         timed_batches, t0 = [], None
         T.cuda_synchronize(d.device)
         t_warm = time.perf_counter()
