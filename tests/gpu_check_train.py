@@ -83,10 +83,10 @@ class Recorder:
             self.warmup.append((step, losses.detach().clone()))
             return plan, losses
         import train_gpt as T
-        cuda = trainer.d.device.type == "cuda"
+        cuda = trainer.dist_info.device.type == "cuda"
         if self.first is None:  # the timed run's first step: the graphs as the warm-up left them, the weights
             g = trainer.graphs
-            self.graphs = dict(enabled=T.use_cuda_graphs(trainer.args, trainer.d.device), kept=g is not None,
+            self.graphs = dict(enabled=T.use_cuda_graphs(trainer.args, trainer.dist_info.device), kept=g is not None,
                                captured=g.captured() if g is not None else 0,
                                failure=g.failure if g is not None else "")
             self.first = {n: p.detach().to("cpu", copy=True) for n, p in trainer.model.named_parameters()}
