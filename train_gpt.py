@@ -176,6 +176,9 @@ class Hyperparameters:
     momentum_max: float = 0.95
     momentum_warmup: float = 300 / 1270    # x num_iterations steps: momentum_min -> max
     momentum_cooldown: float = 50 / 1270   # x num_iterations last steps of the run: back down
+    # record #92's sampled softmax: ((first step as a fraction of num_iterations, P), ...), P candidate classes
+    # in the training loss from there on (0: all); () (the record's): the full softmax on every step
+    sampled_softmax: tuple = ()
     # optimizer: NorMuon (arXiv 2510.05491) with Polar Express (arXiv 2505.16932), Adam elsewhere
     muon_lr: float = 0.023
     muon_wd: float = 1.2
@@ -492,7 +495,7 @@ KNOB_RANGES = dict(
     momentum_max=_MOMENTUM, momentum_warmup=_FRACTION, momentum_cooldown=_FRACTION, muon_lr=_RATE, muon_wd=_RATE,
     adam_lr=_RATE, adam_wd=_RATE, val_seq_len=_AT_LEAST_1, val_loss_every=_AT_LEAST_0, save_every=_AT_LEAST_0,
     keep_checkpoints=_AT_LEAST_0, sample_tokens=_AT_LEAST_0, adamw_bank_lr_mul=_RATE,
-    seed=dict(lo=0, hi=2**63 - 1, integer=True))
+    seed=dict(lo=0, hi=2**63 - 1, integer=True), sampled_softmax=dict(lo=0, shape=(None, 2)))
 
 def flag_range(field: dataclasses.Field) -> FlagRange | None:
     """A knob's allowed values (KNOB_RANGES), None for a field without a range."""
@@ -2923,12 +2926,13 @@ class GPT(nn.Module):
             model.lm_head_f8_t.copy_(fp8_head_weight(model.lm_head))
 
     def forward(self, input_ids, target_ids, cu_seqlens, bigram_ids, mtp_weights=None, loss_scale: float = 1.0,
-                prefix_weight=None, masks: dict | None = None):
+                prefix_weight=None, masks: dict | None = None, candidates=None):
         """Training (mtp_weights (K,) given): (objective, next_token), 0-D fp32 sums over tokens: loss_scale x
         record #89's loss (softcapped multi-token CE, plus the prefix term with prefix_weight) and the plain
         next-token CE of the same logits (no gradient); FP8 head and MLPs on capable GPUs. Evaluation
         (mtp_weights None): mean next-token CE. target_ids None: the final normed hidden states (T, D).
-        masks: attention_masks(cu_seqlens, T), built here when not given, required when compiled on CUDA."""
+        masks: attention_masks(cu_seqlens, T), built here when not given, required when compiled on CUDA.
+        candidates (P,): the training softmax over these classes only (sampled softmax, candidate_columns)."""
         a = self.args
         H, hd = a.num_heads, a.head_dim
         ids = input_ids.view(-1)
@@ -2994,12 +2998,15 @@ class GPT(nn.Module):
             return x
         if mtp_weights is None:
             return self.evaluation_loss(x, target_ids)
-        targets = target_ids.view(-1)
+        targets, head = target_ids.view(-1), self.lm_head
         prefix_ids = None if prefix_weight is None else self.prefix_table[targets.long()]
+        if candidates is not None:
+            _check_sampled_head(fp8)
+            head, targets, prefix_ids = candidate_columns(head, candidates, targets, prefix_ids)
         # the loss kernel's stored gradient assumes exactly this upstream gradient, loss_scale per token
         # (triton_kernels, "Softcapped cross-entropy")
         loss, next_token = HEAD_LOSSES["fp8" if fp8 else x.device.type](
-            self, x, targets, mtp_weights, prefix_ids, prefix_weight, loss_scale)
+            self, x, head, targets, mtp_weights, prefix_ids, prefix_weight, loss_scale)
         return loss.sum() * loss_scale, next_token.sum()
 
     def evaluation_loss(self, x: torch.Tensor, target_ids: torch.Tensor) -> torch.Tensor:
@@ -3032,9 +3039,10 @@ def _check_batch_masks(model: GPT, batch: Batch) -> None:
                          f" the model attends at windows {model.window_tokens}; build batches with"
                          " flex_mask_spec(args, the step's windows) after set_windows")
 
-def fp8_head(model: GPT, x, targets, mtp_weights, prefix_ids, prefix_weight, loss_scale):
+def fp8_head(model: GPT, x, w, targets, mtp_weights, prefix_ids, prefix_weight, loss_scale):
     """The FP8 head's training loss (GPUs with FP8 tensor cores, record #89's): x quantised here, in the
-    graph; lm_head's copy as quantize_fp8 made it after the last step. (loss, next-token loss) per token."""
+    graph; lm_head's copy as quantize_fp8 made it after the last step (w: lm_head, every column).
+    (loss, next-token loss) per token."""
     loss, next_token, _ = fp8_head_loss(
         x, model.lm_head, fp8_head_input(x), model.lm_head_f8_t.T, targets, mtp_weights, prefix_ids, prefix_weight,
         FP8_HEAD_X_SCALE, FP8_HEAD_W_SCALE, FP8_HEAD_GRAD_SCALE * float(loss_scale), float(loss_scale))
@@ -3048,16 +3056,17 @@ def bf16_mlp(state: FP8MLPState, layer: int, x: torch.Tensor, w_up: torch.Tensor
     """The bf16 MLP in FP8MLPState.mlp's form (its FP8 state unused): (y, None)."""
     return triton_kernels.relu2_mlp(x, w_up, w_down), None
 
-def bf16_head(model: GPT, x, targets, mtp_weights, prefix_ids, prefix_weight, loss_scale):
-    """The bf16 head's training loss: the logits, then the loss kernel. (loss, next-token loss) per token."""
-    return triton_kernels.softcapped_ce_mtp(x @ model.lm_head, targets, mtp_weights, prefix_ids, prefix_weight,
+def bf16_head(model: GPT, x, w, targets, mtp_weights, prefix_ids, prefix_weight, loss_scale):
+    """The bf16 head's training loss: the logits x @ w (w: lm_head or its candidates' columns), then the loss
+    kernel. (loss, next-token loss) per token."""
+    return triton_kernels.softcapped_ce_mtp(x @ w, targets, mtp_weights, prefix_ids, prefix_weight,
                                             grad_scale=loss_scale, next_token=True)
 
 # ---- The CPU's head and evaluation loss ------------------------------------------------------
 
-def cpu_head(model: GPT, x, targets, mtp_weights, prefix_ids, prefix_weight, loss_scale):
+def cpu_head(model: GPT, x, w, targets, mtp_weights, prefix_ids, prefix_weight, loss_scale):
     """The head's matmuls inside the loss's row blocks: no (T, V) tensor in memory. (loss, next-token loss)."""
-    return triton_kernels.softcapped_ce_mtp_head_rows(x, model.lm_head, targets, mtp_weights, prefix_ids, prefix_weight,
+    return triton_kernels.softcapped_ce_mtp_head_rows(x, w, targets, mtp_weights, prefix_ids, prefix_weight,
                                                       grad_scale=loss_scale, next_token=True)
 
 def cpu_evaluation_ce(logits: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
@@ -3065,6 +3074,22 @@ def cpu_evaluation_ce(logits: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
     if torch.compiler.is_compiling():
         return bf16_evaluation_ce(logits, t)
     return F.nll_loss(triton_kernels.softcap_log_probs(logits), t, reduction="sum")
+
+# ---- Sampled softmax (record #92): the training loss over a candidate set of classes -------------------
+
+def candidate_columns(head: torch.Tensor, candidates: torch.Tensor, targets: torch.Tensor, prefix_ids):
+    """The head's columns of the sorted candidates (P,) (its gradient is zero in every other column), and
+    the targets and prefix ids as indices among them: every target is a candidate (candidate_classes); a
+    prefix that is not gets -1, which drops its term and its weight."""
+    column = torch.full((head.shape[1],), -1, dtype=torch.int64, device=targets.device)
+    column[candidates] = torch.arange(candidates.numel(), device=targets.device)
+    if prefix_ids is not None:
+        prefix_ids = torch.where(prefix_ids >= 0, column[prefix_ids.clamp_min(0)], -1)
+    return head.index_select(1, candidates), column[targets.long()], prefix_ids
+
+def _check_sampled_head(fp8: bool) -> None:
+    if fp8:
+        raise ValueError("sampled softmax: the FP8 head trains on every column; add --fp8 false")
 
 # The MLP of every layer by kind: "fp8" (training on a GPU with FP8 tensor cores, record #89), else "bf16".
 MLPS = dict(fp8=FP8MLPState.mlp, bf16=bf16_mlp)
@@ -3305,6 +3330,7 @@ class Batch:
     block_masks: dict | None = None
     max_doc_len: int | None = None  # documents are at most this long (the stage's; varlen's launch grid)
     staged: torch.Tensor | None = None  # every tensor above packed into one pinned buffer (stage_batch)
+    candidates: torch.Tensor | None = None  # (P,) int64 sorted classes of the sampled softmax (candidate_classes)
 
     def to(self, device: torch.device) -> "Batch":
         """The batch on `device`: one non-blocking copy of its tensors staged in one pinned buffer (stage_batch;
@@ -3324,17 +3350,18 @@ def _staged_bytes(t: torch.Tensor) -> int:
 def batch_tensors(b: Batch) -> list[torch.Tensor]:
     """Every tensor of the batch in a fixed order (the staging buffer's layout)."""
     masks = [t for key in sorted(b.block_masks) for t in b.block_masks[key]] if b.block_masks else []
-    extra = [b.doc_ids] if b.doc_ids is not None else []
+    extra = [t for t in (b.doc_ids, b.candidates) if t is not None]
     return [b.inputs, b.targets, b.cu_seqlens, b.bigram_ids, *extra, *masks]
 
 def batch_with_tensors(b: Batch, tensors) -> Batch:
     """b with its tensors replaced, in batch_tensors' order."""
     it = iter(tensors)
     inputs, targets, cu_seqlens, bigram_ids = (next(it) for _ in range(4))
-    doc_ids = next(it) if b.doc_ids is not None else None
+    doc_ids, candidates = (next(it) if t is not None else None for t in (b.doc_ids, b.candidates))
     block_masks = {key: BlockMaskIndices(*(next(it) for _ in BlockMaskIndices._fields))
                    for key in sorted(b.block_masks)} if b.block_masks else None
-    return Batch(inputs, targets, cu_seqlens, bigram_ids, b.mask_spec, doc_ids, block_masks, b.max_doc_len)
+    return Batch(inputs, targets, cu_seqlens, bigram_ids, b.mask_spec, doc_ids, block_masks, b.max_doc_len,
+                 candidates=candidates)
 
 def staged_bytes(b: Batch) -> int:
     """Bytes of b's staged buffer (a multiple of STAGE_ALIGN)."""
@@ -3378,10 +3405,23 @@ def max_docs_for(num_tokens: int) -> int:
     """Document-boundary capacity of T tokens (a static shape); rare extra documents merge into the last."""
     return num_tokens // 8 + 16
 
+def candidate_classes(targets: np.ndarray, P: int, V: int, stride: int = 20011) -> torch.Tensor:
+    """The sampled softmax's classes for a micro-batch (record #92's "shared negatives"): every target, then
+    the first classes not among them of the sweep k -> stride * k mod V (a permutation: gcd(stride, V) = 1)
+    from k = the targets' sum mod V, P in all, sorted. A function of the micro-batch alone: any world size
+    draws the same sets. No logQ correction is applied; the negatives are uniform over the vocabulary."""
+    present = np.unique(targets)
+    if math.gcd(stride, V) != 1 or not len(present) <= P <= V:
+        raise ValueError(f"sampled softmax: P={P} classes must hold the micro-batch's {len(present)} distinct"
+                         f" targets and at most the {V} classes, and stride {stride} be coprime with {V}")
+    sweep = stride * (int(targets.sum()) + np.arange(P, dtype=np.int64)) % V  # P - |targets| are enough
+    negatives = sweep[~np.isin(sweep, present)][:P - len(present)]
+    return torch.from_numpy(np.sort(np.concatenate([present, negatives])).astype(np.int64))
+
 def make_batch(buf: np.ndarray, bigram_vocab_size: int, mask_spec: tuple | None = None,
-               max_doc_len: int | None = None) -> Batch:
+               max_doc_len: int | None = None, sampled: tuple | None = None) -> Batch:
     """Batch from T + 1 consecutive tokens: inputs buf[:T], targets buf[1:]; with a mask_spec (flex_mask_spec)
-    also the flex block masks, built here on the host."""
+    also the flex block masks, built here on the host; with sampled (P, V) the sampled softmax's classes."""
     T = len(buf) - 1
     inputs = torch.from_numpy(buf[:T].astype(np.int32))
     starts = np.flatnonzero(buf[:T] == BOS_ID)
@@ -3390,7 +3430,8 @@ def make_batch(buf: np.ndarray, bigram_vocab_size: int, mask_spec: tuple | None 
     cu[0] = 0
     cu[1:1 + len(starts)] = starts
     batch = Batch(inputs, torch.from_numpy(buf[1:].astype(np.int64)), torch.from_numpy(cu),
-                  bigram_hash(inputs, bigram_vocab_size), max_doc_len=max_doc_len)
+                  bigram_hash(inputs, bigram_vocab_size), max_doc_len=max_doc_len,
+                  candidates=candidate_classes(buf[1:].astype(np.int64), *sampled) if sampled else None)
     if mask_spec is not None:
         block_size, kinds = mask_spec
         doc = document_ids(batch.cu_seqlens, T)
@@ -3441,7 +3482,7 @@ class DocumentLoader:
 
     def _build(self, position: tuple[int, int], request: tuple) -> tuple[list[Batch], tuple[int, int]]:
         """One step's micro-batches of this rank from `position`, and the position after them."""
-        tokens_per_micro, max_doc_len, micro_batches, mask_spec = request
+        tokens_per_micro, max_doc_len, micro_batches, mask_spec, sampled = request
         shard, doc = position
         mine = []
         for g in range(micro_batches):
@@ -3451,7 +3492,7 @@ class DocumentLoader:
                 pieces.append(tokens[:min(max_doc_len, need)])
                 need -= len(pieces[-1])
             if g % self.world_size == self.rank:
-                mine.append(make_batch(np.concatenate(pieces), self.bigram_vocab_size, mask_spec, max_doc_len))
+                mine.append(make_batch(np.concatenate(pieces), self.bigram_vocab_size, mask_spec, max_doc_len, sampled))
         return (stage_step(mine) if self.stage else mine), (shard, doc)
 
     def _settle(self):
@@ -3460,20 +3501,21 @@ class DocumentLoader:
         return None if ahead is None else (ahead[0], ahead[1].result())
 
     def next_step(self, tokens_per_micro: int, max_doc_len: int, micro_batches: int,
-                  mask_spec: tuple | None = None) -> list[Batch]:
+                  mask_spec: tuple | None = None, sampled: tuple | None = None) -> list[Batch]:
         """This rank's micro-batches of one step, each whole documents (truncated to max_doc_len, the last to
-        fit) making tokens_per_micro + 1 tokens: the look_ahead() of exactly this step if there is one."""
-        request = (tokens_per_micro, max_doc_len, micro_batches, mask_spec)
+        fit) making tokens_per_micro + 1 tokens: the look_ahead() of exactly this step if there is one.
+        sampled: (P, vocabulary) of the sampled softmax (make_batch)."""
+        request = (tokens_per_micro, max_doc_len, micro_batches, mask_spec, sampled)
         key = ((self.shard, self.doc), request)
         ahead = self._settle()
         batches, (self.shard, self.doc) = ahead[1] if ahead and ahead[0] == key else self._build(*key)
         return batches
 
     def look_ahead(self, tokens_per_micro: int, max_doc_len: int, micro_batches: int,
-                   mask_spec: tuple | None = None) -> None:
+                   mask_spec: tuple | None = None, sampled: tuple | None = None) -> None:
         """Start building the next step (next_step's arguments) on the loader's thread."""
         self._settle()
-        key = ((self.shard, self.doc), (tokens_per_micro, max_doc_len, micro_batches, mask_spec))
+        key = ((self.shard, self.doc), (tokens_per_micro, max_doc_len, micro_batches, mask_spec, sampled))
         self._ahead = (key, self._steps.submit(self._build, *key))
 
     def state_dict(self) -> dict:
@@ -3532,6 +3574,7 @@ class StepPlan:
     mtp_weights: tuple        # weights of the targets t+1, t+2, t+3
     prefix_weight: float      # weight of the prefix-token term
     do_adam: bool             # Adam parameters step on odd steps; their gradients accumulate meanwhile
+    candidates: int = 0       # classes in the training softmax (sampled softmax), 0: all
 
 def stage_bounds(args: Hyperparameters) -> tuple[int, ...]:
     """First step of every stage row, then the run's end: (0, 423, 847, 1270, 1285) for the speedrun."""
@@ -3577,8 +3620,9 @@ def plan_step(args: Hyperparameters, step: int) -> StepPlan:
         momentum = hi - (hi - lo) * (step - (total - cooldown)) / cooldown
     else:
         momentum = hi
-    return StepPlan(step, stage, row.batch_tokens, row.max_doc_len, tuple(row.windows),
-                    lr_mult, momentum, tuple(float(w) for w in mtp), float(prefix), step % 2 == 1)
+    candidates = ([int(p) for start, p in args.sampled_softmax if step + 1e-6 >= start * n] or [0])[-1]
+    return StepPlan(step, stage, row.batch_tokens, row.max_doc_len, tuple(row.windows), lr_mult, momentum,
+                    tuple(float(w) for w in mtp), float(prefix), step % 2 == 1, candidates)
 
 def schedule_tokens(args: Hyperparameters) -> list[int]:
     """Global tokens trained before each step, then the run's total (total_steps + 1 entries)."""
@@ -3595,7 +3639,8 @@ def eta_seconds(cumulative: list[int], first: int, done: int, elapsed_ms: float)
 def batch_request(args: Hyperparameters, plan: StepPlan, batches_per_step: int, device: torch.device) -> tuple:
     """DocumentLoader.next_step's arguments for a step; on CUDA the loader also builds the flex block masks."""
     spec = flex_mask_spec(args, plan.windows, attention_kernels(args, device)) if device.type == "cuda" else None
-    return plan.batch_tokens // batches_per_step, plan.max_doc_len, batches_per_step, spec
+    sampled = (plan.candidates, args.padded_vocab_size) if plan.candidates else None
+    return plan.batch_tokens // batches_per_step, plan.max_doc_len, batches_per_step, spec, sampled
 
 def warmup_steps(args: Hyperparameters) -> list[int]:
     """The steps the compile warm-up runs (the record's 14): 0, 1 and two either side of each stage start,
@@ -3776,7 +3821,8 @@ def forward_backward(compiled_model, opt: NorMuonAdam, batches: list[Batch], pla
         b = b.to(device)
         masks = compiled_model.batch_masks(b)  # outside the compiled graph; built by the loader when it could
         micro, micro_next_token = compiled_model(b.inputs, b.targets, b.cu_seqlens, b.bigram_ids, mtp_weights=mtp,
-                                                 loss_scale=grad_scale, prefix_weight=prefix, masks=masks)
+                                                 loss_scale=grad_scale, prefix_weight=prefix, masks=masks,
+                                                 candidates=b.candidates)
         hooks = into is None and i == len(batches) - 1
         with reductions_on_backward(opt, plan.do_adam) if hooks else contextlib.nullcontext():
             micro.backward()
@@ -3820,8 +3866,8 @@ def step_graph_key(plan: StepPlan, request: tuple, micro_batches: int) -> tuple:
     """What a step's captured forward+backward depends on beyond its buffers' values: the windows (numbers
     in the graph), the loader request's shapes and this rank's micro-batch count. Adam parity and the
     untie change only the optimizer step, which runs after the replay."""
-    tokens, max_doc_len, _, spec = request
-    return (tuple(plan.windows), tokens, max_doc_len, micro_batches, spec)
+    tokens, max_doc_len, _, spec, sampled = request
+    return (tuple(plan.windows), tokens, max_doc_len, micro_batches, spec, sampled)
 
 @dataclass
 class _StepBuffers:
@@ -4408,6 +4454,10 @@ def check_args(args: Hyperparameters, world_size: int) -> None:
                           ("attention_kernel", ("auto", *GPU_ATTENTION_KERNELS))):
         if getattr(args, name) not in choices:
             raise SystemExit(f"error: --{name} {getattr(args, name)!r} is not one of {', '.join(choices)}")
+    for start, P in args.sampled_softmax:
+        if P != int(P) or P > args.padded_vocab_size or P and args.fp8:
+            raise SystemExit(f"error: --sampled_softmax {args.sampled_softmax!r}: P must be an integer <= "
+                             f"--padded_vocab_size, and the FP8 head trains on every class (add --fp8 false)")
     if args.val_tokens % min(args.val_seq_len, args.val_tokens):
         raise SystemExit(f"error: --val_tokens {args.val_tokens} must be a multiple of --val_seq_len {args.val_seq_len}")
     try:

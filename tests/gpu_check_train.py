@@ -12,7 +12,7 @@ here, and records around the call. The samples are read on the device after each
 per parameter, no host wait); the profiled step is left out of the milliseconds. R.json is written when
 the run ends, also when it fails (then with "error" and the whole "traceback"); P.pt holds the tensors
 (rank 0 only). train_gpt.py names used: main, Trainer.step (its `warm_up` keyword, its (plan, losses)
-return), Trainer's model / args / d / graphs, StepGraphs.captured / failure, use_cuda_graphs, plan_step
+return), Trainer's model / args / dist_info / graphs, StepGraphs.captured / failure, use_cuda_graphs, plan_step
 (batch_tokens, windows), warmup_steps, total_steps.
 """
 from __future__ import annotations

@@ -93,6 +93,17 @@ def test_world_sizes_agree(two_rank_run, tmp_path):
     assert v1[7] < v1[0] - 0.5
 
 
+def test_sampled_softmax_trains_alike_on_one_and_two_ranks(tmp_path):
+    """--sampled_softmax (each micro-batch's candidate set a function of the micro-batch alone): 1 and 2
+    ranks follow the same loss trajectory, and the loss falls; validation is over every class."""
+    flags = ("--cpu_dtype", "fp32", "--fp8", "false", "--sampled_softmax", "((0, 1024), (0.8, 0))")
+    v1, v2 = (val_losses(train(tmp_path / str(n), f"sampled{n}", n, *flags)) for n in (1, 2))
+    assert v1[0] == v2[0]
+    for step in (3, 6, 7):
+        assert abs(v1[step] - v2[step]) < 0.02, (v1, v2)
+    assert v1[7] < v1[0] - 0.5
+
+
 def test_resume_continues_exactly(two_rank_run, tmp_path):
     tmp, log = two_rank_run
     ckpt = tmp / "ckpt" / "two" / "step_000003"
