@@ -1,6 +1,6 @@
 """The documentation holds together: every relative link of the READMEs reaches an existing file (and an
 #anchor a heading of it), README.md stays a front page, its map of train_gpt.py names real sections, and
-records/README.md's figures of the file's first part are the file's."""
+records/README.md's figures of the file's sections are the file's."""
 import glob
 import os
 import re

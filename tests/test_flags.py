@@ -1,6 +1,6 @@
 """Start-up checks: a bad flag or shard stops the run at once with one line naming it, before the
 process group, model, loader or log exist (check_args in train_gpt.py); and a bad call of one of the
-speedrun's functions raises one line naming the function (their checks sit below the fence)."""
+speedrun's functions raises one line naming the function (each check beside its function)."""
 import dataclasses
 import os
 import shutil
@@ -240,7 +240,7 @@ def test_layer_words_round_trip_to_the_records_rows():
 
 
 # ----------------------------------------------------------------------------------------------
-# The first part's functions check their arguments below the fence: a bad call is one line
+# The speedrun's functions check their arguments beside them: a bad call is one line
 # ----------------------------------------------------------------------------------------------
 
 def _sparse_optimizer(world_size=2):
