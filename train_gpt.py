@@ -1211,8 +1211,10 @@ def normuon_variance_reduction(O: torch.Tensor, second_moment: torch.Tensor, bet
     return O.mul_((step * (norm / new_norm.clamp_min(1e-10))).to(O.dtype))
 
 def _normuon_update(grad, momentum_buf, second_moment, param, mantissa, matrix_lr, hp, orthogonalize):
-    """One NorMuon step on a shard of matrices (k, rows, cols), in place, as record #89. hp: NorMuonHyperparams
-    of 0-d fp32 tensors (no recompiles as the schedules move); matrix_lr (k, 1, 1)."""
+    """One NorMuon step on a shard of matrices (k, rows, cols), in place, as record #89. hp: the label's fp32
+    row of hyperparam_tensors (a tensor: no recompiles as the schedules move), read by NorMuonHyperparams'
+    names; matrix_lr (k, 1, 1)."""
+    hp = hyperparams_of(NorMuonHyperparams, hp)
     g = _nesterov_momentum(grad, momentum_buf, hp.momentum)
     O = normuon_variance_reduction(orthogonalize(g), second_moment, hp.beta2).float()
     _cautious_step(O, param, mantissa, hp.lr * matrix_lr, hp.decay)
@@ -1232,7 +1234,9 @@ def _cautious_step(O, param, mantissa, eff_lr, decay) -> None:
 
 def _adam_update(grad, exp_avg, exp_avg_sq, param, hp):
     """One Adam step with cautious weight decay (arXiv 2411.16085) on a shard, in place, as record #89.
-    hp: AdamHyperparams of 0-d fp32 tensors; eps on the uncorrected root; a strict decay mask that reads the update."""
+    hp: the label's row of hyperparam_tensors, read by AdamHyperparams' names; eps on the uncorrected root; a
+    strict decay mask that reads the update."""
+    hp = hyperparams_of(AdamHyperparams, hp)
     g = grad.float()
     exp_avg.mul_(hp.beta1).add_(g * (1 - hp.beta1))
     exp_avg_sq.mul_(hp.beta2).add_(g.square() * (1 - hp.beta2))
@@ -1294,6 +1298,10 @@ class AdamHyperparams(NamedTuple):
     beta2: float
     eps: float
 
+def hyperparams_of(kind: type, row: torch.Tensor):
+    """kind's fields (0-d views) of a row of hyperparam_tensors, unbound inside the compiled update."""
+    return kind(*row.unbind()[:len(kind._fields)])
+
 def normuon_hyperparams(lr: float, wd: float, wd_mul: float, momentum: float, beta2: float) -> NorMuonHyperparams:
     return NorMuonHyperparams(lr, wd * wd_mul * lr, momentum, beta2)
 
@@ -1301,14 +1309,15 @@ def adam_hyperparams(lr: float, t: int, betas: tuple, wd: float, wd_mul: float, 
     b1, b2 = betas  # t counts from 1
     return AdamHyperparams(lr * math.sqrt(1.0 - b2 ** t) / (1.0 - b1 ** t), lr * lr * wd * wd_mul, b1, b2, eps)
 
-def hyperparam_tensors(labels, rows, device: torch.device) -> dict[str, tuple]:
-    """Every label's row (NorMuonHyperparams or AdamHyperparams) in one host->device copy (pinned,
-    non-blocking on CUDA): per label the same tuple of 0-d fp32 views, fields by name."""
+def hyperparam_tensors(labels, rows, device: torch.device) -> dict[str, torch.Tensor]:
+    """Every label's row (NorMuonHyperparams or AdamHyperparams, padded with 0s to the longest) in one
+    host->device copy (pinned, non-blocking on CUDA); a row view per label, its fields read by name in the
+    update (hyperparams_of)."""
     width = max(map(len, rows), default=0)
     hp = torch.tensor([[*row, *[0.0] * (width - len(row))] for row in rows], dtype=torch.float32)
     if device.type == "cuda":
         hp = hp.pin_memory().to(device, non_blocking=True)
-    return {label: type(row)(*hp[i, :len(row)].unbind()) for i, (label, row) in enumerate(zip(labels, rows))}
+    return {label: hp[i] for i, label in enumerate(labels)}
 
 # ---- Layout: which rank owns which rows of every label ------------------------------------
 
@@ -2206,6 +2215,7 @@ def tensor_parallel_normuon_update(grad, momentum_buf, second_moment, param, man
     orthogonalize = functools.partial(polar_express, dtype=dtype)
     if mode == "blockwise":
         return _normuon_update(grad, momentum_buf, second_moment, param, mantissa, matrix_lr, hp, orthogonalize)
+    hp = hyperparams_of(NorMuonHyperparams, hp)
     g = _nesterov_momentum(grad, momentum_buf, hp.momentum)
     if mode == "duplicated":
         O = normuon_variance_reduction(orthogonalize(_gather_shards(g, dim, group)), second_moment, hp.beta2)
@@ -3001,7 +3011,8 @@ class GPT(nn.Module):
         targets, head = target_ids.view(-1), self.lm_head
         prefix_ids = None if prefix_weight is None else self.prefix_table[targets.long()]
         if candidates is not None:
-            _check_sampled_head(fp8)
+            if fp8:
+                raise ValueError("sampled softmax: the FP8 head trains on every column; add --fp8 false")
             head, targets, prefix_ids = candidate_columns(head, candidates, targets, prefix_ids)
         # the loss kernel's stored gradient assumes exactly this upstream gradient, loss_scale per token
         # (triton_kernels, "Softcapped cross-entropy")
@@ -3044,7 +3055,7 @@ def fp8_head(model: GPT, x, w, targets, mtp_weights, prefix_ids, prefix_weight, 
     graph; lm_head's copy as quantize_fp8 made it after the last step (w: lm_head, every column).
     (loss, next-token loss) per token."""
     loss, next_token, _ = fp8_head_loss(
-        x, model.lm_head, fp8_head_input(x), model.lm_head_f8_t.T, targets, mtp_weights, prefix_ids, prefix_weight,
+        x, w, fp8_head_input(x), model.lm_head_f8_t.T, targets, mtp_weights, prefix_ids, prefix_weight,
         FP8_HEAD_X_SCALE, FP8_HEAD_W_SCALE, FP8_HEAD_GRAD_SCALE * float(loss_scale), float(loss_scale))
     return loss, next_token
 
@@ -3086,10 +3097,6 @@ def candidate_columns(head: torch.Tensor, candidates: torch.Tensor, targets: tor
     if prefix_ids is not None:
         prefix_ids = torch.where(prefix_ids >= 0, column[prefix_ids.clamp_min(0)], -1)
     return head.index_select(1, candidates), column[targets.long()], prefix_ids
-
-def _check_sampled_head(fp8: bool) -> None:
-    if fp8:
-        raise ValueError("sampled softmax: the FP8 head trains on every column; add --fp8 false")
 
 # The MLP of every layer by kind: "fp8" (training on a GPU with FP8 tensor cores, record #89), else "bf16".
 MLPS = dict(fp8=FP8MLPState.mlp, bf16=bf16_mlp)
@@ -3815,8 +3822,8 @@ def forward_backward(compiled_model, opt: NorMuonAdam, batches: list[Batch], pla
     if into is None:
         begin_step(opt, batches, plan, mtp, prefix)
     loss, next_token = into or (torch.zeros((), device=device), torch.zeros((), device=device))
-    loss.zero_()
-    next_token.zero_()
+    for t in into or ():  # the step graphs' static sums start each run at 0
+        t.zero_()
     for i, b in enumerate(batches):
         b = b.to(device)
         masks = compiled_model.batch_masks(b)  # outside the compiled graph; built by the loader when it could

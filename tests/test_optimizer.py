@@ -353,7 +353,7 @@ def test_sliced_cpu_adam_is_bit_identical(dtype, monkeypatch):
     grad = torch.randn(n // 3 + 1, 3, generator=g)[: n // 3].to(dtype)  # 2-D: a table's shard
     state = [torch.randn(grad.shape, generator=g), torch.rand(grad.shape, generator=g)]
     param = torch.randn(grad.shape, generator=g).to(dtype)
-    hp = T.AdamHyperparams(*torch.tensor([0.01, 0.003, 0.9, 0.95, 1e-10]).unbind())
+    hp = torch.tensor([0.01, 0.003, 0.9, 0.95, 1e-10])
     whole = [t.clone() for t in (grad, *state, param)]
     T._adam_update(*whole, hp)
     sliced = [t.clone() for t in (grad, *state, param)]
