@@ -199,7 +199,15 @@ class Hyperparameters:
     cpu_dtype: str = "auto"                # CPU only: bf16 | fp32 | auto (the faster, timed at start-up)
     sample_tokens: int = 0                 # after training, print a sampled continuation this long
     # component switches outside the rows (ABLATIONS edits rows for the others): off, parameters stay, frozen
-    matrix_optimizer: str = "normuon"      # banks: normuon | muon (no variance reduction) | adamw
+    matrix_optimizer: str = "normuon"      # banks: normuon | muon (no variance reduction) | adamw | anvil
+    # anvil (record #92's ANVIL): its decay, gated by the slow rail's sign; the rail beta (the Nesterov look-ahead,
+    # in place of momentum_*): min -> max over the warm-up, back over the cool-down (fractions of num_iterations);
+    # from `engage` x num_iterations on, the fast rail's beta and weight in the blend are fixed (before: the rail
+    # beta, weight 1: plain Nesterov momentum); the slow rail's beta
+    anvil_wd: float = 2.25
+    anvil_rail_beta: tuple = (0.85, 0.93, 240 / 1174, 50 / 1174)  # (min, max, warm-up, cool-down)
+    anvil_rails: tuple = (514 / 1174, 0.85, 0.4385, 0.98)         # (engage, fast beta, fast weight, slow beta)
+    weight_blends: bool = False            # record #92's end-of-run weight blends (BLENDS) before the final validation
     adamw_bank_lr_mul: float = 0.25        # adamw: the banks' lr, x adam_lr (Adam on every step)
     value_embeds: bool = True              # value-embedding tables added to V (the value_embed rows)
     bigram_embed: bool = True              # bigram hash embedding injected at every layer
@@ -494,7 +502,8 @@ KNOB_RANGES = dict(
     extension_iterations=_AT_LEAST_0, micro_batches=_AT_LEAST_1, cooldown_start=_FRACTION, momentum_min=_MOMENTUM,
     momentum_max=_MOMENTUM, momentum_warmup=_FRACTION, momentum_cooldown=_FRACTION, muon_lr=_RATE, muon_wd=_RATE,
     adam_lr=_RATE, adam_wd=_RATE, val_seq_len=_AT_LEAST_1, val_loss_every=_AT_LEAST_0, save_every=_AT_LEAST_0,
-    keep_checkpoints=_AT_LEAST_0, sample_tokens=_AT_LEAST_0, adamw_bank_lr_mul=_RATE,
+    keep_checkpoints=_AT_LEAST_0, sample_tokens=_AT_LEAST_0, adamw_bank_lr_mul=_RATE, anvil_wd=_RATE,
+    anvil_rail_beta=dict(lo=0, hi=1, shape=(4,)), anvil_rails=dict(lo=0, hi=1, shape=(4,)),
     seed=dict(lo=0, hi=2**63 - 1, integer=True), sampled_softmax=dict(lo=0, shape=(None, 2)))
 
 def flag_range(field: dataclasses.Field) -> FlagRange | None:
@@ -985,7 +994,8 @@ def _check_matrices(G: torch.Tensor) -> None:
     if G.ndim < 2:
         raise ValueError(f"orthogonalization needs matrices (..., m, n); got shape {tuple(G.shape)}")
 
-def polar_express(G: torch.Tensor, coeffs=POLAR_EXPRESS_COEFFS, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+def polar_express(G: torch.Tensor, coeffs=POLAR_EXPRESS_COEFFS, dtype: torch.dtype = torch.bfloat16,
+                  trace_margin: float | None = None) -> torch.Tensor:
     """Polar Express orthogonalization of a matrix or a bank of matrices, in bf16 (the record's).
 
     X = bf16(G) / (||X||_F * 1.02 + 1e-6), norm and division in bf16. Wide and square matrices
@@ -994,20 +1004,29 @@ def polar_express(G: torch.Tensor, coeffs=POLAR_EXPRESS_COEFFS, dtype: torch.dty
     matrices of more than 1024 rows (the MLP bank) the product with X is rounded to bf16, then a X is added in
     fp32 and the sum rounded once (CUDA's add_ with alpha; the CPU's would round a); smaller ones use one fused
     multiply-add. Returns `dtype` (bf16) with G's shape; dtype=torch.float32: the same in fp32 (slow bf16 CPUs).
+    trace_margin (anvil_cascade's): X and A / d^2 instead, d = trace_margin sqrt(trace A) + 1e-6 from the Gram
+    matrix A of bf16(G) (its trace summed in fp32, both divisions rounded from fp32), the first iteration reusing A.
     """
     X = _as_bank(G).to(dtype)
-    X = X / (X.norm(dim=(-2, -1), keepdim=True) * 1.02 + 1e-6)
     wide = X.size(-2) <= X.size(-1)
     split = X.size(-2) > 1024
     gram = triton_kernels.XXT if wide else triton_kernels.XTX  # symmetric Triton kernels on CUDA
     k = X.size(-2) if wide else X.size(-1)
-    for a, b, c in coeffs:
+    A = None
+    if trace_margin is None:
+        X = X / (X.norm(dim=(-2, -1), keepdim=True) * 1.02 + 1e-6)
+    else:
         A = gram(X, X.new_empty(X.size(0), k, k))
+        d = A.diagonal(dim1=-2, dim2=-1).float().sum(-1)[..., None, None].sqrt() * trace_margin + 1e-6
+        X, A = (X.float() / d).to(dtype), (A.float() / d.square()).to(dtype)
+    for a, b, c in coeffs:
+        A = gram(X, X.new_empty(X.size(0), k, k)) if A is None else A
         B = triton_kernels.ba_plus_cAA(A, c, b, torch.empty_like(A))  # b A + c A^2
         if split:
             X = (torch.bmm(B, X) if wide else torch.bmm(X, B)).float().add_(X, alpha=a).to(X.dtype)
         else:
             X = torch.baddbmm(X, B, X, beta=a) if wide else torch.baddbmm(X, X, B, beta=a)
+        A = None
     return X.reshape(G.shape)
 
 # ---- Gram Newton-Schulz and the measured "auto" choice (alternatives to polar_express) -------
@@ -1090,13 +1109,32 @@ def orthogonalize_auto(G: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> 
     name = auto_orthogonalizer(m, n, triton_kernels.gpu_name_of(G))
     return (gram_newton_schulz if name == "gram_newton_schulz" else polar_express)(G, dtype=dtype)
 
+# ---- ANVIL's cascade (record #92): six quintic maps after a trace normalisation ---------------------
+# Its six (a, b, c), composed in float64, take every singular value in [3e-3, 1/1.05] into [0.99507, 1.000401];
+# there is no margin above 1/1.05 (a rank-1 matrix reaches it): f(0.9525) = 23, f(0.953) = 7.9e11.
+ANVIL_MAPS: tuple[tuple[float, float, float], ...] = (
+    (3.923798038567, -6.095026865488, 3.905234618423),
+    (3.278126713798, -3.328923386476, 0.989127286973),
+    (3.505298394150, -5.137358782410, 1.968325560615),
+    (2.815058591845, -3.685181239622, 1.417196497642),
+    (2.245503932403, -2.443826979899, 0.963091710461),
+    (2.256537145403, -2.166840097229, 0.929501253245),
+)
+ANVIL_TRACE_MARGIN = 1.05
+
+def anvil_cascade(G: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """ANVIL's orthogonalization (record #92): polar_express's iteration with ANVIL_MAPS after normalising by
+    1.05 sqrt(trace of the Gram matrix) (the trace is ||X||_F^2). Returns `dtype` with G's shape."""
+    return polar_express(G, ANVIL_MAPS, dtype, trace_margin=ANVIL_TRACE_MARGIN)
+
 # The orthogonalizers by name (--orthogonalizer); the record's is Polar Express.
-ORTHOGONALIZERS = {"polar_express": polar_express, "gram_newton_schulz": gram_newton_schulz, "auto": orthogonalize_auto}
+ORTHOGONALIZERS = {"polar_express": polar_express, "gram_newton_schulz": gram_newton_schulz, "auto": orthogonalize_auto,
+                   "anvil_cascade": anvil_cascade}
 
 def orthogonalization_flops(rows: int, cols: int, orthogonalizer="polar_express") -> int:
     """FLOPs to orthogonalize one rows x cols matrix, counted like torch's FlopCounterMode (2 per
     multiply-add, symmetric products counted dense). With s the short side and L the long one:
-    Polar Express 5 x (4 s^2 L + 2 s^3); Gram Newton-Schulz 8 s^2 L + 32 s^3 (module docstrings).
+    Polar Express 5 x (4 s^2 L + 2 s^3), ANVIL's cascade 6 x; Gram Newton-Schulz 8 s^2 L + 32 s^3 (module docstrings).
     orthogonalizer: a name, one of the functions (or a functools.partial of one); anything else is
     costed as Polar Express. Balanced ownership evens out these counts over the ranks."""
     fn = getattr(orthogonalizer, "func", orthogonalizer)
@@ -1106,7 +1144,7 @@ def orthogonalization_flops(rows: int, cols: int, orthogonalizer="polar_express"
         name = auto_orthogonalizer(rows, cols)
     if name == "gram_newton_schulz":
         return 8 * s * s * L + 32 * s ** 3
-    return len(POLAR_EXPRESS_COEFFS) * (4 * s * s * L + 2 * s ** 3)
+    return len(ANVIL_MAPS if name == "anvil_cascade" else POLAR_EXPRESS_COEFFS) * (4 * s * s * L + 2 * s ** 3)
 
 def orthogonalizer_of(orthogonalizer):
     """A callable as it is, a name of ORTHOGONALIZERS as its function, else a one-line error."""
@@ -1137,7 +1175,7 @@ def _check_orthogonalizer(name) -> str:
 @dataclass(frozen=True)
 class ParamConfig:
     """How one labelled parameter is optimized and communicated (a row of the record's param_table)."""
-    optimizer: str = "adam"                         # "normuon" (banks of matrices) or "adam"
+    optimizer: str = "adam"                         # "normuon", "anvil" (banks of matrices) or "adam"
     comms: str = "replicated"                       # "none", "replicated", "sharded", "sharded_sparse"
     lr_mul: float = 1.0
     wd_mul: float = 1.0                             # the decay per step scales with lr^2 (record #89)
@@ -1148,7 +1186,8 @@ class ParamConfig:
     def __post_init__(self):
         _check_param_config(self)
 
-OPTIMIZER_KINDS = ("normuon", "adam")
+MATRIX_KINDS = ("normuon", "anvil")  # the optimizers of banks of matrices (ANVIL: record #92's, an alternative)
+OPTIMIZER_KINDS = (*MATRIX_KINDS, "adam")
 COMMS_MODES = ("none", "replicated", "sharded", "sharded_sparse")
 
 def _check_param_config(cfg: ParamConfig) -> None:
@@ -1158,11 +1197,11 @@ def _check_param_config(cfg: ParamConfig) -> None:
     if cfg.comms not in COMMS_MODES:
         raise ValueError(f"ParamConfig: comms={cfg.comms!r} is not one of {', '.join(COMMS_MODES)}")
     if cfg.comms == "sharded_sparse" and cfg.optimizer != "adam":
-        raise ValueError("ParamConfig: comms='sharded_sparse' is for Adam embedding tables; use 'sharded' for normuon")
-    if cfg.matrix_lr_mul is not None and cfg.optimizer != "normuon":
-        raise ValueError("ParamConfig: matrix_lr_mul applies to normuon banks only; use lr_mul for adam")
+        raise ValueError(f"ParamConfig: comms='sharded_sparse' is for Adam embedding tables; use 'sharded' for {cfg.optimizer}")
+    if cfg.matrix_lr_mul is not None and cfg.optimizer not in MATRIX_KINDS:
+        raise ValueError("ParamConfig: matrix_lr_mul applies to normuon and anvil banks only; use lr_mul for adam")
     if cfg.every_step and cfg.optimizer != "adam":
-        raise ValueError("ParamConfig: every_step applies to adam labels (normuon steps every step)")
+        raise ValueError(f"ParamConfig: every_step applies to adam labels ({cfg.optimizer} steps every step)")
     betas = tuple(float(b) for b in cfg.betas)
     if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
         raise ValueError(f"ParamConfig: betas={cfg.betas!r} must be two numbers in [0, 1)")
@@ -1171,9 +1210,9 @@ def _check_param_config(cfg: ParamConfig) -> None:
         object.__setattr__(cfg, "matrix_lr_mul", tuple(float(m) for m in cfg.matrix_lr_mul))
 
 def lr_multipliers(cfg: ParamConfig, shape: tuple) -> torch.Tensor:
-    """A label's lr over its optimizer's base lr x schedule, float64. NorMuon, shape (matrices, rows, cols):
-    per matrix lr_mul x sqrt(max(1, rows/cols)) (record #89's shape factor) x matrix_lr_mul; Adam: lr_mul."""
-    if cfg.optimizer != "normuon":
+    """A label's lr over its optimizer's base lr x schedule, float64. NorMuon and ANVIL, shape (matrices, rows,
+    cols): per matrix lr_mul x sqrt(max(1, rows/cols)) (record #89's shape factor) x matrix_lr_mul; Adam: lr_mul."""
+    if cfg.optimizer not in MATRIX_KINDS:
         return torch.tensor(cfg.lr_mul, dtype=torch.float64)
     n, r, c = shape
     per_matrix = torch.tensor(cfg.matrix_lr_mul or [1.0] * n, dtype=torch.float64)
@@ -1219,16 +1258,32 @@ def _normuon_update(grad, momentum_buf, second_moment, param, mantissa, matrix_l
     O = normuon_variance_reduction(orthogonalize(g), second_moment, hp.beta2).float()
     _cautious_step(O, param, mantissa, hp.lr * matrix_lr, hp.decay)
 
+def _anvil_update(grad, fast_rail, slow_rail, second_moment, param, mantissa, matrix_lr, hp):
+    """One ANVIL step (record #92) on a shard of matrices (k, rows, cols), in place. Two fp32 rails of the
+    gradient (fast, slow: EMAs at hp.fast_beta, hp.slow_beta from zero, no bias correction), blended with
+    weight hp.fast_weight on the fast one; the Nesterov look-ahead along the blend at hp.momentum (the rail
+    beta); anvil_cascade in the parameter's dtype; NorMuon's lane equaliser; the cautious decay gated by the
+    slow rail's sign. hp: the label's row of hyperparam_tensors, read by AnvilHyperparams' names."""
+    hp = hyperparams_of(AnvilHyperparams, hp)
+    g = grad.float()
+    fast_rail.lerp_(g, 1 - hp.fast_beta)
+    slow_rail.lerp_(g, 1 - hp.slow_beta)
+    g = g.lerp(hp.fast_weight * fast_rail + (1 - hp.fast_weight) * slow_rail, hp.momentum)
+    O = normuon_variance_reduction(anvil_cascade(g, dtype=param.dtype), second_moment, hp.beta2).float()
+    _cautious_step(O, param, mantissa, hp.lr * matrix_lr, hp.decay, gate=slow_rail)
+
 def _nesterov_momentum(grad, momentum_buf, momentum) -> torch.Tensor:
     """fp32 momentum EMA of grad, in place, and the Nesterov look-ahead along it (elementwise)."""
     g = grad.float()
     momentum_buf.lerp_(g, 1 - momentum)
     return g.lerp(momentum_buf, momentum)
 
-def _cautious_step(O, param, mantissa, eff_lr, decay) -> None:
-    """P = P - P * [O*P >= 0] * decay * eff_lr - O * eff_lr on the fp32 master, in place (elementwise)."""
+def _cautious_step(O, param, mantissa, eff_lr, decay, gate=None) -> None:
+    """P = P - P * [gate*P >= 0] * decay * eff_lr - O * eff_lr on the fp32 master, in place (elementwise);
+    the gate is the update O unless given (ANVIL's: the slow rail)."""
     p = _master_fp32(param, mantissa)
-    mask = (O * p >= 0).float()  # cautious decay (>= 0: a zero update, e.g. bank padding, still decays)
+    gate = O if gate is None else gate
+    mask = (gate * p >= 0).float()  # cautious decay (>= 0: a zero update, e.g. bank padding, still decays)
     p = p - p * mask * (decay * eff_lr) - O * eff_lr
     _store_master(p, param, mantissa)
 
@@ -1272,16 +1327,18 @@ def adam_update_group_sliced(grads, exp_avgs, exp_avg_sqs, params, hps):
         _adam_update_sliced(grad, exp_avg, exp_avg_sq, param, hp)
 
 # The updates uncompiled (update_functions(compile=False), CPUs), by kind: Adam sliced.
-UNCOMPILED_UPDATES = {"normuon": _normuon_update, "adam": adam_update_group_sliced}
+UNCOMPILED_UPDATES = {"normuon": _normuon_update, "anvil": _anvil_update, "adam": adam_update_group_sliced}
 
-def update_functions(compile=False):
-    """(NorMuon update, Adam group update) compiled fullgraph (inductor for True, or the backend given), one
-    graph per label and per Adam group; compile=False (the record always compiles): UNCOMPILED_UPDATES."""
+def update_functions(compile=False) -> dict:
+    """The updates by kind (NorMuon's, ANVIL's, Adam's group update) compiled fullgraph (inductor for True, or
+    the backend given), one graph per label and per Adam group; compile=False (the record always compiles):
+    UNCOMPILED_UPDATES."""
     if not compile:
-        return UNCOMPILED_UPDATES["normuon"], UNCOMPILED_UPDATES["adam"]
+        return dict(UNCOMPILED_UPDATES)
     backend = "inductor" if compile is True else compile
-    return (torch.compile(_normuon_update, dynamic=False, backend=backend, fullgraph=True),
-            torch.compile(_adam_update_group, dynamic=True, backend=backend, fullgraph=True))
+    return {"normuon": torch.compile(_normuon_update, dynamic=False, backend=backend, fullgraph=True),
+            "anvil": torch.compile(_anvil_update, dynamic=False, backend=backend, fullgraph=True),
+            "adam": torch.compile(_adam_update_group, dynamic=True, backend=backend, fullgraph=True)}
 
 class NorMuonHyperparams(NamedTuple):
     """_normuon_update's numbers of a step: floats from normuon_hyperparams, 0-d tensors in the update."""
@@ -1289,6 +1346,16 @@ class NorMuonHyperparams(NamedTuple):
     decay: float  # wd * wd_mul * lr (the cautious decay multiplies it by lr * matrix_lr once more)
     momentum: float
     beta2: float
+
+class AnvilHyperparams(NamedTuple):
+    """_anvil_update's numbers of a step: floats from anvil_hyperparams, 0-d tensors in the update."""
+    lr: float
+    decay: float        # wd * wd_mul * lr, as NorMuon's
+    momentum: float     # the Nesterov look-ahead's coefficient: the scheduled rail beta
+    beta2: float        # the lane equaliser's
+    fast_beta: float
+    fast_weight: float  # the fast rail's weight in the blend
+    slow_beta: float
 
 class AdamHyperparams(NamedTuple):
     """_adam_update's numbers of its t-th update: floats from adam_hyperparams, 0-d tensors in the update."""
@@ -1304,6 +1371,10 @@ def hyperparams_of(kind: type, row: torch.Tensor):
 
 def normuon_hyperparams(lr: float, wd: float, wd_mul: float, momentum: float, beta2: float) -> NorMuonHyperparams:
     return NorMuonHyperparams(lr, wd * wd_mul * lr, momentum, beta2)
+
+def anvil_hyperparams(lr: float, wd: float, wd_mul: float, momentum: float, beta2: float, rails: tuple,
+                      slow_beta: float) -> AnvilHyperparams:
+    return AnvilHyperparams(lr, wd * wd_mul * lr, momentum, beta2, *rails, slow_beta)
 
 def adam_hyperparams(lr: float, t: int, betas: tuple, wd: float, wd_mul: float, eps: float) -> AdamHyperparams:
     b1, b2 = betas  # t counts from 1
@@ -1419,7 +1490,7 @@ class Placement:
 
 def placement_of(label: str, p: torch.Tensor, cfg: ParamConfig, world_size: int, rank: int) -> Placement:
     """A label's Placement before bank ownership: (matrices, rows, cols) or (rows, last dim); ceil(rows / W) a rank."""
-    if cfg.optimizer == "normuon":
+    if cfg.optimizer in MATRIX_KINDS:
         shape = (p.numel() // (p.size(-2) * p.size(-1)), p.size(-2), p.size(-1))
     else:
         shape = (p.numel() // p.size(-1), p.size(-1)) if p.ndim >= 2 else (p.numel(), 1)
@@ -1439,7 +1510,7 @@ class OwnershipLayout:
         self.world_size, self.rank = world_size, rank
         self.placements = {label: placement_of(label, p, configs[label], world_size, rank) for label, p in params.items()}
         banks = {label: placement for label in (params if order is None else order)
-                 if (placement := self.placements[label]).sharded and placement.cfg.optimizer == "normuon"}
+                 if (placement := self.placements[label]).sharded and placement.cfg.optimizer in MATRIX_KINDS}
         self.splits = OWNERSHIPS[ownership](banks, world_size, orthogonalizer)
         for label, split in self.splits.items():
             k, lo = split[rank], sum(split[:rank])
@@ -1462,7 +1533,8 @@ class OwnershipLayout:
             return {"exp_avg": torch.zeros(shard, dtype=torch.float32, device=dev),
                     "exp_avg_sq": torch.zeros(shard, dtype=torch.float32, device=dev)}
         n, r, c = shard
-        st = {"momentum_buffer": torch.zeros(shard, dtype=torch.float32, device=dev),
+        rails = ("fast_rail", "slow_rail") if placement.cfg.optimizer == "anvil" else ("momentum_buffer",)
+        st = {**{name: torch.zeros(shard, dtype=torch.float32, device=dev) for name in rails},
               "second_moment": torch.zeros((n, r, 1) if r >= c else (n, 1, c), dtype=torch.float32, device=dev)}
         if placement.param.dtype == torch.bfloat16:
             st["mantissa"] = torch.zeros(shard, dtype=torch.uint16, device=dev)
@@ -1690,14 +1762,14 @@ class NorMuonAdam:
                  normuon_beta2: float = 0.9, adam_lr: float = 0.008, adam_wd: float = 0.005, adam_eps: float = 1e-10,
                  orthogonalizer="polar_express", tied: tuple[str, str] | None = None, process_group=None,
                  sparse_threshold: float = 0.5, ownership: str = "balanced", compile=False,
-                 comm: CommLayer | None = None):
+                 comm: CommLayer | None = None, anvil_wd: float = 2.25, anvil_slow_beta: float = 0.98):
         params, configs, tied = dict(params), dict(configs), None if tied is None else tuple(tied)
         self.scatter_order, self.work_order = list(scatter_order), list(work_order)
         _check_optimizer_args(self, params, configs, tied)
         self.comm = comm if comm is not None else CommLayer.of(process_group)
         self.group, self.world_size, self.rank = self.comm.group, self.comm.world_size, self.comm.rank
         self.normuon_lr, self.normuon_wd, self.normuon_momentum = normuon_lr, normuon_wd, normuon_momentum
-        self.normuon_beta2 = normuon_beta2
+        self.normuon_beta2, self.anvil_wd, self.anvil_slow_beta = normuon_beta2, anvil_wd, anvil_slow_beta
         self.adam_lr, self.adam_wd, self.adam_eps = adam_lr, adam_wd, adam_eps
         self.orthogonalize = orthogonalizer_of(orthogonalizer)
         self.layout = OwnershipLayout(params, configs, self.world_size, self.rank, ownership,
@@ -1709,8 +1781,9 @@ class NorMuonAdam:
                       for label in self.placements}
         self.adam_steps = {label: 0 for label, placement in self.placements.items() if placement.cfg.optimizer == "adam"}
         self._matrix_lr = {label: self.layout.matrix_lr(label) for label, placement in self.placements.items()
-                           if placement.cfg.optimizer == "normuon"}
-        self._normuon_fn, self._adam_fn = update_functions(compile)
+                           if placement.cfg.optimizer in MATRIX_KINDS}
+        updates = update_functions(compile)
+        self._normuon_fn, self._anvil_fn, self._adam_fn = updates["normuon"], updates["anvil"], updates["adam"]
         self._on_backward: tuple[bool, dict] | None = None  # (do_adam, reductions): reductions_on_backward
 
     def prepare_sparse(self, label: str, row_ids, launch: bool = False) -> None:
@@ -1719,13 +1792,16 @@ class NorMuonAdam:
         _check_sparse_label(self, label)
         self.exchange.declare_rows(self.placements[label], row_ids, launch)
 
-    def _hyperparams(self, labels, lr_scale: float, momentum: float) -> dict[str, torch.Tensor]:
+    def _hyperparams(self, labels, lr_scale: float, momentum: float, rails: tuple) -> dict[str, torch.Tensor]:
         rows = []
         for label in labels:
             cfg = self.placements[label].cfg
             if cfg.optimizer == "normuon":
                 rows.append(normuon_hyperparams(self.normuon_lr * lr_scale, self.normuon_wd, cfg.wd_mul,
                                                 momentum, self.normuon_beta2))
+            elif cfg.optimizer == "anvil":  # the matrix lr is NorMuon's; the decay and rails ANVIL's own
+                rows.append(anvil_hyperparams(self.normuon_lr * lr_scale, self.anvil_wd, cfg.wd_mul, momentum,
+                                              self.normuon_beta2, rails, self.anvil_slow_beta))
             else:
                 lr_mul = float(lr_multipliers(cfg, self.placements[label].shape))
                 rows.append(adam_hyperparams(self.adam_lr * lr_scale * lr_mul, self.adam_steps[label] + 1,
@@ -1736,7 +1812,7 @@ class NorMuonAdam:
         """The step's labels in scatter_order: NorMuon's, Adam's on do_adam steps; never the tied embedding."""
         skip = self.tied[0] if self.tied else None
         return [label for label in self.scatter_order
-                if label != skip and (do_adam or self.placements[label].cfg.optimizer == "normuon"
+                if label != skip and (do_adam or self.placements[label].cfg.optimizer in MATRIX_KINDS
                                       or self.placements[label].cfg.every_step)]
 
     def _launch_reduction(self, label: str, do_adam: bool):
@@ -1775,27 +1851,34 @@ class NorMuonAdam:
         return gathers
 
     @torch.no_grad()
-    def step(self, do_adam: bool = True, lr_scale: float = 1.0, momentum: float | None = None) -> None:
-        """One optimizer step: NorMuon every call, Adam only when do_adam (odd steps). lr_scale multiplies
-        every base learning rate (the lr schedule); momentum is the NorMuon momentum for this step (default:
-        the constructor's). Both reach the update functions as tensor entries: no recompiles as they change."""
-        momentum = self.normuon_momentum if momentum is None else momentum
+    def step(self, do_adam: bool = True, lr_scale: float = 1.0, momentum: float | None = None,
+             rails: tuple[float, float] | None = None) -> None:
+        """One optimizer step: NorMuon (or ANVIL) every call, Adam only when do_adam (odd steps). lr_scale
+        multiplies every base learning rate (the lr schedule); momentum is the NorMuon momentum (ANVIL's rail
+        beta) for this step (default: the constructor's); rails: ANVIL's (fast rail's beta, its weight in the
+        blend), default (momentum, 1): plain Nesterov momentum. They reach the update functions as tensor
+        entries: no recompiles as they change."""
+        momentum = self.normuon_momentum if momentum is None else float(momentum)
+        rails = (momentum, 1.0) if rails is None else tuple(float(r) for r in rails)
         active = self._active(do_adam)
-        hps = self._hyperparams(active, float(lr_scale), float(momentum))
+        hps = self._hyperparams(active, float(lr_scale), momentum, rails)
         # phase 1: scatter, unless reductions_on_backward launched it during the backward
         reduced = launched_reductions(self, do_adam)
         if reduced is None:
             reduced = {label: self._launch_reduction(label, do_adam) for label in active}
-        # phase 2: work. Adam in at most two calls (_adam_groups), then the NorMuon banks in work_order.
+        # phase 2: work. Adam in at most two calls (_adam_groups), then the NorMuon (ANVIL) banks in work_order.
         gathers = {}
         for group in self._adam_groups(active):
             gathers.update(self._adam_work(group, reduced, hps))
         for label in self.work_order:
-            if label not in reduced or self.placements[label].cfg.optimizer != "normuon":
+            if label not in reduced or self.placements[label].cfg.optimizer not in MATRIX_KINDS:
                 continue
             placement, st, grad = self.placements[label], self.state[label], reduced[label]()
             shard = placement.local_shard()
-            if shard.size(0):  # a balanced bank may give this rank none of its matrices
+            if shard.size(0) and placement.cfg.optimizer == "anvil":  # a balanced bank may give this rank none
+                self._anvil_fn(grad, st["fast_rail"], st["slow_rail"], st["second_moment"], shard,
+                               st.get("mantissa"), self._matrix_lr[label], hps[label])
+            elif shard.size(0):
                 self._normuon_fn(grad, st["momentum_buffer"], st["second_moment"], shard, st.get("mantissa"),
                                  self._matrix_lr[label], hps[label], self.orthogonalize)
             done = self.exchange.gather(placement, shard)
@@ -1868,11 +1951,11 @@ def _check_optimizer_args(opt: NorMuonAdam, params: dict, configs: dict, tied) -
         cfg = configs[label]
         if p.dtype not in (torch.bfloat16, torch.float32):
             raise ValueError(f"NorMuonAdam: parameter {label!r} is {p.dtype}; use bfloat16 or float32")
-        if cfg.optimizer == "normuon" and p.ndim < 2:
-            raise ValueError(f"NorMuonAdam: normuon parameter {label!r} has shape {tuple(p.shape)};"
+        if cfg.optimizer in MATRIX_KINDS and p.ndim < 2:
+            raise ValueError(f"NorMuonAdam: {cfg.optimizer} parameter {label!r} has shape {tuple(p.shape)};"
                              " it needs matrices (..., rows, cols)")
         n = p.numel() // (p.size(-2) * p.size(-1)) if p.ndim >= 2 else 0
-        if cfg.optimizer == "normuon" and cfg.matrix_lr_mul is not None and len(cfg.matrix_lr_mul) != n:
+        if cfg.optimizer in MATRIX_KINDS and cfg.matrix_lr_mul is not None and len(cfg.matrix_lr_mul) != n:
             raise ValueError(f"NorMuonAdam: {label!r} has {n} matrices but matrix_lr_mul has"
                              f" {len(cfg.matrix_lr_mul)} entries")
     if tied is None:
@@ -1986,7 +2069,7 @@ def launched_reductions(opt: NorMuonAdam, do_adam: bool) -> dict | None:
 def learning_rates(opt: NorMuonAdam, lr_scale: float = 1.0) -> dict[str, torch.Tensor]:
     """Every label's lr at schedule multiplier lr_scale: its optimizer's base lr x lr_scale x lr_multipliers
     (float64; the updates apply them rounded to fp32)."""
-    return {label: (opt.normuon_lr if placement.cfg.optimizer == "normuon" else opt.adam_lr) * lr_scale
+    return {label: (opt.normuon_lr if placement.cfg.optimizer in MATRIX_KINDS else opt.adam_lr) * lr_scale
             * lr_multipliers(placement.cfg, placement.shape) for label, placement in opt.placements.items()}
 
 # ---- One rank of a larger world, in one process ----------------------------------------------
@@ -3577,11 +3660,12 @@ class StepPlan:
     max_doc_len: int
     windows: tuple            # (short, long) in blocks
     lr_mult: float
-    momentum: float
+    momentum: float           # NorMuon's momentum, ANVIL's rail beta
     mtp_weights: tuple        # weights of the targets t+1, t+2, t+3
     prefix_weight: float      # weight of the prefix-token term
     do_adam: bool             # Adam parameters step on odd steps; their gradients accumulate meanwhile
     candidates: int = 0       # classes in the training softmax (sampled softmax), 0: all
+    rails: tuple = ()         # ANVIL: (fast rail's beta, its weight in the blend)
 
 def stage_bounds(args: Hyperparameters) -> tuple[int, ...]:
     """First step of every stage row, then the run's end: (0, 423, 847, 1270, 1285) for the speedrun."""
@@ -3603,7 +3687,8 @@ def total_steps(args: Hyperparameters) -> int:
 def plan_step(args: Hyperparameters, step: int) -> StepPlan:
     """Everything that changes with the step (record #89's schedule). Speedrun: lr multiplier the stage's until
     int(0.4 x 1270) = 508, then linear to 0.15 at 1270 (so it jumps up at 847), 0.15 in the extension; momentum
-    0.85 -> 0.95 over steps 0-300, down over the last 50 of 1285; MTP and prefix weights linear within a stage."""
+    0.85 -> 0.95 over steps 0-300, down over the last 50 of 1285 (ANVIL's rail beta: anvil_rail_beta's); MTP and
+    prefix weights linear within a stage."""
     n, total = args.num_iterations, total_steps(args)
     bounds = stage_bounds(args)
     stage = sum(step >= b for b in bounds[1:-1])
@@ -3619,8 +3704,10 @@ def plan_step(args: Hyperparameters, step: int) -> StepPlan:
     else:
         w = min(1.0, (step - cooldown_at) / (n - cooldown_at))
         lr_mult = row.lr_mult * (1 - w) + final.lr_mult * w
-    warmup, cooldown = round(args.momentum_warmup * n), round(args.momentum_cooldown * n)
-    lo, hi = args.momentum_min, args.momentum_max
+    anvil = args.matrix_optimizer == "anvil"
+    lo, hi, warmup, cooldown = args.anvil_rail_beta if anvil else (
+        args.momentum_min, args.momentum_max, args.momentum_warmup, args.momentum_cooldown)
+    warmup, cooldown = round(warmup * n), round(cooldown * n)
     if step < warmup:
         momentum = lo + (hi - lo) * step / warmup
     elif step > total - cooldown:
@@ -3628,8 +3715,10 @@ def plan_step(args: Hyperparameters, step: int) -> StepPlan:
     else:
         momentum = hi
     candidates = ([int(p) for start, p in args.sampled_softmax if step + 1e-6 >= start * n] or [0])[-1]
+    engage, fast_beta, fast_weight, _ = args.anvil_rails
+    rails = ((fast_beta, fast_weight) if step >= round(engage * n) else (momentum, 1.0)) if anvil else ()
     return StepPlan(step, stage, row.batch_tokens, row.max_doc_len, tuple(row.windows), lr_mult, momentum,
-                    tuple(float(w) for w in mtp), float(prefix), step % 2 == 1, candidates)
+                    tuple(float(w) for w in mtp), float(prefix), step % 2 == 1, candidates, rails)
 
 def schedule_tokens(args: Hyperparameters) -> list[int]:
     """Global tokens trained before each step, then the run's total (total_steps + 1 entries)."""
@@ -3695,7 +3784,8 @@ def build_optimizer(args: Hyperparameters, model: "GPT", device: torch.device,
                        normuon_beta2=NORMUON_BETA2_OF[args.matrix_optimizer], adam_eps=ADAM_EPS,
                        normuon_lr=args.muon_lr, normuon_wd=args.muon_wd, adam_lr=args.adam_lr, adam_wd=args.adam_wd,
                        tied=("embed", "lm_head"), ownership=args.bank_ownership,
-                       compile=args.compile and device.type == "cuda", comm=comm)
+                       compile=args.compile and device.type == "cuda", comm=comm, anvil_wd=args.anvil_wd,
+                       anvil_slow_beta=args.anvil_rails[3])
 
 def _check_matrix_optimizer(name: str) -> None:
     if name not in NORMUON_BETA2_OF:
@@ -3721,6 +3811,13 @@ def adamw_bank_configs(args: Hyperparameters, configs: dict[str, ParamConfig]) -
                                              betas=ADAMW_BANK_BETAS, every_step=True)
                           for label in ("qk_bank", "vo_bank", "mlp_bank")}}
 
+def anvil_bank_configs(args: Hyperparameters, configs: dict[str, ParamConfig]) -> dict[str, ParamConfig]:
+    """--matrix_optimizer anvil: the banks step with ANVIL (record #92) at NorMuon's learning rates."""
+    if args.matrix_optimizer != "anvil":
+        return configs
+    return {**configs, **{label: dataclasses.replace(configs[label], optimizer="anvil")
+                          for label in ("qk_bank", "vo_bank", "mlp_bank")}}
+
 def switched_off_configs(args: Hyperparameters, configs: dict[str, ParamConfig]) -> dict[str, ParamConfig]:
     """Parameters of a switched-off component get lr and decay multipliers of 0 (they receive no
     gradient and must not drift)."""
@@ -3734,8 +3831,8 @@ def switched_off_configs(args: Hyperparameters, configs: dict[str, ParamConfig])
 # change nothing), and each --matrix_optimizer's NorMuon beta2. Plain Muon is NorMuon with beta2 = 1: the
 # second moment never leaves its zero start, so the per-neuron scale is one constant that the Frobenius
 # renormalisation cancels exactly.
-CONFIG_CHANGES = (adamw_bank_configs, switched_off_configs)
-NORMUON_BETA2_OF = {"normuon": NORMUON_BETA2, "muon": 1.0, "adamw": NORMUON_BETA2}
+CONFIG_CHANGES = (adamw_bank_configs, anvil_bank_configs, switched_off_configs)
+NORMUON_BETA2_OF = {"normuon": NORMUON_BETA2, "muon": 1.0, "adamw": NORMUON_BETA2, "anvil": NORMUON_BETA2}
 MATRIX_OPTIMIZERS = tuple(NORMUON_BETA2_OF)
 
 class RunLog:
@@ -4024,6 +4121,92 @@ def replay_mismatch(got: dict, ref: dict, again: dict) -> str:
             return f"{name} differs from the uncaptured step's by {off:.3g} (two uncaptured runs: by {noise:.3g})"
     return ""
 
+# ---- End-of-run weight blends (record #92's "ships", --weight_blends) ------------------------------
+# fp32 averages of the run's tail, ticked after the optimizer step, blended into the weights just before the
+# final validation (on the clock). They run on every rank's whole (replicated) parameters, so any world size
+# gives the same weights. A window is a fraction of the run (record #92's, of its 1,194 steps), and each
+# rate follows its window in steps W: TailEMA 2/(W+1), two steps folded into each odd one; the averages
+# 2/(0.102 W + 1) (4/53 at W = 250); the bank blend 2/(W//4 + 1). The first tick of each seeds it by copy.
+# The ships in BLENDS' order (the tail average replaces vo and MLP before the bank blend lerps them), then
+# every renormed label is scaled back to its Frobenius norm before the ships (one bf16 rounding).
+
+@dataclass(frozen=True)
+class Blend:
+    name: str
+    labels: tuple
+    window: float             # the last window x total steps of the run
+    mix: float | dict | None  # ship: lerp(weights, average, mix) (by label if a dict); None: the average replaces them
+    renormed: bool = True
+
+BLENDS = (
+    Blend("tail_ema", ("lm_head", "embed"), 298 / 1194, 0.65),
+    Blend("tail_average", ("vo_bank", "mlp_bank"), 250 / 1194, None),
+    Blend("value_embed_average", ("value_embeds",), 250 / 1194, None, renormed=False),
+    Blend("bank_blend", ("qk_bank", "vo_bank", "mlp_bank"), 298 / 1194,
+          {"qk_bank": 0.55, "vo_bank": 0.55 - 0.2007, "mlp_bank": 0.55 - 0.2007}),  # 0.2007: the average's lag
+)
+
+def _tail_ema_rate(step: int, total: int, window: int, value_embeds_updated: bool) -> float | None:
+    r = 2 / (window + 1)
+    if step % 2 == 0:  # the window's first step, and the last one where the run's length is odd
+        return r if step in (total - window, total - 1) else None
+    return r if step == total - 1 else 1 - (1 - r) ** 2
+
+# Each blend's rate at a step of its window (None: no tick), by name.
+BLEND_RATES = {
+    "tail_ema": _tail_ema_rate,
+    "tail_average": lambda step, total, window, _: 2 / (0.102 * window + 1) if (total - 1 - step) % 4 == 0 else None,
+    "value_embed_average": lambda step, total, window, updated: 2 / (0.102 * window + 1) if updated else None,
+    "bank_blend": lambda step, total, window, _: 2 / (window // 4 + 1) if step % 4 == 1 or step >= total - 2 else None,
+}
+
+class WeightBlends:
+    """BLENDS over a run of `total` steps on params (by label): tick() after each optimizer step, ship() once."""
+
+    def __init__(self, params: dict[str, torch.Tensor], total: int, blends=BLENDS):
+        self.params, self.total, self.blends = params, total, blends
+        self.windows = {b.name: round(b.window * total) for b in blends}
+        self.reset()
+
+    def reset(self) -> None:
+        self.averages = {b.name: {} for b in self.blends}
+        self.ticks = {b.name: 0 for b in self.blends}
+
+    def first_tick(self) -> int:
+        return self.total - max(self.windows.values())
+
+    @torch.no_grad()
+    def tick(self, step: int, value_embeds_updated: bool) -> None:
+        for b in self.blends:
+            window = self.windows[b.name]
+            rate = BLEND_RATES[b.name](step, self.total, window, value_embeds_updated) if step >= self.total - window else None
+            if rate is None:
+                continue
+            self.ticks[b.name] += 1
+            averages = self.averages[b.name]
+            for label in b.labels:
+                if label in averages:
+                    averages[label].lerp_(self.params[label].float(), rate)
+                else:
+                    averages[label] = self.params[label].detach().float().clone()
+
+    @torch.no_grad()
+    def ship(self) -> str:
+        """Blend the averages into the parameters and renorm them; returns the log's line."""
+        renormed = {label for b in self.blends if b.renormed for label in self.averages[b.name]}
+        norms = {label: self.params[label].float().norm() for label in renormed}
+        for b in self.blends:
+            for label, average in self.averages[b.name].items():
+                p = self.params[label]
+                mix = b.mix.get(label) if isinstance(b.mix, dict) else b.mix
+                p.copy_(average if mix is None else torch.lerp(p.float(), average, mix))
+        for label, norm in norms.items():
+            now = self.params[label].float().norm()
+            self.params[label].mul_(float(norm / now) if now > 0 else 1.0)
+        line = "weight blends shipped (ticks): " + ", ".join(f"{name} {n}" for name, n in self.ticks.items())
+        self.reset()
+        return line
+
 class Trainer:
     """The step train() runs (the benchmarks and the GPU check time it), with what it needs built once:
     the compiled model, optimizer, loader, the loss weights' device buffers and, on CUDA, the step graphs."""
@@ -4039,6 +4222,7 @@ class Trainer:
         self.mtp = torch.zeros(len(args.stages[0].mtp_start), dtype=torch.float32, device=dist_info.device)
         self.prefix = torch.zeros((), dtype=torch.float32, device=dist_info.device)
         self.graphs = step_graphs(self)  # record #92's CUDA graphs where --cuda_graphs applies
+        self.blends = WeightBlends(model.params_by_label(), self.total) if args.weight_blends else None
         self.windows = None
         self.batches: list[Batch] = []
 
@@ -4078,9 +4262,11 @@ class Trainer:
         else:
             objective, next_token = forward_backward(self.compiled_model, self.opt, batches, plan, self.mtp, self.prefix,
                                                      self.grad_scale, dist_info.device)
-        self.opt.step(plan.do_adam, lr_scale=plan.lr_mult, momentum=plan.momentum)
+        self.opt.step(plan.do_adam, lr_scale=plan.lr_mult, momentum=plan.momentum, rails=plan.rails or None)
         if step == untie_step(args) and self.opt.tied:  # (a benchmark may have untied already)
             self.opt.untie()
+        if self.blends is not None:
+            self.blends.tick(step, value_embeds_updated=plan.do_adam)
         self.batches = batches  # the benchmarks count the step's documents
         if self.fp8:  # after the optimizer step (the record's per-step order), for the next forward
             self.model.quantize_fp8(bootstrap=step < FP8_BOOTSTRAP_STEPS)
@@ -4106,6 +4292,8 @@ class Trainer:
         self.windows = None  # the restored buffers hold the initial windows again
         opt.load_state_dict(saved_opt)
         loader.load_state_dict(saved_loader)
+        if self.blends is not None:
+            self.blends.reset()
         return notes + graphs_captured_notes(self.graphs)
 
 # ---- Checkpoints and signals (a speedrun saves none) -----------------------------------------
@@ -4370,6 +4558,10 @@ def train(args: Hyperparameters, dist_info: DistInfo) -> float:
                                      args.bigram_vocab_size, dist_info.rank, dist_info.world_size)
     encoding = gpt2_encoding()  # read before the clock; the prefix table built from it is timed (below)
     start_step = resume_step(args, dist_info, model, opt, loader)  # 0 unless --resume
+    first_tick = WeightBlends({}, total_steps(args)).first_tick()
+    if args.weight_blends and start_step > first_tick:
+        raise SystemExit(f"error: --resume at step {start_step} is inside --weight_blends' window (from step {first_tick}),"
+                         " whose averages no checkpoint holds; resume from an earlier checkpoint")
 
     trainer = Trainer(args, dist_info, model, opt, loader)
     total = trainer.total
@@ -4409,6 +4601,8 @@ def train(args: Hyperparameters, dist_info: DistInfo) -> float:
     with RunCheckpoints(args, dist_info, run_id, start_step, model, opt, loader, log) as checkpoints:
         for step in range(start_step, total + 1):
             last = step == total
+            if last and trainer.blends is not None:
+                log.write(trainer.blends.ship())  # on the clock, as record #92's
             if last or (args.val_loss_every and step % args.val_loss_every == 0):
                 cuda_synchronize(dist_info.device)
                 train_ms += 1000 * (time.perf_counter() - t0)
@@ -4442,7 +4636,7 @@ def train_step(compiled_model, opt: NorMuonAdam, batches: list[Batch], plan: Ste
                prefix: torch.Tensor, grad_scale: float, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """forward_backward, then the optimizer step, as Trainer.step runs them; forward_backward's losses."""
     loss, next_token = forward_backward(compiled_model, opt, batches, plan, mtp, prefix, grad_scale, device)
-    opt.step(plan.do_adam, lr_scale=plan.lr_mult, momentum=plan.momentum)
+    opt.step(plan.do_adam, lr_scale=plan.lr_mult, momentum=plan.momentum, rails=plan.rails or None)
     return loss, next_token
 
 # ----------------------------------------------------------------------------------------------

@@ -175,8 +175,8 @@ def test_booleans_and_unparsable_values(tmp_path, flag, value, expect):
 
 
 @pytest.mark.parametrize("flag,value,expect", [
-    ("--orthogonalizer", "foo", "error: --orthogonalizer 'foo' is not one of auto, gram_newton_schulz, polar_express"),
-    ("--matrix_optimizer", "sgd", "error: --matrix_optimizer 'sgd' is not one of normuon, muon, adamw"),
+    ("--orthogonalizer", "foo", "error: --orthogonalizer 'foo' is not one of anvil_cascade, auto, gram_newton_schulz, polar_express"),
+    ("--matrix_optimizer", "sgd", "error: --matrix_optimizer 'sgd' is not one of normuon, muon, adamw, anvil"),
     ("--attention_kernel", "fa3", "error: --attention_kernel 'fa3' is not one of auto, flex, varlen"),
 ])
 def test_string_choices(tmp_path, flag, value, expect):

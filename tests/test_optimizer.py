@@ -361,8 +361,9 @@ def test_sliced_cpu_adam_is_bit_identical(dtype, monkeypatch):
     for a, b in zip(whole[1:], sliced[1:]):
         assert torch.equal(a, b)
     assert not torch.equal(whole[3], param)  # the update did move the parameter
-    # the optimizer's uncompiled Adam (a CPU run) is the sliced one: the hand-off from below the fence
-    assert T.update_functions(compile=False) == (T._normuon_update, T.adam_update_group_sliced)
+    # the optimizer's uncompiled Adam (a CPU run) is the sliced one
+    assert T.update_functions(compile=False) == {"normuon": T._normuon_update, "anvil": T._anvil_update,
+                                                 "adam": T.adam_update_group_sliced}
 
 
 def test_one_adam_step_of_the_record():
@@ -502,7 +503,7 @@ UNTIE_AT = 3
 def make_configs():
     return {
         "qk_bank": T.ParamConfig("normuon", "sharded"),
-        "vo_bank": T.ParamConfig("normuon", "sharded", lr_mul=0.8),
+        "vo_bank": T.ParamConfig("anvil", "sharded", lr_mul=0.8),  # record #92's ANVIL beside NorMuon
         "mlp_bank": T.ParamConfig("normuon", "sharded", matrix_lr_mul=(1.0, 2.0) * (BANK // 2)),
         "proj": T.ParamConfig("normuon", "replicated", wd_mul=0.5),
         "embed": T.ParamConfig("adam", "sharded", betas=(0.5, 0.95)),
@@ -580,7 +581,14 @@ def drive(opt, params, grads_of_step, sparse_rows_of_step=None, steps=range(NUM_
         for label, g in grads_of_step(step).items():
             p = params[label]
             p.grad = g.clone() if p.grad is None else p.grad + g
-        opt.step(do_adam=do_adam, lr_scale=1.0 - 0.05 * step, momentum=0.85 + 0.02 * step)
+        step_as_scheduled(opt, step, do_adam)
+
+
+def step_as_scheduled(opt, step, do_adam):
+    """The optimizer step of drive and drive_backward: lr and momentum move every step, and ANVIL's rails
+    (vo_bank's) engage at step 2."""
+    opt.step(do_adam=do_adam, lr_scale=1.0 - 0.05 * step, momentum=0.85 + 0.02 * step,
+             rails=(0.85, 0.4385) if step >= 2 else None)
 
 
 def build(params, **kw):
@@ -895,7 +903,7 @@ def drive_backward(opt, params, grads_of_step, sparse_rows_of_step=None, hooked=
         with T.reductions_on_backward(opt, do_adam) if hooked else contextlib.nullcontext():
             backward_loss(params, grads, 0.5).backward()
         log.events.append(("step", step))
-        opt.step(do_adam=do_adam, lr_scale=1.0 - 0.05 * step, momentum=0.85 + 0.02 * step)
+        step_as_scheduled(opt, step, do_adam)
 
 
 def hooked_worker(rank: int, world_size: int, group=None):
@@ -967,7 +975,7 @@ def expected_launches(step):
     do_adam = step % 2 == 1
     cfgs = make_configs()
     return [label for label in SCATTER_ORDER if cfgs[label].comms != "none"
-            and (do_adam or cfgs[label].optimizer == "normuon") and not (label == "embed" and step < UNTIE_AT)]
+            and (do_adam or cfgs[label].optimizer in T.MATRIX_KINDS) and not (label == "embed" and step < UNTIE_AT)]
 
 
 @pytest.mark.slow

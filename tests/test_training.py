@@ -93,11 +93,17 @@ def test_world_sizes_agree(two_rank_run, tmp_path):
     assert v1[7] < v1[0] - 0.5
 
 
-def test_sampled_softmax_trains_alike_on_one_and_two_ranks(tmp_path):
-    """--sampled_softmax (each micro-batch's candidate set a function of the micro-batch alone): 1 and 2
-    ranks follow the same loss trajectory, and the loss falls; validation is over every class."""
-    flags = ("--cpu_dtype", "fp32", "--fp8", "false", "--sampled_softmax", "((0, 1024), (0.8, 0))")
-    v1, v2 = (val_losses(train(tmp_path / str(n), f"sampled{n}", n, *flags)) for n in (1, 2))
+def test_record_92s_switches_train_alike_on_one_and_two_ranks(tmp_path):
+    """--sampled_softmax (each micro-batch's candidate set a function of the micro-batch alone), ANVIL and
+    the weight blends (on every rank's whole weights): 1 and 2 ranks follow the same loss trajectory, and
+    the loss falls; validation is over every class."""
+    flags = ("--cpu_dtype", "fp32", "--fp8", "false", "--sampled_softmax", "((0, 1024), (0.8, 0))",
+             "--matrix_optimizer", "anvil", "--weight_blends", "true")
+    logs = [train(tmp_path / str(n), f"sampled{n}", n, *flags) for n in (1, 2)]
+    v1, v2 = (val_losses(log) for log in logs)
+    # 7 steps: TailEMA's window is 2 steps, the averages' 1 (step 6: no value-embedding update)
+    assert all("weight blends shipped (ticks): tail_ema 2, tail_average 1, value_embed_average 0, bank_blend 2"
+               in log for log in logs)
     assert v1[0] == v2[0]
     for step in (3, 6, 7):
         assert abs(v1[step] - v2[step]) < 0.02, (v1, v2)
@@ -184,7 +190,7 @@ def test_nan_stops_the_run(two_rank_run, tmp_path):
 
 
 @pytest.mark.parametrize("flag,value,message", [
-    ("--matrix_optimizer", "foo", "--matrix_optimizer 'foo' is not one of normuon, muon, adamw"),
+    ("--matrix_optimizer", "foo", "--matrix_optimizer 'foo' is not one of normuon, muon, adamw, anvil"),
     ("--model_dim", "65", "--model_dim (65) must equal --num_heads * --head_dim"),
     ("--stage_batch_tokens", "(502, 1000, 1500, 1500)", "does not split into 1 ranks x 4 accumulation steps"),
     ("--mudd_hidden", "four", "--mudd_hidden 'four' is not a valid int"),

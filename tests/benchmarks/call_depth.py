@@ -106,9 +106,10 @@ TYPED_NAMES = {
 # Callables stored under one name and called under it: (class or function, attribute or parameter)
 # -> the functions it can hold ("table:NAME" for every function of a hand-off table).
 STORED_CALLABLES = {
-    # NorMuonAdam.__init__: self._normuon_fn, self._adam_fn = update_functions(compile); update_functions
-    # returns _normuon_update (torch.compile'd on CUDA, as it is otherwise) ...
+    # NorMuonAdam.__init__: self._normuon_fn, self._anvil_fn, self._adam_fn = update_functions(compile)'s;
+    # it holds _normuon_update and _anvil_update (torch.compile'd on CUDA, as they are otherwise) ...
     ("NorMuonAdam", "_normuon_fn"): ("_normuon_update",),
+    ("NorMuonAdam", "_anvil_fn"): ("_anvil_update",),
     # ... and _adam_update_group compiled (CUDA); uncompiled, UNCOMPILED_UPDATES["adam"]: the sliced one that
     # the CPU runs take (not followed)
     ("NorMuonAdam", "_adam_fn"): ("_adam_update_group",),
