@@ -975,7 +975,7 @@ def fp8_matmul(x: torch.Tensor, w: torch.Tensor, x_s: float, w_s: float, grad_s:
     return y.view(*x.shape[:-1], w.shape[1])
 
 # ----------------------------------------------------------------------------------------------
-# Orthogonalization: Polar Express, then Gram Newton-Schulz
+# Orthogonalization: Polar Express, then Gram Newton-Schulz and ANVIL's cascade
 # ----------------------------------------------------------------------------------------------
 
 # Polar Express: Amsel, Persson, Musco, Gower, arXiv 2505.16932 (Gram Newton-Schulz, an alternative, follows
@@ -1197,7 +1197,8 @@ def _check_param_config(cfg: ParamConfig) -> None:
     if cfg.comms not in COMMS_MODES:
         raise ValueError(f"ParamConfig: comms={cfg.comms!r} is not one of {', '.join(COMMS_MODES)}")
     if cfg.comms == "sharded_sparse" and cfg.optimizer != "adam":
-        raise ValueError(f"ParamConfig: comms='sharded_sparse' is for Adam embedding tables; use 'sharded' for {cfg.optimizer}")
+        raise ValueError(f"ParamConfig: comms='sharded_sparse' is for Adam embedding tables; use 'sharded' for "
+                         f"{cfg.optimizer}")
     if cfg.matrix_lr_mul is not None and cfg.optimizer not in MATRIX_KINDS:
         raise ValueError("ParamConfig: matrix_lr_mul applies to normuon and anvil banks only; use lr_mul for adam")
     if cfg.every_step and cfg.optimizer != "adam":
@@ -4172,14 +4173,16 @@ class WeightBlends:
         self.averages = {b.name: {} for b in self.blends}
         self.ticks = {b.name: 0 for b in self.blends}
 
-    def first_tick(self) -> int:
+    def window_start(self) -> int:
         return self.total - max(self.windows.values())
 
     @torch.no_grad()
     def tick(self, step: int, value_embeds_updated: bool) -> None:
         for b in self.blends:
             window = self.windows[b.name]
-            rate = BLEND_RATES[b.name](step, self.total, window, value_embeds_updated) if step >= self.total - window else None
+            if step < self.total - window:
+                continue
+            rate = BLEND_RATES[b.name](step, self.total, window, value_embeds_updated)
             if rate is None:
                 continue
             self.ticks[b.name] += 1
@@ -4558,10 +4561,10 @@ def train(args: Hyperparameters, dist_info: DistInfo) -> float:
                                      args.bigram_vocab_size, dist_info.rank, dist_info.world_size)
     encoding = gpt2_encoding()  # read before the clock; the prefix table built from it is timed (below)
     start_step = resume_step(args, dist_info, model, opt, loader)  # 0 unless --resume
-    first_tick = WeightBlends({}, total_steps(args)).first_tick()
-    if args.weight_blends and start_step > first_tick:
-        raise SystemExit(f"error: --resume at step {start_step} is inside --weight_blends' window (from step {first_tick}),"
-                         " whose averages no checkpoint holds; resume from an earlier checkpoint")
+    blends_from = WeightBlends({}, total_steps(args)).window_start()
+    if args.weight_blends and start_step > blends_from:
+        raise SystemExit(f"error: --resume at step {start_step} is inside --weight_blends' window (from step "
+                         f"{blends_from}), whose averages no checkpoint holds; resume from an earlier checkpoint")
 
     trainer = Trainer(args, dist_info, model, opt, loader)
     total = trainer.total
