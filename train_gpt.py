@@ -428,6 +428,8 @@ def parse_args(argv: list[str] | None = None) -> Hyperparameters:
                         help=f"one string of words per layer; words: {', '.join(LAYER_WORDS)}")
     parser.add_argument("--ablate", default="", metavar="NAMES",
                         help=f"comma-separated components to switch off: {', '.join(ABLATIONS)}")
+    parser.add_argument("--dry_run", action="store_true",
+                        help="print the stage ends, parameters and memory per GPU at 8, 4, 2 and 1 GPUs, and exit")
     ns, unknown = parser.parse_known_args(argv)
     if unknown:
         raise SystemExit(f"error: unknown argument {unknown[0]!r}; `python train_gpt.py --help` lists every field")
@@ -4649,6 +4651,21 @@ def train_step(compiled_model, opt: NorMuonAdam, batches: list[Batch], plan: Ste
 def check_args(args: Hyperparameters, world_size: int) -> None:
     """Every flag and shard checked at start-up, before the process group, model, loader or log:
     a bad one stops the run with one line naming it (SystemExit), never a traceback from later on."""
+    check_flags(args, world_size)
+    check_batch_split(args, world_size)
+    tokens = {"train": 0, "val": 0}
+    for what in tokens:  # headers only (size and magic): the loaders read them after the log is open
+        for path in find_shards(getattr(args, f"{what}_files"), what):
+            try:
+                tokens[what] += read_shard_header(path)
+            except ShardError as e:
+                raise SystemExit(f"error: {e}") from None
+    if tokens["val"] < args.val_tokens + 1:  # validation_batches' own check, before the log
+        raise SystemExit(f"error: --val_tokens {args.val_tokens} needs {args.val_tokens + 1} tokens but the val shards"
+                         f" {args.val_files!r} hold {tokens['val']}; lower --val_tokens")
+
+def check_flags(args: Hyperparameters, world_size: int) -> None:
+    """check_args' checks of the flags alone (no shard is read)."""
     for f in dataclasses.fields(Hyperparameters):
         allowed, value = flag_range(f), getattr(args, f.name)
         if allowed and not allowed.allows(value):
@@ -4669,20 +4686,49 @@ def check_args(args: Hyperparameters, world_size: int) -> None:
         _check_model_args(args, world_size)
     except ValueError as e:
         raise SystemExit(f"error: {e}") from None
-    check_batch_split(args, world_size)
-    tokens = {"train": 0, "val": 0}
-    for what in tokens:  # headers only (size and magic): the loaders read them after the log is open
-        for path in find_shards(getattr(args, f"{what}_files"), what):
-            try:
-                tokens[what] += read_shard_header(path)
-            except ShardError as e:
-                raise SystemExit(f"error: {e}") from None
-    if tokens["val"] < args.val_tokens + 1:  # validation_batches' own check, before the log
-        raise SystemExit(f"error: --val_tokens {args.val_tokens} needs {args.val_tokens + 1} tokens but the val shards"
-                         f" {args.val_files!r} hold {tokens['val']}; lower --val_tokens")
+
+# ---- --dry_run: what a run would train and hold per GPU, without training -----------------------
+
+DRY_RUN_GPUS = (8, 4, 2, 1)
+
+def dry_run_report(args: Hyperparameters) -> str:
+    """The stage ends, the training softmax's classes by step, the parameters by label, and per GPU at
+    DRY_RUN_GPUS the bytes of the weights (with buffers: FP8 copies, tables), their gradients and rank 0's
+    optimizer state, from models and optimizers built on the meta device (shapes, no memory)."""
+    lines = [f"steps: {total_steps(args)}; stage ends: {', '.join(map(str, stage_bounds(args)))}"]
+    classes, last = [], None
+    for step in range(total_steps(args)):
+        if (P := plan_step(args, step).candidates) != last:
+            classes.append(f"{P if P else f'all {args.padded_vocab_size}'} from step {step}")
+            last = P
+    lines.append("training softmax classes: " + ", ".join(classes))
+    sizes = {}
+    for gpus in DRY_RUN_GPUS:
+        with torch.device("meta"):
+            model = GPT(args, gpus)
+            opt = build_optimizer(args, model, torch.device("meta"), comm=SimulatedComm(gpus))
+        weights = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
+        grads = sum(p.numel() * p.element_size() for p in model.parameters())
+        state = sum(t.numel() * t.element_size() for st in opt.state.values() for t in st.values())
+        sizes[gpus] = (weights, grads, state)
+        if gpus == 1:
+            lines.append("parameters (banks padded to a multiple of the GPU count on more than one):")
+            lines += [f"  {p.label:<16} {str(tuple(p.shape)):<22} {p.numel():>13,} {str(p.dtype)[6:]}"
+                      for p in model.parameters()]
+            lines.append(f"  {'total':<16} {'':<22} {sum(p.numel() for p in model.parameters()):>13,}")
+    lines.append("GiB per GPU (activations not included: tests/benchmarks/step_budget.py):")
+    lines.append("  GPUs  weights  gradients  optimizer  total")
+    lines += [f"  {gpus:>4}  {w / 2**30:>7.2f}  {g / 2**30:>9.2f}  {o / 2**30:>9.2f}  {(w + g + o) / 2**30:>5.2f}"
+              for gpus, (w, g, o) in sizes.items()]
+    return "\n".join(lines)
 
 def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = parse_args(argv)
+    if "--dry_run" in argv:
+        check_flags(args, 1)
+        print(dry_run_report(args))
+        return
     check_args(args, int(os.environ.get("WORLD_SIZE", 1)))
     dist_info = setup_distributed()
     try:

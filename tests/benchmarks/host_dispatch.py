@@ -330,7 +330,8 @@ class StepRunner:
         self.model = T.GPT(args, 1, dtype=torch.bfloat16)
         self.opt = T.build_optimizer(args, self.model, self.device)
         # the CUDA path's compiled updates (build_optimizer compiles them only on CUDA)
-        self.opt._normuon_fn, self.opt._adam_fn = T.update_functions(True if backend == "inductor" else backend)
+        updates = T.update_functions(True if backend == "inductor" else backend)
+        self.opt._normuon_fn, self.opt._anvil_fn, self.opt._adam_fn = updates["normuon"], updates["anvil"], updates["adam"]
         self.model.quantize_fp8(bootstrap=True)  # as train() does before step 0
         if backend == "inductor":
             self.compiled_model = T.compile_model(self.model)
