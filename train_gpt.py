@@ -59,6 +59,8 @@ class Stage:
     mtp_end: tuple = (1.0,)    # linear from start to end over the row
     prefix_start: float = 0.0  # weight of the prefix-token term (record #89), likewise
     prefix_end: float = 0.0
+    prefix_steps: int = 0      # 0: linear; k: k equal steps from prefix_start towards prefix_end (record #92)
+    untie: bool = False        # the embedding unties from the head at this row's first step made odd
 
 STAGES = (  # three equal stages (423, 424, 423 of 1270 steps), then the 15-step extension
     Stage(1 / 3, batch_tokens=131_072, max_doc_len=896, windows=(1, 3), lr_mult=1.0,
@@ -66,9 +68,26 @@ STAGES = (  # three equal stages (423, 424, 423 of 1270 steps), then the 15-step
     Stage(1 / 3, batch_tokens=262_144, max_doc_len=2048, windows=(3, 7), lr_mult=1.52,
           mtp_start=(1.0, 0.5, 0.0), mtp_end=(1.0, 0.0, 0.0), prefix_start=0.25, prefix_end=0.0),
     Stage(1 / 3, batch_tokens=393_216, max_doc_len=2048, windows=(5, 11), lr_mult=1.73,
-          mtp_start=(1.0, 0.0, 0.0), mtp_end=(1.0, 0.0, 0.0)),
+          mtp_start=(1.0, 0.0, 0.0), mtp_end=(1.0, 0.0, 0.0), untie=True),
     Stage(None, batch_tokens=393_216, max_doc_len=2048, windows=(6, 13), lr_mult=0.15,
           mtp_start=(1.0, 0.0, 0.0), mtp_end=(1.0, 0.0, 0.0)),
+)
+
+# Record #92's schedule (its TRAINING_STAGES; with num_iterations 1,174, extension_iterations 20 and
+# cooldown_start 0.2 its stage ends 0, 320, 681, 1,107, 1,174, 1,194): batch 8 -> 16 -> 24 sequences of
+# 16,384 tokens, a taper at 20 (lr x sqrt(20/24)), the extension at 8; the lr floor an absolute 0.30; the
+# prefix term 0.25, then 0.20 / 0.15 / 0.10 / 0.05 by quarter of stage 1; the untie at 1,175.
+RECORD92_STAGES = (
+    Stage(320 / 1174, batch_tokens=131_072, max_doc_len=896, windows=(1, 3), lr_mult=1.0,
+          mtp_start=(1.0, 0.5, 0.25), mtp_end=(1.0, 0.5, 0.0), prefix_start=0.25, prefix_end=0.25),
+    Stage(361 / 1174, batch_tokens=262_144, max_doc_len=2048, windows=(3, 7), lr_mult=1.52,
+          mtp_start=(1.0, 0.5, 0.0), mtp_end=(1.0, 0.0, 0.0), prefix_start=0.20, prefix_end=0.0, prefix_steps=4),
+    Stage(426 / 1174, batch_tokens=393_216, max_doc_len=3072, windows=(5, 11), lr_mult=1.73,
+          mtp_start=(1.0, 0.0, 0.0), mtp_end=(1.0, 0.0, 0.0)),
+    Stage(67 / 1174, batch_tokens=327_680, max_doc_len=3072, windows=(5, 11), lr_mult=1.73 * (20 / 24) ** 0.5,
+          mtp_start=(1.0, 0.0, 0.0), mtp_end=(1.0, 0.0, 0.0)),
+    Stage(None, batch_tokens=131_072, max_doc_len=3072, windows=(6, 13), lr_mult=0.30,
+          mtp_start=(1.0, 0.0, 0.0), mtp_end=(1.0, 0.0, 0.0), untie=True),
 )
 
 # -- layers: what each layer does ---------------------------------------------------------------
@@ -496,7 +515,7 @@ _RATE, _FRACTION, _MOMENTUM = dict(lo=0), dict(lo=0, hi=1), dict(lo=0, hi=1, hi_
 _WINDOWS = dict(lo=1, integer=True, shape=(2,))
 KNOB_RANGES = dict(
     batch_tokens=_AT_LEAST_1, max_doc_len=_AT_LEAST_1, windows=_WINDOWS, lr_mult=_RATE, mtp_start=dict(lo=0, shape=(None,)),
-    mtp_end=dict(lo=0, shape=(None,)), prefix_start=_RATE, prefix_end=_RATE,
+    mtp_end=dict(lo=0, shape=(None,)), prefix_start=_RATE, prefix_end=_RATE, prefix_steps=_AT_LEAST_0,
     val_tokens=_AT_LEAST_1, vocab_size=_AT_LEAST_1, padded_vocab_size=_AT_LEAST_1, model_dim=_AT_LEAST_1,
     num_heads=_AT_LEAST_1, head_dim=_AT_LEAST_1, mlp_hidden=_AT_LEAST_1, bigram_vocab_size=dict(lo=2, integer=True),
     gate_channels=_AT_LEAST_1, mudd_hidden=_AT_LEAST_1, dc_window=_AT_LEAST_1, window_block_size=_AT_LEAST_1,
@@ -3679,9 +3698,11 @@ def stage_bounds(args: Hyperparameters) -> tuple[int, ...]:
     return (*bounds, n, n + args.extension_iterations)
 
 def untie_step(args: Hyperparameters) -> int:
-    """The last tied step: the last scheduled stage's first step made odd (847, an Adam step); the embedding
-    then takes the head's Adam state, transposed, and its first own update is 849."""
-    step = stage_bounds(args)[-3]
+    """The last tied step: the first step of the first `untie` row made odd (the speedrun's last scheduled
+    stage: 847, an Adam step; record #92's extension: 1,175); the embedding then takes the head's Adam state,
+    transposed, and its first own update is 849. No such row: never (a step past the run)."""
+    rows = [i for i, row in enumerate(args.stages) if row.untie]
+    step = stage_bounds(args)[rows[0]] if rows else total_steps(args)
     return step if step % 2 else step + 1
 
 def total_steps(args: Hyperparameters) -> int:
@@ -3698,7 +3719,8 @@ def plan_step(args: Hyperparameters, step: int) -> StepPlan:
     row, final = args.stages[stage], args.stages[-1]
     frac = (step - bounds[stage]) / max(1, bounds[stage + 1] - bounds[stage])
     mtp = tuple(a + (b - a) * frac for a, b in zip(row.mtp_start, row.mtp_end))
-    prefix = row.prefix_start + (row.prefix_end - row.prefix_start) * frac
+    ramp = math.floor(frac * row.prefix_steps) / row.prefix_steps if row.prefix_steps else frac
+    prefix = row.prefix_start + (row.prefix_end - row.prefix_start) * ramp
     cooldown_at = int(args.cooldown_start * n)
     if step >= n:
         lr_mult = final.lr_mult

@@ -1,4 +1,5 @@
 """BOS-aligned loader, validation split and the step schedule."""
+import dataclasses
 import os
 import sys
 
@@ -416,3 +417,36 @@ def test_attention_kernel_per_kind_decides_which_masks_the_loader_builds(tmp_pat
     assert isinstance(paired, tg.VarlenMask)
     assert torch.equal(paired.cu_seqlens, 2 * b.cu_seqlens) and paired.cu_seqlens.dtype == torch.int32
     assert (paired.max_seqlen, paired.window) == (200, SPEC_ARGS.window_block_size)
+
+
+def record92_args():
+    """RECORD92_STAGES as record #92 runs them: 1,174 scheduled steps, 20 more, cooldown from 0.2 x 1,174,
+    and its candidate counts: 10,240 until step 681, 14,336 until 965, 24,576 until 1,107, then all."""
+    n = 1174
+    return dataclasses.replace(tg.Hyperparameters(), stages=tg.RECORD92_STAGES, num_iterations=n,
+                               extension_iterations=20, cooldown_start=0.2, fp8=False,
+                               sampled_softmax=((0, 10240), (681 / n, 14336), (965 / n, 24576), (1107 / n, 0)))
+
+
+def test_record_92s_schedule_rows_give_its_published_numbers():
+    """#92's log and fact sheet: stage ends 0, 320, 681, 1107, 1174, 1194; lr 1.40838 at step 320, 1.04999
+    at 681, 0.40345 at 1,106, 0.39118 at 1,107, 0.30 from 1,174; the untie at 1,175; the prefix term 0.25,
+    then 0.20 / 0.15 / 0.10 / 0.05 flipping at 411, 501 and 591, 0 from 681; and its nine capture keys (the
+    shapes and numbers a step's graph freezes) first seen at steps 0, 320, 411, 501, 591, 681, 965, 1107, 1174."""
+    args = record92_args()
+    assert tg.stage_bounds(args) == (0, 320, 681, 1107, 1174, 1194)
+    for step, lr in ((320, 1.40838), (681, 1.04999), (1106, 0.40345), (1107, 0.39118), (1174, 0.30), (1193, 0.30)):
+        assert tg.plan_step(args, step).lr_mult == pytest.approx(lr, abs=5e-6), step
+    assert tg.plan_step(args, 233).lr_mult == 1.0 and tg.untie_step(args) == 1175
+    prefix = {step: tg.plan_step(args, step).prefix_weight for step in range(1194)}
+    assert {prefix[s] for s in range(320)} == {0.25} and {prefix[s] for s in range(681, 1194)} == {0.0}
+    flips = [s for s in range(321, 681) if prefix[s] != prefix[s - 1]]
+    assert flips == [411, 501, 591] and [prefix[s] for s in (320, 411, 501, 591)] == pytest.approx([0.2, 0.15, 0.1, 0.05])
+
+    def key(step):
+        plan = tg.plan_step(args, step)
+        heads = sum(w > 0 for w in args.stages[plan.stage].mtp_start)
+        return plan.batch_tokens, plan.max_doc_len, plan.windows, plan.candidates, plan.prefix_weight, heads
+    firsts = [s for s in range(1194) if s == 0 or key(s) != key(s - 1)]
+    assert firsts == [0, 320, 411, 501, 591, 681, 965, 1107, 1174]
+    assert tg.untie_step(tg.parse_args([])) == 847  # the speedrun's untie row: its last scheduled stage
