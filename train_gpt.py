@@ -227,6 +227,10 @@ class Hyperparameters:
     anvil_rail_beta: tuple = (0.85, 0.93, 240 / 1174, 50 / 1174)  # (min, max, warm-up, cool-down)
     anvil_rails: tuple = (514 / 1174, 0.85, 0.4385, 0.98)         # (engage, fast beta, fast weight, slow beta)
     weight_blends: bool = False            # record #92's end-of-run weight blends (BLENDS) before the final validation
+    # record #92's value-embedding cadence, (start, period, phase): from step round(start x num_iterations) the
+    # value embeddings' Adam steps only where step % period == phase, each update with betas^(period/2) and
+    # wd_mul x period/2 (#92: (336 / 1174, 4, 3)); () (the record's): on every Adam step
+    value_embed_cadence: tuple = ()
     adamw_bank_lr_mul: float = 0.25        # adamw: the banks' lr, x adam_lr (Adam on every step)
     value_embeds: bool = True              # value-embedding tables added to V (the value_embed rows)
     bigram_embed: bool = True              # bigram hash embedding injected at every layer
@@ -525,6 +529,7 @@ KNOB_RANGES = dict(
     adam_lr=_RATE, adam_wd=_RATE, val_seq_len=_AT_LEAST_1, val_loss_every=_AT_LEAST_0, save_every=_AT_LEAST_0,
     keep_checkpoints=_AT_LEAST_0, sample_tokens=_AT_LEAST_0, adamw_bank_lr_mul=_RATE, anvil_wd=_RATE,
     anvil_rail_beta=dict(lo=0, hi=1, shape=(4,)), anvil_rails=dict(lo=0, hi=1, shape=(4,)),
+    value_embed_cadence=dict(lo=0, shape=(None,)),
     seed=dict(lo=0, hi=2**63 - 1, integer=True), sampled_softmax=dict(lo=0, shape=(None, 2)))
 
 def flag_range(field: dataclasses.Field) -> FlagRange | None:
@@ -1806,7 +1811,7 @@ class NorMuonAdam:
                            if placement.cfg.optimizer in MATRIX_KINDS}
         updates = update_functions(compile)
         self._normuon_fn, self._anvil_fn, self._adam_fn = updates["normuon"], updates["anvil"], updates["adam"]
-        self._on_backward: tuple[bool, dict] | None = None  # (do_adam, reductions): reductions_on_backward
+        self._on_backward: tuple[bool, tuple, dict] | None = None  # (do_adam, held, reductions): reductions_on_backward
 
     def prepare_sparse(self, label: str, row_ids, launch: bool = False) -> None:
         """Declare all rows (or none: the nonzero ones are sent) that a micro-batch's gradient of a sharded_sparse
@@ -1814,7 +1819,8 @@ class NorMuonAdam:
         _check_sparse_label(self, label)
         self.exchange.declare_rows(self.placements[label], row_ids, launch)
 
-    def _hyperparams(self, labels, lr_scale: float, momentum: float, rails: tuple) -> dict[str, torch.Tensor]:
+    def _hyperparams(self, labels, lr_scale: float, momentum: float, rails: tuple,
+                     stretch: dict) -> dict[str, torch.Tensor]:
         rows = []
         for label in labels:
             cfg = self.placements[label].cfg
@@ -1826,15 +1832,19 @@ class NorMuonAdam:
                                               self.normuon_beta2, rails, self.anvil_slow_beta))
             else:
                 lr_mul = float(lr_multipliers(cfg, self.placements[label].shape))
+                s = stretch.get(label, 1.0)  # a sparser cadence: each update stands for s of them
                 rows.append(adam_hyperparams(self.adam_lr * lr_scale * lr_mul, self.adam_steps[label] + 1,
-                                             cfg.betas, self.adam_wd, cfg.wd_mul, self.adam_eps))
+                                             tuple(b ** s for b in cfg.betas), self.adam_wd, cfg.wd_mul * s,
+                                             self.adam_eps))
         return hyperparam_tensors(labels, rows, next(iter(self.placements.values())).param.device)
 
-    def _active(self, do_adam: bool) -> list[str]:
-        """The step's labels in scatter_order: NorMuon's, Adam's on do_adam steps; never the tied embedding."""
+    def _active(self, do_adam: bool, held=()) -> list[str]:
+        """The step's labels in scatter_order: NorMuon's, Adam's on do_adam steps but the held ones; never the
+        tied embedding."""
         skip = self.tied[0] if self.tied else None
         return [label for label in self.scatter_order
-                if label != skip and (do_adam or self.placements[label].cfg.optimizer in MATRIX_KINDS
+                if label != skip and (do_adam and label not in held
+                                      or self.placements[label].cfg.optimizer in MATRIX_KINDS
                                       or self.placements[label].cfg.every_step)]
 
     def _launch_reduction(self, label: str, do_adam: bool):
@@ -1874,18 +1884,20 @@ class NorMuonAdam:
 
     @torch.no_grad()
     def step(self, do_adam: bool = True, lr_scale: float = 1.0, momentum: float | None = None,
-             rails: tuple[float, float] | None = None) -> None:
+             rails: tuple[float, float] | None = None, held=(), stretch: dict | None = None) -> None:
         """One optimizer step: NorMuon (or ANVIL) every call, Adam only when do_adam (odd steps). lr_scale
         multiplies every base learning rate (the lr schedule); momentum is the NorMuon momentum (ANVIL's rail
         beta) for this step (default: the constructor's); rails: ANVIL's (fast rail's beta, its weight in the
         blend), default (momentum, 1): plain Nesterov momentum. They reach the update functions as tensor
-        entries: no recompiles as they change."""
+        entries: no recompiles as they change. held: Adam labels that skip this do_adam step, their gradients
+        accumulating on; stretch: {Adam label: s}, its betas^s and wd_mul x s (an update standing for s)."""
         momentum = self.normuon_momentum if momentum is None else float(momentum)
         rails = (momentum, 1.0) if rails is None else tuple(float(r) for r in rails)
-        active = self._active(do_adam)
-        hps = self._hyperparams(active, float(lr_scale), momentum, rails)
+        held = tuple(held)
+        active = self._active(do_adam, held)
+        hps = self._hyperparams(active, float(lr_scale), momentum, rails, dict(stretch or {}))
         # phase 1: scatter, unless reductions_on_backward launched it during the backward
-        reduced = launched_reductions(self, do_adam)
+        reduced = launched_reductions(self, do_adam, held)
         if reduced is None:
             reduced = {label: self._launch_reduction(label, do_adam) for label in active}
         # phase 2: work. Adam in at most two calls (_adam_groups), then the NorMuon (ANVIL) banks in work_order.
@@ -2048,16 +2060,17 @@ class BackwardReductions:
             self.launched[label] = self.launch(label)
 
 @contextlib.contextmanager
-def reductions_on_backward(opt: NorMuonAdam, do_adam: bool):
+def reductions_on_backward(opt: NorMuonAdam, do_adam: bool, held=()):
     """Around the last micro-batch's backward: launch opt's reductions of the step from gradient hooks
-    (BackwardReductions); the next opt.step(do_adam) takes them (launched_reductions). One rank: nothing."""
-    do_adam = bool(do_adam)
+    (BackwardReductions); the next opt.step(do_adam, held=held) takes them (launched_reductions). One rank:
+    nothing."""
+    do_adam, held = bool(do_adam), tuple(held)
     if opt._on_backward is not None:
         raise ValueError("reductions_on_backward: this step's reductions are already launched; call step() first")
     if opt.world_size == 1:
         yield
         return
-    active = opt._active(do_adam)
+    active = opt._active(do_adam, held)
     head = opt.tied[1] if opt.tied and do_adam else None
     needs = {label: (label, opt.tied[0]) if label == head else (label,) for label in active}
     launch = BackwardReductions(active, needs, functools.partial(opt._launch_reduction, do_adam=do_adam))
@@ -2074,16 +2087,16 @@ def reductions_on_backward(opt: NorMuonAdam, do_adam: bool):
         for h in handles:
             h.remove()
     launch.advance(final=True)
-    opt._on_backward = (do_adam, launch.launched)
+    opt._on_backward = (do_adam, held, launch.launched)
 
-def launched_reductions(opt: NorMuonAdam, do_adam: bool) -> dict | None:
+def launched_reductions(opt: NorMuonAdam, do_adam: bool, held=()) -> dict | None:
     """The reductions reductions_on_backward launched for opt's next step (taken: launched once), else None."""
     if opt._on_backward is None:
         return None
-    (launched_adam, reduced), opt._on_backward = opt._on_backward, None
-    if launched_adam != bool(do_adam):
-        raise ValueError(f"NorMuonAdam.step: do_adam={do_adam} but reductions_on_backward launched"
-                         f" the reductions of a do_adam={launched_adam} step")
+    (launched_adam, launched_held, reduced), opt._on_backward = opt._on_backward, None
+    if (launched_adam, launched_held) != (bool(do_adam), tuple(held)):
+        raise ValueError(f"NorMuonAdam.step: do_adam={do_adam}, held={tuple(held)} but reductions_on_backward launched"
+                         f" the reductions of a do_adam={launched_adam}, held={launched_held} step")
     return reduced
 
 # ---- Every label's learning rate, as the updates apply it (tests) ----------------------------------
@@ -3688,6 +3701,8 @@ class StepPlan:
     do_adam: bool             # Adam parameters step on odd steps; their gradients accumulate meanwhile
     candidates: int = 0       # classes in the training softmax (sampled softmax), 0: all
     rails: tuple = ()         # ANVIL: (fast rail's beta, its weight in the blend)
+    held: tuple = ()          # Adam labels that skip this do_adam step (their gradients accumulate on)
+    stretch: tuple = ()       # (Adam label, s): this step's betas^s and wd_mul x s for it
 
 def stage_bounds(args: Hyperparameters) -> tuple[int, ...]:
     """First step of every stage row, then the run's end: (0, 423, 847, 1270, 1285) for the speedrun."""
@@ -3742,8 +3757,12 @@ def plan_step(args: Hyperparameters, step: int) -> StepPlan:
     candidates = ([int(p) for start, p in args.sampled_softmax if step + 1e-6 >= start * n] or [0])[-1]
     engage, fast_beta, fast_weight, _ = args.anvil_rails
     rails = ((fast_beta, fast_weight) if step >= round(engage * n) else (momentum, 1.0)) if anvil else ()
+    held, stretch = (), ()
+    if args.value_embed_cadence and step >= round(args.value_embed_cadence[0] * n):
+        _, period, phase = args.value_embed_cadence
+        held, stretch = ("value_embeds",) if step % period != phase else (), (("value_embeds", period / 2),)
     return StepPlan(step, stage, row.batch_tokens, row.max_doc_len, tuple(row.windows), lr_mult, momentum,
-                    tuple(float(w) for w in mtp), float(prefix), step % 2 == 1, candidates, rails)
+                    tuple(float(w) for w in mtp), float(prefix), step % 2 == 1, candidates, rails, held, stretch)
 
 def schedule_tokens(args: Hyperparameters) -> list[int]:
     """Global tokens trained before each step, then the run's total (total_steps + 1 entries)."""
@@ -3953,7 +3972,7 @@ def forward_backward(compiled_model, opt: NorMuonAdam, batches: list[Batch], pla
                                                  loss_scale=grad_scale, prefix_weight=prefix, masks=masks,
                                                  candidates=b.candidates)
         hooks = into is None and i == len(batches) - 1
-        with reductions_on_backward(opt, plan.do_adam) if hooks else contextlib.nullcontext():
+        with reductions_on_backward(opt, plan.do_adam, plan.held) if hooks else contextlib.nullcontext():
             micro.backward()
         loss += micro.detach()
         next_token += micro_next_token
@@ -4289,11 +4308,12 @@ class Trainer:
         else:
             objective, next_token = forward_backward(self.compiled_model, self.opt, batches, plan, self.mtp, self.prefix,
                                                      self.grad_scale, dist_info.device)
-        self.opt.step(plan.do_adam, lr_scale=plan.lr_mult, momentum=plan.momentum, rails=plan.rails or None)
+        self.opt.step(plan.do_adam, lr_scale=plan.lr_mult, momentum=plan.momentum, rails=plan.rails or None,
+                      held=plan.held, stretch=dict(plan.stretch))
         if step == untie_step(args) and self.opt.tied:  # (a benchmark may have untied already)
             self.opt.untie()
         if self.blends is not None:
-            self.blends.tick(step, value_embeds_updated=plan.do_adam)
+            self.blends.tick(step, value_embeds_updated=plan.do_adam and "value_embeds" not in plan.held)
         self.batches = batches  # the benchmarks count the step's documents
         if self.fp8:  # after the optimizer step (the record's per-step order), for the next forward
             self.model.quantize_fp8(bootstrap=step < FP8_BOOTSTRAP_STEPS)
@@ -4663,7 +4683,8 @@ def train_step(compiled_model, opt: NorMuonAdam, batches: list[Batch], plan: Ste
                prefix: torch.Tensor, grad_scale: float, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """forward_backward, then the optimizer step, as Trainer.step runs them; forward_backward's losses."""
     loss, next_token = forward_backward(compiled_model, opt, batches, plan, mtp, prefix, grad_scale, device)
-    opt.step(plan.do_adam, lr_scale=plan.lr_mult, momentum=plan.momentum, rails=plan.rails or None)
+    opt.step(plan.do_adam, lr_scale=plan.lr_mult, momentum=plan.momentum, rails=plan.rails or None,
+             held=plan.held, stretch=dict(plan.stretch))
     return loss, next_token
 
 # ----------------------------------------------------------------------------------------------
@@ -4697,6 +4718,11 @@ def check_flags(args: Hyperparameters, world_size: int) -> None:
                           ("attention_kernel", ("auto", *GPU_ATTENTION_KERNELS))):
         if getattr(args, name) not in choices:
             raise SystemExit(f"error: --{name} {getattr(args, name)!r} is not one of {', '.join(choices)}")
+    cadence = args.value_embed_cadence
+    if cadence and (len(cadence) != 3 or cadence[1] not in (2, 4, 6, 8) or cadence[2] != int(cadence[2])
+                    or cadence[2] % 2 != 1 or cadence[2] >= cadence[1]):
+        raise SystemExit(f"error: --value_embed_cadence {cadence!r} must be (start, period, phase) with an even "
+                         "period of at most 8 and an odd phase below it, e.g. (0.2862, 4, 3)")
     for start, P in args.sampled_softmax:
         if P != int(P) or P > args.padded_vocab_size or P and args.fp8:
             raise SystemExit(f"error: --sampled_softmax {args.sampled_softmax!r}: P must be an integer <= "

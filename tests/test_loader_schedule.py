@@ -450,3 +450,22 @@ def test_record_92s_schedule_rows_give_its_published_numbers():
     firsts = [s for s in range(1194) if s == 0 or key(s) != key(s - 1)]
     assert firsts == [0, 320, 411, 501, 591, 681, 965, 1107, 1174]
     assert tg.untie_step(tg.parse_args([])) == 847  # the speedrun's untie row: its last scheduled stage
+
+
+def test_record_92s_value_embedding_cadence():
+    """--value_embed_cadence (336/1174, 4, 3): the value embeddings step on the odd steps before 336, then
+    on the steps = 3 mod 4, with squared betas and doubled decay (#92's), holding their gradient between;
+    the other Adam labels keep every odd step. The blends' value-embedding average then ticks 62 times."""
+    args = dataclasses.replace(record92_args(), value_embed_cadence=(0.2862, 4, 3))  # round(0.2862 x 1174) = 336
+    plans = [tg.plan_step(args, s) for s in range(1194)]
+    updated = [p.step for p in plans if p.do_adam and "value_embeds" not in p.held]
+    assert updated == [s for s in range(1194) if s % 2 == 1 and (s < 336 or s % 4 == 3)]
+    assert all(p.stretch == ((("value_embeds", 2.0),) if p.step >= 336 else ()) for p in plans)
+    assert all(p.held in ((), ("value_embeds",)) for p in plans)
+    blends = tg.WeightBlends({label: torch.zeros(2) for label in ("lm_head", "embed", "vo_bank", "mlp_bank",
+                                                                  "value_embeds", "qk_bank")}, 1194)
+    for p in plans:
+        blends.tick(p.step, p.do_adam and "value_embeds" not in p.held)
+    assert blends.ticks["value_embed_average"] == 62
+    with pytest.raises(SystemExit, match="--value_embed_cadence"):
+        tg.check_flags(dataclasses.replace(args, value_embed_cadence=(0.2862, 4, 2)), 1)

@@ -1250,3 +1250,41 @@ def test_every_parameters_learning_rate_is_the_records(step, s):
     assert mlp.shape == (24,)
     assert torch.allclose(mlp[0::2], torch.tensor(0.046 * plan.lr_mult, dtype=torch.float64), rtol=1e-12)
     assert torch.allclose(mlp[1::2], torch.tensor(0.092 * plan.lr_mult, dtype=torch.float64), rtol=1e-12)
+
+
+def test_held_and_stretched_adam_steps_match_float64():
+    """opt.step(held=..., stretch=...): a held label's gradients accumulate over the steps it skips, and a
+    stretched update uses betas^s and wd_mul x s, its bias corrections counting updates (record #92's value
+    embeddings), against a float64 Adam loop; a label neither held nor stretched steps as before."""
+    torch.manual_seed(5)
+    p0 = {"ve": torch.randn(6, 4), "other": torch.randn(5)}
+    params = {k: torch.nn.Parameter(v.clone()) for k, v in p0.items()}
+    cfgs = {"ve": T.ParamConfig("adam", "none", lr_mul=2.0, wd_mul=5.0, betas=(0.75, 0.95)),
+            "other": T.ParamConfig("adam", "none", betas=(0.9, 0.99))}
+    opt = single_opt(params, cfgs, adam_lr=0.01, adam_wd=0.5)
+    grads = {k: [torch.randn(v.shape) for _ in range(12)] for k, v in p0.items()}
+    held_at, stretch_from = {5, 9}, 4  # from step 4, updates only on steps 7 and 11 (5 and 9 held)
+    for step in range(12):
+        for k in params:
+            params[k].grad = grads[k][step].clone() if params[k].grad is None else params[k].grad + grads[k][step]
+        opt.step(do_adam=step % 2 == 1, held=("ve",) if step in held_at else (),
+                 stretch={"ve": 2.0} if step >= stretch_from else None)
+
+    def adam64(k, lr, wd_mul, betas, updates_at, stretch_from=None):
+        p, m, v, g, t = p0[k].double(), 0.0, 0.0, 0.0, 0
+        for step in range(12):
+            g = g + grads[k][step].double()
+            if step not in updates_at:
+                continue
+            s = 2.0 if stretch_from is not None and step >= stretch_from else 1.0
+            b1, b2 = betas[0] ** s, betas[1] ** s
+            t += 1
+            m, v = b1 * m + (1 - b1) * g, b2 * v + (1 - b2) * g * g
+            u = lr * math.sqrt(1 - b2 ** t) / (1 - b1 ** t) * m / (v.sqrt() + 1e-10)
+            p, g = p - u - (u * p > 0) * lr * lr * 0.5 * wd_mul * s * p, 0.0
+        return p
+    ve = adam64("ve", 0.02, 5.0, (0.75, 0.95), {1, 3, 7, 11}, stretch_from)
+    other = adam64("other", 0.01, 1.0, (0.9, 0.99), {1, 3, 5, 7, 9, 11})
+    torch.testing.assert_close(params["ve"].data.double(), ve, rtol=2e-6, atol=1e-7)
+    torch.testing.assert_close(params["other"].data.double(), other, rtol=2e-6, atol=1e-7)
+    assert opt.adam_steps == {"ve": 4, "other": 6} and params["ve"].grad is None
