@@ -1401,16 +1401,16 @@ def normuon_hyperparams(lr: float, wd: float, wd_mul: float, momentum: float, be
 
 def anvil_hyperparams(lr: float, wd: float, wd_mul: float, momentum: float, beta2: float, rails: tuple,
                       slow_beta: float) -> AnvilHyperparams:
-    return AnvilHyperparams(lr, wd * wd_mul * lr, momentum, beta2, *rails, slow_beta)
+    return AnvilHyperparams(*normuon_hyperparams(lr, wd, wd_mul, momentum, beta2), *rails, slow_beta)
 
 def adam_hyperparams(lr: float, t: int, betas: tuple, wd: float, wd_mul: float, eps: float) -> AdamHyperparams:
     b1, b2 = betas  # t counts from 1
     return AdamHyperparams(lr * math.sqrt(1.0 - b2 ** t) / (1.0 - b1 ** t), lr * lr * wd * wd_mul, b1, b2, eps)
 
 def hyperparam_tensors(labels, rows, device: torch.device) -> dict[str, torch.Tensor]:
-    """Every label's row (NorMuonHyperparams or AdamHyperparams, padded with 0s to the longest) in one
-    host->device copy (pinned, non-blocking on CUDA); a row view per label, its fields read by name in the
-    update (hyperparams_of)."""
+    """Every label's row (NorMuonHyperparams, AnvilHyperparams or AdamHyperparams, padded with 0s to the
+    longest) in one host->device copy (pinned, non-blocking on CUDA); a row view per label, its fields read by
+    name in the update (hyperparams_of)."""
     width = max(map(len, rows), default=0)
     hp = torch.tensor([[*row, *[0.0] * (width - len(row))] for row in rows], dtype=torch.float32)
     if device.type == "cuda":
@@ -3978,6 +3978,11 @@ def forward_backward(compiled_model, opt: NorMuonAdam, batches: list[Batch], pla
         next_token += micro_next_token
     return loss, next_token
 
+def optimizer_schedule(plan: StepPlan) -> dict:
+    """opt.step's arguments as the plan schedules them (after forward_backward or its graph's replay)."""
+    return dict(do_adam=plan.do_adam, lr_scale=plan.lr_mult, momentum=plan.momentum, rails=plan.rails or None,
+                held=plan.held, stretch=dict(plan.stretch))
+
 def compile_model(model: nn.Module):
     """The model compiled whole (fullgraph: a graph break is an error), one graph per shape: the record
     raises dynamo's recompile limit to 64, every schedule variant being a graph of its own."""
@@ -4308,8 +4313,7 @@ class Trainer:
         else:
             objective, next_token = forward_backward(self.compiled_model, self.opt, batches, plan, self.mtp, self.prefix,
                                                      self.grad_scale, dist_info.device)
-        self.opt.step(plan.do_adam, lr_scale=plan.lr_mult, momentum=plan.momentum, rails=plan.rails or None,
-                      held=plan.held, stretch=dict(plan.stretch))
+        self.opt.step(**optimizer_schedule(plan))
         if step == untie_step(args) and self.opt.tied:  # (a benchmark may have untied already)
             self.opt.untie()
         if self.blends is not None:
@@ -4605,8 +4609,8 @@ def train(args: Hyperparameters, dist_info: DistInfo) -> float:
                                      args.bigram_vocab_size, dist_info.rank, dist_info.world_size)
     encoding = gpt2_encoding()  # read before the clock; the prefix table built from it is timed (below)
     start_step = resume_step(args, dist_info, model, opt, loader)  # 0 unless --resume
-    blends_from = WeightBlends({}, total_steps(args)).window_start()
-    if args.weight_blends and start_step > blends_from:
+    blends_from = WeightBlends({}, total_steps(args)).window_start() if args.weight_blends else None
+    if blends_from is not None and start_step > blends_from:
         raise SystemExit(f"error: --resume at step {start_step} is inside --weight_blends' window (from step "
                          f"{blends_from}), whose averages no checkpoint holds; resume from an earlier checkpoint")
 
@@ -4683,8 +4687,7 @@ def train_step(compiled_model, opt: NorMuonAdam, batches: list[Batch], plan: Ste
                prefix: torch.Tensor, grad_scale: float, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """forward_backward, then the optimizer step, as Trainer.step runs them; forward_backward's losses."""
     loss, next_token = forward_backward(compiled_model, opt, batches, plan, mtp, prefix, grad_scale, device)
-    opt.step(plan.do_adam, lr_scale=plan.lr_mult, momentum=plan.momentum, rails=plan.rails or None,
-             held=plan.held, stretch=dict(plan.stretch))
+    opt.step(**optimizer_schedule(plan))
     return loss, next_token
 
 # ----------------------------------------------------------------------------------------------

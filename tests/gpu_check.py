@@ -2103,7 +2103,7 @@ def check_cuda_graphs(res: Result) -> None:
             batches = loader.next_step(*request)
             if captured:
                 loss = torch.stack(graphs.step(batches, plan, T.step_graph_key(plan, request, accum), capture=capture))
-                opt.step(plan.do_adam, lr_scale=plan.lr_mult, momentum=plan.momentum)  # as Trainer.step does
+                opt.step(**T.optimizer_schedule(plan))  # as Trainer.step does
             else:
                 loss = torch.stack(T.train_step(compiled_model, opt, batches, plan, mtp, prefix, scale, device))
             if i == T.untie_step(args):

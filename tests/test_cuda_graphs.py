@@ -71,7 +71,7 @@ def test_static_buffer_step_equals_train_step_bit_for_bit(tmp_path):
         batches_a, batches_b = loader_a.next_step(*request), loader_b.next_step(*request)
         loss_a = torch.stack(tg.train_step(model_a, opt_a, batches_a, plan, mtp_a, prefix_a, scale, CPU))
         loss_b = torch.stack(graphs.step(batches_b, plan, tg.step_graph_key(plan, request, accum)))
-        opt_b.step(plan.do_adam, lr_scale=plan.lr_mult, momentum=plan.momentum)  # Trainer.step's, after the graphs'
+        opt_b.step(**tg.optimizer_schedule(plan))  # Trainer.step's, after the graphs'
         if step == tg.untie_step(args):
             opt_a.untie()
             opt_b.untie()
@@ -240,7 +240,7 @@ def test_compiled_step_through_static_buffers_equals_train_step(tmp_path):
         model_b.set_windows(*plan.windows)
         loss_a = torch.stack(tg.train_step(fn_a, opt_a, loader_a.next_step(*request), plan, mtp_a, prefix_a, scale, CPU))
         loss_b = torch.stack(graphs.step(loader_b.next_step(*request), plan, tg.step_graph_key(plan, request, 2)))
-        opt_b.step(plan.do_adam, lr_scale=plan.lr_mult, momentum=plan.momentum)
+        opt_b.step(**tg.optimizer_schedule(plan))
         assert torch.equal(loss_a, loss_b), step
         assert all(torch.equal(pa, pb) for pa, pb in zip(model_a.parameters(), model_b.parameters())), step
     assert tg.compile_counts()["graph_breaks"] == 0
