@@ -149,6 +149,7 @@ PARAM_TABLE = {
     "mudd_gate_b2": dict(optimizer="adam", comms="replicated", lr_mul=0.1, wd_mul=0.0, betas=GATE_BETAS),
     "_mudd_gate_scale": dict(optimizer="adam", comms="replicated", lr_mul=0.1, wd_mul=0.0, betas=GATE_BETAS),
 }
+TABLE_LABELS = ("value_embeds", "bigram_embed")  # the embedding tables (--table_cadence steps both)
 # The record's orders. Scatter: big banks' reductions start first. Work: small parameters are updated
 # first so that the banks' reductions have landed before their (long) orthogonalization.
 SCATTER_ORDER = ("qk_bank", "vo_bank", "mlp_bank", "scalars", "smear_gate", "ve_gate_bank", "lm_head",
@@ -175,7 +176,8 @@ class Hyperparameters:
     num_heads: int = 6
     head_dim: int = 128
     mlp_hidden: int = 3072
-    bigram_vocab_size: int = 377_280
+    ngram_rows: int = 377_280              # rows of the hashed n-gram table (bigram_embed), every channel's
+    ngram_channels: int = 1                # 1: record #89's bigram rows; 2: record #92's bigram and trigram halves
     gate_channels: int = 12                # input channels of the VE and smear gates
     mudd_hidden: int = 64                  # hidden width of the MUDD gate and layer MLPs
     dc_window: int = 112                   # DC's own window in tokens (keys t-111 .. t)
@@ -227,10 +229,11 @@ class Hyperparameters:
     anvil_rail_beta: tuple = (0.85, 0.93, 240 / 1174, 50 / 1174)  # (min, max, warm-up, cool-down)
     anvil_rails: tuple = (514 / 1174, 0.85, 0.4385, 0.98)         # (engage, fast beta, fast weight, slow beta)
     weight_blends: bool = False            # record #92's end-of-run weight blends (BLENDS) before the final validation
-    # record #92's value-embedding cadence, (start, period, phase): from step round(start x num_iterations) the
-    # value embeddings' Adam steps only where step % period == phase, each update with betas^(period/2) and
-    # wd_mul x period/2 (#92: (336 / 1174, 4, 3)); () (the record's): on every Adam step
-    value_embed_cadence: tuple = ()
+    # record #92's cadence of the tables (TABLE_LABELS), (start, period, phase): from step round(start x
+    # num_iterations) the value embeddings and the n-gram table step only where step % period == phase, each
+    # update with betas^(period/2) and wd_mul x period/2 (#92: (336 / 1174, 4, 3)); () (the record's): every Adam step
+    table_cadence: tuple = ()
+    ngram_optimizer: str = "adam"          # the n-gram table's: adam (record #89's) | row_adam (record #92's)
     adamw_bank_lr_mul: float = 0.25        # adamw: the banks' lr, x adam_lr (Adam on every step)
     value_embeds: bool = True              # value-embedding tables added to V (the value_embed rows)
     bigram_embed: bool = True              # bigram hash embedding injected at every layer
@@ -380,7 +383,7 @@ PRESETS: dict[str, dict] = {  # --preset: the speedrun's is the defaults
         # width 128: the 50,304-wide LM head is most of a CPU step, and at width 256 an fp32 step (CPUs
         # without fast bf16) took ~2.3x as long for the same final loss
         model_dim=128, num_heads=2, head_dim=64, mlp_hidden=512,
-        bigram_vocab_size=20_011,
+        ngram_rows=20_011,
         layers=layers_from_words(("paired short", "attn short ve xsa save_skip",
                                   "attn long offset xsa gate post_gates", "skip save_h", "paired short ve from_h",
                                   "attn long offset ve gate dc from_h mudd")),
@@ -399,7 +402,7 @@ PRESETS: dict[str, dict] = {  # --preset: the speedrun's is the defaults
         train_files="data/tinyshakespeare/tinyshakespeare_train_*.bin",
         val_files="data/tinyshakespeare/tinyshakespeare_val_*.bin",
         model_dim=64, num_heads=2, head_dim=32, mlp_hidden=256,
-        bigram_vocab_size=4_001,
+        ngram_rows=4_001,
         layers=layers_from_words(("paired short save_skip", "attn long offset ve xsa gate post_gates", "skip save_h",
                                   "attn long offset ve gate dc from_h mudd")),
         mudd_hidden=16, dc_window=14, window_block_size=16,
@@ -521,7 +524,8 @@ KNOB_RANGES = dict(
     batch_tokens=_AT_LEAST_1, max_doc_len=_AT_LEAST_1, windows=_WINDOWS, lr_mult=_RATE, mtp_start=dict(lo=0, shape=(None,)),
     mtp_end=dict(lo=0, shape=(None,)), prefix_start=_RATE, prefix_end=_RATE, prefix_steps=_AT_LEAST_0,
     val_tokens=_AT_LEAST_1, vocab_size=_AT_LEAST_1, padded_vocab_size=_AT_LEAST_1, model_dim=_AT_LEAST_1,
-    num_heads=_AT_LEAST_1, head_dim=_AT_LEAST_1, mlp_hidden=_AT_LEAST_1, bigram_vocab_size=dict(lo=2, integer=True),
+    num_heads=_AT_LEAST_1, head_dim=_AT_LEAST_1, mlp_hidden=_AT_LEAST_1, ngram_rows=dict(lo=2, integer=True),
+    ngram_channels=dict(lo=1, hi=2, integer=True),
     gate_channels=_AT_LEAST_1, mudd_hidden=_AT_LEAST_1, dc_window=_AT_LEAST_1, window_block_size=_AT_LEAST_1,
     windows_init=_WINDOWS, final_val_windows=_WINDOWS, attn_scale=_RATE, num_iterations=_AT_LEAST_1,
     extension_iterations=_AT_LEAST_0, micro_batches=_AT_LEAST_1, cooldown_start=_FRACTION, momentum_min=_MOMENTUM,
@@ -529,7 +533,7 @@ KNOB_RANGES = dict(
     adam_lr=_RATE, adam_wd=_RATE, val_seq_len=_AT_LEAST_1, val_loss_every=_AT_LEAST_0, save_every=_AT_LEAST_0,
     keep_checkpoints=_AT_LEAST_0, sample_tokens=_AT_LEAST_0, adamw_bank_lr_mul=_RATE, anvil_wd=_RATE,
     anvil_rail_beta=dict(lo=0, hi=1, shape=(4,)), anvil_rails=dict(lo=0, hi=1, shape=(4,)),
-    value_embed_cadence=dict(lo=0, shape=(None,)),
+    table_cadence=dict(lo=0, shape=(None,)),
     seed=dict(lo=0, hi=2**63 - 1, integer=True), sampled_softmax=dict(lo=0, shape=(None, 2)))
 
 def flag_range(field: dataclasses.Field) -> FlagRange | None:
@@ -1201,7 +1205,7 @@ def _check_orthogonalizer(name) -> str:
 @dataclass(frozen=True)
 class ParamConfig:
     """How one labelled parameter is optimized and communicated (a row of the record's param_table)."""
-    optimizer: str = "adam"                         # "normuon", "anvil" (banks of matrices) or "adam"
+    optimizer: str = "adam"                         # "normuon", "anvil" (banks of matrices), "adam", "row_adam"
     comms: str = "replicated"                       # "none", "replicated", "sharded", "sharded_sparse"
     lr_mul: float = 1.0
     wd_mul: float = 1.0                             # the decay per step scales with lr^2 (record #89)
@@ -1213,7 +1217,8 @@ class ParamConfig:
         _check_param_config(self)
 
 MATRIX_KINDS = ("normuon", "anvil")  # the optimizers of banks of matrices (ANVIL: record #92's, an alternative)
-OPTIMIZER_KINDS = (*MATRIX_KINDS, "adam")
+ADAM_KINDS = ("adam", "row_adam")  # steps on do_adam steps (row Adam: record #92's n-gram table's, an alternative)
+OPTIMIZER_KINDS = (*MATRIX_KINDS, *ADAM_KINDS)
 COMMS_MODES = ("none", "replicated", "sharded", "sharded_sparse")
 
 def _check_param_config(cfg: ParamConfig) -> None:
@@ -1222,16 +1227,18 @@ def _check_param_config(cfg: ParamConfig) -> None:
         raise ValueError(f"ParamConfig: optimizer={cfg.optimizer!r} is not one of {', '.join(OPTIMIZER_KINDS)}")
     if cfg.comms not in COMMS_MODES:
         raise ValueError(f"ParamConfig: comms={cfg.comms!r} is not one of {', '.join(COMMS_MODES)}")
-    if cfg.comms == "sharded_sparse" and cfg.optimizer != "adam":
+    if cfg.comms == "sharded_sparse" and cfg.optimizer not in ADAM_KINDS:
         raise ValueError(f"ParamConfig: comms='sharded_sparse' is for Adam embedding tables; use 'sharded' for "
                          f"{cfg.optimizer}")
     if cfg.matrix_lr_mul is not None and cfg.optimizer not in MATRIX_KINDS:
         raise ValueError("ParamConfig: matrix_lr_mul applies to normuon and anvil banks only; use lr_mul for adam")
-    if cfg.every_step and cfg.optimizer != "adam":
+    if cfg.every_step and cfg.optimizer not in ADAM_KINDS:
         raise ValueError(f"ParamConfig: every_step applies to adam labels ({cfg.optimizer} steps every step)")
     betas = tuple(float(b) for b in cfg.betas)
     if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
         raise ValueError(f"ParamConfig: betas={cfg.betas!r} must be two numbers in [0, 1)")
+    if cfg.optimizer == "row_adam" and betas[0] != 0:
+        raise ValueError(f"ParamConfig: row_adam keeps no momentum; use betas=(0, beta2), got {cfg.betas!r}")
     object.__setattr__(cfg, "betas", betas)
     if cfg.matrix_lr_mul is not None:
         object.__setattr__(cfg, "matrix_lr_mul", tuple(float(m) for m in cfg.matrix_lr_mul))
@@ -1332,6 +1339,20 @@ def _adam_update_group(grads, exp_avgs, exp_avg_sqs, params, hps):
     for grad, exp_avg, exp_avg_sq, param, hp in zip(grads, exp_avgs, exp_avg_sqs, params, hps):
         _adam_update(grad, exp_avg, exp_avg_sq, param, hp)
 
+def _row_adam_update(grad, row_sq, param, hp):
+    """Record #92's row Adam on a shard of table rows (rows, width), in place: no momentum (beta1 0), one fp32
+    second moment per row, v = beta2 v + (1 - beta2) mean(g^2) over the row, u = step_size g / (sqrt(v) + eps),
+    and _adam_update's cautious decay. A row without gradient keeps its value (u = 0, so no decay either) and
+    its v decays by beta2: #92 replays the decays a row missed when it is next touched; here every row's v takes
+    every step's, the same products in the same order, at 4 bytes a row. hp: AdamHyperparams' row."""
+    hp = hyperparams_of(AdamHyperparams, hp)
+    g = grad.float()
+    row_sq.mul_(hp.beta2).add_(g.square().mean(dim=1) * (1 - hp.beta2))
+    u = hp.step_size * g / (row_sq.sqrt() + hp.eps)[:, None]
+    p = param.float()
+    u = u + (u * p > 0).float() * hp.decay * p
+    param.copy_(p - u)
+
 # ---- CPU-only helpers of the optimizer --------------------------------------------------------
 
 ADAM_CPU_CHUNK = 1 << 16  # elements per slice of the CPU Adam update (its temporaries stay in cache)
@@ -1353,11 +1374,20 @@ def adam_update_group_sliced(grads, exp_avgs, exp_avg_sqs, params, hps):
     for grad, exp_avg, exp_avg_sq, param, hp in zip(grads, exp_avgs, exp_avg_sqs, params, hps):
         _adam_update_sliced(grad, exp_avg, exp_avg_sq, param, hp)
 
+def row_adam_update_sliced(grad, row_sq, param, hp):
+    """_row_adam_update a block of whole rows at a time (rows are independent: the same bits), for a CPU's cache."""
+    rows = max(1, ADAM_CPU_CHUNK // max(1, grad.size(1)))
+    if grad.size(0) <= rows:
+        return _row_adam_update(grad, row_sq, param, hp)
+    for a in range(0, grad.size(0), rows):
+        _row_adam_update(grad[a: a + rows], row_sq[a: a + rows], param[a: a + rows], hp)
+
 # The updates uncompiled (update_functions(compile=False), CPUs), by kind: Adam sliced.
-UNCOMPILED_UPDATES = {"normuon": _normuon_update, "anvil": _anvil_update, "adam": adam_update_group_sliced}
+UNCOMPILED_UPDATES = {"normuon": _normuon_update, "anvil": _anvil_update, "adam": adam_update_group_sliced,
+                      "row_adam": row_adam_update_sliced}
 
 def update_functions(compile=False) -> dict:
-    """The updates by kind (NorMuon's, ANVIL's, Adam's group update) compiled fullgraph (inductor for True, or
+    """The updates by kind (NorMuon's, ANVIL's, Adam's group update, row Adam's) compiled fullgraph (inductor for True, or
     the backend given), one graph per label and per Adam group; compile=False (the record always compiles):
     UNCOMPILED_UPDATES."""
     if not compile:
@@ -1365,7 +1395,8 @@ def update_functions(compile=False) -> dict:
     backend = "inductor" if compile is True else compile
     return {"normuon": torch.compile(_normuon_update, dynamic=False, backend=backend, fullgraph=True),
             "anvil": torch.compile(_anvil_update, dynamic=False, backend=backend, fullgraph=True),
-            "adam": torch.compile(_adam_update_group, dynamic=True, backend=backend, fullgraph=True)}
+            "adam": torch.compile(_adam_update_group, dynamic=True, backend=backend, fullgraph=True),
+            "row_adam": torch.compile(_row_adam_update, dynamic=False, backend=backend, fullgraph=True)}
 
 class NorMuonHyperparams(NamedTuple):
     """_normuon_update's numbers of a step: floats from normuon_hyperparams, 0-d tensors in the update."""
@@ -1559,6 +1590,8 @@ class OwnershipLayout:
         if placement.cfg.optimizer == "adam":
             return {"exp_avg": torch.zeros(shard, dtype=torch.float32, device=dev),
                     "exp_avg_sq": torch.zeros(shard, dtype=torch.float32, device=dev)}
+        if placement.cfg.optimizer == "row_adam":
+            return {"row_sq": torch.zeros(shard[0], dtype=torch.float32, device=dev)}
         n, r, c = shard
         rails = ("fast_rail", "slow_rail") if placement.cfg.optimizer == "anvil" else ("momentum_buffer",)
         st = {**{name: torch.zeros(shard, dtype=torch.float32, device=dev) for name in rails},
@@ -1806,11 +1839,13 @@ class NorMuonAdam:
         self.tied = tied  # parameters are never touched here: a restored checkpoint may be untied
         self.state = {label: {} if self.tied and label == self.tied[0] else self.layout.new_state(label)
                       for label in self.placements}
-        self.adam_steps = {label: 0 for label, placement in self.placements.items() if placement.cfg.optimizer == "adam"}
+        self.adam_steps = {label: 0 for label, placement in self.placements.items()
+                           if placement.cfg.optimizer in ADAM_KINDS}
         self._matrix_lr = {label: self.layout.matrix_lr(label) for label, placement in self.placements.items()
                            if placement.cfg.optimizer in MATRIX_KINDS}
         updates = update_functions(compile)
         self._normuon_fn, self._anvil_fn, self._adam_fn = updates["normuon"], updates["anvil"], updates["adam"]
+        self._row_adam_fn = updates["row_adam"]
         self._on_backward: tuple[bool, tuple, dict] | None = None  # (do_adam, held, reductions): reductions_on_backward
 
     def prepare_sparse(self, label: str, row_ids, launch: bool = False) -> None:
@@ -1860,20 +1895,26 @@ class NorMuonAdam:
         return self.exchange.scatter(placement, placement.grad_view())
 
     def _adam_groups(self, active) -> list[list[str]]:
-        """The step's Adam labels in work_order, one update call per group: unsharded first (landed first)."""
-        adam = [label for label in self.work_order if label in active and self.placements[label].cfg.optimizer == "adam"]
+        """The step's Adam (and row Adam) labels in work_order, a group at a time: unsharded first (landed first)."""
+        adam = [label for label in self.work_order if label in active and self.placements[label].cfg.optimizer in ADAM_KINDS]
         groups = ([label for label in adam if not self.placements[label].sharded],
                   [label for label in adam if self.placements[label].sharded])
         return [group for group in groups if group]
 
     def _adam_work(self, labels, reduced, hps) -> dict:
-        """Wait for a group's reductions, update its shards in one call; returns the sharded ones' gathers."""
+        """Wait for a group's reductions, update its Adam shards in one call (row Adam's one a label); returns the
+        sharded ones' gathers."""
         placements = [self.placements[label] for label in labels]
         grads = [reduced[label]() for label in labels]
         shards = [placement.local_shard() for placement in placements]
         states = [self.state[label] for label in labels]
-        self._adam_fn(grads, [st["exp_avg"] for st in states], [st["exp_avg_sq"] for st in states], shards,
-                      [hps[label] for label in labels])
+        adam = [i for i, placement in enumerate(placements) if placement.cfg.optimizer == "adam"]
+        if adam:
+            self._adam_fn([grads[i] for i in adam], [states[i]["exp_avg"] for i in adam],
+                          [states[i]["exp_avg_sq"] for i in adam], [shards[i] for i in adam],
+                          [hps[labels[i]] for i in adam])
+        for i in (i for i in range(len(labels)) if i not in adam):
+            self._row_adam_fn(grads[i], states[i]["row_sq"], shards[i], hps[labels[i]])
         gathers = {}
         for placement, shard in zip(placements, shards):
             self.adam_steps[placement.label] += 1
@@ -1988,6 +2029,9 @@ def _check_optimizer_args(opt: NorMuonAdam, params: dict, configs: dict, tied) -
         if cfg.optimizer in MATRIX_KINDS and p.ndim < 2:
             raise ValueError(f"NorMuonAdam: {cfg.optimizer} parameter {label!r} has shape {tuple(p.shape)};"
                              " it needs matrices (..., rows, cols)")
+        if cfg.optimizer == "row_adam" and p.ndim != 2:
+            raise ValueError(f"NorMuonAdam: row_adam parameter {label!r} has shape {tuple(p.shape)}; it needs rows"
+                             " (rows, width)")
         n = p.numel() // (p.size(-2) * p.size(-1)) if p.ndim >= 2 else 0
         if cfg.optimizer in MATRIX_KINDS and cfg.matrix_lr_mul is not None and len(cfg.matrix_lr_mul) != n:
             raise ValueError(f"NorMuonAdam: {label!r} has {n} matrices but matrix_lr_mul has"
@@ -2389,24 +2433,55 @@ def mudd_gate_layout(layers: tuple, num_heads: int) -> tuple[dict, dict]:
 
 # -- embeddings ---------------------------------------------------------------------------------
 
-def bigram_hash(tokens, bigram_vocab_size: int) -> torch.Tensor:
-    """int64 row of the bigram table per position, in the record's int32 arithmetic: h[0] = B-1 (reserved),
-    h[t] = ((36313 cur) XOR (27191 prev)) mod (B-1), prev the sentinel B-1 at t = 1 (the record's quirk)."""
-    def int32(x):  # two's-complement wrap-around
-        return (x + 2**31) % 2**32 - 2**31
+def _int32(x: torch.Tensor) -> torch.Tensor:
+    """int64 values wrapped as int32 arithmetic would (two's complement)."""
+    return (x + 2**31) % 2**32 - 2**31
 
-    mod = bigram_vocab_size - 1
+def bigram_hash(tokens, rows: int) -> torch.Tensor:
+    """int64 row of a bigram channel of `rows` rows per position, in the record's int32 arithmetic: h[0] = B-1
+    (reserved), h[t] = ((36313 cur) XOR (27191 prev)) mod (B-1) (floor), prev the sentinel B-1 at t = 1 (the
+    record's quirk, which record #92 keeps)."""
+    mod = rows - 1
     t = torch.as_tensor(tokens).to(torch.int64)
     out = torch.full_like(t, mod)
     prev = t[:-1].clone()
     prev[:1] = mod
-    out[1:] = int32(int32(36313 * t[1:]) ^ int32(27191 * prev)) % mod
+    out[1:] = _int32(_int32(36313 * t[1:]) ^ _int32(27191 * prev)) % mod
     return out
+
+def trigram_hash(tokens, rows: int) -> torch.Tensor:
+    """int64 row of record #92's trigram channel of `rows` rows per position, in int32 arithmetic: the sentinel
+    R-1 at t < 2, then ((17351 x[t]) XOR (60961 x[t-1]) XOR (45259 x[t-2])) mod (R-1) (floor)."""
+    mod = rows - 1
+    t = torch.as_tensor(tokens).to(torch.int64)
+    out = torch.full_like(t, mod)
+    out[2:] = (_int32(17351 * t[2:]) ^ _int32(60961 * t[1:-1]) ^ _int32(45259 * t[:-2])) % mod
+    return out
+
+def ngram_rows_of(tokens, rows: int, channels: int) -> torch.Tensor:
+    """(T, channels) int64 rows of the n-gram table (--ngram_rows, --ngram_channels): one channel, record #89's
+    bigram over every row; two, record #92's: the bigram over the first half (rows // 2), the trigram over the
+    rest. The hashes run across documents, as the records' over their packed streams."""
+    if channels == 1:
+        return bigram_hash(tokens, rows)[:, None]
+    half = rows // 2
+    return torch.stack([bigram_hash(tokens, half), half + trigram_hash(tokens, rows - half)], dim=1)
 
 def bigram_sign_index(ids: torch.Tensor) -> torch.Tensor:
     """Row of the +-1 sign table per position: 0, then (tok[t-1] XOR tok[t]) mod 8192 (no sentinel)."""
     ids = ids.to(torch.int64)
     return torch.cat([torch.zeros_like(ids[:1]), torch.bitwise_xor(ids[:-1], ids[1:]) % BIGRAM_SIGN_ROWS])
+
+def ngram_sign_index(ids: torch.Tensor, channels: int) -> torch.Tensor:
+    """(T, channels) rows of the +-1 sign table: one channel, bigram_sign_index; two, record #92's own hashes,
+    ((30011 x[t-1]) XOR (48271 x[t])) & 8191 (0 at t = 0) and ((26801 x[t-2]) XOR (39779 x[t-1]) XOR (58699 x[t]))
+    & 8191 (0 at t < 2). The low 13 bits of the products do not depend on int32 wrap-around."""
+    if channels == 1:
+        return bigram_sign_index(ids)[:, None]
+    x, mask = ids.to(torch.int64), BIGRAM_SIGN_ROWS - 1
+    bigram = torch.cat([torch.zeros_like(x[:1]), ((30011 * x[:-1]) ^ (48271 * x[1:])) & mask])
+    trigram = torch.cat([torch.zeros_like(x[:2]), ((26801 * x[:-2]) ^ (39779 * x[1:-1]) ^ (58699 * x[2:])) & mask])
+    return torch.stack([bigram, trigram[:len(x)]], dim=1)
 
 # -- attention masks ----------------------------------------------------------------------------
 # Slot q sees slot k iff q >= k, q - k <= window (window + 1 keys, the record's window_size=(window, 0)) and
@@ -2771,8 +2846,9 @@ def _check_model_args(args: Hyperparameters, world_size: int) -> None:
         fail(f"--head_dim must be a multiple of 4 (half of it rotates, in pairs), got {args.head_dim}")
     if args.padded_vocab_size < args.vocab_size:
         fail(f"--padded_vocab_size ({args.padded_vocab_size}) must be >= --vocab_size ({args.vocab_size})")
-    if args.bigram_vocab_size < 2:
-        fail(f"--bigram_vocab_size must be >= 2, got {args.bigram_vocab_size}")
+    least = 2 if args.ngram_channels == 1 else 6  # two channels: each half hashes into >= 2 rows beside its sentinel
+    if args.ngram_rows < least:
+        fail(f"--ngram_rows must be >= {least} with --ngram_channels {args.ngram_channels}, got {args.ngram_rows}")
     if args.gate_channels > args.model_dim:
         fail(f"--gate_channels ({args.gate_channels}) must be <= --model_dim ({args.model_dim})")
     if args.num_heads % 2:
@@ -2817,7 +2893,7 @@ class GPT(nn.Module):
         self.vo_bank = nn.Parameter(torch.empty(n_vo, H * hd, D, dtype=dtype))
         self.mlp_bank = nn.Parameter(torch.empty(n_mlp, args.mlp_hidden, D, dtype=dtype))
         self.smear_gate = nn.Parameter(torch.empty(1, C, dtype=dtype))
-        self.bigram_embed = nn.Parameter(torch.empty(args.bigram_vocab_size, D, dtype=dtype))
+        self.bigram_embed = nn.Parameter(torch.empty(args.ngram_rows, D, dtype=dtype))
         self.post_lambdas = nn.Parameter(torch.empty(L, 2, dtype=fp32))
         self.resid_lambdas = nn.Parameter(torch.empty(L, 2, dtype=fp32))
         self.scalars = nn.Parameter(torch.empty(-(-(2 * L + 2) // 8) * 8, dtype=fp32))  # the record pads to 8
@@ -2924,13 +3000,16 @@ class GPT(nn.Module):
             return [self.embed.new_zeros(ids.numel(), self.args.model_dim)] * self.value_embeds.shape[0]
         return [F.embedding(ids, t) for t in self.value_embeds.unbind(0)]
 
-    def bigram_features(self, ids: torch.Tensor, bigram_ids: torch.Tensor) -> torch.Tensor:
-        """xb (T, D): the bigram table's row of each (previous, current) hash times its +-1 sign row
-        (--bigram_signs false: unsigned; --bigram_embed false: zeros)."""
+    def ngram_features(self, ids: torch.Tensor, ngram_ids: torch.Tensor) -> torch.Tensor:
+        """xb (T, D): per channel the n-gram table's row (ngram_rows_of) times its +-1 sign row, the channels
+        summed in fp32 and rounded once, as record #92 (--bigram_signs false: unsigned; --bigram_embed false:
+        zeros). ngram_ids (T, channels), or (T,) for one."""
         if not self.args.bigram_embed:
             return self.embed.new_zeros(ids.numel(), self.args.model_dim)
-        rows = F.embedding(bigram_ids.view(-1), self.bigram_embed)
-        return rows * self.bigram_sign_table[bigram_sign_index(ids)] if self.args.bigram_signs else rows
+        rows = F.embedding(ngram_ids.view(ids.numel(), -1), self.bigram_embed)  # (T, channels, D)
+        if self.args.bigram_signs:
+            rows = rows * self.bigram_sign_table[ngram_sign_index(ids, rows.size(1))]  # exact: +-1
+        return rows[:, 0] if rows.size(1) == 1 else rows.float().sum(1).to(rows.dtype)
 
     def smear(self, e: torch.Tensor) -> torch.Tensor:
         """e[t] += smear_lambda * sigmoid(smear_gate . e[t][:12]) * e[t-1], across documents (the record's)."""
@@ -3053,7 +3132,7 @@ class GPT(nn.Module):
         with torch.no_grad():
             model.lm_head_f8_t.copy_(fp8_head_weight(model.lm_head))
 
-    def forward(self, input_ids, target_ids, cu_seqlens, bigram_ids, mtp_weights=None, loss_scale: float = 1.0,
+    def forward(self, input_ids, target_ids, cu_seqlens, ngram_ids, mtp_weights=None, loss_scale: float = 1.0,
                 prefix_weight=None, masks: dict | None = None, candidates=None):
         """Training (mtp_weights (K,) given): (objective, next_token), 0-D fp32 sums over tokens: loss_scale x
         record #89's loss (softcapped multi-token CE, plus the prefix term with prefix_weight) and the plain
@@ -3075,7 +3154,7 @@ class GPT(nn.Module):
         w = {"qk": self.qk_bank.unbind(0), "vo": self.vo_bank.unbind(0)}
         mlp = self.mlp_bank.unbind(0)
         ve = self.value_embeddings(ids)
-        xb = self.bigram_features(ids, bigram_ids)
+        xb = self.ngram_features(ids, ngram_ids)
         x0 = norm(self.smear(e))
         gates = [self._mudd_gate(0, x0), None]
 
@@ -3314,13 +3393,13 @@ def compute_dtype(args: Hyperparameters, dist_info: DistInfo) -> tuple[torch.dty
 
 # ---- The model's hidden states and bf16 logits (sampling, tests) --------------------------------
 
-def final_hidden(model: GPT, input_ids, cu_seqlens, bigram_ids, masks: dict | None = None) -> torch.Tensor:
+def final_hidden(model: GPT, input_ids, cu_seqlens, ngram_ids, masks: dict | None = None) -> torch.Tensor:
     """Final normalised hidden states (T, D) (bf16 MLPs), the input of the LM head."""
-    return model(input_ids, None, cu_seqlens, bigram_ids, masks=masks)
+    return model(input_ids, None, cu_seqlens, ngram_ids, masks=masks)
 
-def bf16_logits(model: GPT, input_ids, cu_seqlens, bigram_ids, masks: dict | None = None) -> torch.Tensor:
+def bf16_logits(model: GPT, input_ids, cu_seqlens, ngram_ids, masks: dict | None = None) -> torch.Tensor:
     """Softcapped fp32 logits (T, Vp) of the plain bf16 head."""
-    return triton_kernels.softcap(final_hidden(model, input_ids, cu_seqlens, bigram_ids, masks) @ model.lm_head)
+    return triton_kernels.softcap(final_hidden(model, input_ids, cu_seqlens, ngram_ids, masks) @ model.lm_head)
 
 # ---- Parameter shapes without memory (tests, the fidelity table) -------------------------------
 
@@ -3439,7 +3518,7 @@ def write_shard(path: str, tokens) -> None:
     os.replace(tmp, path)
 
 # ----------------------------------------------------------------------------------------------
-# Data loader: BOS-aligned packed batches with document boundaries and bigram ids
+# Data loader: BOS-aligned packed batches, document boundaries, n-gram rows
 # ----------------------------------------------------------------------------------------------
 
 @dataclass
@@ -3447,7 +3526,7 @@ class Batch:
     inputs: torch.Tensor      # (T,) int32 token ids
     targets: torch.Tensor     # (T,) int64, targets[t] = token after inputs[t]
     cu_seqlens: torch.Tensor  # (max_docs + 1,) int32 document starts then T, padded with T (static shape)
-    bigram_ids: torch.Tensor  # (T,) int64 bigram hash of (previous, current) input token
+    ngram_ids: torch.Tensor   # (T, channels) int64 rows of the n-gram table (ngram_rows_of)
     # flex block masks built on the host (make_batch with a flex_mask_spec; None: the model builds them): the
     # spec, the int32 document id per position (the mask_mod reads it), {(long?, slots): BlockMaskIndices}
     mask_spec: tuple | None = None
@@ -3476,16 +3555,16 @@ def batch_tensors(b: Batch) -> list[torch.Tensor]:
     """Every tensor of the batch in a fixed order (the staging buffer's layout)."""
     masks = [t for key in sorted(b.block_masks) for t in b.block_masks[key]] if b.block_masks else []
     extra = [t for t in (b.doc_ids, b.candidates) if t is not None]
-    return [b.inputs, b.targets, b.cu_seqlens, b.bigram_ids, *extra, *masks]
+    return [b.inputs, b.targets, b.cu_seqlens, b.ngram_ids, *extra, *masks]
 
 def batch_with_tensors(b: Batch, tensors) -> Batch:
     """b with its tensors replaced, in batch_tensors' order."""
     it = iter(tensors)
-    inputs, targets, cu_seqlens, bigram_ids = (next(it) for _ in range(4))
+    inputs, targets, cu_seqlens, ngram_ids = (next(it) for _ in range(4))
     doc_ids, candidates = (next(it) if t is not None else None for t in (b.doc_ids, b.candidates))
     block_masks = {key: BlockMaskIndices(*(next(it) for _ in BlockMaskIndices._fields))
                    for key in sorted(b.block_masks)} if b.block_masks else None
-    return Batch(inputs, targets, cu_seqlens, bigram_ids, b.mask_spec, doc_ids, block_masks, b.max_doc_len,
+    return Batch(inputs, targets, cu_seqlens, ngram_ids, b.mask_spec, doc_ids, block_masks, b.max_doc_len,
                  candidates=candidates)
 
 def staged_bytes(b: Batch) -> int:
@@ -3543,10 +3622,11 @@ def candidate_classes(targets: np.ndarray, P: int, V: int, stride: int = 20011) 
     negatives = sweep[~np.isin(sweep, present)][:P - len(present)]
     return torch.from_numpy(np.sort(np.concatenate([present, negatives])).astype(np.int64))
 
-def make_batch(buf: np.ndarray, bigram_vocab_size: int, mask_spec: tuple | None = None,
-               max_doc_len: int | None = None, sampled: tuple | None = None) -> Batch:
-    """Batch from T + 1 consecutive tokens: inputs buf[:T], targets buf[1:]; with a mask_spec (flex_mask_spec)
-    also the flex block masks, built here on the host; with sampled (P, V) the sampled softmax's classes."""
+def make_batch(buf: np.ndarray, ngram_rows: int, mask_spec: tuple | None = None,
+               max_doc_len: int | None = None, sampled: tuple | None = None, ngram_channels: int = 1) -> Batch:
+    """Batch from T + 1 consecutive tokens: inputs buf[:T], targets buf[1:], the n-gram table's rows of the
+    inputs (ngram_rows_of); with a mask_spec (flex_mask_spec) also the flex block masks, built here on the host;
+    with sampled (P, V) the sampled softmax's classes."""
     T = len(buf) - 1
     inputs = torch.from_numpy(buf[:T].astype(np.int32))
     starts = np.flatnonzero(buf[:T] == BOS_ID)
@@ -3555,7 +3635,7 @@ def make_batch(buf: np.ndarray, bigram_vocab_size: int, mask_spec: tuple | None 
     cu[0] = 0
     cu[1:1 + len(starts)] = starts
     batch = Batch(inputs, torch.from_numpy(buf[1:].astype(np.int64)), torch.from_numpy(cu),
-                  bigram_hash(inputs, bigram_vocab_size), max_doc_len=max_doc_len,
+                  ngram_rows_of(inputs, ngram_rows, ngram_channels), max_doc_len=max_doc_len,
                   candidates=candidate_classes(buf[1:].astype(np.int64), *sampled) if sampled else None)
     if mask_spec is not None:
         block_size, kinds = mask_spec
@@ -3573,11 +3653,11 @@ class DocumentLoader:
     micro-batch g of a step goes to rank g % world_size, whatever the world size. Background threads read the
     next shard and build the next step's batches (look_ahead), masks and pinned staging buffer included."""
 
-    def __init__(self, pattern: str, bigram_vocab_size: int, rank: int = 0, world_size: int = 1,
-                 device: torch.device | None = None):
+    def __init__(self, pattern: str, ngram_rows: int, rank: int = 0, world_size: int = 1,
+                 device: torch.device | None = None, ngram_channels: int = 1):
         from concurrent.futures import ThreadPoolExecutor
         self.files = find_shards(pattern, "train")
-        self.bigram_vocab_size, self.rank, self.world_size = bigram_vocab_size, rank, world_size
+        self.ngram, self.rank, self.world_size = (ngram_rows, ngram_channels), rank, world_size
         self.stage = device is not None and device.type == "cuda"  # each step's batches in one pinned buffer
         self._pool = ThreadPoolExecutor(max_workers=1)   # shard reads
         self._steps = ThreadPoolExecutor(max_workers=1)  # look-ahead steps (they wait on shard reads)
@@ -3617,7 +3697,8 @@ class DocumentLoader:
                 pieces.append(tokens[:min(max_doc_len, need)])
                 need -= len(pieces[-1])
             if g % self.world_size == self.rank:
-                mine.append(make_batch(np.concatenate(pieces), self.bigram_vocab_size, mask_spec, max_doc_len, sampled))
+                mine.append(make_batch(np.concatenate(pieces), self.ngram[0], mask_spec, max_doc_len, sampled,
+                                       ngram_channels=self.ngram[1]))
         return (stage_step(mine) if self.stage else mine), (shard, doc)
 
     def _settle(self):
@@ -3657,8 +3738,8 @@ def _check_same_shards(saved: list, files: list) -> None:
         raise SystemExit(f"error: the checkpoint was written with other training shards ({len(saved)} "
                          f"files starting {saved[:1]}); resume with the same --train_files")
 
-def validation_batches(pattern: str, num_tokens: int, seq_len: int, bigram_vocab_size: int,
-                       rank: int, world_size: int) -> list[Batch]:
+def validation_batches(pattern: str, num_tokens: int, seq_len: int, ngram_rows: int,
+                       rank: int, world_size: int, ngram_channels: int = 1) -> list[Batch]:
     """The val shards' first num_tokens tokens in seq_len sequences dealt round-robin to ranks (any world size)."""
     _check_val_tokens(num_tokens, seq_len)
     chunks, have = [], 0
@@ -3669,7 +3750,7 @@ def validation_batches(pattern: str, num_tokens: int, seq_len: int, bigram_vocab
             break
     stream = np.concatenate(chunks)
     _check_val_stream(num_tokens, len(stream), pattern)
-    return [make_batch(stream[i * seq_len:(i + 1) * seq_len + 1], bigram_vocab_size)
+    return [make_batch(stream[i * seq_len:(i + 1) * seq_len + 1], ngram_rows, ngram_channels=ngram_channels)
             for i in range(rank, num_tokens // seq_len, world_size)]
 
 def _check_val_tokens(num_tokens: int, seq_len: int) -> None:
@@ -3758,9 +3839,10 @@ def plan_step(args: Hyperparameters, step: int) -> StepPlan:
     engage, fast_beta, fast_weight, _ = args.anvil_rails
     rails = ((fast_beta, fast_weight) if step >= round(engage * n) else (momentum, 1.0)) if anvil else ()
     held, stretch = (), ()
-    if args.value_embed_cadence and step >= round(args.value_embed_cadence[0] * n):
-        _, period, phase = args.value_embed_cadence
-        held, stretch = ("value_embeds",) if step % period != phase else (), (("value_embeds", period / 2),)
+    if args.table_cadence and step >= round(args.table_cadence[0] * n):
+        _, period, phase = args.table_cadence
+        held = TABLE_LABELS if step % period != phase else ()
+        stretch = tuple((label, period / 2) for label in TABLE_LABELS)
     return StepPlan(step, stage, row.batch_tokens, row.max_doc_len, tuple(row.windows), lr_mult, momentum,
                     tuple(float(w) for w in mtp), float(prefix), step % 2 == 1, candidates, rails, held, stretch)
 
@@ -3862,6 +3944,15 @@ def anvil_bank_configs(args: Hyperparameters, configs: dict[str, ParamConfig]) -
     return {**configs, **{label: dataclasses.replace(configs[label], optimizer="anvil")
                           for label in ("qk_bank", "vo_bank", "mlp_bank")}}
 
+NGRAM_OPTIMIZERS = ("adam", "row_adam")
+
+def ngram_table_configs(args: Hyperparameters, configs: dict[str, ParamConfig]) -> dict[str, ParamConfig]:
+    """--ngram_optimizer row_adam: the n-gram table steps with record #92's row Adam (its beta1 forced to 0)."""
+    if args.ngram_optimizer != "row_adam":
+        return configs
+    table = configs["bigram_embed"]
+    return {**configs, "bigram_embed": dataclasses.replace(table, optimizer="row_adam", betas=(0.0, table.betas[1]))}
+
 def switched_off_configs(args: Hyperparameters, configs: dict[str, ParamConfig]) -> dict[str, ParamConfig]:
     """Parameters of a switched-off component get lr and decay multipliers of 0 (they receive no
     gradient and must not drift)."""
@@ -3875,7 +3966,7 @@ def switched_off_configs(args: Hyperparameters, configs: dict[str, ParamConfig])
 # change nothing), and each --matrix_optimizer's NorMuon beta2. Plain Muon is NorMuon with beta2 = 1: the
 # second moment never leaves its zero start, so the per-neuron scale is one constant that the Frobenius
 # renormalisation cancels exactly.
-CONFIG_CHANGES = (adamw_bank_configs, anvil_bank_configs, switched_off_configs)
+CONFIG_CHANGES = (adamw_bank_configs, anvil_bank_configs, ngram_table_configs, switched_off_configs)
 NORMUON_BETA2_OF = {"normuon": NORMUON_BETA2, "muon": 1.0, "adamw": NORMUON_BETA2, "anvil": NORMUON_BETA2}
 MATRIX_OPTIMIZERS = tuple(NORMUON_BETA2_OF)
 
@@ -3930,7 +4021,7 @@ def evaluate(compiled_model, batches: list[Batch], device: torch.device) -> floa
     for b in batches:
         b = b.to(device)
         masks = compiled_model.batch_masks(b)  # outside the compiled graph
-        sums[0] += compiled_model(b.inputs, b.targets, b.cu_seqlens, b.bigram_ids, masks=masks).double() * b.inputs.numel()
+        sums[0] += compiled_model(b.inputs, b.targets, b.cu_seqlens, b.ngram_ids, masks=masks).double() * b.inputs.numel()
     sums[1] = float(sum(b.inputs.numel() for b in batches))
     if dist.is_initialized():
         dist.all_reduce(sums)
@@ -3943,12 +4034,13 @@ def grad_scale_for(args: Hyperparameters, world_size: int) -> float:
 
 def begin_step(opt: NorMuonAdam, batches: list[Batch], plan: StepPlan, mtp: torch.Tensor, prefix: torch.Tensor) -> None:
     """What a step does before its first forward: the step's loss weights into the device tensors mtp
-    (K,) and prefix (0-D), and the bigram rows to exchange, known before backward, declared now (the
-    exchange launched with the last micro-batch's on Adam steps)."""
+    (K,) and prefix (0-D), and the n-gram table's rows to exchange, known before backward, declared now (the
+    exchange launched with the last micro-batch's on the table's steps: Adam's, but those the cadence holds)."""
     for value, dst in ((plan.mtp_weights, mtp), (plan.prefix_weight, prefix)):
         copy_from_host_(dst, torch.tensor(value, dtype=torch.float32))
+    table_steps = plan.do_adam and "bigram_embed" not in plan.held
     for i, b in enumerate(batches):
-        opt.prepare_sparse("bigram_embed", b.bigram_ids, launch=plan.do_adam and i == len(batches) - 1)
+        opt.prepare_sparse("bigram_embed", b.ngram_ids, launch=table_steps and i == len(batches) - 1)
 
 def forward_backward(compiled_model, opt: NorMuonAdam, batches: list[Batch], plan: StepPlan, mtp: torch.Tensor,
                      prefix: torch.Tensor, grad_scale: float, device: torch.device,
@@ -3968,7 +4060,7 @@ def forward_backward(compiled_model, opt: NorMuonAdam, batches: list[Batch], pla
     for i, b in enumerate(batches):
         b = b.to(device)
         masks = compiled_model.batch_masks(b)  # outside the compiled graph; built by the loader when it could
-        micro, micro_next_token = compiled_model(b.inputs, b.targets, b.cu_seqlens, b.bigram_ids, mtp_weights=mtp,
+        micro, micro_next_token = compiled_model(b.inputs, b.targets, b.cu_seqlens, b.ngram_ids, mtp_weights=mtp,
                                                  loss_scale=grad_scale, prefix_weight=prefix, masks=masks,
                                                  candidates=b.candidates)
         hooks = into is None and i == len(batches) - 1
@@ -4542,8 +4634,9 @@ def generate(model: "GPT", prompt: str, new_tokens: int, device: torch.device, s
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for _ in range(new_tokens):
-            b = make_batch(np.asarray(tokens + [0], dtype=np.uint16), model.args.bigram_vocab_size).to(device)
-            logits = bf16_logits(model, b.inputs, b.cu_seqlens, b.bigram_ids)[-1, :model.args.vocab_size].float().cpu()
+            b = make_batch(np.asarray(tokens + [0], dtype=np.uint16), model.args.ngram_rows,
+                           ngram_channels=model.args.ngram_channels).to(device)
+            logits = bf16_logits(model, b.inputs, b.cu_seqlens, b.ngram_ids)[-1, :model.args.vocab_size].float().cpu()
             top = torch.topk(logits / 0.8, 40)
             tokens.append(int(top.indices[torch.multinomial(torch.softmax(top.values, -1), 1, generator=gen)]))
     return enc.decode(tokens[1:])
@@ -4604,9 +4697,10 @@ def train(args: Hyperparameters, dist_info: DistInfo) -> float:
     if args.fp8 and _native_fp8(dist_info.device):  # step 0's forward reads the e4m3 weights: quantised before the
         model.quantize_fp8(bootstrap=True)  # warm-up's snapshot, so that its reset brings them back too
     log = RunLog(args, run_id, dist_info, notes=[dtype_note] if dtype_note else [])
-    loader = DocumentLoader(args.train_files, args.bigram_vocab_size, dist_info.rank, dist_info.world_size, dist_info.device)
+    loader = DocumentLoader(args.train_files, args.ngram_rows, dist_info.rank, dist_info.world_size, dist_info.device,
+                            ngram_channels=args.ngram_channels)
     val_batches = validation_batches(args.val_files, args.val_tokens, min(args.val_seq_len, args.val_tokens),
-                                     args.bigram_vocab_size, dist_info.rank, dist_info.world_size)
+                                     args.ngram_rows, dist_info.rank, dist_info.world_size, args.ngram_channels)
     encoding = gpt2_encoding()  # read before the clock; the prefix table built from it is timed (below)
     start_step = resume_step(args, dist_info, model, opt, loader)  # 0 unless --resume
     blends_from = WeightBlends({}, total_steps(args)).window_start() if args.weight_blends else None
@@ -4718,13 +4812,13 @@ def check_flags(args: Hyperparameters, world_size: int) -> None:
             raise SystemExit(f"error: --{f.name} {value!r} must be {allowed}")
     for name, choices in (("matrix_optimizer", MATRIX_OPTIMIZERS), ("orthogonalizer", sorted(ORTHOGONALIZERS)),
                           ("cpu_dtype", ("auto", *CPU_DTYPES)), ("bank_ownership", OWNERSHIPS),
-                          ("attention_kernel", ("auto", *GPU_ATTENTION_KERNELS))):
+                          ("attention_kernel", ("auto", *GPU_ATTENTION_KERNELS)), ("ngram_optimizer", NGRAM_OPTIMIZERS)):
         if getattr(args, name) not in choices:
             raise SystemExit(f"error: --{name} {getattr(args, name)!r} is not one of {', '.join(choices)}")
-    cadence = args.value_embed_cadence
+    cadence = args.table_cadence
     if cadence and (len(cadence) != 3 or cadence[1] not in (2, 4, 6, 8) or cadence[2] != int(cadence[2])
                     or cadence[2] % 2 != 1 or cadence[2] >= cadence[1]):
-        raise SystemExit(f"error: --value_embed_cadence {cadence!r} must be (start, period, phase) with an even "
+        raise SystemExit(f"error: --table_cadence {cadence!r} must be (start, period, phase) with an even "
                          "period of at most 8 and an odd phase below it, e.g. (0.2862, 4, 3)")
     for start, P in args.sampled_softmax:
         if P != int(P) or P > args.padded_vocab_size or P and args.fp8:

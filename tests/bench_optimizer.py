@@ -129,7 +129,7 @@ def demo_params(args: T.Hyperparameters, device="cpu"):
     banks = speedrun_banks(args, world_size=1)
     params = {label: mk(*shape) for label, shape in banks.items()}
     params.update(embed=mk(V, d), lm_head=mk(d, V), value_embed=mk(min(5, L), V, d),
-                  bigram_embed=mk(args.bigram_vocab_size, d), scalars=mk(4 * L, dtype=torch.float32),
+                  bigram_embed=mk(args.ngram_rows, d), scalars=mk(4 * L, dtype=torch.float32),
                   gates=mk(L, 12, dtype=torch.float32))
     n_mlp = banks["mlp_bank"][0]
     configs = {

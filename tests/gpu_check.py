@@ -1264,7 +1264,7 @@ def check_compiled_model(res: Result) -> None:
         doc = _layout(T_ + 1, seed)
         tokens = torch.randint(0, 50256, (T_ + 1,), device="cuda", generator=_gen(seed))
         tokens[torch.nonzero(doc[1:] != doc[:-1]).view(-1) + 1] = T.BOS_ID
-        return T.make_batch(tokens.cpu().numpy().astype("uint16"), args.bigram_vocab_size).to(torch.device("cuda"))
+        return T.make_batch(tokens.cpu().numpy().astype("uint16"), args.ngram_rows).to(torch.device("cuda"))
 
     b = batch(3)
     mtp = torch.tensor([1.0, 0.5, 0.25], device="cuda")
@@ -1274,7 +1274,7 @@ def check_compiled_model(res: Result) -> None:
         model.zero_grad(set_to_none=True)
         model.fp8_mlp.load_state_dict(fp8_state)  # the forward moves the delayed activation scales
         masks = model.attention_masks(b.cu_seqlens, T_, kernel)
-        loss, _ = fn(b.inputs, b.targets, b.cu_seqlens, b.bigram_ids, mtp_weights=mtp, loss_scale=1 / 8,
+        loss, _ = fn(b.inputs, b.targets, b.cu_seqlens, b.ngram_ids, mtp_weights=mtp, loss_scale=1 / 8,
                      prefix_weight=prefix, masks=masks)
         loss.backward()
         return float(loss.detach()), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
@@ -1293,7 +1293,7 @@ def check_compiled_model(res: Result) -> None:
     graphs, recompiles = first["graphs"] - before["graphs"], second["graphs"] - first["graphs"]
     breaks = second["graph_breaks"] - before["graph_breaks"]
     with torch.no_grad():  # the plain next-token loss per token: near ln(vocab) at init
-        per_token = float(model(b.inputs, b.targets, b.cu_seqlens, b.bigram_ids,
+        per_token = float(model(b.inputs, b.targets, b.cu_seqlens, b.ngram_ids,
                                 masks=model.attention_masks(b.cu_seqlens, T_, "sdpa_fp32")))
     figures = dict(loss_reference=loss_r, loss_eager=loss_e, loss_compiled=loss_c, eval_loss=per_token,
                    compile_s=compile_s, graphs=graphs, recompiles=recompiles, graph_breaks=breaks)
@@ -1334,7 +1334,7 @@ def check_sync_free_step(res: Result) -> None:
     model = T.GPT(args).to(device)
     opt = T.build_optimizer(args, model, device)
     compiled_model = T.compile_model(model)
-    loader = T.DocumentLoader(args.train_files, args.bigram_vocab_size, device=device)
+    loader = T.DocumentLoader(args.train_files, args.ngram_rows, device=device)
     mtp = torch.zeros(len(args.stages[0].mtp_start), device=device)
     prefix = torch.zeros((), device=device)
     model.prefix_table.copy_(T.build_prefix_table(T.gpt2_encoding(), args.padded_vocab_size))
@@ -2082,7 +2082,7 @@ def check_cuda_graphs(res: Result) -> None:
     model.prefix_table.copy_(T.build_prefix_table(T.gpt2_encoding(), args.padded_vocab_size))
     model.quantize_fp8(bootstrap=True)
     accum = T.check_batch_split(args, 1)
-    loader = T.DocumentLoader(args.train_files, args.bigram_vocab_size, device=device)
+    loader = T.DocumentLoader(args.train_files, args.ngram_rows, device=device)
     mtp, prefix = torch.zeros(len(args.stages[0].mtp_start), device=device), torch.zeros((), device=device)
     scale = T.grad_scale_for(args, 1)
     graphs = T.StepGraphs(model, compiled_model, opt, mtp, prefix, scale, device)

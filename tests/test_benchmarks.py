@@ -44,7 +44,7 @@ def batch(T=256, starts=(0, 40, 130, 200), seed=0):
     tokens = torch.randint(0, TEST.vocab_size, (T + 1,), generator=g)
     cu = torch.tensor(list(starts) + [T] * (tg.max_docs_for(T) + 1 - len(starts)), dtype=torch.int32)
     inputs = tokens[:-1].to(torch.int32)
-    return inputs, tokens[1:].clone(), cu, tg.bigram_hash(inputs, TEST.bigram_vocab_size)
+    return inputs, tokens[1:].clone(), cu, tg.bigram_hash(inputs, TEST.ngram_rows)
 
 
 @torch.no_grad()

@@ -39,7 +39,7 @@ def _tensor_args(node: torch.fx.Node) -> list[torch.fx.Node]:
 def _trace(model, masks, backend, vocab=50257):
     T = 256
     inputs, targets, cu = make_batch(T=T, starts=(0, 30, 70, 200), vocab=vocab)
-    big = tg.bigram_hash(inputs, model.args.bigram_vocab_size)
+    big = tg.bigram_hash(inputs, model.args.ngram_rows)
     torch._dynamo.reset()
     compiled = torch.compile(model, backend=backend, fullgraph=True, dynamic=False)
     loss, _ = compiled(inputs, targets, cu, big, mtp_weights=torch.tensor([1.0, 0.5, 0.25]), loss_scale=1 / T,
@@ -145,7 +145,7 @@ def test_eager_cuda_calls_share_one_compiled_flex_attention(monkeypatch, flex_on
     model = tg.GPT(TEST)
     inputs, _, cu = make_batch(T=128)
     with torch.no_grad():
-        tg.bf16_logits(model, inputs, cu, tg.bigram_hash(inputs, TEST.bigram_vocab_size),
+        tg.bf16_logits(model, inputs, cu, tg.bigram_hash(inputs, TEST.ngram_rows),
                      masks=model.attention_masks(cu, 128, kernel="flex"))
     assert len(calls) == sum(row.attention != "none" for row in model.layers)
     assert all(isinstance(m, flex_module.BlockMask) for m in calls)
@@ -251,7 +251,7 @@ def test_loader_built_masks_train_exactly_like_the_models_own(flex_on_cpu):
     T = 256
     buf = torch.randint(0, 50_000, (T + 1,), generator=torch.Generator().manual_seed(3)).numpy().astype("uint16")
     buf[[0, 30, 70, 200]] = tg.BOS_ID
-    b = tg.make_batch(buf, TEST.bigram_vocab_size, tg.flex_mask_spec(TEST, TEST.windows_init))
+    b = tg.make_batch(buf, TEST.ngram_rows, tg.flex_mask_spec(TEST, TEST.windows_init))
     assert b.cu_seqlens[:5].tolist() == [0, 30, 70, 200, T]
     results = []
     for masks in (model.attention_masks(b.cu_seqlens, T, kernel="flex"), model.batch_masks(b)):
@@ -260,7 +260,7 @@ def test_loader_built_masks_train_exactly_like_the_models_own(flex_on_cpu):
         compiled = torch.compile(model, backend=aot_autograd(fw_compiler=_collector(graphs)("forward", True)),
                                  fullgraph=True, dynamic=False)
         model.zero_grad(set_to_none=True)
-        loss, _ = compiled(b.inputs, b.targets, b.cu_seqlens, b.bigram_ids, mtp_weights=torch.tensor([1.0, 0.5, 0.25]),
+        loss, _ = compiled(b.inputs, b.targets, b.cu_seqlens, b.ngram_ids, mtp_weights=torch.tensor([1.0, 0.5, 0.25]),
                            loss_scale=1 / T, prefix_weight=torch.tensor(0.25), masks=masks)
         loss.backward()
         flex = [n for _, gm in graphs for n in _flex_nodes(gm)]

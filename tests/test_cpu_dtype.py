@@ -50,7 +50,7 @@ def test_fp32_model_and_optimizer_follow_the_bf16_ones():
         inputs = torch.randint(0, 50257, (257,), generator=g)
         cu = torch.tensor([0, 100] + [256] * 6, dtype=torch.int32)
         x, y = inputs[:-1].int(), inputs[1:]
-        loss, _ = model(x, y, cu, tg.bigram_hash(x, TEST.bigram_vocab_size), mtp_weights=torch.tensor([1.0, 0.5, 0.25]),
+        loss, _ = model(x, y, cu, tg.bigram_hash(x, TEST.ngram_rows), mtp_weights=torch.tensor([1.0, 0.5, 0.25]),
                         loss_scale=1 / 256)
         loss.backward()
         before = model.mlp_bank.detach().float().clone()

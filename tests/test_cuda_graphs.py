@@ -35,7 +35,7 @@ def replica(args, pattern):
     model = tg.GPT(args, 1, dtype=torch.float32)
     model.prefix_table.copy_(tg.build_prefix_table(tg.gpt2_encoding(), args.padded_vocab_size))
     opt = tg.build_optimizer(args, model, CPU)
-    loader = tg.DocumentLoader(pattern, args.bigram_vocab_size)
+    loader = tg.DocumentLoader(pattern, args.ngram_rows)
     loader.stage = True  # the CUDA loader's joint staging buffer (unpinned without a GPU)
     mtp, prefix = torch.zeros(len(args.stages[0].mtp_start)), torch.zeros(())
     return model, opt, loader, mtp, prefix
@@ -112,7 +112,7 @@ def test_step_buffer_is_the_loaders_one_buffer(tmp_path):
     """A staging loader packs a step's micro-batches into consecutive slices of one buffer; step_buffer
     gives that buffer itself (the step's one copy), and a packed copy of batches staged apart."""
     args = tg.parse_args(["--preset", "test"])
-    loader = tg.DocumentLoader(make_corpus(tmp_path), args.bigram_vocab_size)
+    loader = tg.DocumentLoader(make_corpus(tmp_path), args.ngram_rows)
     loader.stage = True
     batches = loader.next_step(128, 64, 4)
     joint = tg.step_buffer(batches)

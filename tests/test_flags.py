@@ -79,7 +79,7 @@ def test_negative_iterations_stop_at_once(tmp_path):
 @pytest.mark.parametrize("flag,value", [
     ("--num_iterations", "0"), ("--extension_iterations", "-1"), ("--micro_batches", "0"),
     ("--mudd_hidden", "0"), ("--model_dim", "-64"), ("--head_dim", "0"), ("--mlp_hidden", "0"),
-    ("--bigram_vocab_size", "1"), ("--window_block_size", "0"), ("--val_tokens", "0"), ("--val_seq_len", "0"),
+    ("--ngram_rows", "1"), ("--window_block_size", "0"), ("--val_tokens", "0"), ("--val_seq_len", "0"),
     ("--val_loss_every", "-1"), ("--save_every", "-5"), ("--sample_tokens", "-1"), ("--seed", "-1"),
     ("--dc_window", "0"), ("--keep_checkpoints", "-1"),
 ])

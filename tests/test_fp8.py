@@ -190,7 +190,7 @@ def _head_run(fp8: bool):
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, 1000, (129,), generator=g)
     cu = torch.tensor([0, 60, 128, 128], dtype=torch.int32)
-    loss, _ = model(tokens[:-1], tokens[1:], cu, tg.bigram_hash(tokens[:-1], args.bigram_vocab_size),
+    loss, _ = model(tokens[:-1], tokens[1:], cu, tg.bigram_hash(tokens[:-1], args.ngram_rows),
                     mtp_weights=torch.tensor([1.0, 0.5]), loss_scale=1 / 128)
     loss.backward()
     return loss.item(), model.lm_head.grad.float(), model.mlp_bank.grad.float()
@@ -543,7 +543,7 @@ def _mlp_model(fp8: bool):
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, 1000, (129,), generator=g)
     batch = (tokens[:-1], tokens[1:], torch.tensor([0, 60, 128, 128], dtype=torch.int32),
-             tg.bigram_hash(tokens[:-1], args.bigram_vocab_size))
+             tg.bigram_hash(tokens[:-1], args.ngram_rows))
     return model, batch
 
 

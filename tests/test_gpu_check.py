@@ -770,12 +770,12 @@ def test_the_reference_ops_replace_only_the_fp8_bodies_in_the_model(monkeypatch)
     state = {k: v.clone() for k, v in model.fp8_mlp.state_dict().items()}
     tokens = np.random.default_rng(0).integers(0, 50256, 513).astype("uint16")
     tokens[[0, 200]] = T.BOS_ID
-    b = T.make_batch(tokens, args.bigram_vocab_size)
+    b = T.make_batch(tokens, args.ngram_rows)
 
     def run():
         model.zero_grad(set_to_none=True)
         model.fp8_mlp.load_state_dict(state)
-        loss, _ = model(b.inputs, b.targets, b.cu_seqlens, b.bigram_ids, mtp_weights=torch.tensor([1.0, 0.5, 0.25]),
+        loss, _ = model(b.inputs, b.targets, b.cu_seqlens, b.ngram_ids, mtp_weights=torch.tensor([1.0, 0.5, 0.25]),
                         loss_scale=1 / 8, prefix_weight=torch.tensor(0.25))
         loss.backward()
         return float(loss.detach()), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}

@@ -37,7 +37,12 @@ def test_make_batch_fields():
     # position 1 hashes with the sentinel 1000 as its previous token (the record's quirk; no int32 wrap here)
     prev = [None, 1000] + [int(buf[t - 1]) for t in range(2, T)]
     expected = [1000] + [(36313 * int(buf[t]) ^ 27191 * prev[t]) % 1000 for t in range(1, T)]
-    assert b.bigram_ids.tolist() == expected
+    assert b.ngram_ids.shape == (T, 1) and b.ngram_ids[:, 0].tolist() == expected
+    # two channels (record #92's): the bigram over the first half, the trigram's rows after it
+    b2 = tg.make_batch(buf, 1001, ngram_channels=2)
+    assert b2.ngram_ids.shape == (T, 2) and b2.ngram_ids[:, 0].tolist() == [499] + [
+        (36313 * int(buf[t]) ^ 27191 * (499 if t == 1 else int(buf[t - 1]))) % 499 for t in range(1, T)]
+    assert b2.ngram_ids[:2, 1].tolist() == [1000, 1000] and b2.ngram_ids[2:, 1].min() >= 500
 
 
 def test_cu_seqlens_capacity_is_static():
@@ -297,7 +302,7 @@ def test_look_ahead_changes_no_batch_and_no_position(tmp_path):
         assert ahead.state_dict() == state  # the look-ahead in flight has not moved the position
         for x, y in zip(want, got):
             assert torch.equal(x.inputs, y.inputs) and torch.equal(x.targets, y.targets)
-            assert torch.equal(x.cu_seqlens, y.cu_seqlens) and torch.equal(x.bigram_ids, y.bigram_ids)
+            assert torch.equal(x.cu_seqlens, y.cu_seqlens) and torch.equal(x.ngram_ids, y.ngram_ids)
     # a look-ahead for one request, then another request: built again from the same position
     ahead.look_ahead(100, 50, 2)
     state = ahead.state_dict()
@@ -452,20 +457,21 @@ def test_record_92s_schedule_rows_give_its_published_numbers():
     assert tg.untie_step(tg.parse_args([])) == 847  # the speedrun's untie row: its last scheduled stage
 
 
-def test_record_92s_value_embedding_cadence():
-    """--value_embed_cadence (336/1174, 4, 3): the value embeddings step on the odd steps before 336, then
-    on the steps = 3 mod 4, with squared betas and doubled decay (#92's), holding their gradient between;
-    the other Adam labels keep every odd step. The blends' value-embedding average then ticks 62 times."""
-    args = dataclasses.replace(record92_args(), value_embed_cadence=(0.2862, 4, 3))  # round(0.2862 x 1174) = 336
+def test_record_92s_table_cadence():
+    """--table_cadence (336/1174, 4, 3): the value embeddings and the n-gram table step on the odd steps
+    before 336, then on the steps = 3 mod 4, with squared betas and doubled decay (#92's), holding their
+    gradients between; the other Adam labels keep every odd step. The blends' value-embedding average then
+    ticks 62 times."""
+    args = dataclasses.replace(record92_args(), table_cadence=(0.2862, 4, 3))  # round(0.2862 x 1174) = 336
     plans = [tg.plan_step(args, s) for s in range(1194)]
     updated = [p.step for p in plans if p.do_adam and "value_embeds" not in p.held]
     assert updated == [s for s in range(1194) if s % 2 == 1 and (s < 336 or s % 4 == 3)]
-    assert all(p.stretch == ((("value_embeds", 2.0),) if p.step >= 336 else ()) for p in plans)
-    assert all(p.held in ((), ("value_embeds",)) for p in plans)
+    assert all(p.stretch == ((("value_embeds", 2.0), ("bigram_embed", 2.0)) if p.step >= 336 else ()) for p in plans)
+    assert all(p.held in ((), ("value_embeds", "bigram_embed")) for p in plans)
     blends = tg.WeightBlends({label: torch.zeros(2) for label in ("lm_head", "embed", "vo_bank", "mlp_bank",
                                                                   "value_embeds", "qk_bank")}, 1194)
     for p in plans:
         blends.tick(p.step, p.do_adam and "value_embeds" not in p.held)
     assert blends.ticks["value_embed_average"] == 62
-    with pytest.raises(SystemExit, match="--value_embed_cadence"):
-        tg.check_flags(dataclasses.replace(args, value_embed_cadence=(0.2862, 4, 2)), 1)
+    with pytest.raises(SystemExit, match="--table_cadence"):
+        tg.check_flags(dataclasses.replace(args, table_cadence=(0.2862, 4, 2)), 1)

@@ -24,7 +24,7 @@ def make_batch(T=128, starts=(0, 30, 70, 100), pad_to=8, seed=0, vocab=50257):
 
 
 def bigrams(inputs, args=TEST):
-    return tg.bigram_hash(inputs, args.bigram_vocab_size)
+    return tg.bigram_hash(inputs, args.ngram_rows)
 
 
 @torch.no_grad()
@@ -399,7 +399,7 @@ def test_yarn_frequencies_after_384_to_896_tokens():
     """Speedrun shapes: the first stage change (long window 3 -> 7 blocks of 128) against float64."""
     two_layers = tg.layers_from_words(("attn short ve save_skip save_h", "attn long from_h mudd post_gates"))
     model = make_model(dataclasses.replace(tg.Hyperparameters(), layers=two_layers,
-                                           mlp_hidden=64, padded_vocab_size=50304, bigram_vocab_size=64))
+                                           mlp_hidden=64, padded_vocab_size=50304, ngram_rows=64))
     base = [1024 ** (-j / 31) for j in range(32)]  # omega_j = 1024^(-j/31): 1 down to 1/1024
     torch.testing.assert_close(model.rotary_freq.double(), torch.tensor(base, dtype=torch.float64), rtol=1e-6, atol=0)
     assert model.attn_scale.item() == pytest.approx(0.1, rel=1e-7)
@@ -417,7 +417,7 @@ def test_attention_scale_per_stage_and_final_validation():
     validation's wider window (20 blocks) keeps the extension's YaRN state."""
     args = tg.Hyperparameters()
     two_layers = tg.layers_from_words(("attn short ve save_skip save_h", "attn long from_h mudd post_gates"))
-    model = make_model(dataclasses.replace(args, layers=two_layers, mlp_hidden=64, bigram_vocab_size=64))
+    model = make_model(dataclasses.replace(args, layers=two_layers, mlp_hidden=64, ngram_rows=64))
     freq64, scale64 = [1024 ** (-j / 31) for j in range(32)], 0.1
     old = 3
     for step, expected in ((0, 0.1), (423, 0.116946), (847, 0.127518), (1270, 0.131778)):
@@ -719,7 +719,7 @@ def test_speedrun_inits_match_the_record():
     """Init statistics of the record's parameter table: uniform bound 1/32 (std 0.01804) for Q, K, V, O and
     MLP-up, lm_head std 0.005, value embeddings 0.01 N(0, 1), lambdas and scalars, zero gates, MLP-down
     and padding."""
-    args = dataclasses.replace(tg.Hyperparameters(), padded_vocab_size=8192, vocab_size=8000, bigram_vocab_size=1024)
+    args = dataclasses.replace(tg.Hyperparameters(), padded_vocab_size=8192, vocab_size=8000, ngram_rows=1024)
     model = make_model(args, world_size=8)
     f = lambda t: t.float()  # noqa: E731
     qk = f(model.qk_bank)

@@ -361,9 +361,17 @@ def test_sliced_cpu_adam_is_bit_identical(dtype, monkeypatch):
     for a, b in zip(whole[1:], sliced[1:]):
         assert torch.equal(a, b)
     assert not torch.equal(whole[3], param)  # the update did move the parameter
+    # row Adam (record #92's table) by blocks of whole rows (333 rows of 3 a block here), likewise
+    row_sq = torch.rand(grad.shape[0], generator=g)
+    whole = [t.clone() for t in (grad, row_sq, param)]
+    T._row_adam_update(*whole, torch.tensor([0.01, 0.003, 0.0, 0.95, 1e-10]))
+    sliced = [t.clone() for t in (grad, row_sq, param)]
+    T.row_adam_update_sliced(*sliced, torch.tensor([0.01, 0.003, 0.0, 0.95, 1e-10]))
+    assert all(torch.equal(a, b) for a, b in zip(whole, sliced)) and not torch.equal(whole[2], param)
     # the optimizer's uncompiled Adam (a CPU run) is the sliced one
     assert T.update_functions(compile=False) == {"normuon": T._normuon_update, "anvil": T._anvil_update,
-                                                 "adam": T.adam_update_group_sliced}
+                                                 "adam": T.adam_update_group_sliced,
+                                                 "row_adam": T.row_adam_update_sliced}
 
 
 def test_one_adam_step_of_the_record():
@@ -1209,7 +1217,7 @@ def test_speedrun_label_table_is_the_records():
     # per-matrix multipliers: c_proj (odd entries of the MLP bank) x2; the shape factor makes c_fc 0.046
     # and c_proj 0.092 at lr 0.023
     assert configs["mlp_bank"].matrix_lr_mul == (1.0, 2.0) * 12
-    small = dataclasses.replace(args, padded_vocab_size=128, vocab_size=100, bigram_vocab_size=64)
+    small = dataclasses.replace(args, padded_vocab_size=128, vocab_size=100, ngram_rows=64)
     opt = T.build_optimizer(small, T.GPT(small, 8), torch.device("cpu"))  # the record's banks, small tables
     eff = {label: opt._matrix_lr[label].view(-1).tolist() for label in ("qk_bank", "vo_bank", "mlp_bank")}
     assert eff["qk_bank"] == [1.0] * 64 and eff["vo_bank"] == [1.0] * 24 and eff["mlp_bank"] == [2.0, 4.0] * 12

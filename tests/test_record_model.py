@@ -13,7 +13,7 @@ from test_model import bigrams, make_batch, make_model, randomize
 
 # The speedrun table and head count with small tables, so the model fits a CPU test.
 RECORD_SMALL = dataclasses.replace(tg.Hyperparameters(), vocab_size=1000, padded_vocab_size=1024, mlp_hidden=64,
-                                   bigram_vocab_size=64, window_block_size=16, windows_init=(2, 4))
+                                   ngram_rows=64, window_block_size=16, windows_init=(2, 4))
 
 
 def test_mudd_gate_layout_is_the_records():
@@ -209,7 +209,7 @@ def test_forward_follows_the_records_section_1_5():
         model._mudd_gate_scale.fill_(0.3)
     T = 256
     inputs, _, cu = make_batch(T=T, starts=(0, 60, 61, 200), vocab=1000)
-    big = tg.bigram_hash(inputs, RECORD_SMALL.bigram_vocab_size)
+    big = tg.bigram_hash(inputs, RECORD_SMALL.ngram_rows)
     with torch.no_grad():
         got = tg.final_hidden(model, inputs, cu, big)
         want = record_forward(model, inputs, cu, big)
@@ -224,7 +224,7 @@ def test_mudd_at_init_reduces_to_a_plain_last_layer_and_backout():
     model = make_model(RECORD_SMALL)
     T = 128
     inputs, _, cu = make_batch(T=T, vocab=1000)
-    big = tg.bigram_hash(inputs, RECORD_SMALL.bigram_vocab_size)
+    big = tg.bigram_hash(inputs, RECORD_SMALL.ngram_rows)
     seen = []
     original = model._mudd_layer
     model._mudd_layer = lambda k, x: seen.append((k, x)) or original(k, x)

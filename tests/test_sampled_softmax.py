@@ -118,7 +118,7 @@ def test_candidate_count_by_step_at_record_92s_numbers():
     assert tg.batch_request(args, tg.plan_step(args, 1107), 4, torch.device("cpu"))[-1] is None
     assert {tg.plan_step(tg.Hyperparameters(), s).candidates for s in (0, 900, 1280)} == {0}
     buf = np.arange(1000, 1600, dtype=np.uint16)
-    batch = tg.make_batch(buf, TEST.bigram_vocab_size, sampled=(1024, V))
+    batch = tg.make_batch(buf, TEST.ngram_rows, sampled=(1024, V))
     assert torch.equal(batch.candidates, tg.candidate_classes(buf[1:].astype(np.int64), 1024, V))
     staged = tg.unstage(batch, tg.stage_batch(batch).staged)  # staged with the batch's other tensors
     assert torch.equal(staged.candidates, batch.candidates)

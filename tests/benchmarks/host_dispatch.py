@@ -259,7 +259,7 @@ def tiny_args(micro_tokens: int = 1024, micro_batches: int = 8, layers=T.LAYERS)
     return dataclasses.replace(
         T.Hyperparameters(), layers=layers, micro_batches=micro_batches,
         model_dim=128, num_heads=2, head_dim=64, mlp_hidden=512, vocab_size=1000, padded_vocab_size=1024,
-        bigram_vocab_size=4001, mudd_hidden=32, dc_window=56, window_block_size=64,
+        ngram_rows=4001, mudd_hidden=32, dc_window=56, window_block_size=64,
         stages=T.restaged(T.STAGES, batch_tokens=(micro_tokens * micro_batches,) * 4,
                           max_doc_len=(micro_tokens // 2,) * 4),
         compile=True)
@@ -350,10 +350,10 @@ class StepRunner:
         spec = None if model_masks else T.flex_mask_spec(self.args, plan.windows)
         out = []
         for buf in synthetic_token_buffers(self.args, tokens, self.args.micro_batches, seed=step):
-            b = T.make_batch(buf, self.args.bigram_vocab_size, spec, plan.max_doc_len)
+            b = T.make_batch(buf, self.args.ngram_rows, spec, plan.max_doc_len)
             inputs = b.inputs % self.args.vocab_size  # BOS (50256) found the documents; now the tiny vocabulary's ids
             out.append(dataclasses.replace(b, inputs=inputs, targets=b.targets % self.args.vocab_size,
-                                           bigram_ids=T.bigram_hash(inputs, self.args.bigram_vocab_size)))
+                                           ngram_ids=T.bigram_hash(inputs, self.args.ngram_rows)))
         return [T.stage_batch(b) for b in out]
 
     def step(self, step: int, batches: list[T.Batch]):

@@ -61,7 +61,7 @@ def coverage_by_step(args: T.Hyperparameters, steps: int) -> list[tuple[float, f
     """(document walks, fraction of the train tokens trained on at least once) after each step. The
     loader (the record's) keeps a document's first max_doc_len tokens and cuts the last document of a
     micro-batch to fit, dropping the rest of both; which tokens it hands out is followed here."""
-    loader = T.DocumentLoader(args.train_files, args.bigram_vocab_size)
+    loader = T.DocumentLoader(args.train_files, args.ngram_rows)
     shards = [T._load_shard_with_index(f) for f in loader.files]
     n_docs = sum(len(starts) for _, starts in shards)
     seen = [np.zeros(len(tokens), bool) for tokens, _ in shards]

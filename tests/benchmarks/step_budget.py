@@ -69,7 +69,7 @@ def state_bytes(model: T.GPT, world_size: int) -> dict[str, float]:
 def activation_bytes_per_token(args: T.Hyperparameters, tokens: int) -> float:
     """Bytes autograd saves per token in the layer stack (final_hidden) on this CPU, bf16 weights,
     the speedrun's table and width with a small vocabulary (distinct storages counted once)."""
-    small = dataclasses.replace(args, vocab_size=1000, padded_vocab_size=1024, bigram_vocab_size=1024)
+    small = dataclasses.replace(args, vocab_size=1000, padded_vocab_size=1024, ngram_rows=1024)
     torch.manual_seed(0)
     model = T.GPT(small, 1)
     ids = torch.randint(0, 1000, (tokens,))
@@ -83,7 +83,7 @@ def activation_bytes_per_token(args: T.Hyperparameters, tokens: int) -> float:
 
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        T.final_hidden(model, ids, cu, T.bigram_hash(ids, small.bigram_vocab_size))
+        T.final_hidden(model, ids, cu, T.bigram_hash(ids, small.ngram_rows))
     return sum(n for ptr, n in seen.items() if ptr not in params) / tokens
 
 

@@ -269,7 +269,7 @@ def run(args: T.Hyperparameters, d: T.DistInfo, steps: int, warmup: int, peak: f
         for p in model.parameters():
             dist.broadcast(p.data, src=0)
     opt = T.build_optimizer(args, model, d.device, comm=comm)
-    loader = T.DocumentLoader(args.train_files, args.bigram_vocab_size, d.rank, d.world_size, d.device)
+    loader = T.DocumentLoader(args.train_files, args.ngram_rows, d.rank, d.world_size, d.device)
     trainer = T.Trainer(args, d, model, opt, loader)  # the step train() runs (CUDA graphs where it uses them)
     model.prefix_table.copy_(T.build_prefix_table(T.gpt2_encoding(), args.padded_vocab_size))
     if trainer.fp8:  # as train(): quantised before step 0 and after every step

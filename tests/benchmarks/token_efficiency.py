@@ -1774,7 +1774,7 @@ def recipe_params(args: T.Hyperparameters) -> dict:
     with torch.device("meta"):
         model = T.GPT(args)
     total = sum(p.numel() for p in model.parameters())
-    vocab_sized = {args.padded_vocab_size, args.bigram_vocab_size}  # token, value, bigram tables and the head
+    vocab_sized = {args.padded_vocab_size, args.ngram_rows}  # token, value, bigram tables and the head
     tables = sum(p.numel() for p in model.parameters() if vocab_sized & set(p.shape))
     return {"total": total, "embedding tables": tables, "non-embedding": total - tables}
 
