@@ -107,6 +107,8 @@ class Layer:
     save_skip: bool = False    # output is the U-net skip source
     save_h: bool = False       # output is h
     post_gates: bool = False   # MUDD gate 1 runs on the residual entering this layer (gate 0 before it)
+    x0: bool = True            # a gated x0 is added after attention (record #92 leaves rows out)
+    ngram: bool = True         # a gated n-gram feature xb is added after attention (row 0: to x0 before it)
 
 LAYERS = (
     Layer("paired", "short"),                                                            # 0
@@ -296,7 +298,7 @@ LAYER_WORDS = {
     "short": ("window", "short"), "long": ("window", "long"), "ve": ("value_embed", True), "xsa": ("xsa", True),
     "gate": ("gate", True), "dc": ("dc", True), "offset": ("key_offset", True), "from_h": ("input", "h"),
     "mudd": ("mudd", True), "save_skip": ("save_skip", True), "save_h": ("save_h", True),
-    "post_gates": ("post_gates", True),
+    "post_gates": ("post_gates", True), "no_x0": ("x0", False), "no_ngram": ("ngram", False),
 }
 
 def layer_words(row: Layer) -> str:
@@ -580,6 +582,8 @@ def check_layers(layers) -> None:
             fail(i, "an attention row needs a short or long window")
         if r.attention == "paired" and (r.key_offset or r.xsa or r.dc):
             fail(i, "paired rows take no offset, xsa or dc")
+        if (r.attention == "none" or r.mudd) and not (r.x0 and r.ngram):
+            fail(i, "no_x0 and no_ngram are for attention rows (a skip row adds neither; the mudd row's come from MUDD)")
 
     def where(role):
         return [i for i, r in enumerate(layers) if getattr(r, role)]
@@ -2424,7 +2428,7 @@ def mudd_gate_layout(layers: tuple, num_heads: int) -> tuple[dict, dict]:
     for part in (range(split), range(split, len(layers))):
         entries = [(kind, i, num_heads) for kind in ("xsa", "gate") for i in part if getattr(layers[i], kind)]
         entries += [(kind, i, 1) for i in part if layers[i].attention != "none" and not layers[i].mudd
-                    for kind in ("x0", "bigram")]
+                    for kind, field in (("x0", "x0"), ("bigram", "ngram")) if getattr(layers[i], field)]
         entries += [("skip", i, 1) for i in part if layers[i].attention == "none"]
         entries += [(kind, i, num_heads) for kind in ("dc_w1", "dc_w2") for i in part if layers[i].dc]
         starts = np.cumsum([0] + [width for _, _, width in entries]).tolist()
@@ -3163,7 +3167,7 @@ class GPT(nn.Module):
             start, width = self.gate_layout[k][kind, i]
             return gates[k][:, start: start + width]
 
-        x = cache0 = x0 + coef("bigram", 0) * xb
+        x = cache0 = x0 + coef("bigram", 0) * xb if self.layers[0].ngram else x0
         resid, post = self.resid_lambdas.to(dt), self.post_lambdas.to(dt)
         rope = rotary_tables(self.rotary_freq, T, H, dt)
         if masks is None:
@@ -3188,8 +3192,10 @@ class GPT(nn.Module):
                 x = m["resid_attn"] * x + m["post_attn"] * y + m["x0"] * cache0 + m["bigram"] * xb
             else:
                 y = self._attention(i, norm(h if row.input == "h" else x), ve_i, None, None, doc, rope, masks, coef, w)
-                x = resid[i, 0] * x + post[i, 0] * y + coef("x0", i) * x0
-                if i > 0:
+                x = resid[i, 0] * x + post[i, 0] * y
+                if row.x0:
+                    x = x + coef("x0", i) * x0
+                if i > 0 and row.ngram:
                     x = x + coef("bigram", i) * xb
             out, post_max = mlp_layer(self.fp8_mlp, i, norm(x), mlp[2 * i], mlp[2 * i + 1])
             post_maxima.append(post_max)

@@ -909,3 +909,46 @@ def test_set_windows_never_makes_the_host_wait():
     reads = {f for f, _, _ in rec.calls} & {aten._local_scalar_dense.default, aten.item.default, aten.nonzero.default}
     assert not reads
     assert model.windows.tolist() == [2 * TEST.window_block_size, 5 * TEST.window_block_size]
+
+
+def test_rows_without_x0_or_ngram_drop_exactly_those_terms():
+    """Layer.x0 and Layer.ngram (record #92 injects x0 and the n-gram features on some rows only): a model whose
+    row 0 has no_ngram and row 1 no_x0 computes, to the bit, the default rows' model with those two gated terms'
+    coefficients zeroed (the gate layout loses their entries; the other weights are the same), in float64."""
+    rows = list(TEST.layers)
+    rows[0], rows[1] = dataclasses.replace(rows[0], ngram=False), dataclasses.replace(rows[1], x0=False)
+    assert tg.layer_words(rows[0]).endswith("no_ngram") and tg.layers_from_words([tg.layer_words(rows[1])])[0] == rows[1]
+    args = dataclasses.replace(TEST, layers=tuple(rows))
+    full, cut = tg.GPT(TEST, dtype=torch.float64), tg.GPT(args, dtype=torch.float64)
+    randomize(full)
+    with torch.no_grad():
+        for name, p in (*cut.named_parameters(), *cut.named_buffers()):
+            if not name.startswith("mudd_gate_"):
+                p.copy_(full.get_parameter(name) if "." not in name and name in dict(full.named_parameters())
+                        else full.get_buffer(name))
+        for k, layout in enumerate(cut.gate_layout):  # every entry the cut model keeps, from the full model's
+            for key, (start, width) in layout.items():
+                src, _ = full.gate_layout[k][key]
+                cut.mudd_gate_w2[k, start:start + width] = full.mudd_gate_w2[k, src:src + width]
+                cut.mudd_gate_b2[k, start:start + width] = full.mudd_gate_b2[k, src:src + width]
+        cut.mudd_gate_w1.copy_(full.mudd_gate_w1)
+        cut._mudd_gate_scale.copy_(full._mudd_gate_scale)
+    assert set(full.gate_layout[0]) - set(cut.gate_layout[0]) == {("bigram", 0)}
+    assert set(full.gate_layout[1]) - set(cut.gate_layout[1]) == {("x0", 1)}
+    inputs, targets, cu = make_batch()
+
+    def loss(model):
+        return model(inputs, targets, cu, bigrams(inputs), mtp_weights=torch.tensor([1.0]), loss_scale=1 / 128)[0]
+
+    losses = [loss(full)]
+    for k, key in ((0, ("bigram", 0)), (1, ("x0", 1))):  # each term zeroed in turn: each moves the loss
+        start, width = full.gate_layout[k][key]
+        with torch.no_grad():
+            full.mudd_gate_w2[k, start:start + width] = 0
+            full.mudd_gate_b2[k, start:start + width] = 0
+        losses.append(loss(full))
+    assert all(abs(a - b) > 1e-5 for a, b in zip(losses, losses[1:])), losses
+    # the gate matmuls have other row counts (other blockings): equal to float64 rounding
+    assert abs(loss(cut) - losses[-1]) < 1e-12
+    with pytest.raises(ValueError, match="no_x0 and no_ngram are for attention rows"):
+        tg.check_layers(tuple(dataclasses.replace(r, x0=False) if r.mudd else r for r in TEST.layers))
