@@ -95,7 +95,8 @@ RECORD92_STAGES = (
 @dataclass(frozen=True)
 class Layer:
     """One row of the per-layer table (record #89's layer roles)."""
-    attention: str = "plain"   # plain heads | paired heads (two slots a token) | none: the U-net skip instead
+    attention: str = "plain"   # plain heads | paired heads (two slots a token) | none: the U-net skip instead |
+                               # off: no attention (record #92's), the residual x resid_lambda and its injections
     window: str = ""           # short | long sliding window ("" without attention)
     value_embed: bool = False  # a value-embedding table is added to V
     xsa: bool = False          # XSA: y loses its projection on the own value
@@ -109,6 +110,12 @@ class Layer:
     post_gates: bool = False   # MUDD gate 1 runs on the residual entering this layer (gate 0 before it)
     x0: bool = True            # a gated x0 is added after attention (record #92 leaves rows out)
     ngram: bool = True         # a gated n-gram feature xb is added after attention (row 0: to x0 before it)
+    mlp: bool = True           # False: no MLP (record #92's removed layer), the residual x resid_lambda; its bank
+                               # slots stay, at lr 0
+
+    @property
+    def has_attention(self) -> bool:
+        return self.attention in ("plain", "paired")
 
 LAYERS = (
     Layer("paired", "short"),                                                            # 0
@@ -295,10 +302,12 @@ INIT = dict(projection_std=0.5, lm_head_std=0.005, value_embed_std=0.01, qkv_lam
 # --layers takes the rows as words, one string a row: "attn long offset ve gate dc from_h mudd".
 LAYER_WORDS = {
     "attn": ("attention", "plain"), "paired": ("attention", "paired"), "skip": ("attention", "none"),
+    "no_attn": ("attention", "off"),
     "short": ("window", "short"), "long": ("window", "long"), "ve": ("value_embed", True), "xsa": ("xsa", True),
     "gate": ("gate", True), "dc": ("dc", True), "offset": ("key_offset", True), "from_h": ("input", "h"),
     "mudd": ("mudd", True), "save_skip": ("save_skip", True), "save_h": ("save_h", True),
     "post_gates": ("post_gates", True), "no_x0": ("x0", False), "no_ngram": ("ngram", False),
+    "no_mlp": ("mlp", False),
 }
 
 def layer_words(row: Layer) -> str:
@@ -321,7 +330,7 @@ def layers_from_words(rows) -> tuple:
                 raise ValueError(f"--layers row {i} ({row!r}): more than one {name} ({fields[name]!r}, {value!r})")
             fields[name] = value
         if "attention" not in fields:
-            raise ValueError(f"--layers row {i} ({row!r}): needs exactly one of attn, paired, skip")
+            raise ValueError(f"--layers row {i} ({row!r}): needs exactly one of attn, paired, skip, no_attn")
         layers.append(Layer(**fields))
     return tuple(layers)
 
@@ -340,9 +349,9 @@ _ROW_FIELDS = ("stages", "layers")  # set through --stage_<column> and --layers,
 # ---- Ablations (--ablate): each switches one component off by editing rows -------------------
 
 def _layers_with(args: Hyperparameters, **fields) -> Hyperparameters:
-    """args with the fields set on every attention row (skip rows have nothing to switch off)."""
+    """args with the fields set on every attention row (other rows have nothing to switch off)."""
     return dataclasses.replace(args, layers=tuple(
-        row if row.attention == "none" else dataclasses.replace(row, **fields) for row in args.layers))
+        dataclasses.replace(row, **fields) if row.has_attention else row for row in args.layers))
 
 def _fixed_windows(args: Hyperparameters) -> Hyperparameters:
     """The last scheduled stage's windows from step 0 to the end (final validation too), at the YaRN
@@ -562,7 +571,7 @@ def check_stages(stages) -> None:
     if len({len(r.mtp_start) for r in stages} | {len(r.mtp_end) for r in stages}) != 1:
         raise ValueError("--stage_mtp_start and --stage_mtp_end must give the same number (>= 1) of weights")
 
-ATTENTION_KINDS = ("plain", "paired", "none")  # Layer.attention's values
+ATTENTION_KINDS = ("plain", "paired", "none", "off")  # Layer.attention's values
 
 def check_layers(layers) -> None:
     """One-line ValueErrors naming --layers and the row: a table the model can build."""
@@ -575,15 +584,18 @@ def check_layers(layers) -> None:
     for i, r in enumerate(layers):
         if r.attention not in ATTENTION_KINDS or r.input not in ("x", "h"):
             fail(i, f"attention must be one of {', '.join(ATTENTION_KINDS)} and input x or h")
-        if r.attention == "none" and (r.window or r.value_embed or r.xsa or r.gate or r.dc or r.key_offset
-                                      or r.input != "x" or r.mudd):
-            fail(i, "a skip row has no attention, so no window/offset/ve/xsa/gate/dc/from_h/mudd")
-        if r.attention != "none" and r.window not in ("short", "long"):
+        if not r.has_attention and (r.window or r.value_embed or r.xsa or r.gate or r.dc or r.key_offset
+                                    or r.input != "x" or r.mudd):
+            fail(i, "a skip or no_attn row has no attention, so no window/offset/ve/xsa/gate/dc/from_h/mudd")
+        if r.has_attention and r.window not in ("short", "long"):
             fail(i, "an attention row needs a short or long window")
         if r.attention == "paired" and (r.key_offset or r.xsa or r.dc):
             fail(i, "paired rows take no offset, xsa or dc")
         if (r.attention == "none" or r.mudd) and not (r.x0 and r.ngram):
-            fail(i, "no_x0 and no_ngram are for attention rows (a skip row adds neither; the mudd row's come from MUDD)")
+            fail(i, "no_x0 and no_ngram are for attention and no_attn rows (a skip row adds neither; the mudd row's"
+                    " come from MUDD)")
+        if r.mudd and not r.mlp:
+            fail(i, "the mudd row's MLP is mixed by MUDD; it keeps its MLP")
 
     def where(role):
         return [i for i, r in enumerate(layers) if getattr(r, role)]
@@ -893,10 +905,16 @@ class FP8MLPState(nn.Module):
         return y, post_max
 
     def update_act_scales(self, post_maxima: list[torch.Tensor]) -> None:
-        """Every layer's next act scale from mlp()'s maxima of post, in one write after the last MLP (PR #342)."""
+        """Every layer's next act scale from mlp()'s maxima of post, in one write after the last MLP (PR #342);
+        a layer without MLP (None) keeps its scale."""
         _check_post_maxima(self, post_maxima)
-        amax = torch.stack(post_maxima).amax(dim=1)
-        self.act_scale[:, 0] = amax.clamp_min(FP8_SCALE_FLOOR) * (FP8_ACT_HEADROOM / E4M3_MAX)
+        rows = [i for i, m in enumerate(post_maxima) if m is not None]
+        amax = torch.stack([post_maxima[i] for i in rows]).amax(dim=1)
+        scale = amax.clamp_min(FP8_SCALE_FLOOR) * (FP8_ACT_HEADROOM / E4M3_MAX)
+        if len(rows) == len(post_maxima):
+            self.act_scale[:, 0] = scale
+        else:
+            self.act_scale[rows, 0] = scale
 
     @torch.no_grad()
     def quantize(self, mlp_bank: torch.Tensor, bootstrap: bool) -> None:
@@ -2576,7 +2594,7 @@ def block_attention_mask(doc_ids: torch.Tensor, window, pos_div: int = 1, block_
 def attention_kinds(layers: tuple) -> list[tuple[bool, int]]:
     """Every (long window?, slots per token) the layer table attends with, sorted: one mask each."""
     return sorted({(row.window == "long", 2 if row.attention == "paired" else 1)
-                   for row in layers if row.attention != "none"})
+                   for row in layers if row.has_attention})
 
 def flex_mask_spec(args: "Hyperparameters", windows: tuple, kernels: dict | None = None) -> tuple | None:
     """(block size, ((long?, slots per token, window in slots), ...)) of the kinds that run flex (kernels;
@@ -2879,7 +2897,7 @@ class GPT(nn.Module):
         V, C, M = args.padded_vocab_size, args.gate_channels, args.mudd_hidden
         self.layers = layers = args.layers
         L = len(layers)
-        self.attn_layers = [i for i, r in enumerate(layers) if r.attention != "none"]
+        self.attn_layers = [i for i, r in enumerate(layers) if r.has_attention]
         self.attn_index = {layer: j for j, layer in enumerate(self.attn_layers)}
         self.ve_index = {layer: j for j, layer in enumerate(i for i, r in enumerate(layers) if r.value_embed)}
         self.post_gates_layer = next(i for i, r in enumerate(layers) if r.post_gates)
@@ -3190,16 +3208,23 @@ class GPT(nn.Module):
                 y = self._attention(i, norm(h if row.input == "h" else x), ve_i, ve_gate, aux_v,
                                     doc, rope, masks, coef, w)
                 x = m["resid_attn"] * x + m["post_attn"] * y + m["x0"] * cache0 + m["bigram"] * xb
-            else:
+            elif row.has_attention:
                 y = self._attention(i, norm(h if row.input == "h" else x), ve_i, None, None, doc, rope, masks, coef, w)
                 x = resid[i, 0] * x + post[i, 0] * y
+            else:  # a no_attn row (record #92's): the residual's bookkeeping
+                x = resid[i, 0] * x
+            if row.attention != "none" and not row.mudd:  # the row's injections
                 if row.x0:
                     x = x + coef("x0", i) * x0
                 if i > 0 and row.ngram:
                     x = x + coef("bigram", i) * xb
-            out, post_max = mlp_layer(self.fp8_mlp, i, norm(x), mlp[2 * i], mlp[2 * i + 1])
-            post_maxima.append(post_max)
-            x = m["resid_mlp"] * x + m["post_mlp"] * out if row.mudd else resid[i, 1] * x + post[i, 1] * out
+            if not row.mlp:  # record #92's removed layer: its residual bookkeeping only
+                post_maxima.append(None)
+                x = resid[i, 1] * x
+            else:
+                out, post_max = mlp_layer(self.fp8_mlp, i, norm(x), mlp[2 * i], mlp[2 * i + 1])
+                post_maxima.append(post_max)
+                x = m["resid_mlp"] * x + m["post_mlp"] * out if row.mudd else resid[i, 1] * x + post[i, 1] * out
             if row.save_skip:
                 skip_src = x
             if row.save_h:
@@ -3900,9 +3925,12 @@ def check_batch_split(args: Hyperparameters, world_size: int) -> int:
 def optimizer_configs(args: Hyperparameters, model: "GPT") -> dict[str, ParamConfig]:
     """Per-label optimizer settings: PARAM_TABLE's rows, then CONFIG_CHANGES."""
     configs = {label: ParamConfig(**row) for label, row in PARAM_TABLE.items()}
-    # every odd entry of the MLP bank: the down-projections (c_proj), and the record's padding
+    # every odd entry of the MLP bank: the down-projections (c_proj), and the record's padding; 0 for a no_mlp
+    # row's two (record #92's: lr 0, so no decay either)
+    dead = {f"{kind}.{i}" for i, row in enumerate(model.layers) if not row.mlp for kind in ("up", "down")}
     configs["mlp_bank"] = dataclasses.replace(configs["mlp_bank"], matrix_lr_mul=tuple(
-        MLP_DOWN_LR_MUL if i % 2 else 1.0 for i in range(len(model.bank_roles["mlp_bank"]))))
+        0.0 if role in dead else MLP_DOWN_LR_MUL if i % 2 else 1.0
+        for i, role in enumerate(model.bank_roles["mlp_bank"])))
     for change in CONFIG_CHANGES:
         configs = change(args, configs)
     return configs

@@ -615,6 +615,12 @@ def test_every_layers_scales_are_16_byte_aligned():
         maxima.append(state.mlp(layer, x, bank[2 * layer], bank[2 * layer + 1])[1])
     state.update_act_scales(maxima)
     assert (state.act_scale[:, 0] != 1.0).all()  # every layer's forward ran and recorded its amax
+    # a layer without MLP (record #92's removed layer) has no maximum: its scale stays, the others move
+    before = state.act_scale[:, 0].clone()
+    state.update_act_scales([m * 2 if layer != 2 else None for layer, m in enumerate(maxima)])
+    after = state.act_scale[:, 0]
+    assert after[2] == before[2] and all(after[i] == (2 * maxima[i].amax()).clamp_min(tg.FP8_SCALE_FLOOR)
+                                         * (tg.FP8_ACT_HEADROOM / tg.E4M3_MAX) for i in (0, 1, 3, 4))
 
 
 # ---- what the compiled graph sees: float8 operands made outside the custom ops --------------------

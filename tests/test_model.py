@@ -799,7 +799,7 @@ def test_speedrun_preset_forward_backward_on_cpu():
     (dict(model_dim=96), "--model_dim"),
     (dict(num_heads=1, head_dim=64), "--num_heads must be even"),
     (dict(layers=tg.layers_from_words(("paired short save_skip", "skip save_h ve", "attn long post_gates", "attn long ve from_h mudd"))),
-     "--layers row 1 \\(skip ve save_h\\): a skip row has no attention"),
+     "--layers row 1 \\(skip ve save_h\\): a skip or no_attn row has no attention"),
     (dict(layers=tg.layers_from_words(("paired short xsa", "attn long ve save_skip save_h post_gates", "attn long from_h mudd"))),
      "paired rows take no offset, xsa or dc"),
     (dict(layers=tg.layers_from_words(("attn short ve save_skip save_h", "attn long from_h mudd post_gates", "attn short"))),
@@ -950,5 +950,44 @@ def test_rows_without_x0_or_ngram_drop_exactly_those_terms():
     assert all(abs(a - b) > 1e-5 for a, b in zip(losses, losses[1:])), losses
     # the gate matmuls have other row counts (other blockings): equal to float64 rounding
     assert abs(loss(cut) - losses[-1]) < 1e-12
-    with pytest.raises(ValueError, match="no_x0 and no_ngram are for attention rows"):
+    with pytest.raises(ValueError, match="no_x0 and no_ngram are for attention and no_attn rows"):
         tg.check_layers(tuple(dataclasses.replace(r, x0=False) if r.mudd else r for r in TEST.layers))
+
+
+def test_no_attn_and_no_mlp_rows_are_the_residual_bookkeeping_alone():
+    """Record #92's attention-less and removed layers as rows: a model whose row 0 is no_attn and row 1 no_mlp
+    computes, to float64 rounding, the default rows' model with those sublayers' post lambdas at 0 (so the
+    sublayer adds 0: x = resid_lambda x and the row's injections); the no_mlp row's bank slots get no gradient
+    and lr multiplier 0, the no_attn row no attention matrices."""
+    rows = list(TEST.layers)
+    rows[0] = tg.layers_from_words(["no_attn save_skip"])[0]
+    rows[1] = dataclasses.replace(rows[1], mlp=False)
+    assert tg.layer_words(rows[1]).endswith("no_mlp")
+    args = dataclasses.replace(TEST, layers=tuple(rows))
+    full, cut = tg.GPT(TEST, dtype=torch.float64), tg.GPT(args, dtype=torch.float64)
+    randomize(full)
+    assert cut.attn_layers == [1, 3] and full.attn_layers == [0, 1, 3]
+    with torch.no_grad():
+        for name, p in (*cut.named_parameters(), *cut.named_buffers()):
+            if name in full.bank_roles:  # the banks by role: the cut model has no layer-0 attention matrices
+                src = {role: j for j, role in enumerate(full.bank_roles[name])}
+                for j, role in enumerate(cut.bank_roles[name]):
+                    if role != "pad":
+                        p[j] = getattr(full, name)[src[role]]
+            elif "." not in name:
+                p.copy_(getattr(full, name))
+        full.post_lambdas[0, 0] = 0  # row 0's attention adds nothing
+        full.post_lambdas[1, 1] = 0  # row 1's MLP adds nothing
+    inputs, targets, cu = make_batch()
+
+    def loss(model):
+        return model(inputs, targets, cu, bigrams(inputs), mtp_weights=torch.tensor([1.0]), loss_scale=1 / 128)[0]
+
+    ours = loss(cut)
+    assert abs(ours - loss(full)) < 1e-12
+    ours.backward()
+    assert cut.mlp_bank.grad[2:4].abs().sum() == 0 and cut.mlp_bank.grad[0:2].abs().sum() > 0
+    lr = tg.optimizer_configs(args, cut)["mlp_bank"].matrix_lr_mul
+    assert lr[:4] == (1.0, 2.0, 0.0, 0.0)
+    with pytest.raises(ValueError, match="a skip or no_attn row has no attention"):
+        tg.layers_from_words(["no_attn short"]) and tg.check_layers(tg.layers_from_words(["no_attn short"]))
