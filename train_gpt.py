@@ -112,6 +112,8 @@ class Layer:
     ngram: bool = True         # a gated n-gram feature xb is added after attention (row 0: to x0 before it)
     mlp: bool = True           # False: no MLP (record #92's removed layer), the residual x resid_lambda; its bank
                                # slots stay, at lr 0
+    parallel_mlp: bool = False # a second MLP on the same input, added at the same post lambda (record #92's layer 8);
+                               # its bank slots follow every layer's
 
     @property
     def has_attention(self) -> bool:
@@ -307,7 +309,7 @@ LAYER_WORDS = {
     "gate": ("gate", True), "dc": ("dc", True), "offset": ("key_offset", True), "from_h": ("input", "h"),
     "mudd": ("mudd", True), "save_skip": ("save_skip", True), "save_h": ("save_h", True),
     "post_gates": ("post_gates", True), "no_x0": ("x0", False), "no_ngram": ("ngram", False),
-    "no_mlp": ("mlp", False),
+    "no_mlp": ("mlp", False), "parallel_mlp": ("parallel_mlp", True),
 }
 
 def layer_words(row: Layer) -> str:
@@ -594,8 +596,8 @@ def check_layers(layers) -> None:
         if (r.attention == "none" or r.mudd) and not (r.x0 and r.ngram):
             fail(i, "no_x0 and no_ngram are for attention and no_attn rows (a skip row adds neither; the mudd row's"
                     " come from MUDD)")
-        if r.mudd and not r.mlp:
-            fail(i, "the mudd row's MLP is mixed by MUDD; it keeps its MLP")
+        if r.mudd and not r.mlp or r.parallel_mlp and not r.mlp:
+            fail(i, "the mudd row keeps its MLP (MUDD mixes it), and a parallel_mlp row needs its MLP")
 
     def where(role):
         return [i for i, r in enumerate(layers) if getattr(r, role)]
@@ -2904,7 +2906,9 @@ class GPT(nn.Module):
         self.gate_layout = mudd_gate_layout(layers, H)
         self.gate_outputs = tuple(sum(width for _, width in layout.values()) for layout in self.gate_layout)
         n_attn = len(self.attn_layers)
-        n_qk, n_vo, n_mlp = (bank_padding(n, world_size, args) for n in (H * n_attn, 2 * n_attn, 2 * L))
+        # the MLP bank: every layer's (up, down), then the parallel MLPs' (record #92's takes #89's padding slots)
+        self.mlp_slots = list(range(L)) + [i for i, r in enumerate(layers) if r.parallel_mlp]
+        n_qk, n_vo, n_mlp = (bank_padding(n, world_size, args) for n in (H * n_attn, 2 * n_attn, 2 * len(self.mlp_slots)))
         n_ve = len(self.ve_index)
         fp32 = torch.float32
         self.lm_head = nn.Parameter(torch.empty(D, V, dtype=dtype))
@@ -2931,9 +2935,10 @@ class GPT(nn.Module):
         self.register_buffer("bigram_sign_table", torch.empty(BIGRAM_SIGN_ROWS, D, dtype=dtype))
         roles = {"qk_bank": [f"{kd}.{i}.{g}" for i in self.attn_layers for kd in ("q", "k") for g in range(H // 2)],
                  "vo_bank": [f"{kd}.{i}" for i in self.attn_layers for kd in ("v", "o")],
-                 "mlp_bank": [f"{kd}.{i}" for i in range(L) for kd in ("up", "down")]}
+                 "mlp_bank": [f"{kd}.{i}" for i in range(L) for kd in ("up", "down")]
+                 + [f"parallel_{kd}.{i}" for i in self.mlp_slots[L:] for kd in ("up", "down")]}
         self.bank_roles = {name: r + ["pad"] * (len(getattr(self, name)) - len(r)) for name, r in roles.items()}
-        self.fp8_mlp = FP8MLPState(L, args.mlp_hidden, D, fast_accum=args.fp8_up_fast_accum)
+        self.fp8_mlp = FP8MLPState(len(self.mlp_slots), args.mlp_hidden, D, fast_accum=args.fp8_up_fast_accum)
         # lm_head's e4m3 copy (fp8_head_weight), made by quantize_fp8 after every optimizer step; derived, so
         # not in the state dict: every load_state_dict (the warm-up reset, a resume) makes it again.
         self.register_buffer("lm_head_f8_t", torch.zeros(V, D, dtype=torch.float8_e4m3fn), persistent=False)
@@ -3191,7 +3196,7 @@ class GPT(nn.Module):
         if masks is None:
             masks = self.attention_masks(cu_seqlens, T)
         skip_src = h = mudd_in = None
-        mlp_layer, post_maxima = MLPS["fp8" if fp8 else "bf16"], []
+        mlp_layer, post_maxima = MLPS["fp8" if fp8 else "bf16"], [None] * len(self.mlp_slots)
         for i, row in enumerate(self.layers):
             if i == self.post_gates_layer:
                 gates[1] = self._mudd_gate(1, x)  # from the raw residual entering this layer
@@ -3219,12 +3224,15 @@ class GPT(nn.Module):
                 if i > 0 and row.ngram:
                     x = x + coef("bigram", i) * xb
             if not row.mlp:  # record #92's removed layer: its residual bookkeeping only
-                post_maxima.append(None)
                 x = resid[i, 1] * x
             else:
-                out, post_max = mlp_layer(self.fp8_mlp, i, norm(x), mlp[2 * i], mlp[2 * i + 1])
-                post_maxima.append(post_max)
-                x = m["resid_mlp"] * x + m["post_mlp"] * out if row.mudd else resid[i, 1] * x + post[i, 1] * out
+                xn, post_mlp = norm(x), m["post_mlp"] if row.mudd else post[i, 1]
+                out, post_maxima[i] = mlp_layer(self.fp8_mlp, i, xn, mlp[2 * i], mlp[2 * i + 1])
+                x = m["resid_mlp"] * x + post_mlp * out if row.mudd else resid[i, 1] * x + post_mlp * out
+                if row.parallel_mlp:  # record #92's layer 8: a second MLP from its own bank slots
+                    k = self.mlp_slots.index(i, len(self.layers))
+                    out, post_maxima[k] = mlp_layer(self.fp8_mlp, k, xn, mlp[2 * k], mlp[2 * k + 1])
+                    x = x + post_mlp * out
             if row.save_skip:
                 skip_src = x
             if row.save_h:

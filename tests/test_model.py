@@ -991,3 +991,39 @@ def test_no_attn_and_no_mlp_rows_are_the_residual_bookkeeping_alone():
     assert lr[:4] == (1.0, 2.0, 0.0, 0.0)
     with pytest.raises(ValueError, match="a skip or no_attn row has no attention"):
         tg.layers_from_words(["no_attn short"]) and tg.check_layers(tg.layers_from_words(["no_attn short"]))
+
+
+def test_a_parallel_mlp_is_a_wider_mlp_on_that_row():
+    """Record #92's parallel MLP (row 1 here, word parallel_mlp): two ReLU^2 MLPs on one input at one post
+    lambda equal one MLP with both hidden layers side by side, so the model equals, to float64 rounding, the
+    default rows' model at twice the hidden width whose other rows' extra hidden units are zero. Its bank slots
+    follow every layer's (roles parallel_up.1, parallel_down.1; the down one at lr x 2), its FP8 scales too."""
+    rows = list(TEST.layers)
+    rows[1] = dataclasses.replace(rows[1], parallel_mlp=True)
+    args = dataclasses.replace(TEST, layers=tuple(rows))
+    par = tg.GPT(args, dtype=torch.float64)
+    wide = tg.GPT(dataclasses.replace(TEST, mlp_hidden=2 * TEST.mlp_hidden), dtype=torch.float64)
+    randomize(par)
+    L, Hd = len(rows), TEST.mlp_hidden
+    assert par.bank_roles["mlp_bank"][2 * L:] == ["parallel_up.1", "parallel_down.1"]
+    assert par.fp8_mlp.up_f8.shape[0] == L + 1
+    with torch.no_grad():
+        for name, p in (*wide.named_parameters(), *wide.named_buffers()):
+            if name == "mlp_bank":
+                p.zero_()
+                p[:2 * L, :Hd] = par.mlp_bank[:2 * L]
+                p[2:4, Hd:] = par.mlp_bank[2 * L:2 * L + 2]  # row 1's second half: the parallel MLP
+            elif "." not in name:
+                p.copy_(getattr(par, name))
+    inputs, targets, cu = make_batch()
+
+    def loss(model):
+        return model(inputs, targets, cu, bigrams(inputs), mtp_weights=torch.tensor([1.0]), loss_scale=1 / 128)[0]
+
+    ours = loss(par)
+    assert abs(ours - loss(wide)) < 1e-12
+    with torch.no_grad():
+        par.mlp_bank[2 * L + 1] = 0  # without the parallel MLP's output the loss moves
+    assert abs(loss(par) - ours) > 1e-6
+    lr = tg.optimizer_configs(args, par)["mlp_bank"].matrix_lr_mul
+    assert lr[2 * L: 2 * L + 2] == (1.0, 2.0)
