@@ -199,6 +199,8 @@ class Hyperparameters:
     fp8: bool = True                       # FP8 LM head and MLPs in training (GPUs with FP8 tensor cores)
     fp8_up_fast_accum: bool = True         # the record's FP8 MLP up-projection: fast accumulation
     attention_kernel: str = "auto"         # CUDA: flex | varlen (the record's FA3) | auto (per kind)
+    virtual_seq_cap: int = 0               # record #92's: training attention in segments of at most this many
+                                           # tokens inside a document (#92: 2560); 0 (the record's): whole documents
     # schedule: stage boundaries scale with num_iterations
     num_iterations: int = 1270             # scheduled steps, then extension_iterations at the last row
     extension_iterations: int = 15
@@ -538,7 +540,7 @@ KNOB_RANGES = dict(
     mtp_end=dict(lo=0, shape=(None,)), prefix_start=_RATE, prefix_end=_RATE, prefix_steps=_AT_LEAST_0,
     val_tokens=_AT_LEAST_1, vocab_size=_AT_LEAST_1, padded_vocab_size=_AT_LEAST_1, model_dim=_AT_LEAST_1,
     num_heads=_AT_LEAST_1, head_dim=_AT_LEAST_1, mlp_hidden=_AT_LEAST_1, ngram_rows=dict(lo=2, integer=True),
-    ngram_channels=dict(lo=1, hi=2, integer=True),
+    ngram_channels=dict(lo=1, hi=2, integer=True), virtual_seq_cap=_AT_LEAST_0,
     gate_channels=_AT_LEAST_1, mudd_hidden=_AT_LEAST_1, dc_window=_AT_LEAST_1, window_block_size=_AT_LEAST_1,
     windows_init=_WINDOWS, final_val_windows=_WINDOWS, attn_scale=_RATE, num_iterations=_AT_LEAST_1,
     extension_iterations=_AT_LEAST_0, micro_batches=_AT_LEAST_1, cooldown_start=_FRACTION, momentum_min=_MOMENTUM,
@@ -3662,13 +3664,20 @@ def candidate_classes(targets: np.ndarray, P: int, V: int, stride: int = 20011) 
     return torch.from_numpy(np.sort(np.concatenate([present, negatives])).astype(np.int64))
 
 def make_batch(buf: np.ndarray, ngram_rows: int, mask_spec: tuple | None = None,
-               max_doc_len: int | None = None, sampled: tuple | None = None, ngram_channels: int = 1) -> Batch:
+               max_doc_len: int | None = None, sampled: tuple | None = None, ngram_channels: int = 1,
+               virtual_seq_cap: int = 0) -> Batch:
     """Batch from T + 1 consecutive tokens: inputs buf[:T], targets buf[1:], the n-gram table's rows of the
     inputs (ngram_rows_of); with a mask_spec (flex_mask_spec) also the flex block masks, built here on the host;
-    with sampled (P, V) the sampled softmax's classes."""
+    with sampled (P, V) the sampled softmax's classes. virtual_seq_cap: attention segments start every that many
+    tokens inside a document too (cu_seqlens only: the tokens, hashes and key offsets run on as they were)."""
     T = len(buf) - 1
     inputs = torch.from_numpy(buf[:T].astype(np.int32))
     starts = np.flatnonzero(buf[:T] == BOS_ID)
+    if virtual_seq_cap:
+        firsts = np.insert(starts[starts > 0], 0, 0)
+        starts = np.sort(np.concatenate([firsts] + [np.arange(a + virtual_seq_cap, b, virtual_seq_cap)
+                                                    for a, b in zip(firsts, np.append(firsts[1:], T))]))
+        max_doc_len = min(max_doc_len or T, virtual_seq_cap)
     starts = starts[starts > 0][: max_docs_for(T) - 1]
     cu = np.full(max_docs_for(T) + 1, T, dtype=np.int32)
     cu[0] = 0
@@ -3693,10 +3702,11 @@ class DocumentLoader:
     next shard and build the next step's batches (look_ahead), masks and pinned staging buffer included."""
 
     def __init__(self, pattern: str, ngram_rows: int, rank: int = 0, world_size: int = 1,
-                 device: torch.device | None = None, ngram_channels: int = 1):
+                 device: torch.device | None = None, ngram_channels: int = 1, virtual_seq_cap: int = 0):
         from concurrent.futures import ThreadPoolExecutor
         self.files = find_shards(pattern, "train")
         self.ngram, self.rank, self.world_size = (ngram_rows, ngram_channels), rank, world_size
+        self.virtual_seq_cap = virtual_seq_cap
         self.stage = device is not None and device.type == "cuda"  # each step's batches in one pinned buffer
         self._pool = ThreadPoolExecutor(max_workers=1)   # shard reads
         self._steps = ThreadPoolExecutor(max_workers=1)  # look-ahead steps (they wait on shard reads)
@@ -3737,7 +3747,7 @@ class DocumentLoader:
                 need -= len(pieces[-1])
             if g % self.world_size == self.rank:
                 mine.append(make_batch(np.concatenate(pieces), self.ngram[0], mask_spec, max_doc_len, sampled,
-                                       ngram_channels=self.ngram[1]))
+                                       ngram_channels=self.ngram[1], virtual_seq_cap=self.virtual_seq_cap))
         return (stage_step(mine) if self.stage else mine), (shard, doc)
 
     def _settle(self):
@@ -4740,7 +4750,7 @@ def train(args: Hyperparameters, dist_info: DistInfo) -> float:
         model.quantize_fp8(bootstrap=True)  # warm-up's snapshot, so that its reset brings them back too
     log = RunLog(args, run_id, dist_info, notes=[dtype_note] if dtype_note else [])
     loader = DocumentLoader(args.train_files, args.ngram_rows, dist_info.rank, dist_info.world_size, dist_info.device,
-                            ngram_channels=args.ngram_channels)
+                            ngram_channels=args.ngram_channels, virtual_seq_cap=args.virtual_seq_cap)
     val_batches = validation_batches(args.val_files, args.val_tokens, min(args.val_seq_len, args.val_tokens),
                                      args.ngram_rows, dist_info.rank, dist_info.world_size, args.ngram_channels)
     encoding = gpt2_encoding()  # read before the clock; the prefix table built from it is timed (below)

@@ -475,3 +475,18 @@ def test_record_92s_table_cadence():
     assert blends.ticks["value_embed_average"] == 62
     with pytest.raises(SystemExit, match="--table_cadence"):
         tg.check_flags(dataclasses.replace(args, table_cadence=(0.2862, 4, 2)), 1)
+
+
+def test_virtual_seq_cap_splits_long_documents_for_attention_only():
+    """Record #92's virtual sequence cap (2,560 there, 4 here): documents of 10, 3 and 6 tokens (starting at
+    0, 10, 13; T = 19) get attention segments starting at 0, 4, 8 | 10 | 13, 17; the tokens and the n-gram
+    rows (which run across documents) are those of the uncapped batch, and varlen's longest segment is 4."""
+    buf = np.array([BOS_ID, *range(1, 10), BOS_ID, 1, 2, BOS_ID, *range(1, 6), 7], dtype=np.uint16)
+    capped, plain = tg.make_batch(buf, 1001, max_doc_len=16, virtual_seq_cap=4), tg.make_batch(buf, 1001, max_doc_len=16)
+    T = 19
+    assert capped.cu_seqlens.tolist() == [0, 4, 8, 10, 13, 17] + [T] * (tg.max_docs_for(T) - 5)
+    assert plain.cu_seqlens.tolist()[:4] == [0, 10, 13, T]
+    assert torch.equal(capped.inputs, plain.inputs) and torch.equal(capped.ngram_ids, plain.ngram_ids)
+    assert capped.max_doc_len == 4 and plain.max_doc_len == 16
+    with pytest.raises(SystemExit, match="--virtual_seq_cap -1 must be >= 0"):
+        tg.check_flags(tg.parse_args(["--preset", "test", "--virtual_seq_cap=-1"]), 1)
