@@ -154,6 +154,7 @@ PARAM_TABLE = {
     "embed": dict(optimizer="adam", comms="sharded", lr_mul=1.0, wd_mul=150.0, betas=EMBED_BETAS),
     "mudd_w1": dict(optimizer="adam", comms="replicated", lr_mul=0.25, wd_mul=1.0, betas=GATE_BETAS),
     "mudd_w2": dict(optimizer="adam", comms="replicated", lr_mul=0.25, wd_mul=1.0, betas=GATE_BETAS),
+    "mudd_w2g": dict(optimizer="adam", comms="replicated", lr_mul=0.25, wd_mul=1.0, betas=GATE_BETAS),  # #92's mix
     "mudd_b2": dict(optimizer="adam", comms="replicated", lr_mul=0.25, wd_mul=0.0, betas=GATE_BETAS),
     "mudd_gate_w1": dict(optimizer="adam", comms="replicated", lr_mul=0.1, wd_mul=1.0, betas=GATE_BETAS),
     "mudd_gate_w2": dict(optimizer="adam", comms="replicated", lr_mul=0.1, wd_mul=1.0, betas=GATE_BETAS),
@@ -161,13 +162,14 @@ PARAM_TABLE = {
     "_mudd_gate_scale": dict(optimizer="adam", comms="replicated", lr_mul=0.1, wd_mul=0.0, betas=GATE_BETAS),
 }
 TABLE_LABELS = ("value_embeds", "bigram_embed")  # the embedding tables (--table_cadence steps both)
+# A label of the table or the orders whose parameter a model does not have (a switch's, off) is left out.
 # The record's orders. Scatter: big banks' reductions start first. Work: small parameters are updated
 # first so that the banks' reductions have landed before their (long) orthogonalization.
 SCATTER_ORDER = ("qk_bank", "vo_bank", "mlp_bank", "scalars", "smear_gate", "ve_gate_bank", "lm_head",
                  "bigram_embed", "post_lambdas", "resid_lambdas", "value_embeds", "embed", "mudd_w1", "mudd_w2",
-                 "mudd_b2", "mudd_gate_w1", "mudd_gate_w2", "mudd_gate_b2", "_mudd_gate_scale")
+                 "mudd_w2g", "mudd_b2", "mudd_gate_w1", "mudd_gate_w2", "mudd_gate_b2", "_mudd_gate_scale")
 WORK_ORDER = ("scalars", "smear_gate", "ve_gate_bank", "mudd_b2", "mudd_gate_b2", "_mudd_gate_scale",
-              "post_lambdas", "resid_lambdas", "mudd_w2", "mudd_gate_w2", "value_embeds", "bigram_embed",
+              "post_lambdas", "resid_lambdas", "mudd_w2", "mudd_w2g", "mudd_gate_w2", "value_embeds", "bigram_embed",
               "mudd_w1", "mudd_gate_w1", "lm_head", "embed", "qk_bank", "vo_bank", "mlp_bank")
 
 # -- run knobs ----------------------------------------------------------------------------------
@@ -255,6 +257,8 @@ class Hyperparameters:
     unet_skip: bool = True                 # the attention-none row adds the save_skip layer's output
     backout: bool = True                   # the post-loop MUDD mixing (its h coefficient starts at -0.5)
     mudd: bool = True                      # false: MUDD coefficients are learned constants, not per token
+    mudd_post_mix: int = 5                 # the post-loop MUDD mix: 5 sources, a coefficient per token (record #89's);
+                                           # 10 (record #92's): MUDD_MIX10_SOURCES, per token and 64-channel group
     # run
     seed: int = 0
     run_id: str = ""                       # empty: a fresh uuid per run
@@ -297,6 +301,12 @@ MUDD_LAYER_BIASES = ({"ve_gate_first_half": 20.0, "ve_gate_second_half": 20.0, "
                      {"h": -5.0})
 # MUDD gate biases before the gate scale (0.1 at init): output gates start at 0.25, bigram 0.05, skip 0.5, DC w1 1
 MUDD_GATE_BIASES = {"gate": 2.5, "bigram": 0.5, "skip": 5.0, "dc_w1": 10.0}
+# Record #92's post-loop mix (--mudd_post_mix 10): MUDD layer 1's coefficients for these sources (record #89's five
+# first; "ve.k": value-embedding table k; mlp_input: the last MLP's normed input; h_normed: norm(h)), each plus a
+# delta per MUDD_GROUP_WIDTH-channel group from the zero-initialised mudd_w2g (coefficient, group, hidden)
+MUDD_MIX10_SOURCES = ("cache0", "h", "mudd_input", "ve.0", "skip_source", "ve.1", "ve.-1", "ve.-2", "mlp_input",
+                      "h_normed")
+MUDD_GROUP_WIDTH = 64
 # Initial values (the record's; GPT.reset_parameters): projections' uniform std x sqrt(D), the tables' normal stds
 INIT = dict(projection_std=0.5, lm_head_std=0.005, value_embed_std=0.01, qkv_lambda=0.5, o_lambda=1.0,
             skip_lambda=-1.5, resid_lambda=math.sqrt(1.1), post_lambda=1.0, mudd_gate_scale=0.1)
@@ -541,6 +551,7 @@ KNOB_RANGES = dict(
     val_tokens=_AT_LEAST_1, vocab_size=_AT_LEAST_1, padded_vocab_size=_AT_LEAST_1, model_dim=_AT_LEAST_1,
     num_heads=_AT_LEAST_1, head_dim=_AT_LEAST_1, mlp_hidden=_AT_LEAST_1, ngram_rows=dict(lo=2, integer=True),
     ngram_channels=dict(lo=1, hi=2, integer=True), virtual_seq_cap=_AT_LEAST_0,
+    mudd_post_mix=dict(lo=5, hi=10, integer=True),
     gate_channels=_AT_LEAST_1, mudd_hidden=_AT_LEAST_1, dc_window=_AT_LEAST_1, window_block_size=_AT_LEAST_1,
     windows_init=_WINDOWS, final_val_windows=_WINDOWS, attn_scale=_RATE, num_iterations=_AT_LEAST_1,
     extension_iterations=_AT_LEAST_0, micro_batches=_AT_LEAST_1, cooldown_start=_FRACTION, momentum_min=_MOMENTUM,
@@ -2865,6 +2876,12 @@ def _check_model_args(args: Hyperparameters, world_size: int) -> None:
                  "mudd_hidden", "dc_window"):
         if getattr(args, name) < 1:
             fail(f"--{name} must be >= 1, got {getattr(args, name)}")
+    if args.mudd_post_mix not in (5, len(MUDD_MIX10_SOURCES)):
+        fail(f"--mudd_post_mix must be 5 (record #89's) or {len(MUDD_MIX10_SOURCES)} (record #92's), got {args.mudd_post_mix}")
+    if args.mudd_post_mix != 5 and (args.model_dim % MUDD_GROUP_WIDTH
+                                    or sum(r.value_embed for r in args.layers) < 2):
+        fail(f"--mudd_post_mix {args.mudd_post_mix} mixes {MUDD_GROUP_WIDTH}-channel groups of two value-embedding"
+             f" tables and more: --model_dim must be a multiple of {MUDD_GROUP_WIDTH} and two rows take ve")
     if args.num_heads * args.head_dim != args.model_dim:
         fail(f"--model_dim ({args.model_dim}) must equal --num_heads * --head_dim ({args.num_heads}*{args.head_dim});"
              " value embeddings and MUDD's V are added to V, and the banks hold square attention matrices")
@@ -2928,6 +2945,8 @@ class GPT(nn.Module):
         self.mudd_w1 = nn.Parameter(torch.empty(2, M, D, dtype=dtype))
         self.mudd_w2 = nn.Parameter(torch.empty(2, max(MUDD_LAYER_OUTPUTS), M, dtype=dtype))
         self.mudd_b2 = nn.Parameter(torch.empty(2, max(MUDD_LAYER_OUTPUTS), dtype=dtype))
+        if args.mudd_post_mix == len(MUDD_MIX10_SOURCES):
+            self.mudd_w2g = nn.Parameter(torch.zeros(max(MUDD_LAYER_OUTPUTS), D // MUDD_GROUP_WIDTH, M, dtype=dtype))
         self._mudd_gate_scale = nn.Parameter(torch.empty((), dtype=fp32))
         self.mudd_gate_w1 = nn.Parameter(torch.empty(2, M, D, dtype=dtype))
         self.mudd_gate_w2 = nn.Parameter(torch.empty(2, max(self.gate_outputs), M, dtype=dtype))
@@ -3060,6 +3079,24 @@ class GPT(nn.Module):
         m = self._mudd_coefficients(1, x)
         x = x + m["cache0"] * cache0 + m["h"] * h + m["mudd_input"] * mudd_in  # the record's order of sums
         return x + m["ve0"] * ve0 + m["skip_source"] * skip_src
+
+    def post_loop_grouped(self, x: torch.Tensor, sources: dict) -> torch.Tensor:
+        """Record #92's post-loop mix (--mudd_post_mix 10): x + sum_k c_k * source_k per MUDD_GROUP_WIDTH-channel
+        group, c_k = MUDD layer 1's coefficient k + the group's delta (hidden . mudd_w2g[k, group]) x 0.1, over
+        MUDD_MIX10_SOURCES (--backout false: x; --mudd false: the constants b2 x 0.1)."""
+        if not self.args.backout:
+            return x
+        n, (T, D) = len(MUDD_MIX10_SOURCES), x.shape
+        if self.args.mudd:
+            hidden = F.gelu(F.linear(x, self.mudd_w1[1]))
+            mu = F.linear(hidden, self.mudd_w2[1, :n], self.mudd_b2[1, :n]) * MUDD_LAYER_SCALE
+            c = mu[:, :, None] + torch.einsum("tm,kgm->tkg", hidden, self.mudd_w2g[:n]) * MUDD_LAYER_SCALE
+        else:
+            c = (self.mudd_b2[1, :n] * MUDD_LAYER_SCALE)[None, :, None].expand(T, n, D // MUDD_GROUP_WIDTH)
+        out = x.view(T, -1, MUDD_GROUP_WIDTH)
+        for k, name in enumerate(MUDD_MIX10_SOURCES):
+            out = out + c[:, k, :, None] * sources[name].view(T, -1, MUDD_GROUP_WIDTH)
+        return out.reshape(T, D)
 
     def _mudd_gate(self, k: int, x: torch.Tensor) -> torch.Tensor:
         """MUDD gate k's coefficients (T, n_k), scaled by the learnable gate scale cast to x's dtype."""
@@ -3241,7 +3278,13 @@ class GPT(nn.Module):
                 h = x
         if fp8:  # every layer has read its act scale: now the next forward's, in one write
             self.fp8_mlp.update_act_scales(post_maxima)
-        x = norm(self.post_loop(x, cache0, h, mudd_in, ve[0], skip_src))
+        if a.mudd_post_mix == len(MUDD_MIX10_SOURCES):  # record #92's
+            x = self.post_loop_grouped(x, {"cache0": cache0, "h": h, "mudd_input": mudd_in, "ve.0": ve[0],
+                                           "skip_source": skip_src, "ve.1": ve[1], "ve.-1": ve[-1], "ve.-2": ve[-2],
+                                           "mlp_input": xn, "h_normed": norm(h)})
+        else:
+            x = self.post_loop(x, cache0, h, mudd_in, ve[0], skip_src)
+        x = norm(x)
         if target_ids is None:
             return x
         if mtp_weights is None:
@@ -3942,7 +3985,8 @@ def check_batch_split(args: Hyperparameters, world_size: int) -> int:
 
 def optimizer_configs(args: Hyperparameters, model: "GPT") -> dict[str, ParamConfig]:
     """Per-label optimizer settings: PARAM_TABLE's rows, then CONFIG_CHANGES."""
-    configs = {label: ParamConfig(**row) for label, row in PARAM_TABLE.items()}
+    labels = model.params_by_label()
+    configs = {label: ParamConfig(**row) for label, row in PARAM_TABLE.items() if label in labels}
     # every odd entry of the MLP bank: the down-projections (c_proj), and the record's padding; 0 for a no_mlp
     # row's two (record #92's: lr 0, so no decay either)
     dead = {f"{kind}.{i}" for i, row in enumerate(model.layers) if not row.mlp for kind in ("up", "down")}
@@ -3958,7 +4002,8 @@ def build_optimizer(args: Hyperparameters, model: "GPT", device: torch.device,
     _check_matrix_optimizer(args.matrix_optimizer)
     orthogonalizer = functools.partial(ORTHOGONALIZERS[args.orthogonalizer], dtype=model.qk_bank.dtype)
     return NorMuonAdam(model.params_by_label(), optimizer_configs(args, model),
-                       scatter_order=SCATTER_ORDER, work_order=WORK_ORDER, orthogonalizer=orthogonalizer,
+                       scatter_order=[label for label in SCATTER_ORDER if hasattr(model, label)],
+                       work_order=[label for label in WORK_ORDER if hasattr(model, label)], orthogonalizer=orthogonalizer,
                        normuon_beta2=NORMUON_BETA2_OF[args.matrix_optimizer], adam_eps=ADAM_EPS,
                        normuon_lr=args.muon_lr, normuon_wd=args.muon_wd, adam_lr=args.adam_lr, adam_wd=args.adam_wd,
                        tied=("embed", "lm_head"), ownership=args.bank_ownership,
