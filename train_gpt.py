@@ -114,6 +114,9 @@ class Layer:
                                # slots stay, at lr 0
     parallel_mlp: bool = False # a second MLP on the same input, added at the same post lambda (record #92's layer 8);
                                # its bank slots follow every layer's
+    narrow_qk: bool = False    # Q and K head_dim/2 wide, all of it rotating (record #92's d_qk 64): the first half
+                               # of each head's rows in the bank
+    narrow_v: bool = False     # V and O head_dim/2 wide too (#92's d_v 64 rows): the first half of V's rows, O's columns
 
     @property
     def has_attention(self) -> bool:
@@ -321,7 +324,8 @@ LAYER_WORDS = {
     "gate": ("gate", True), "dc": ("dc", True), "offset": ("key_offset", True), "from_h": ("input", "h"),
     "mudd": ("mudd", True), "save_skip": ("save_skip", True), "save_h": ("save_h", True),
     "post_gates": ("post_gates", True), "no_x0": ("x0", False), "no_ngram": ("ngram", False),
-    "no_mlp": ("mlp", False), "parallel_mlp": ("parallel_mlp", True),
+    "no_mlp": ("mlp", False), "parallel_mlp": ("parallel_mlp", True), "narrow_qk": ("narrow_qk", True),
+    "narrow_v": ("narrow_v", True),
 }
 
 def layer_words(row: Layer) -> str:
@@ -609,6 +613,9 @@ def check_layers(layers) -> None:
         if (r.attention == "none" or r.mudd) and not (r.x0 and r.ngram):
             fail(i, "no_x0 and no_ngram are for attention and no_attn rows (a skip row adds neither; the mudd row's"
                     " come from MUDD)")
+        if r.narrow_v and not r.narrow_qk or r.narrow_qk and (r.key_offset or r.dc or not r.has_attention):
+            fail(i, "narrow_qk is for attention rows without offset or dc (both read full-width heads), and"
+                    " narrow_v needs narrow_qk")
         if r.mudd and not r.mlp or r.parallel_mlp and not r.mlp:
             fail(i, "the mudd row keeps its MLP (MUDD mixes it), and a parallel_mlp row needs its MLP")
 
@@ -2818,12 +2825,14 @@ def rotary_tables(freq: torch.Tensor, T: int, num_heads: int, dtype: torch.dtype
     return {"plain": (cos[:T], sin[:T]), "paired": tuple(t.view(T, 2, -1)[:, parity] for t in (cos, sin))}
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate the first half of each head of x (T, H, hd) as hd/4 interleaved pairs (2j, 2j+1)."""
-    T, H, hd = x.shape
-    rot, rest = x.split(hd // 2, dim=-1)
-    x0, x1 = rot.view(T, H, hd // 4, 2).unbind(-1)
+    """Rotate the first 2n dims of each head of x (T, H, width) as n interleaved pairs (2j, 2j+1), n the tables'
+    frequencies (head_dim/4): half of a full head, all of a narrow_qk row's (record #92's fully rotating 64)."""
+    T, H, width = x.shape
+    n = cos.shape[-1]
+    rot, rest = x.split([2 * n, width - 2 * n], dim=-1)
+    x0, x1 = rot.view(T, H, n, 2).unbind(-1)
     c, s = (cos, sin) if cos.dim() == 3 else (cos[:, None, :], sin[:, None, :])
-    rot = torch.stack([x0 * c + x1 * s, x1 * c - x0 * s], dim=-1).view(T, H, hd // 2)
+    rot = torch.stack([x0 * c + x1 * s, x1 * c - x0 * s], dim=-1).view(T, H, 2 * n)
     return torch.cat([rot, rest], dim=-1)
 
 # -- attention extras: key offset, XSA, DC -------------------------------------------------------
@@ -3144,8 +3153,11 @@ class GPT(nn.Module):
                                     prebuilt=prebuilt)
 
     def _attend(self, q, k, v, mask, paired: bool) -> torch.Tensor:
-        """Masked softmax attention of (T, H, hd) q, k, v by the kernel of the mask's type (ATTEND); paired:
-        head j attends over the stream of heads j and j + H/2 (record #89's paired heads)."""
+        """Masked softmax attention of (T, H, width) q, k, v by the kernel of the mask's type (ATTEND); paired:
+        head j attends over the stream of heads j and j + H/2 (record #89's paired heads). q and k narrower than
+        v (a narrow_qk row's) are zero-padded to v's width: the same scores, one head width for every kernel."""
+        if q.shape[-1] < v.shape[-1]:
+            q, k = (F.pad(t, (0, v.shape[-1] - t.shape[-1])) for t in (q, k))
         return ATTEND[type(mask)](q, k, v, mask, 2 if paired else 1, self.attn_scale, self.attn_scale_value)
 
     def _attention(self, i, xn, ve, ve_gate, aux_v, doc, rope, masks, coef, w) -> torch.Tensor:
@@ -3158,8 +3170,15 @@ class GPT(nn.Module):
         def scaled(lam, weight):  # the fp32 lambda times the bf16 weight, rounded once (the record's)
             return (lam * weight.float()).to(weight.dtype)
 
-        w_qkv = torch.cat([*w["qk"][H * j: H * j + H], w["vo"][2 * j]])  # [Q; K; V]
-        q, k, v = F.linear(xn, scaled(self.scalars[2 * i], w_qkv)).view(T, 3, H, hd).unbind(1)
+        w_qkv, w_o = torch.cat([*w["qk"][H * j: H * j + H], w["vo"][2 * j]]), w["vo"][2 * j + 1]  # [Q; K; V], O
+        qk_width, v_width = hd // 2 if row.narrow_qk else hd, hd // 2 if row.narrow_v else hd
+        if row.narrow_qk:  # record #92's narrow rows: the first rows of each head's block (the rest get no gradient)
+            blocks = w_qkv.view(3, H, hd, -1)
+            w_qkv = torch.cat([blocks[:2, :, :qk_width].reshape(2 * H * qk_width, -1),
+                               blocks[2, :, :v_width].reshape(H * v_width, -1)])
+            w_o = w_o.view(-1, H, hd)[:, :, :v_width].reshape(-1, H * v_width)
+        qkv = F.linear(xn, scaled(self.scalars[2 * i], w_qkv))
+        q, k, v = (t.view(T, H, -1) for t in qkv.split([H * qk_width, H * qk_width, H * v_width], dim=-1))
         paired = row.attention == "paired"
         cos, sin = rope["paired" if paired else "plain"]
         q = apply_rotary(norm(q), cos, sin)  # the softmax scale is applied to the fp32 scores (_attend)
@@ -3174,7 +3193,7 @@ class GPT(nn.Module):
             ve_v = ve_gate[..., None] * ve.view(T, H, hd)
             aux_v = ve_v if aux_v is None else ve_v + aux_v  # v + (g ve + MUDD's V): the record's order of sums
         if aux_v is not None:
-            v = v + aux_v
+            v = v + (aux_v[..., :v_width] if row.narrow_v else aux_v)  # a narrow V takes its heads' first half
         y = self._attend(q, k, v, masks[row.window == "long", 2 if paired else 1], paired)
         if row.dc:
             w1 = F.rms_norm(coef("dc_w1", i).float(), (H,), eps=1e-6).to(xn.dtype)
@@ -3183,7 +3202,7 @@ class GPT(nn.Module):
             y = xsa(y, v, coef("xsa", i))
         if row.gate:  # linear, no sigmoid: 0.25 at init
             y = y * coef("gate", i)[..., None]
-        return F.linear(y.reshape(T, H * hd), scaled(self.scalars[2 * i + 1], w["vo"][2 * j + 1]))
+        return F.linear(y.reshape(T, H * v_width), scaled(self.scalars[2 * i + 1], w_o))
 
     @torch.no_grad()
     def quantize_fp8(self, bootstrap: bool) -> None:

@@ -260,21 +260,22 @@ def documented_varlen_attn(q, k, v, cu_seq_q, cu_seq_k, max_q, max_k, *, scale, 
 
 @pytest.mark.parametrize("kernel", ["sdpa", "flex", "varlen"])
 @pytest.mark.parametrize("paired", [False, True])
-@pytest.mark.parametrize("heads", [2, 6])
-def test_attend_matches_float64_brute_force(paired, heads, kernel, monkeypatch):
+@pytest.mark.parametrize("heads,widths", [(2, (8, 8)), (6, (8, 8)), (6, (4, 8)), (2, (4, 4))])
+def test_attend_matches_float64_brute_force(paired, heads, widths, kernel, monkeypatch):
     """A loop over tokens and heads. Paired (the record's slots): head h of token t is slot
     2t + h // (H/2); head h attends over heads h mod H/2 and h mod H/2 + H/2 of earlier slots, at most
     `window` slots back, so a first-half head does not see its partner of the same token. The scores
-    are scaled by the model's fp32 softmax scale (stage 2's: 0.116946 at head_dim 128)."""
+    are scaled by the model's fp32 softmax scale (stage 2's: 0.116946 at head_dim 128). widths: (q and k,
+    v) per head; record #92's narrow rows have q and k half as wide as v, or both halved."""
     model = make_model()
     model.set_windows(*model.args.stages[1].windows)
     scale = model.attn_scale_value
     assert scale == float(model.attn_scale) and model.attn_scale.dtype == torch.float32
-    T, H, hd = 64, heads, 8
+    (T, H), (qk_width, hd) = (64, heads), widths
     doc = torch.tensor([0] * 15 + [1] * 49)
     window = torch.tensor(11, dtype=torch.int32)
     g = torch.Generator().manual_seed(1)
-    q, k, v = (torch.randn(T, H, hd, generator=g, dtype=torch.float64) for _ in range(3))
+    q, k, v = (torch.randn(T, H, width, generator=g, dtype=torch.float64) for width in (qk_width, qk_width, hd))
     cu = torch.tensor([0, 15, 64, 64], dtype=torch.int32)
     if kernel == "flex":  # the GPU's block mask, through flex_attention's eager reference (no CPU backward)
         mask = tg.block_attention_mask(tg.document_ids(cu, T), window, 2 if paired else 1, block_size=16)
@@ -1074,3 +1075,64 @@ def test_record_92s_post_loop_mix_against_a_float64_loop(monkeypatch):
     assert len(ve) == 3 and set(seen) == set(tg.MUDD_MIX10_SOURCES)
     assert all(torch.equal(seen[f"ve.{k}"], ve[k]) for k in (0, 1, -1, -2))
     assert torch.equal(seen["mlp_input"], mlp_inputs[-1]) and torch.equal(seen["h_normed"], tg.norm(seen["h"]))
+
+
+def test_narrow_rows_attend_over_the_first_half_of_each_heads_rows():
+    """Record #92's narrow rows (narrow_qk: Q and K half of head_dim, all of it rotating; narrow_v: V and O
+    too): layer 0's attention in float64 against a reference written from that description: the first half of
+    each head's Q, K and V rows of the banks, rms-normed Q and K rotated as head_dim/4 pairs at the record's
+    frequencies, the value embedding's first half per head under its gate, a causal same-document window,
+    the first half of each head's O columns. The other half of those rows gets no gradient."""
+    rows = list(TEST.layers)
+    rows[0] = tg.layers_from_words(["attn short ve narrow_qk narrow_v save_skip"])[0]
+    assert tg.layer_words(rows[0]).endswith("narrow_qk narrow_v")
+    args = dataclasses.replace(TEST, layers=tuple(rows), head_dim=16, num_heads=4)
+    model = tg.GPT(args, dtype=torch.float64)
+    randomize(model)
+    inputs, _, cu = make_batch(T=48, starts=(0, 20))
+    T, H, hd, half = 48, 4, 16, 8
+    g = torch.Generator().manual_seed(3)
+    xn = tg.norm(torch.randn(T, 64, generator=g, dtype=torch.float64))
+    ve = model.value_embeddings(inputs)[model.ve_index[0]]
+    w = {"qk": model.qk_bank.unbind(0), "vo": model.vo_bank.unbind(0)}
+    rope = tg.rotary_tables(model.rotary_freq, T, H, torch.float64)
+    doc = tg.document_ids(cu, T)
+    got = model._attention(0, xn, ve, None, None, doc, rope, model.attention_masks(cu, T), None, w)
+    # the reference
+    roles = {role: j for j, role in enumerate(model.bank_roles["qk_bank"])}
+    Wq = torch.cat([model.qk_bank[roles[f"q.0.{grp}"]] for grp in range(H // 2)]).view(H, hd, 64)[:, :half]
+    Wk = torch.cat([model.qk_bank[roles[f"k.0.{grp}"]] for grp in range(H // 2)]).view(H, hd, 64)[:, :half]
+    Wv = model.vo_bank[0].view(H, hd, 64)[:, :half]
+    Wo = model.vo_bank[1].view(64, H, hd)[:, :, :half]
+    lam_in, lam_out = model.scalars[0], model.scalars[1]
+    freq = model.rotary_freq.double()
+
+    def rotate(x):  # (H, half) at position t: pairs (2j, 2j+1) by angle t * freq[j]
+        return lambda t: torch.stack([x[:, 0::2] * torch.cos(t * freq) + x[:, 1::2] * torch.sin(t * freq),
+                                      x[:, 1::2] * torch.cos(t * freq) - x[:, 0::2] * torch.sin(t * freq)], -1).view(H, half)
+
+    def rms(x):
+        return x / x.square().mean(-1, keepdim=True).add(torch.finfo(torch.float32).eps).sqrt()
+
+    C = args.gate_channels // 2
+    gate = 2 * torch.sigmoid(torch.cat([xn[:, :C], ve[:, :C]], -1) @ model.ve_gate_bank[model.ve_index[0]].T)
+    q = [rotate(rms(torch.einsum("hdc,c->hd", lam_in * Wq, xn[t])))(t) for t in range(T)]
+    k = [rotate(rms(torch.einsum("hdc,c->hd", lam_in * Wk, xn[t])))(t) for t in range(T)]
+    v = [torch.einsum("hdc,c->hd", lam_in * Wv, xn[t]) + gate[t, :, None] * ve[t].view(H, hd)[:, :half]
+         for t in range(T)]
+    window = model.window_tokens[0]
+    want = torch.zeros(T, 64, dtype=torch.float64)
+    for t in range(T):
+        keys = [s for s in range(t + 1) if t - s <= window and doc[s] == doc[t]]
+        y = torch.zeros(H, half, dtype=torch.float64)
+        for h in range(H):
+            p = torch.softmax(torch.tensor([model.attn_scale_value * float(q[t][h] @ k[s][h]) for s in keys]), 0)
+            y[h] = sum(p[n] * v[s][h] for n, s in enumerate(keys))
+        want[t] = torch.einsum("ehd,hd->e", lam_out * Wo, y)
+    assert want.abs().mean() > 1e-3
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)  # the rotary angles are fp32's (rotary_tables)
+    got.square().sum().backward()
+    dead_q = torch.stack([model.qk_bank.grad[roles[f"q.0.{grp}"]] for grp in range(H // 2)]).view(-1, H // 2 * 2, hd, 64)
+    assert dead_q[..., half:, :].abs().sum() == 0 and dead_q[..., :half, :].abs().sum() > 0
+    assert model.vo_bank.grad[0].view(H, hd, 64)[:, half:].abs().sum() == 0
+    assert model.vo_bank.grad[1].view(64, H, hd)[:, :, half:].abs().sum() == 0
