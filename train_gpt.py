@@ -201,6 +201,9 @@ class Hyperparameters:
     windows_init: tuple = (1, 3)           # (short, long) in blocks at init; long = YaRN reference
     final_val_windows: tuple = (6, 20)     # the last validation's; YaRN stays at the extension's
     attn_scale: float = 0.1                # at windows_init, x sqrt(128 / head_dim); YaRN grows it
+    yarn_chains: str = "long"              # long (record #89's): every row's rotary and scale follow the long
+                                           # window; own (record #92's): a short-window row's follow the short one
+    attn_scale_short: float = 0.1          # own: the short-window rows' attn_scale (#92: 0.13; its long rows 0.085)
     fp8: bool = True                       # FP8 LM head and MLPs in training (GPUs with FP8 tensor cores)
     fp8_up_fast_accum: bool = True         # the record's FP8 MLP up-projection: fast accumulation
     attention_kernel: str = "auto"         # CUDA: flex | varlen (the record's FA3) | auto (per kind)
@@ -557,7 +560,7 @@ KNOB_RANGES = dict(
     ngram_channels=dict(lo=1, hi=2, integer=True), virtual_seq_cap=_AT_LEAST_0,
     mudd_post_mix=dict(lo=5, hi=10, integer=True),
     gate_channels=_AT_LEAST_1, mudd_hidden=_AT_LEAST_1, dc_window=_AT_LEAST_1, window_block_size=_AT_LEAST_1,
-    windows_init=_WINDOWS, final_val_windows=_WINDOWS, attn_scale=_RATE, num_iterations=_AT_LEAST_1,
+    windows_init=_WINDOWS, final_val_windows=_WINDOWS, attn_scale=_RATE, attn_scale_short=_RATE, num_iterations=_AT_LEAST_1,
     extension_iterations=_AT_LEAST_0, micro_batches=_AT_LEAST_1, cooldown_start=_FRACTION, momentum_min=_MOMENTUM,
     momentum_max=_MOMENTUM, momentum_warmup=_FRACTION, momentum_cooldown=_FRACTION, muon_lr=_RATE, muon_wd=_RATE,
     adam_lr=_RATE, adam_wd=_RATE, val_seq_len=_AT_LEAST_1, val_loss_every=_AT_LEAST_0, save_every=_AT_LEAST_0,
@@ -2800,13 +2803,14 @@ def yarn_update(freq: torch.Tensor, attn_scale: float, old: int, new: int) -> tu
     w = ((old * freq / (2 * math.pi) - 1) / 31).clamp(0, 1)
     return freq * (ratio + w * (1 - ratio)), attn_scale * (1 + 0.2 * math.log(new / old))
 
-def yarn_state(args: Hyperparameters, long_blocks: int) -> tuple[torch.Tensor, float]:
+def yarn_state(args: Hyperparameters, long_blocks: int, side: int = 1) -> tuple[torch.Tensor, float]:
     """Rotary frequencies and softmax scale at a long window of `long_blocks` blocks: yarn_update at each
-    growth of the long window along the schedule up to it, so warm-up and resume land on the same values."""
+    growth of the long window along the schedule up to it, so warm-up and resume land on the same values.
+    side 0: the short window's chain instead, from attn_scale_short (record #92's short rows, yarn_chains own)."""
     bs = args.window_block_size
     freq = rotary_base_frequencies(args.head_dim)
-    scale = args.attn_scale * math.sqrt(128 / args.head_dim)
-    chain = [args.windows_init[1]] + [row.windows[1] for row in args.stages]
+    scale = (args.attn_scale if side else args.attn_scale_short) * math.sqrt(128 / args.head_dim)
+    chain = [args.windows_init[side]] + [row.windows[side] for row in args.stages]
     chain = [w for w in dict.fromkeys(chain) if w < long_blocks] + [long_blocks]
     old = chain[0]
     for new in chain[1:]:
@@ -2976,6 +2980,9 @@ class GPT(nn.Module):
         # Window state: changed in place by set_windows so compiled graphs see new values, not new code.
         self.register_buffer("rotary_freq", rotary_base_frequencies(hd))
         self.register_buffer("attn_scale", torch.tensor(0.0, dtype=fp32))
+        if args.yarn_chains == "own":  # record #92's: the short-window rows' own chain
+            self.register_buffer("rotary_freq_short", rotary_base_frequencies(hd))
+            self.register_buffer("attn_scale_short", torch.tensor(0.0, dtype=fp32))
         self.register_buffer("windows", torch.zeros(2, dtype=torch.int32))  # (short, long) in tokens / slots
         # prefix token of every token id (build_prefix_table), -1 until train() fills it in the timed region
         self.register_buffer("prefix_table", torch.full((V,), -1, dtype=torch.int64), persistent=False)
@@ -3034,6 +3041,22 @@ class GPT(nn.Module):
         copy_from_host_(self.rotary_freq, freq)
         self.attn_scale.fill_(scale)
         self.attn_scale_value = float(np.float32(scale))  # the buffer's fp32 value as a number (SDPA's scale)
+        if self.args.yarn_chains == "own":  # the short chain follows the short window (the final validation's too)
+            freq, scale = yarn_state(self.args, int(short_blocks), side=0)
+            copy_from_host_(self.rotary_freq_short, freq)
+            self.attn_scale_short.fill_(scale)
+            self.attn_scale_short_value = float(np.float32(scale))
+
+    def yarn_chain(self, row: Layer) -> str:
+        """The YaRN chain a row's rotary and softmax scale follow: "long" (every row's, record #89's), or with
+        yarn_chains own a short-window row's "short"."""
+        return "short" if self.args.yarn_chains == "own" and row.window == "short" else "long"
+
+    def softmax_scale(self, chain: str) -> tuple[torch.Tensor, float]:
+        """A chain's softmax scale: the fp32 buffer (compiled graphs read it) and its value as a number."""
+        if chain == "short":
+            return self.attn_scale_short, self.attn_scale_short_value
+        return self.attn_scale, self.attn_scale_value
 
     def _gate(self, weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """sigmoid(x[:, :gate_channels] W^T) in x's dtype, (T, out)."""
@@ -3152,13 +3175,14 @@ class GPT(nn.Module):
         return self.attention_masks(batch.cu_seqlens, batch.inputs.numel(), max_doc_len=batch.max_doc_len,
                                     prebuilt=prebuilt)
 
-    def _attend(self, q, k, v, mask, paired: bool) -> torch.Tensor:
+    def _attend(self, q, k, v, mask, paired: bool, chain: str = "long") -> torch.Tensor:
         """Masked softmax attention of (T, H, width) q, k, v by the kernel of the mask's type (ATTEND); paired:
-        head j attends over the stream of heads j and j + H/2 (record #89's paired heads). q and k narrower than
-        v (a narrow_qk row's) are zero-padded to v's width: the same scores, one head width for every kernel."""
+        head j attends over the stream of heads j and j + H/2 (record #89's paired heads), at the softmax scale
+        of the YaRN chain. q and k narrower than v (a narrow_qk row's) are zero-padded to v's width: the same
+        scores, one head width for every kernel."""
         if q.shape[-1] < v.shape[-1]:
             q, k = (F.pad(t, (0, v.shape[-1] - t.shape[-1])) for t in (q, k))
-        return ATTEND[type(mask)](q, k, v, mask, 2 if paired else 1, self.attn_scale, self.attn_scale_value)
+        return ATTEND[type(mask)](q, k, v, mask, 2 if paired else 1, *self.softmax_scale(chain))
 
     def _attention(self, i, xn, ve, ve_gate, aux_v, doc, rope, masks, coef, w) -> torch.Tensor:
         """Layer i's attention sublayer on the normed input xn (T, D); ve (T, D) or None is this row's
@@ -3180,7 +3204,8 @@ class GPT(nn.Module):
         qkv = F.linear(xn, scaled(self.scalars[2 * i], w_qkv))
         q, k, v = (t.view(T, H, -1) for t in qkv.split([H * qk_width, H * qk_width, H * v_width], dim=-1))
         paired = row.attention == "paired"
-        cos, sin = rope["paired" if paired else "plain"]
+        chain = self.yarn_chain(row)
+        cos, sin = rope[chain]["paired" if paired else "plain"]
         q = apply_rotary(norm(q), cos, sin)  # the softmax scale is applied to the fp32 scores (_attend)
         k = apply_rotary(norm(k), cos, sin)
         if row.key_offset:
@@ -3194,10 +3219,10 @@ class GPT(nn.Module):
             aux_v = ve_v if aux_v is None else ve_v + aux_v  # v + (g ve + MUDD's V): the record's order of sums
         if aux_v is not None:
             v = v + (aux_v[..., :v_width] if row.narrow_v else aux_v)  # a narrow V takes its heads' first half
-        y = self._attend(q, k, v, masks[row.window == "long", 2 if paired else 1], paired)
+        y = self._attend(q, k, v, masks[row.window == "long", 2 if paired else 1], paired, chain)
         if row.dc:
             w1 = F.rms_norm(coef("dc_w1", i).float(), (H,), eps=1e-6).to(xn.dtype)
-            y = y + dc_term(q, k, v, doc, w1, coef("dc_w2", i), a.dc_window, self.attn_scale)
+            y = y + dc_term(q, k, v, doc, w1, coef("dc_w2", i), a.dc_window, self.softmax_scale(chain)[0])
         if row.xsa:
             y = xsa(y, v, coef("xsa", i))
         if row.gate:  # linear, no sigmoid: 0.25 at init
@@ -3250,7 +3275,9 @@ class GPT(nn.Module):
 
         x = cache0 = x0 + coef("bigram", 0) * xb if self.layers[0].ngram else x0
         resid, post = self.resid_lambdas.to(dt), self.post_lambdas.to(dt)
-        rope = rotary_tables(self.rotary_freq, T, H, dt)
+        rope = {"long": rotary_tables(self.rotary_freq, T, H, dt)}
+        if a.yarn_chains == "own":
+            rope["short"] = rotary_tables(self.rotary_freq_short, T, H, dt)
         if masks is None:
             masks = self.attention_masks(cu_seqlens, T)
         skip_src = h = mudd_in = None
@@ -4928,7 +4955,8 @@ def check_flags(args: Hyperparameters, world_size: int) -> None:
             raise SystemExit(f"error: --{f.name} {value!r} must be {allowed}")
     for name, choices in (("matrix_optimizer", MATRIX_OPTIMIZERS), ("orthogonalizer", sorted(ORTHOGONALIZERS)),
                           ("cpu_dtype", ("auto", *CPU_DTYPES)), ("bank_ownership", OWNERSHIPS),
-                          ("attention_kernel", ("auto", *GPU_ATTENTION_KERNELS)), ("ngram_optimizer", NGRAM_OPTIMIZERS)):
+                          ("attention_kernel", ("auto", *GPU_ATTENTION_KERNELS)), ("ngram_optimizer", NGRAM_OPTIMIZERS),
+                          ("yarn_chains", ("long", "own"))):
         if getattr(args, name) not in choices:
             raise SystemExit(f"error: --{name} {getattr(args, name)!r} is not one of {', '.join(choices)}")
     cadence = args.table_cadence

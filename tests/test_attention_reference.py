@@ -212,7 +212,7 @@ def test_qk_and_vo_bank_index_maps_are_the_records():
     y_kernel = torch.randn(T, H, HD, generator=g, dtype=torch.float64)
     seen = {}
 
-    def spy_attend(q, k, v, mask, paired):
+    def spy_attend(q, k, v, mask, paired, chain="long"):
         seen.update(q=q, k=k, v=v, paired=paired)
         return y_kernel
 
@@ -225,7 +225,7 @@ def test_qk_and_vo_bank_index_maps_are_the_records():
 
     model._attend = spy_attend
     identity = (torch.ones(T, ROT // 2, dtype=torch.float64), torch.zeros(T, ROT // 2, dtype=torch.float64))
-    rope = {"plain": identity, "paired": tuple(t[:, None].expand(T, H, ROT // 2) for t in identity)}
+    rope = {"long": {"plain": identity, "paired": tuple(t[:, None].expand(T, H, ROT // 2) for t in identity)}}
     w = {"qk": model.qk_bank.unbind(0), "vo": model.vo_bank.unbind(0)}
     doc = torch.zeros(T, dtype=torch.int64)
     # The model rounds lambda * W to fp32 once (it multiplies the fp32 lambda into the weight, as the
@@ -288,7 +288,7 @@ def test_attention_layer_against_a_loop_over_heads_and_keys(float64_model, i):
         asked.add(kind)
         return coefs[kind]
 
-    rope = tg.rotary_tables(model.rotary_freq, T, H, torch.float64)  # as GPT.forward builds them
+    rope = {"long": tg.rotary_tables(model.rotary_freq, T, H, torch.float64)}  # as GPT.forward builds them
     masks = model.attention_masks(cu, T, "sdpa")
     w = {"qk": model.qk_bank.unbind(0), "vo": model.vo_bank.unbind(0)}
     with torch.no_grad():

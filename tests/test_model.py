@@ -1095,7 +1095,7 @@ def test_narrow_rows_attend_over_the_first_half_of_each_heads_rows():
     xn = tg.norm(torch.randn(T, 64, generator=g, dtype=torch.float64))
     ve = model.value_embeddings(inputs)[model.ve_index[0]]
     w = {"qk": model.qk_bank.unbind(0), "vo": model.vo_bank.unbind(0)}
-    rope = tg.rotary_tables(model.rotary_freq, T, H, torch.float64)
+    rope = {"long": tg.rotary_tables(model.rotary_freq, T, H, torch.float64)}
     doc = tg.document_ids(cu, T)
     got = model._attention(0, xn, ve, None, None, doc, rope, model.attention_masks(cu, T), None, w)
     # the reference
@@ -1136,3 +1136,42 @@ def test_narrow_rows_attend_over_the_first_half_of_each_heads_rows():
     assert dead_q[..., half:, :].abs().sum() == 0 and dead_q[..., :half, :].abs().sum() > 0
     assert model.vo_bank.grad[0].view(H, hd, 64)[:, half:].abs().sum() == 0
     assert model.vo_bank.grad[1].view(64, H, hd)[:, :, half:].abs().sum() == 0
+
+
+def test_record_92s_yarn_chains_give_its_scales():
+    """--yarn_chains own (record #92's): the short-window rows' softmax scale starts at attn_scale_short (0.13)
+    and grows with the short window, the long rows' at attn_scale (0.085) with the long window; over #92's
+    windows (1, 3) -> (3, 7) -> (5, 11) -> (6, 13) that is #92's published 0.13 -> 0.158564 -> 0.174764 ->
+    0.181136 and 0.085 -> 0.099404 -> 0.108390 -> 0.112011; the final validation's (6, 20) with YaRN at 13
+    changes neither. Each row attends at its chain's scale with its chain's rotary tables."""
+    args = dataclasses.replace(TEST, stages=tg.RECORD92_STAGES, head_dim=128, model_dim=256, yarn_chains="own",
+                               attn_scale=0.085, attn_scale_short=0.13, window_block_size=16)
+    model = tg.GPT(args, dtype=torch.float32)
+    short, long_ = [], []
+    for windows in ((1, 3), (3, 7), (5, 11), (6, 13)):
+        model.set_windows(*windows)
+        short.append(model.attn_scale_short_value)
+        long_.append(model.attn_scale_value)
+    assert short == pytest.approx([0.13, 0.158564, 0.174764, 0.181136], abs=1e-6)
+    assert long_ == pytest.approx([0.085, 0.099404, 0.108390, 0.112011], abs=1e-6)
+    model.set_windows(6, 20, yarn_blocks=13)
+    assert (model.attn_scale_short_value, model.attn_scale_value) == (short[-1], long_[-1])
+    assert not torch.equal(model.rotary_freq, model.rotary_freq_short)  # the chains' YaRN steps differ
+    # the rows' scales and tables in a forward: short rows the short chain's, long rows the long one's
+    seen, cosines = [], []
+    attend, rotate = tg.ATTEND[tg.SDPAMask], tg.apply_rotary
+    tg.ATTEND[tg.SDPAMask] = lambda q, k, v, mask, r, scale, value: seen.append(value) or attend(q, k, v, mask, r, scale, value)
+    tg.apply_rotary = lambda x, cos, sin: cosines.append(cos) or rotate(x, cos, sin)
+    try:
+        inputs, targets, cu = make_batch()
+        with torch.no_grad():
+            model(inputs, targets, cu, bigrams(inputs), mtp_weights=torch.tensor([1.0]), loss_scale=1 / 128)
+    finally:
+        tg.ATTEND[tg.SDPAMask], tg.apply_rotary = attend, rotate
+    rows = [r for r in args.layers if r.has_attention]
+    assert seen == [short[-1] if r.window == "short" else long_[-1] for r in rows] and len(set(seen)) == 2
+    for r, cos in zip(rows, cosines[::2]):  # q's tables (k's are the same)
+        freq = model.rotary_freq_short if r.window == "short" else model.rotary_freq
+        want = tg.rotary_tables(freq, 128, args.num_heads, torch.float32)["paired" if r.attention == "paired" else "plain"][0]
+        assert torch.equal(cos, want)
+    assert model.yarn_chain(rows[0]) == "short" and tg.GPT(TEST).yarn_chain(rows[0]) == "long"

@@ -157,7 +157,7 @@ def record_forward(model, ids, cu, big):
     x = x0 + pre[:, 19:20] * xb
     cache = {0: x}
     resid, postl = model.resid_lambdas.bfloat16(), model.post_lambdas.bfloat16()
-    rope = tg.rotary_tables(model.rotary_freq, T, H, torch.bfloat16)
+    rope = {"long": tg.rotary_tables(model.rotary_freq, T, H, torch.bfloat16)}
     masks = model.attention_masks(cu, T)
     w = {"qk": model.qk_bank.unbind(0), "vo": model.vo_bank.unbind(0)}
     mlp = model.mlp_bank.unbind(0)
@@ -251,12 +251,12 @@ def _v_seen_by_attention(model, layer, lam, w_v, ve_value, aux_value):
     xn = torch.zeros(T, D, dtype=torch.bfloat16)
     xn[:, 0] = 1
     seen = []
-    model._attend = lambda q, k, v, mask, paired: seen.append(v) or v
+    model._attend = lambda q, k, v, mask, paired, chain="long": seen.append(v) or v
     cu = torch.tensor([0] + [T] * 7, dtype=torch.int32)
     ve = torch.full((T, D), ve_value, dtype=torch.bfloat16)
     gate = torch.ones(T, model.args.num_heads, dtype=torch.bfloat16)
     aux = torch.full((T, model.args.num_heads, D // model.args.num_heads), aux_value, dtype=torch.bfloat16)
-    rope = tg.rotary_tables(model.rotary_freq, T, model.args.num_heads, torch.bfloat16)
+    rope = {"long": tg.rotary_tables(model.rotary_freq, T, model.args.num_heads, torch.bfloat16)}
     w = {"qk": model.qk_bank.unbind(0), "vo": model.vo_bank.unbind(0)}
     coef = lambda kind, i: torch.ones(T, model.args.num_heads, dtype=torch.bfloat16)  # noqa: E731
     with torch.no_grad():
