@@ -136,6 +136,24 @@ LAYERS = (
     Layer("plain", "long", value_embed=True, gate=True, dc=True, key_offset=True, input="h", mudd=True),  # 10
 )
 
+# Record #92's rows: narrow (64-wide, fully rotating) Q/K on the paired rows and 1, 8, V/O 64 wide on 1 and 8; wide
+# 3 and 10; no attention on 4 and 9, layer 7 removed (its residual bookkeeping kept: h is its output); x0 added on
+# 0, 1, 2, 4, 5, 7 and the n-gram features on 0, 1, 4, 5, 9; a parallel MLP on 8; value embeddings on 1, 2, 8, 10.
+RECORD92_LAYERS = (
+    Layer("paired", "short", narrow_qk=True),                                                      # 0
+    Layer("plain", "short", value_embed=True, xsa=True, narrow_qk=True, narrow_v=True),            # 1
+    Layer("paired", "short", value_embed=True, narrow_qk=True, ngram=False),                       # 2
+    Layer("plain", "long", xsa=True, gate=True, key_offset=True, save_skip=True, x0=False, ngram=False),  # 3
+    Layer("off", post_gates=True),                                                                 # 4
+    Layer("paired", "short", narrow_qk=True),                                                      # 5
+    Layer("none"),                                                                                 # 6: the skip from 3
+    Layer("off", mlp=False, save_h=True, ngram=False),                                             # 7
+    Layer("plain", "short", value_embed=True, input="h", narrow_qk=True, narrow_v=True, parallel_mlp=True,
+          x0=False, ngram=False),                                                                  # 8
+    Layer("off", x0=False),                                                                        # 9
+    Layer("plain", "long", value_embed=True, gate=True, dc=True, key_offset=True, input="h", mudd=True),  # 10
+)
+
 # -- the per-parameter optimizer table (record #89's param_table; ParamConfig's fields) ----------
 
 GATE_BETAS, LAMBDA_BETAS, EMBED_BETAS, TABLE_BETAS = (0.9, 0.99), (0.9, 0.95), (0.5, 0.95), (0.75, 0.95)
@@ -255,6 +273,7 @@ class Hyperparameters:
     # update with betas^(period/2) and wd_mul x period/2 (#92: (336 / 1174, 4, 3)); () (the record's): every Adam step
     table_cadence: tuple = ()
     ngram_optimizer: str = "adam"          # the n-gram table's: adam (record #89's) | row_adam (record #92's)
+    table_lr_mul: float = PARAM_TABLE["value_embeds"]["lr_mul"]  # the tables' (TABLE_LABELS) Adam lr_mul (#92: 70)
     adamw_bank_lr_mul: float = 0.25        # adamw: the banks' lr, x adam_lr (Adam on every step)
     value_embeds: bool = True              # value-embedding tables added to V (the value_embed rows)
     bigram_embed: bool = True              # bigram hash embedding injected at every layer
@@ -430,6 +449,18 @@ PRESETS: dict[str, dict] = {  # --preset: the speedrun's is the defaults
         compile=False,  # inductor's CPU compile of every graph would take most of the demo's budget
         sample_tokens=48,
     ),
+    # Record #92 (modded-nanogpt PR #360) as switches on this code: its schedule, rows, loss, optimizer and blends.
+    # Deviations: the n-gram table has 16M rows, not 84,602,880 (every rank holds the whole table and its gradient
+    # here: #92's size fits no GPU; see --dry_run), the FP8 head and MLPs are off (the sampled softmax trains in
+    # bf16), and the MUDD gates' outputs follow the rows (#92 allocates 26 + 41 whatever the rows).
+    "record92": dict(
+        stages=RECORD92_STAGES, layers=RECORD92_LAYERS, num_iterations=1174, extension_iterations=20,
+        cooldown_start=0.2, mlp_hidden=2816, mudd_post_mix=10, virtual_seq_cap=2560,
+        yarn_chains="own", attn_scale=0.085, attn_scale_short=0.13,
+        ngram_rows=16_000_000, ngram_channels=2, ngram_optimizer="row_adam", table_cadence=(336 / 1174, 4, 3),
+        table_lr_mul=70.0, matrix_optimizer="anvil", weight_blends=True, fp8=False,
+        sampled_softmax=((0, 10240), (681 / 1174, 14336), (965 / 1174, 24576), (1107 / 1174, 0)),
+    ),
     "test": dict(
         train_files="data/tinyshakespeare/tinyshakespeare_train_*.bin",
         val_files="data/tinyshakespeare/tinyshakespeare_val_*.bin",
@@ -564,7 +595,7 @@ KNOB_RANGES = dict(
     extension_iterations=_AT_LEAST_0, micro_batches=_AT_LEAST_1, cooldown_start=_FRACTION, momentum_min=_MOMENTUM,
     momentum_max=_MOMENTUM, momentum_warmup=_FRACTION, momentum_cooldown=_FRACTION, muon_lr=_RATE, muon_wd=_RATE,
     adam_lr=_RATE, adam_wd=_RATE, val_seq_len=_AT_LEAST_1, val_loss_every=_AT_LEAST_0, save_every=_AT_LEAST_0,
-    keep_checkpoints=_AT_LEAST_0, sample_tokens=_AT_LEAST_0, adamw_bank_lr_mul=_RATE, anvil_wd=_RATE,
+    keep_checkpoints=_AT_LEAST_0, sample_tokens=_AT_LEAST_0, adamw_bank_lr_mul=_RATE, anvil_wd=_RATE, table_lr_mul=_RATE,
     anvil_rail_beta=dict(lo=0, hi=1, shape=(4,)), anvil_rails=dict(lo=0, hi=1, shape=(4,)),
     table_cadence=dict(lo=0, shape=(None,)),
     seed=dict(lo=0, hi=2**63 - 1, integer=True), sampled_softmax=dict(lo=0, shape=(None, 2)))
@@ -4087,6 +4118,11 @@ def anvil_bank_configs(args: Hyperparameters, configs: dict[str, ParamConfig]) -
     return {**configs, **{label: dataclasses.replace(configs[label], optimizer="anvil")
                           for label in ("qk_bank", "vo_bank", "mlp_bank")}}
 
+def table_lr_configs(args: Hyperparameters, configs: dict[str, ParamConfig]) -> dict[str, ParamConfig]:
+    """--table_lr_mul: the embedding tables' lr multiplier (record #89's 75, record #92's 70)."""
+    return {**configs, **{label: dataclasses.replace(configs[label], lr_mul=args.table_lr_mul)
+                          for label in TABLE_LABELS if label in configs}}
+
 NGRAM_OPTIMIZERS = ("adam", "row_adam")
 
 def ngram_table_configs(args: Hyperparameters, configs: dict[str, ParamConfig]) -> dict[str, ParamConfig]:
@@ -4109,7 +4145,7 @@ def switched_off_configs(args: Hyperparameters, configs: dict[str, ParamConfig])
 # change nothing), and each --matrix_optimizer's NorMuon beta2. Plain Muon is NorMuon with beta2 = 1: the
 # second moment never leaves its zero start, so the per-neuron scale is one constant that the Frobenius
 # renormalisation cancels exactly.
-CONFIG_CHANGES = (adamw_bank_configs, anvil_bank_configs, ngram_table_configs, switched_off_configs)
+CONFIG_CHANGES = (table_lr_configs, adamw_bank_configs, anvil_bank_configs, ngram_table_configs, switched_off_configs)
 NORMUON_BETA2_OF = {"normuon": NORMUON_BETA2, "muon": 1.0, "adamw": NORMUON_BETA2, "anvil": NORMUON_BETA2}
 MATRIX_OPTIMIZERS = tuple(NORMUON_BETA2_OF)
 

@@ -425,12 +425,13 @@ def test_attention_kernel_per_kind_decides_which_masks_the_loader_builds(tmp_pat
 
 
 def record92_args():
-    """RECORD92_STAGES as record #92 runs them: 1,174 scheduled steps, 20 more, cooldown from 0.2 x 1,174,
-    and its candidate counts: 10,240 until step 681, 14,336 until 965, 24,576 until 1,107, then all."""
-    n = 1174
-    return dataclasses.replace(tg.Hyperparameters(), stages=tg.RECORD92_STAGES, num_iterations=n,
-                               extension_iterations=20, cooldown_start=0.2, fp8=False,
-                               sampled_softmax=((0, 10240), (681 / n, 14336), (965 / n, 24576), (1107 / n, 0)))
+    """The record92 preset: RECORD92_STAGES as record #92 runs them (1,174 scheduled steps, 20 more, cooldown
+    from 0.2 x 1,174) and its candidate counts: 10,240 until step 681, 14,336 until 965, 24,576 until 1,107,
+    then all."""
+    args = tg.parse_args(["--preset", "record92"])
+    assert (args.stages, args.num_iterations, args.extension_iterations, args.cooldown_start) == (
+        tg.RECORD92_STAGES, 1174, 20, 0.2)
+    return args
 
 
 def test_record_92s_schedule_rows_give_its_published_numbers():
@@ -462,7 +463,7 @@ def test_record_92s_table_cadence():
     before 336, then on the steps = 3 mod 4, with squared betas and doubled decay (#92's), holding their
     gradients between; the other Adam labels keep every odd step. The blends' value-embedding average then
     ticks 62 times."""
-    args = dataclasses.replace(record92_args(), table_cadence=(0.2862, 4, 3))  # round(0.2862 x 1174) = 336
+    args = record92_args()  # the preset's cadence: (336 / 1174, 4, 3)
     plans = [tg.plan_step(args, s) for s in range(1194)]
     updated = [p.step for p in plans if p.do_adam and "value_embeds" not in p.held]
     assert updated == [s for s in range(1194) if s % 2 == 1 and (s < 336 or s % 4 == 3)]

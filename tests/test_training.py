@@ -97,13 +97,14 @@ def test_record_92s_switches_train_alike_on_one_two_and_three_ranks(tmp_path):
     """--sampled_softmax (each micro-batch's candidate set a function of the micro-batch alone), ANVIL, the
     weight blends (on every rank's whole weights), the two-channel n-gram table with row Adam (its rows
     exchanged sparsely), the tables' cadence (step 5's update held from the hook-launched reductions and
-    the row exchange), #92's post-loop mix, the virtual sequence cap and rows without x0, n-gram, attention
-    or MLP, with a parallel MLP and narrow heads: 1, 2 and 3 ranks (6 micro-batches a step: 6, 3 and 2
-    accumulation steps; 6 validation sequences) follow the same loss trajectory, and the loss falls;
-    validation is over every class."""
+    the row exchange), #92's post-loop mix, the virtual sequence cap, rows without x0, n-gram, attention or
+    MLP, with a parallel MLP and narrow heads, #92's YaRN chains and table lr: 1, 2 and 3 ranks (6
+    micro-batches a step: 6, 3 and 2 accumulation steps; 6 validation sequences) follow the same loss
+    trajectory, and the loss falls; validation is over every class."""
     flags = ("--cpu_dtype", "fp32", "--fp8", "false", "--sampled_softmax", "((0, 1024), (0.8, 0))",
              "--matrix_optimizer", "anvil", "--weight_blends", "true", "--table_cadence", "(0.3, 4, 3)",
              "--ngram_channels", "2", "--ngram_optimizer", "row_adam", "--mudd_post_mix", "10", "--virtual_seq_cap", "96",
+             "--yarn_chains", "own", "--attn_scale_short", "0.13", "--table_lr_mul", "70",
              "--layers", '("paired short save_skip no_ngram narrow_qk narrow_v",'
                          ' "attn long offset ve xsa gate post_gates parallel_mlp", "no_attn no_mlp no_x0", "skip save_h",'
                          ' "attn long offset ve gate dc from_h mudd")',
