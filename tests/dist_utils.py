@@ -75,10 +75,35 @@ def _root_causes(out_dir: str, world_size: int) -> str:
     return "\n".join(parts)
 
 
+_autograd_forks_broken = False  # once broken in this process, they stay broken
+
+
+def _forked_child_can_backward() -> bool:
+    """Whether a child forked from this process can run autograd. It cannot once this process's
+    autograd engine has started its worker threads, which a backward through torch.compile's graphs
+    does even on a CPU: every backward in such a child raises "Unable to handle autograd's threading
+    in combination with fork-based multiprocessing". Asked of a forked child, which runs one backward."""
+    global _autograd_forks_broken
+    if not _autograd_forks_broken:
+        pid = os.fork()
+        if pid == 0:  # the child: exit at once, skipping the parent's atexit handlers and buffers
+            try:
+                torch.ones(1, requires_grad=True).sum().backward()
+                code = 0
+            except RuntimeError:
+                code = 1
+            os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        _autograd_forks_broken = os.waitstatus_to_exitcode(status) != 0
+    return not _autograd_forks_broken
+
+
 def _default_start_method() -> str:
     # fork skips re-importing torch in every child (seconds each); it is safe while this process
-    # has no CUDA context and no process group. Otherwise start fresh interpreters.
-    if sys.platform == "linux" and not torch.cuda.is_initialized() and not dist.is_initialized():
+    # has no CUDA context, no process group and an autograd engine without worker threads.
+    # Otherwise start fresh interpreters.
+    if (sys.platform == "linux" and not torch.cuda.is_initialized() and not dist.is_initialized()
+            and _forked_child_can_backward()):
         return "fork"
     return "spawn"
 

@@ -13,6 +13,7 @@ import dataclasses
 import math
 import os
 import re
+import subprocess
 import sys
 
 import pytest
@@ -738,6 +739,35 @@ def test_run_on_ranks_harness():
     assert run_on_ranks(_sum_of_ranks, 3, 10, timeout=60) == [(r, 3, 33.0) for r in range(3)]
     with pytest.raises(Exception, match="rank one says no"):
         run_on_ranks(_fails_on_rank_one, 2, timeout=60)
+
+
+AFTER_A_COMPILED_BACKWARD = """
+import sys, torch
+sys.path.insert(0, {tests!r})
+from dist_utils import run_on_ranks
+
+def grad_of_square(rank, world_size):
+    x = torch.full((2,), rank + 1.0, requires_grad=True)
+    (x * x).sum().backward()
+    return x.grad.tolist()
+
+if __name__ == "__main__":
+    x = torch.ones(2, requires_grad=True)
+    torch.compile(lambda v: v.sin(), backend="eager")(x).sum().backward()
+    print(run_on_ranks(grad_of_square, 2, timeout=60))
+"""
+
+
+def test_run_on_ranks_after_a_compiled_backward(tmp_path):
+    """A backward through torch.compile's graphs starts the autograd engine's worker threads, and a
+    child forked after that fails its first backward ("Unable to handle autograd's threading in
+    combination with fork-based multiprocessing"): run_on_ranks then starts its ranks fresh. Run in
+    a process of its own, as the signal test of test_training.py ran after this file's compiled steps."""
+    script = tmp_path / "after_compile.py"
+    script.write_text(AFTER_A_COMPILED_BACKWARD.format(tests=os.path.dirname(os.path.abspath(__file__))))
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=180)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip().splitlines()[-1] == "[[2.0, 2.0], [4.0, 4.0]]"  # d(x^2)/dx = 2x, x = rank + 1
 
 
 @pytest.mark.slow
