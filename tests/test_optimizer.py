@@ -968,15 +968,14 @@ def hooked_worker(rank: int, world_size: int, group=None):
 
 
 def hook_tests_worker(rank: int, world_size: int):
-    """The 2-rank runs of the tests below in one start of the ranks (spawned: a fork after this
-    process ran a backward could not run autograd)."""
+    """The 2-rank runs of the tests below in one start of the ranks."""
     return {"runs": hooked_worker(rank, world_size), "firing order": firing_order_worker(rank, world_size),
             "misuse": misuse_worker(rank, world_size)}
 
 
 @pytest.fixture(scope="module")
 def hooked_results():
-    two = run_on_ranks(hook_tests_worker, 2, timeout=240, start_method="spawn")
+    two = run_on_ranks(hook_tests_worker, 2, timeout=240)
     return {1: [hooked_worker(0, 1)], 2: [r["runs"] for r in two], "firing order": [r["firing order"] for r in two],
             "misuse": [r["misuse"] for r in two]}
 
