@@ -212,9 +212,12 @@ def test_attention_band_only_where_it_saves_work():
 
 def test_model_with_banded_cpu_attention_equals_dense(monkeypatch):
     """A whole forward and backward at a length where the CPU path bands its attention (paired and
-    unpaired layers, short and long windows) matches the same model forced onto dense masks."""
+    unpaired layers, short and long windows) matches the same model forced onto dense masks. In fp32 (the
+    bands are the same in any dtype) the two agree to fp32 rounding: bounds 100x tighter than bf16's, in a
+    seventh of bf16's time on a CPU without bf16 units. A window one slot wider in the bands fails them."""
     args = dataclasses.replace(TEST, window_block_size=32)
-    model = make_model(args)
+    torch.manual_seed(0)
+    model = tg.GPT(args, dtype=torch.float32)
     randomize(model, seed=11)
     model.set_windows(2, 5)
     T = 1024
@@ -231,9 +234,9 @@ def test_model_with_banded_cpu_attention_equals_dense(monkeypatch):
     banded = run()
     monkeypatch.setattr(tg, "attention_band", lambda n, span: 0)
     dense = run()
-    assert abs(banded[0].item() - dense[0].item()) < 1e-3
+    assert abs(banded[0].item() - dense[0].item()) < 1e-5
     for a, b in zip(banded[1:], dense[1:]):
-        assert (a - b).norm() / b.norm() < 2e-2
+        assert (a - b).norm() / b.norm() < 1e-4
 
 
 # ---- attention semantics -------------------------------------------------------------------------
@@ -788,11 +791,14 @@ def test_demo_preset_forward_backward():
 
 @pytest.mark.slow
 def test_speedrun_preset_forward_backward_on_cpu():
+    """The record's model at its real size in bf16, one forward and backward: the loss of 32 tokens at
+    initialization near ln(50304). 32 tokens, not more: bf16 products are slow on a CPU without bf16 units
+    (19 s at 128 tokens on AVX2, 7 s at 32)."""
     model = make_model(tg.Hyperparameters(), world_size=8)
-    inputs, targets, cu = make_batch(T=128)
-    loss, _ = model(inputs, targets, cu, bigrams(inputs, model.args), mtp_weights=torch.tensor([1.0]), loss_scale=1 / 128)
+    inputs, targets, cu = make_batch(T=32, starts=(0, 10, 20))
+    loss, _ = model(inputs, targets, cu, bigrams(inputs, model.args), mtp_weights=torch.tensor([1.0]), loss_scale=1 / 32)
     loss.backward()
-    assert loss.item() == pytest.approx(math.log(50304), abs=0.02)
+    assert loss.item() == pytest.approx(math.log(50304), abs=0.05)
     assert model.lm_head.grad.abs().sum() > 0
 
 
@@ -843,15 +849,21 @@ def test_emulated_cpu_capability_gets_its_own_inductor_cache():
 
 @pytest.mark.slow
 def test_compiled_forward_backward_matches_eager_on_cpu():
-    """fp32 weights (the CPU fp32 mode): compiled and eager then agree far below the effect of a window
-    change, which must reach the compiled graph through buffers."""
+    """fp32 weights (the CPU fp32 mode): inductor's code and eager agree far below the effect of a window
+    change, which must reach the compiled graph through buffers. Three rows hold every layer kind and
+    option of the test table (paired, skip, and one attention row with all the rest): a fresh inductor
+    cache compiles them in 58 s on a 2-core AVX2 CPU, the test table's four rows in 73 s."""
     torch.manual_seed(0)
-    model = tg.GPT(TEST, dtype=torch.float32)
+    args = dataclasses.replace(TEST, layers=tg.layers_from_words(
+        ("paired short save_skip save_h", "skip", "attn long offset ve xsa gate dc from_h mudd post_gates")))
+    assert {w for row in args.layers for w in tg.layer_words(row).split()} \
+        >= {w for row in TEST.layers for w in tg.layer_words(row).split()}
+    model = tg.GPT(args, dtype=torch.float32)
     randomize(model, seed=6)
     inputs, targets, cu = make_batch()
     big = bigrams(inputs)
     w = torch.tensor([1.0, 0.5, 0.25])
-    model.prefix_table.copy_(tg.build_prefix_table(tg.gpt2_encoding(), TEST.padded_vocab_size))
+    model.prefix_table.copy_(tg.build_prefix_table(tg.gpt2_encoding(), args.padded_vocab_size))
     compiled = torch.compile(model, dynamic=False, fullgraph=True)  # no graph breaks anywhere
 
     def run(m):
