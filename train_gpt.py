@@ -332,9 +332,11 @@ MUDD_GATE_BIASES = {"gate": 2.5, "bigram": 0.5, "skip": 5.0, "dc_w1": 10.0}
 MUDD_MIX10_SOURCES = ("cache0", "h", "mudd_input", "ve.0", "skip_source", "ve.1", "ve.-1", "ve.-2", "mlp_input",
                       "h_normed")
 MUDD_GROUP_WIDTH = 64
-# Initial values (the record's; GPT.reset_parameters): projections' uniform std x sqrt(D), the tables' normal stds
+# Initial values (the record's; GPT.reset_parameters): projections' uniform std x sqrt(D), the tables' normal stds;
+# draw_ranks: the MLP up-projections are drawn for a bank padded for this many ranks (the record's 8 GPUs: 12 for
+# 11 layers, the padding's too), on any number of ranks, so that a seed gives every world size the same model
 INIT = dict(projection_std=0.5, lm_head_std=0.005, value_embed_std=0.01, qkv_lambda=0.5, o_lambda=1.0,
-            skip_lambda=-1.5, resid_lambda=math.sqrt(1.1), post_lambda=1.0, mudd_gate_scale=0.1)
+            skip_lambda=-1.5, resid_lambda=math.sqrt(1.1), post_lambda=1.0, mudd_gate_scale=0.1, draw_ranks=8)
 
 # ---- The command line: --layers words, --stage_<column> columns ------------------------------
 
@@ -3042,7 +3044,11 @@ class GPT(nn.Module):
             p.zero_()  # all but what is drawn or set below
         uniform_(self.qk_bank[: self.args.num_heads * len(self.attn_layers)])  # H/2 Q + H/2 K groups per layer
         uniform_(self.vo_bank[: 2 * len(self.attn_layers)])  # V and the output projections alike (the record's)
-        uniform_(self.mlp_bank[0::2])  # up (a padding up-projection too); down stays zero
+        ups = self.mlp_bank[0::2]  # down stays zero; up: as many drawn as the bank padded for INIT's draw_ranks
+        drawn = -(-2 * len(self.mlp_slots) // INIT["draw_ranks"]) * INIT["draw_ranks"] // 2
+        up = torch.empty(drawn, *ups.shape[1:], dtype=torch.float32, device=ups.device).uniform_(-bound, bound)
+        kept = min(drawn, len(ups))  # this bank's own padding may hold fewer or more
+        ups[:kept] = up[:kept]
         fp32_draw(self.lm_head, lambda x: x.normal_(0.0, INIT["lm_head_std"]))
         self.embed.copy_(self.lm_head.T)
         fp32_draw(self.value_embeds, lambda x: x.normal_(0.0, 1.0).mul_(INIT["value_embed_std"]))

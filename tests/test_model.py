@@ -756,6 +756,39 @@ def test_speedrun_inits_match_the_record():
         "scalars", "resid_lambdas", "post_lambdas", "_mudd_gate_scale"}
 
 
+def test_initial_weights_do_not_depend_on_the_world_size_or_the_ownership():
+    """One seed, one model on any number of ranks: the record's draws, whatever padding this run's ranks or
+    --bank_ownership give a bank. The record's MLP bank is (12, 2, 3072, 768) at any world size (section
+    1.2), so it draws 12 up-projections for 11 layers, the padding's too, before lm_head; checked here by
+    hand in its order (Q/K, V/O, the 12 up-projections, lm_head) at a small width."""
+    args = dataclasses.replace(tg.Hyperparameters(), model_dim=64, num_heads=2, head_dim=32, mlp_hidden=128,
+                               padded_vocab_size=512, vocab_size=500, ngram_rows=64)
+    n_attn = sum(row.has_attention for row in args.layers)
+    assert (len(args.layers), n_attn) == (11, 10)
+    torch.manual_seed(0)
+    bound = math.sqrt(3) * 0.5 / math.sqrt(64)
+    qk = torch.empty(2 * n_attn, 64, 64).uniform_(-bound, bound)  # 2 heads: one Q and one K group a layer
+    vo = torch.empty(2 * n_attn, 64, 64).uniform_(-bound, bound)
+    up = torch.empty(12, 128, 64).uniform_(-bound, bound)
+    lm_head = torch.empty(64, 512).normal_(0.0, 0.005)
+    bf16 = torch.bfloat16
+    record = None
+    for world_size, ownership in ((8, "padded"), (1, "padded"), (2, "padded"), (3, "padded"), (16, "padded"),
+                                  (1, "balanced"), (3, "balanced"), (8, "balanced")):
+        model = make_model(dataclasses.replace(args, bank_ownership=ownership), world_size=world_size)
+        where = f"{world_size} ranks, {ownership}"
+        real = {name: [i for i, role in enumerate(roles) if role != "pad"] for name, roles in model.bank_roles.items()}
+        assert torch.equal(model.qk_bank[real["qk_bank"]], qk.to(bf16)), where
+        assert torch.equal(model.vo_bank[real["vo_bank"]], vo.to(bf16)), where
+        assert torch.equal(model.mlp_bank[0:22:2], up[:11].to(bf16)), where
+        assert torch.equal(model.lm_head, lm_head.to(bf16)), where
+        pads = model.mlp_bank[22::2]  # the record's padding up-projection where the bank has it, zeros after it
+        assert all(torch.equal(m, up[11].to(bf16) if i == 0 else torch.zeros_like(m)) for i, m in enumerate(pads)), where
+        params = {name: (p[real[name]] if name in real else p) for name, p in model.named_parameters()}
+        record = record or params  # the record's 8 GPUs first: every other parameter as drawn there
+        assert all(torch.equal(p, record[name]) for name, p in params.items()), where
+
+
 def test_bank_roles_cover_every_matrix_once():
     model = make_model(world_size=8)
     roles = model.bank_roles

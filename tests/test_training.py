@@ -109,7 +109,7 @@ def test_record_92s_switches_train_alike_on_one_two_and_three_ranks(tmp_path):
                          ' "attn long offset ve xsa gate post_gates parallel_mlp", "no_attn no_mlp no_x0", "skip save_h",'
                          ' "attn long offset ve gate dc from_h mudd")',
              "--micro_batches", "6", "--stage_batch_tokens", "(576, 1152, 1728, 1728)", "--val_tokens", "3072",
-             "--bank_ownership", "balanced")  # no padding: 3 ranks draw the same initial weights
+             "--bank_ownership", "balanced")  # ownership by FLOPs over 3 ranks
     logs = [train(tmp_path / str(n), f"sampled{n}", n, *flags) for n in (1, 2, 3)]
     v1, *others = (val_losses(log) for log in logs)
     # 7 steps: TailEMA's window is 2 steps, the averages' 1 (step 6: no value-embedding update)
