@@ -2909,10 +2909,14 @@ def dc_term(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_ids: torch.Te
 
 # -- the model ------------------------------------------------------------------------------------
 
+def padded_bank_size(n: int, ranks: int) -> int:
+    """A bank of n matrices padded with zero matrices to a multiple of ranks (the record's ownership)."""
+    return -(-n // ranks) * ranks
+
 def bank_padding(n: int, world_size: int, args: Hyperparameters) -> int:
     """Matrices in a bank of n: a multiple of the world size (padded ownership, the record's), or n (balanced)."""
     _check_ownership(args.bank_ownership, "model config: --bank_ownership ")
-    return -(-n // world_size) * world_size if args.bank_ownership == "padded" else n
+    return padded_bank_size(n, world_size) if args.bank_ownership == "padded" else n
 
 def _check_model_args(args: Hyperparameters, world_size: int) -> None:
     """One-line ValueErrors naming the flag, before any tensor is allocated."""
@@ -3045,7 +3049,7 @@ class GPT(nn.Module):
         uniform_(self.qk_bank[: self.args.num_heads * len(self.attn_layers)])  # H/2 Q + H/2 K groups per layer
         uniform_(self.vo_bank[: 2 * len(self.attn_layers)])  # V and the output projections alike (the record's)
         ups = self.mlp_bank[0::2]  # down stays zero; up: as many drawn as the bank padded for INIT's draw_ranks
-        drawn = -(-2 * len(self.mlp_slots) // INIT["draw_ranks"]) * INIT["draw_ranks"] // 2
+        drawn = padded_bank_size(2 * len(self.mlp_slots), INIT["draw_ranks"]) // 2
         up = torch.empty(drawn, *ups.shape[1:], dtype=torch.float32, device=ups.device).uniform_(-bound, bound)
         kept = min(drawn, len(ups))  # this bank's own padding may hold fewer or more
         ups[:kept] = up[:kept]
