@@ -12,6 +12,8 @@ Tolerances (max abs error relative to the largest reference magnitude):
   fp64: 1e-12
 """
 import os
+import subprocess
+import sys
 import types
 
 import pytest
@@ -1033,6 +1035,27 @@ def test_cuda_grid_size_is_read_at_trace_time(monkeypatch):
         assert fn(torch.zeros(2)).tolist() == [132 + 128] * 2  # 24 banks x 21 tiles of 128 fill 132 SMs
     finally:
         tk._cuda_sm_count_cached.cache_clear()  # (a GPU machine's own count next)
+
+
+def test_the_trace_time_mark_is_torchs_own_and_importing_takes_no_dynamo():
+    """constant_at_trace_time sets what torch.compiler.assume_constant_result sets (the test above checks
+    what dynamo does with it), without importing torch._dynamo: a process that imports train_gpt and stops
+    before its first op (a flag error, --dry-run) does not pay dynamo's import (a custom op's first call
+    imports it)."""
+    def ours():
+        return 1
+
+    def torchs():
+        return 1
+
+    tk.constant_at_trace_time(ours)
+    torch.compiler.assume_constant_result(torchs)
+    assert vars(ours) == vars(torchs) and vars(torchs)
+    root = os.path.dirname(os.path.abspath(tk.__file__))
+    code = "import sys, train_gpt; print(sorted(m for m in sys.modules if m.startswith('torch._dynamo')))"
+    proc = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "[]"
 
 
 @pytest.mark.parametrize("threads", [1, 2])
