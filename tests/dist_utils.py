@@ -1,6 +1,6 @@
 """Run code on several gloo ranks of this machine, for CPU-only tests of distributed code.
 
-Two ways in:
+Three ways in:
 
 * `run_on_ranks(fn, world_size, *args, **kwargs)` starts `world_size` processes (fork when that
   is safe, else spawn), joins them into one gloo process group on 127.0.0.1 and calls
@@ -14,7 +14,10 @@ Two ways in:
   each running `nproc_per_node` workers of `script`. It returns the launchers' CompletedProcess
   objects and fails with their output if any exits non-zero or times out.
 
-Both pick a free port, limit each worker to one intra-op thread (many ranks share few cores) and
+* `run_workers(script, nproc, script_args=())` starts the workers torchrun would start, with its
+  environment but without the launcher (seconds a launch), and returns their output.
+
+All pick a free port, limit each worker to one intra-op thread (many ranks share few cores) and
 enforce a timeout so a hung collective fails the test instead of hanging it.
 
 `on_call(fn, n, action)` makes something happen to a run (a signal, a kill) in a chosen step, on one
@@ -168,6 +171,52 @@ def run_torchrun(script: str, nproc_per_node: int, nnodes: int = 1, script_args=
         if r.returncode != 0:
             raise AssertionError(f"torchrun node {node} exited with {r.returncode}:\n{r.stdout[-4000:]}")
     return results
+
+
+def run_workers(script: str, nproc: int, script_args=(), timeout: float = 120.0, env: dict | None = None) -> str:
+    """`nproc` processes of `script` on this machine with the environment torchrun gives its workers (RANK,
+    LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT), without the launcher: torchrun
+    imports torch before it starts a worker, about 2 s of every launch. As torchrun does, once a worker
+    fails the others get SIGTERM (after 5 s for them to stop on their own) and the call fails with every
+    worker's output. Returns the workers' outputs in rank order."""
+    port = free_port()
+    base = dict(os.environ, OMP_NUM_THREADS="1", **(env or {}))
+    base["PYTHONPATH"] = os.pathsep.join(p for p in (REPO_ROOT, base.get("PYTHONPATH")) if p)
+    with tempfile.TemporaryDirectory() as out_dir:
+        files = [open(os.path.join(out_dir, f"rank{r}.txt"), "w+") for r in range(nproc)]
+        procs = [subprocess.Popen([sys.executable, script, *map(str, script_args)], cwd=REPO_ROOT,
+                                  stdout=f, stderr=subprocess.STDOUT, text=True,
+                                  env=dict(base, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(nproc),
+                                           LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)))
+                 for r, f in enumerate(files)]
+        deadline, failed_at = time.monotonic() + timeout, None
+        try:
+            while any(p.poll() is None for p in procs):
+                now = time.monotonic()
+                if now > deadline:
+                    raise TimeoutError(f"{script} on {nproc} workers exceeded {timeout:.0f} s")
+                if failed_at is None and any(p.returncode for p in procs):
+                    failed_at = now
+                if failed_at is not None and now > failed_at + 5:
+                    for p in procs:
+                        if p.poll() is None:
+                            p.terminate()
+                time.sleep(0.05)
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                p.wait()
+        outs = []
+        for f in files:
+            f.seek(0)
+            outs.append(f.read())
+            f.close()
+    if any(p.returncode for p in procs):
+        codes = ", ".join(f"rank {r}: {p.returncode}" for r, p in enumerate(procs))
+        raise AssertionError(f"{script} on {nproc} workers failed ({codes}):\n"
+                             + "\n".join(f"--- rank {r} ---\n{out[-4000:]}" for r, out in enumerate(outs)))
+    return "".join(outs)
 
 
 def in_subgroups(rank: int, world_size: int, phases, worker) -> dict:

@@ -1,4 +1,6 @@
-"""The training script end to end: real torchrun launches of the `test` preset over gloo."""
+"""The training script end to end: the `test` preset over gloo, launched by torchrun (the two-rank run the
+other tests resume from) or as the workers torchrun starts (dist_utils.run_workers: the same processes and
+environment, without the launcher's seconds)."""
 import os
 import re
 import shutil
@@ -10,7 +12,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from dist_utils import on_call, run_on_ranks, run_torchrun  # noqa: E402
+from dist_utils import on_call, run_on_ranks, run_torchrun, run_workers  # noqa: E402
 
 SCRIPT = os.path.join(ROOT, "train_gpt.py")
 STEP_LINE = re.compile(r"^step:(\d+)/(\d+) train_time:(\d+)ms step_avg:([0-9.]+)ms "
@@ -20,14 +22,15 @@ VAL_LINE = re.compile(r"^step:(\d+)/(\d+) val_loss:([0-9.]+) train_time:(\d+)ms"
 pytestmark = pytest.mark.slow
 
 
-def train(tmp_path, run_id, nproc, *extra, expect_fail=False):
+def train(tmp_path, run_id, nproc, *extra, expect_fail=False, torchrun=False):
     args = ["--preset", "test", "--compile", "false", "--run_id", run_id,
             "--log_dir", str(tmp_path / "logs"), "--checkpoint_dir", str(tmp_path / "ckpt"), *extra]
+    launch = run_torchrun if torchrun else run_workers
     if expect_fail:
         with pytest.raises(AssertionError) as e:
-            run_torchrun(SCRIPT, nproc, script_args=args, timeout=400)
+            launch(SCRIPT, nproc, script_args=args, timeout=400)
         return str(e.value)
-    run_torchrun(SCRIPT, nproc, script_args=args, timeout=400)
+    launch(SCRIPT, nproc, script_args=args, timeout=400)
     return open(tmp_path / "logs" / f"{run_id}.txt").read()
 
 
@@ -38,7 +41,7 @@ def val_losses(log):
 @pytest.fixture(scope="module")
 def two_rank_run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("run2")
-    return tmp, train(tmp, "two", 2, "--save_every", "3")
+    return tmp, train(tmp, "two", 2, "--save_every", "3", torchrun=True)
 
 
 def test_two_rank_run_log_and_learning(two_rank_run):
