@@ -1,9 +1,11 @@
 """Benchmarks and ablation switches: every switch against an independent way of removing the same
 component, the optimizer variants against hand-written updates, the benchmark arithmetic against
 hand-computed values and the model figures of records/README.md, and a --smoke run of every benchmark script."""
+import contextlib
 import copy
 import dataclasses
 import glob
+import io
 import json
 import math
 import os
@@ -902,14 +904,23 @@ def run_script(*argv, timeout=300):
     return out.stdout
 
 
+def run_main(main, *argv) -> str:
+    """A script's main(argv) in this process, its printed output: what run_script runs, without an
+    interpreter's start (about 3 s). Each test keeps a run_script of the script for its entry point."""
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        assert main(list(argv)) in (None, 0)
+    return buf.getvalue()
+
+
 @pytest.mark.slow
 def test_recipe_learning_rate_search_smoke(tmp_path):
     """--run recipe_search on a tuning split trains the grid on seed 0; --recipe_from then trains the
     compared recipe at the winner's rates (the lowest best val loss of the grid)."""
     tune, folder = str(tmp_path / "tune"), str(tmp_path / "r")
     script = "tests/benchmarks/token_efficiency.py"
-    run_script(script, "--smoke", "--val_set", "tune", "--run", "recipe_search", "--search_muon_lr", "0.001,0.03",
-               "--search_adam_lr", "0.0001,0.01", "--save", tune)
+    run_main(te.main, "--smoke", "--val_set", "tune", "--run", "recipe_search", "--search_muon_lr", "0.001,0.03",
+             "--search_adam_lr", "0.0001,0.01", "--save", tune)
     runs = te.read_runs(tune, te.RECIPE_SEARCH_PREFIX)
     assert sorted(runs) == ["rsearch_m0.001_a0.0001_s0", "rsearch_m0.001_a0.01_s0", "rsearch_m0.03_a0.0001_s0",
                             "rsearch_m0.03_a0.01_s0"]
@@ -929,14 +940,15 @@ def test_recipe_learning_rate_search_smoke(tmp_path):
 
 def test_token_efficiency_smoke(tmp_path):
     """A 2-point classic search, the recipe on two seeds and the search winner on a second seed, each a
-    separate process on one results folder (as on a 2-core machine), then --load joins them."""
+    separate invocation on one results folder (as on a 2-core machine; the recipe's a process), then --load
+    joins them."""
     folder = str(tmp_path / "r")
     script = "tests/benchmarks/token_efficiency.py"
-    out = run_script(script, "--smoke", "--run", "search", "--search_lr", "0.001,0.01", "--save", folder)
+    out = run_main(te.main, "--smoke", "--run", "search", "--search_lr", "0.001,0.01", "--save", folder)
     assert "one side only (classic runs: a tuning folder): no comparison, no ratio" in out
     assert "classic configurations (seed 0; more than one: the search): 2" in out  # a one-sided folder's table
     run_script(script, "--smoke", "--run", "recipe", "--seeds", "0,1", "--save", folder)
-    out = run_script(script, "--smoke", "--run", "classic", "--seeds", "0,1", "--save", folder)
+    out = run_main(te.main, "--smoke", "--run", "classic", "--seeds", "0,1", "--save", folder)
     assert "classic: the search winner saved in" in out and "classic_lr0.01_b1024_ctx128_s0: saved" in out
     saved = sorted(f.name for f in (tmp_path / "r").iterdir())
     assert saved == ["classic_lr0.001_b1024_ctx128_s0.json", "classic_lr0.01_b1024_ctx128_s0.json",
@@ -954,7 +966,7 @@ def test_token_efficiency_smoke(tmp_path):
         assert recipe[key] == classic[key], key
     assert recipe["val_set"] == "even" and recipe["train_order"] == "shuffled"
     assert recipe["floor"] != runs["recipe_s0.json"]["floor"]  # each seed trains on its own order
-    out = run_script(script, "--load", folder)
+    out = run_main(te.main, "--load", folder)
     best = {line.split()[0]: float(line.split()[4]) for line in out.splitlines() if line.startswith(("   0.001", "    0.01"))}
     assert best["0.01"] < best["0.001"] < 10.9        # a few steps from ln(50304) = 10.83; the higher lr wins
     assert "0.01   1,024     128      3" in out and "<- best" in out.split("0.01   1,024")[1].splitlines()[0]
@@ -1193,13 +1205,13 @@ def test_ablation_smoke(tmp_path):
     saved = read_json(tmp_path / "ablate_batch_schedule_s1.json")
     assert os.path.isfile(tmp_path / saved["log"]) and saved["floor"] == read_json(tmp_path / "recipe_s1.json")["floor"]
     # --load of a folder of ablations alone (no classic) prints the same table, and no ratio
-    loaded = run_script("tests/benchmarks/token_efficiency.py", "--load", str(tmp_path), "--no_plot")
+    loaded = run_main(te.main, "--load", str(tmp_path), "--no_plot")
     assert [line for line in loaded.split("switched off / replaced")[1].splitlines()
             if line.startswith("batch schedule")][0].split() == row
     assert "one side only (recipe runs and ablations): no comparison, no ratio" in loaded
     # a full recipe run that --ablate trains is the one --run recipe trains: same evaluations, same losses
-    run_script("tests/benchmarks/token_efficiency.py", "--smoke", "--run", "recipe", "--seeds", "1",
-               "--save", str(tmp_path / "sides"), "--cpu_dtype", "fp32")
+    run_main(te.main, "--smoke", "--run", "recipe", "--seeds", "1", "--save", str(tmp_path / "sides"),
+             "--cpu_dtype", "fp32")
     assert read_json(tmp_path / "recipe_s1.json")["curve"] == read_json(tmp_path / "sides" / "recipe_s1.json")["curve"]
 
 
@@ -1321,7 +1333,7 @@ def test_bench_kernels_times_the_cpu_head_on_a_cpu():
     assert "24 x 128 x 50304" in out
 
 
-def test_run_sh_bench_dry_run():
+def test_run_sh_bench_dry_run(capsys):
     out = subprocess.run(["bash", "run.sh", "bench", "--dry-run"], cwd=REPO, capture_output=True, text=True, timeout=120,
                          env=dict(os.environ, PYTHON=sys.executable))  # this interpreter: no .venv, no install
     assert out.returncode == 0, out.stderr
@@ -1333,11 +1345,19 @@ def test_run_sh_bench_dry_run():
                                                 "tests/benchmarks/token_efficiency.py", "tests/benchmarks/token_efficiency.py",
                                                 "tests/benchmarks/stage_rise.py", "tests/benchmarks/host_dispatch.py",
                                                 "tests/benchmarks/call_depth.py", "tests/benchmarks/step_timing.py"]
-    for c in cmds[2:5]:  # the committed tables print without training
-        folder = c.split()[-2] if c.endswith("--no_plot") else c.split()[-1]
+    mains = {"tests/benchmarks/token_efficiency.py": te.main, "tests/benchmarks/stage_rise.py": stage_rise.main}
+    for c in cmds[2:5]:  # the committed tables print without training (each script's main, in this process)
+        script, *argv = c.split()[2:]  # "bench: PYTHON SCRIPT ARGS..."
+        folder = argv[-2] if c.endswith("--no_plot") else argv[-1]
         assert os.path.isdir(os.path.join(REPO, folder)), folder
-        printed = subprocess.run(c.split()[1:], cwd=REPO, capture_output=True, text=True, timeout=120)  # "bench: ..."
-        assert printed.returncode == 0 and ("ratio: " in printed.stdout or "walks" in printed.stdout), printed.stderr
+        cwd = os.getcwd()
+        try:
+            os.chdir(REPO)
+            assert mains[script](argv) in (None, 0), c
+        finally:
+            os.chdir(cwd)
+        printed = capsys.readouterr().out
+        assert "ratio: " in printed or "walks" in printed, c
         assert "need a CUDA GPU" in out.stdout
 
 
