@@ -1217,14 +1217,21 @@ def test_ablation_smoke(tmp_path):
 
 @pytest.mark.slow
 def test_stage_rise_smoke(tmp_path):
-    """A variant trains (test preset), stops after --stop and saves its curve; the no_untie patch holds."""
+    """A variant trains (test preset), stops after --stop and saves its curve; no_untie's rows untie nowhere
+    (its untie step is past the run), no_growth's the recipe's."""
+    untie_steps = {}
     for variant in ("no_growth", "no_untie"):
         out = run_script("tests/benchmarks/stage_rise.py", "--smoke", "--variant", variant, "--save", str(tmp_path),
                          "--stop", "2", "--every", "1", "--val_tokens", "1024")
         assert f"{variant}: 3 validations up to step 2" in out
         saved = read_json(tmp_path / f"{variant}.json")
         assert [s for s, _ in saved["curve"]] == [0, 1, 2] and all(9.0 < v < 11.5 for _, v in saved["curve"])
-    assert saved["untie_step"] == 10 ** 9
+        untie_steps[variant] = saved["untie_step"]
+    assert untie_steps == {v: tg.untie_step(stage_rise.variant_args(v, 1, 1024, "test", te.SMOKE_TOKENS))
+                           for v in untie_steps}
+    # the benchmark's own schedule (demo preset, 231+9 steps): the recipe unties at 155, no_untie past the run
+    as_is, no_untie = (stage_rise.variant_args(v, 10, 1024) for v in ("as_is", "no_untie"))
+    assert tg.untie_step(as_is) == 155 and tg.untie_step(no_untie) >= tg.total_steps(no_untie) == 240
 
 
 def test_profile_summary_splits_host_time_into_self_times():
