@@ -173,11 +173,13 @@ def run_torchrun(script: str, nproc_per_node: int, nnodes: int = 1, script_args=
     return results
 
 
-def run_workers(script: str, nproc: int, script_args=(), timeout: float = 120.0, env: dict | None = None) -> str:
+def run_workers(script: str, nproc: int, script_args=(), timeout: float = 120.0, env: dict | None = None,
+                grace: float = 5.0) -> str:
     """`nproc` processes of `script` on this machine with the environment torchrun gives its workers (RANK,
     LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT), without the launcher: torchrun
     imports torch before it starts a worker, about 2 s of every launch. As torchrun does, once a worker
-    fails the others get SIGTERM (after 5 s for them to stop on their own) and the call fails with every
+    fails the others get SIGTERM once `grace` seconds have not stopped them, SIGKILL `grace` seconds later
+    (a worker blocked in a collective keeps SIGTERM for its next step), and the call fails with every
     worker's output. Returns the workers' outputs in rank order."""
     port = free_port()
     base = dict(os.environ, OMP_NUM_THREADS="1", **(env or {}))
@@ -189,18 +191,19 @@ def run_workers(script: str, nproc: int, script_args=(), timeout: float = 120.0,
                                   env=dict(base, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(nproc),
                                            LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)))
                  for r, f in enumerate(files)]
-        deadline, failed_at = time.monotonic() + timeout, None
+        deadline, failed_at, signalled = time.monotonic() + timeout, None, 0
         try:
-            while any(p.poll() is None for p in procs):
+            while None in [p.poll() for p in procs]:  # every worker polled: a failed one's returncode is set
                 now = time.monotonic()
                 if now > deadline:
                     raise TimeoutError(f"{script} on {nproc} workers exceeded {timeout:.0f} s")
                 if failed_at is None and any(p.returncode for p in procs):
                     failed_at = now
-                if failed_at is not None and now > failed_at + 5:
+                if failed_at is not None and now > failed_at + (signalled + 1) * grace and signalled < 2:
                     for p in procs:
                         if p.poll() is None:
-                            p.terminate()
+                            p.kill() if signalled else p.terminate()
+                    signalled += 1
                 time.sleep(0.05)
         finally:
             for p in procs:

@@ -5,6 +5,7 @@ import os
 import re
 import shutil
 import sys
+import time
 
 import pytest
 import torch
@@ -32,6 +33,30 @@ def train(tmp_path, run_id, nproc, *extra, expect_fail=False, torchrun=False):
         return str(e.value)
     launch(SCRIPT, nproc, script_args=args, timeout=400)
     return open(tmp_path / "logs" / f"{run_id}.txt").read()
+
+
+WORKER_PROBE = """import os, signal, sys, time
+print(*(os.environ[k] for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR")), flush=True)
+if sys.argv[1] == "fail":
+    signal.signal(signal.SIGTERM, lambda *a: print("SIGTERM kept", flush=True))  # as a rank in a collective
+    if os.environ["RANK"] == "1":
+        sys.exit(3)
+    time.sleep(60)
+"""
+
+
+def test_workers_get_torchruns_environment_and_a_failed_one_stops_the_others(tmp_path):
+    """run_workers, which most tests below launch with: torchrun's environment for every worker, output in
+    rank order; one worker's failure stops the others (SIGTERM once, then SIGKILL) within the grace times."""
+    script = tmp_path / "probe.py"
+    script.write_text(WORKER_PROBE)
+    assert run_workers(str(script), 3, ["ok"]).splitlines() == [f"{r} {r} 3 3 127.0.0.1" for r in range(3)]
+    start = time.monotonic()
+    with pytest.raises(AssertionError) as e:
+        run_workers(str(script), 2, ["fail"], timeout=60, grace=0.5)
+    assert time.monotonic() - start < 20
+    assert "failed (rank 0: -9, rank 1: 3)" in str(e.value)
+    assert str(e.value).count("SIGTERM kept") == 1
 
 
 def val_losses(log):
