@@ -210,11 +210,11 @@ def run_workers(script: str, nproc: int, script_args=(), timeout: float = 120.0,
                 if p.poll() is None:
                     p.kill()
                 p.wait()
-        outs = []
-        for f in files:
-            f.seek(0)
-            outs.append(f.read())
-            f.close()
+            outs = []
+            for f in files:
+                f.seek(0)
+                outs.append(f.read())
+                f.close()
     if any(p.returncode for p in procs):
         codes = ", ".join(f"rank {r}: {p.returncode}" for r, p in enumerate(procs))
         raise AssertionError(f"{script} on {nproc} workers failed ({codes}):\n"
