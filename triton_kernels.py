@@ -57,7 +57,7 @@ def _is_interpreted(kernel) -> bool:
     return type(kernel).__name__ == "InterpretedFunction"
 
 
-def constant_at_trace_time(fn):
+def _constant_at_trace_time(fn):
     """torch.compiler.assume_constant_result: a compiled caller calls fn once while tracing and keeps its
     result as a constant. The same mark, set without importing torch._dynamo as that function does (about
     0.7 s): a process that imports this file and stops before its first op (a flag error, --dry-run, a
@@ -73,7 +73,7 @@ def _cuda_sm_count_cached(index: int) -> int:
 
 # Read at trace time, so that a launch traced into a compiled graph (XXT's) stays in it. Not on the cached
 # function itself: dynamo ignores assume_constant_result on an lru_cache wrapper and traces into it.
-@constant_at_trace_time
+@_constant_at_trace_time
 def _cuda_sm_count(index: int) -> int:
     return _cuda_sm_count_cached(index)
 
@@ -337,7 +337,7 @@ def kernel_choice(name: str, shape: tuple, gpu_name: str) -> str:
     return "torch" if times[1] < times[0] else "triton"
 
 
-@constant_at_trace_time  # read at trace time: a compiled caller does not break its graph here
+@_constant_at_trace_time  # read at trace time: a compiled caller does not break its graph here
 def _gpu_name(index: int) -> str:
     return torch.cuda.get_device_name(index) if torch.cuda.is_available() else ""
 

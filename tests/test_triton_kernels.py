@@ -1038,7 +1038,7 @@ def test_cuda_grid_size_is_read_at_trace_time(monkeypatch):
 
 
 def test_the_trace_time_mark_is_torchs_own_and_importing_takes_no_dynamo():
-    """constant_at_trace_time sets what torch.compiler.assume_constant_result sets (the test above checks
+    """_constant_at_trace_time sets what torch.compiler.assume_constant_result sets (the test above checks
     what dynamo does with it), without importing torch._dynamo: a process that imports train_gpt and stops
     before its first op (a flag error, --dry-run) does not pay dynamo's import (a custom op's first call
     imports it)."""
@@ -1048,7 +1048,7 @@ def test_the_trace_time_mark_is_torchs_own_and_importing_takes_no_dynamo():
     def torchs():
         return 1
 
-    tk.constant_at_trace_time(ours)
+    tk._constant_at_trace_time(ours)
     torch.compiler.assume_constant_result(torchs)
     assert vars(ours) == vars(torchs) and vars(torchs)
     root = os.path.dirname(os.path.abspath(tk.__file__))
