@@ -141,12 +141,19 @@ def run_on_ranks(fn, world_size: int, *args, timeout: float = 120.0, start_metho
         return [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(world_size)]
 
 
+def _launch_env(env: dict | None) -> dict:
+    """This process's environment for a launched script: one intra-op thread, the repository importable,
+    then env's entries."""
+    full_env = dict(os.environ, OMP_NUM_THREADS="1", **(env or {}))
+    full_env["PYTHONPATH"] = os.pathsep.join(p for p in (REPO_ROOT, full_env.get("PYTHONPATH")) if p)
+    return full_env
+
+
 def run_torchrun(script: str, nproc_per_node: int, nnodes: int = 1, script_args=(),
                  timeout: float = 120.0, env: dict | None = None) -> list[subprocess.CompletedProcess]:
     """Launch `nnodes` torchrun launchers on this machine (static rendezvous on 127.0.0.1)."""
     port = free_port()
-    full_env = dict(os.environ, OMP_NUM_THREADS="1", **(env or {}))
-    full_env["PYTHONPATH"] = os.pathsep.join(p for p in (REPO_ROOT, full_env.get("PYTHONPATH")) if p)
+    full_env = _launch_env(env)
     procs = []
     for node in range(nnodes):
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes}", f"--node_rank={node}",
@@ -182,8 +189,7 @@ def run_workers(script: str, nproc: int, script_args=(), timeout: float = 120.0,
     (a worker blocked in a collective keeps SIGTERM for its next step), and the call fails with every
     worker's output. Returns the workers' outputs in rank order."""
     port = free_port()
-    base = dict(os.environ, OMP_NUM_THREADS="1", **(env or {}))
-    base["PYTHONPATH"] = os.pathsep.join(p for p in (REPO_ROOT, base.get("PYTHONPATH")) if p)
+    base = _launch_env(env)
     with tempfile.TemporaryDirectory() as out_dir:
         files = [open(os.path.join(out_dir, f"rank{r}.txt"), "w+") for r in range(nproc)]
         procs = [subprocess.Popen([sys.executable, script, *map(str, script_args)], cwd=REPO_ROOT,

@@ -906,7 +906,7 @@ def run_script(*argv, timeout=300):
 
 def run_main(main, *argv) -> str:
     """A script's main(argv) in this process, its printed output: what run_script runs, without an
-    interpreter's start (about 3 s). Each test keeps a run_script of the script for its entry point."""
+    interpreter's start (about 3 s). The smoke tests keep a run_script each for the script's entry point."""
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf):
         assert main(list(argv)) in (None, 0)
@@ -1340,7 +1340,7 @@ def test_bench_kernels_times_the_cpu_head_on_a_cpu():
     assert "24 x 128 x 50304" in out
 
 
-def test_run_sh_bench_dry_run(capsys):
+def test_run_sh_bench_dry_run(monkeypatch):
     out = subprocess.run(["bash", "run.sh", "bench", "--dry-run"], cwd=REPO, capture_output=True, text=True, timeout=120,
                          env=dict(os.environ, PYTHON=sys.executable))  # this interpreter: no .venv, no install
     assert out.returncode == 0, out.stderr
@@ -1352,20 +1352,15 @@ def test_run_sh_bench_dry_run(capsys):
                                                 "tests/benchmarks/token_efficiency.py", "tests/benchmarks/token_efficiency.py",
                                                 "tests/benchmarks/stage_rise.py", "tests/benchmarks/host_dispatch.py",
                                                 "tests/benchmarks/call_depth.py", "tests/benchmarks/step_timing.py"]
+    assert "need a CUDA GPU" in out.stdout
     mains = {"tests/benchmarks/token_efficiency.py": te.main, "tests/benchmarks/stage_rise.py": stage_rise.main}
+    monkeypatch.chdir(REPO)  # the commands name their folders from the repository
     for c in cmds[2:5]:  # the committed tables print without training (each script's main, in this process)
         script, *argv = c.split()[2:]  # "bench: PYTHON SCRIPT ARGS..."
         folder = argv[-2] if c.endswith("--no_plot") else argv[-1]
-        assert os.path.isdir(os.path.join(REPO, folder)), folder
-        cwd = os.getcwd()
-        try:
-            os.chdir(REPO)
-            assert mains[script](argv) in (None, 0), c
-        finally:
-            os.chdir(cwd)
-        printed = capsys.readouterr().out
+        assert os.path.isdir(folder), folder
+        printed = run_main(mains[script], *argv)
         assert "ratio: " in printed or "walks" in printed, c
-        assert "need a CUDA GPU" in out.stdout
 
 
 def test_mfu_peak_is_known_for_the_h100_sxm_and_the_h200_only(monkeypatch):
