@@ -4508,6 +4508,23 @@ class WeightBlends:
     def window_start(self) -> int:
         return self.total - max(self.windows.values())
 
+    def state_dict(self) -> dict:
+        """The averages (copies) and tick counts: a checkpoint inside the window resumes with them."""
+        return {"averages": {name: {label: t.clone() for label, t in a.items()} for name, a in self.averages.items()},
+                "ticks": dict(self.ticks)}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore state_dict()'s averages and ticks; a ValueError names the first that does not fit."""
+        names = [b.name for b in self.blends]
+        if sorted(state["averages"]) != sorted(names) or sorted(state["ticks"]) != sorted(names):
+            raise ValueError(f"weight blends {sorted(state['averages'])}, this run blends {sorted(names)}")
+        for b in self.blends:
+            for label, t in state["averages"][b.name].items():
+                if label not in b.labels or t.shape != self.params[label].shape:
+                    raise ValueError(f"weight blend {b.name}: an average of {label} {tuple(t.shape)} does not fit")
+        self.averages = {name: {label: t.clone() for label, t in a.items()} for name, a in state["averages"].items()}
+        self.ticks = dict(state["ticks"])
+
     @torch.no_grad()
     def tick(self, step: int, value_embeds_updated: bool) -> None:
         for b in self.blends:
@@ -4614,6 +4631,7 @@ class Trainer:
         args, model, opt, loader = self.args, self.model, self.opt, self.loader
         saved_model = {k: v.clone() for k, v in model.state_dict().items()}
         saved_opt, saved_loader = opt.state_dict(), loader.state_dict()
+        saved_blends = None if self.blends is None else self.blends.state_dict()  # a resume's averages
         model.prefix_table.copy_(prefix_table)  # as in the timed steps
         notes = []
         for step in warmup_steps(args):
@@ -4628,7 +4646,7 @@ class Trainer:
         opt.load_state_dict(saved_opt)
         loader.load_state_dict(saved_loader)
         if self.blends is not None:
-            self.blends.reset()
+            self.blends.load_state_dict(saved_blends)
         return notes + graphs_captured_notes(self.graphs)
 
 # ---- Checkpoints and signals (a speedrun saves none) -----------------------------------------
@@ -4641,9 +4659,9 @@ RESUMABLE_CHANGES = {"resume", "save_every", "keep_checkpoints", "val_loss_every
                      "run_id", "compile", "cuda_graphs"}
 
 def save_checkpoint(path: str, step: int, model: nn.Module, opt: NorMuonAdam, loader: DocumentLoader,
-                    args: Hyperparameters, dist_info: DistInfo) -> None:
+                    args: Hyperparameters, dist_info: DistInfo, blends: WeightBlends | None = None) -> None:
     """A directory written whole or not at all: every rank writes its files into path.tmp, rank 0
-    renames it to path once all have finished."""
+    renames it to path once all have finished. blends: --weight_blends' averages (every rank's alike)."""
     tmp = path + ".tmp"
     if dist_info.is_master:
         if os.path.exists(tmp):
@@ -4656,9 +4674,11 @@ def save_checkpoint(path: str, step: int, model: nn.Module, opt: NorMuonAdam, lo
     torch.save({"optimizer": opt.state_dict(), "rng": torch.get_rng_state(), "grads": pending},
                os.path.join(tmp, f"rank{dist_info.rank:03d}.pt"))
     if dist_info.is_master:
-        torch.save({"format": CHECKPOINT_FORMAT, "step": step, "world_size": dist_info.world_size,
-                    "args": dataclasses.asdict(args), "model": model.state_dict(), "loader": loader.state_dict()},
-                   os.path.join(tmp, "model.pt"))
+        meta = {"format": CHECKPOINT_FORMAT, "step": step, "world_size": dist_info.world_size,
+                "args": dataclasses.asdict(args), "model": model.state_dict(), "loader": loader.state_dict()}
+        if blends is not None:
+            meta["blends"] = blends.state_dict()
+        torch.save(meta, os.path.join(tmp, "model.pt"))
     if dist.is_initialized():
         dist.barrier()
     if dist_info.is_master:
@@ -4737,9 +4757,9 @@ class StopOnSignal:
         return int(self.host[i])
 
 def load_checkpoint(path: str, model: nn.Module, opt: NorMuonAdam, loader: DocumentLoader,
-                    args: Hyperparameters, dist_info: DistInfo) -> int:
-    """Restore everything a step depends on; returns the step to continue from. Refuses a checkpoint of
-    another configuration or world size with a one-line reason."""
+                    args: Hyperparameters, dist_info: DistInfo, blends: WeightBlends | None = None) -> int:
+    """Restore everything a step depends on (blends: --weight_blends' averages); returns the step to continue
+    from. Refuses a checkpoint of another configuration or world size with a one-line reason."""
     def refuse(why):
         raise SystemExit(f"error: cannot resume from {path}: {why}")
 
@@ -4766,6 +4786,15 @@ def load_checkpoint(path: str, model: nn.Module, opt: NorMuonAdam, loader: Docum
     except ValueError as e:
         refuse(str(e))
     loader.load_state_dict(meta["loader"])
+    if blends is not None:
+        if "blends" in meta:
+            try:
+                blends.load_state_dict(meta["blends"])
+            except ValueError as e:
+                refuse(str(e))
+        elif meta["step"] > blends.window_start():
+            refuse(f"step {meta['step']} is inside --weight_blends' window (from step {blends.window_start()}) and the"
+                   " checkpoint holds no averages (an older script's); resume from an earlier checkpoint")
     torch.set_rng_state(mine["rng"].cpu())
     for name, p in model.named_parameters():
         p.grad = mine["grads"].get(name)
@@ -4774,11 +4803,11 @@ def load_checkpoint(path: str, model: nn.Module, opt: NorMuonAdam, loader: Docum
 # ---- train()'s resume, checkpoints and signals ----------------------------------------------
 
 def resume_step(args: Hyperparameters, dist_info: DistInfo, model: nn.Module, opt: NorMuonAdam,
-                loader: DocumentLoader) -> int:
+                loader: DocumentLoader, blends: WeightBlends | None = None) -> int:
     """The step train() starts from: 0, or that of --resume's checkpoint, loaded."""
     if not args.resume:
         return 0
-    step = load_checkpoint(args.resume, model, opt, loader, args, dist_info)
+    step = load_checkpoint(args.resume, model, opt, loader, args, dist_info, blends)
     if opt.tied and step > untie_step(args):
         raise SystemExit(f"error: checkpoint at step {step} is past the untie step but still tied")
     return step
@@ -4788,10 +4817,10 @@ class RunCheckpoints(StopOnSignal):
     SIGINT or SIGTERM: the run saves where it is, then exits (StopOnSignal)."""
 
     def __init__(self, args: Hyperparameters, dist_info: DistInfo, run_id: str, start_step: int, model: nn.Module,
-                 opt: NorMuonAdam, loader: DocumentLoader, log: RunLog):
+                 opt: NorMuonAdam, loader: DocumentLoader, log: RunLog, blends: WeightBlends | None = None):
         super().__init__(bool(args.save_every), dist_info.world_size, dist_info.device)
         self.args, self.dist_info, self.start, self.total = args, dist_info, start_step, total_steps(args)
-        self.state, self.log = (model, opt, loader), log
+        self.state, self.blends, self.log = (model, opt, loader), blends, log
         self.run_dir = os.path.join(args.checkpoint_dir, run_id)
 
     def between_steps(self, step: int, flush) -> float:
@@ -4807,7 +4836,7 @@ class RunCheckpoints(StopOnSignal):
         if args.save_every and step > self.start and (step % args.save_every == 0 or last or stopping):
             cuda_synchronize(dist_info.device)
             t = time.perf_counter()
-            save_checkpoint(path, step, *self.state, args, dist_info)
+            save_checkpoint(path, step, *self.state, args, dist_info, self.blends)
             if args.keep_checkpoints and dist_info.is_master:
                 prune_checkpoints(self.run_dir, args.keep_checkpoints)
             seconds = time.perf_counter() - t
@@ -4894,13 +4923,8 @@ def train(args: Hyperparameters, dist_info: DistInfo) -> float:
     val_batches = validation_batches(args.val_files, args.val_tokens, min(args.val_seq_len, args.val_tokens),
                                      args.ngram_rows, dist_info.rank, dist_info.world_size, args.ngram_channels)
     encoding = gpt2_encoding()  # read before the clock; the prefix table built from it is timed (below)
-    start_step = resume_step(args, dist_info, model, opt, loader)  # 0 unless --resume
-    blends_from = WeightBlends({}, total_steps(args)).window_start() if args.weight_blends else None
-    if blends_from is not None and start_step > blends_from:
-        raise SystemExit(f"error: --resume at step {start_step} is inside --weight_blends' window (from step "
-                         f"{blends_from}), whose averages no checkpoint holds; resume from an earlier checkpoint")
-
     trainer = Trainer(args, dist_info, model, opt, loader)
+    start_step = resume_step(args, dist_info, model, opt, loader, trainer.blends)  # 0 unless --resume
     total = trainer.total
     if args.compile:
         t = time.perf_counter()
@@ -4935,7 +4959,7 @@ def train(args: Hyperparameters, dist_info: DistInfo) -> float:
                      f"{tokens / max(1e-9, now_ms / 1000):,.0f} tok/s  "
                      f"eta {eta_seconds(cumulative_tokens, start_step, done, now_ms):.0f}s")
 
-    with RunCheckpoints(args, dist_info, run_id, start_step, model, opt, loader, log) as checkpoints:
+    with RunCheckpoints(args, dist_info, run_id, start_step, model, opt, loader, log, trainer.blends) as checkpoints:
         for step in range(start_step, total + 1):
             last = step == total
             if last and trainer.blends is not None:

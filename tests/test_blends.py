@@ -4,6 +4,7 @@ here from #92's description. That 1 and 2 gloo ranks train alike with them is in
 from __future__ import annotations
 
 import os
+import re
 import sys
 
 import pytest
@@ -125,10 +126,39 @@ def test_a_run_ships_what_a_float64_loop_computes():
     assert blends.ticks == {b.name: 0 for b in T.BLENDS}  # shipped once; the averages are gone
 
 
-def test_resume_inside_the_window_is_refused_before_training(monkeypatch, tmp_path):
-    """The averages are in no checkpoint: resuming past the first tick is a one-line error, before any step."""
-    args = T.parse_args(["--preset", "test", "--weight_blends", "true", "--log_dir", str(tmp_path)])
-    monkeypatch.setattr(T, "resume_step", lambda *a: 6)  # a checkpoint of step 6 of 7: inside the window
-    monkeypatch.setattr(T.Trainer, "step", lambda *a, **k: pytest.fail("trained"))
-    with pytest.raises(SystemExit, match=r"^error: --resume at step 6 is inside --weight_blends' window \(from step 5\)"):
-        T.train(args, T.DistInfo(0, 1, 0, torch.device("cpu")))
+def run(tmp_path, run_id: str, *flags) -> tuple[float, str, dict]:
+    """train() on one CPU rank in this process (the test preset: 7 steps, the blends' window from step 5,
+    checkpoints at steps 6 and 7): the final validation loss, the log and the last checkpoint's weights."""
+    args = T.parse_args(["--preset", "test", "--weight_blends", "true", "--cpu_dtype", "fp32", "--compile", "false",
+                         "--save_every", "6", "--val_loss_every", "0", "--run_id", run_id, "--log_dir", str(tmp_path / "logs"),
+                         "--checkpoint_dir", str(tmp_path / "ckpt"), *flags])
+    val = T.train(args, T.DistInfo(0, 1, 0, torch.device("cpu")))
+    log = (tmp_path / "logs" / f"{run_id}.txt").read_text()
+    return val, log, torch.load(tmp_path / "ckpt" / run_id / "step_000007" / "model.pt", weights_only=False)["model"]
+
+
+def test_a_run_resumed_inside_the_window_blends_as_the_uninterrupted_one(tmp_path, monkeypatch, capsys):
+    """Checkpoints hold the averages: a run resumed from step 6 (after the window's first ticks, at step 5)
+    ships after as many ticks and ends with the same weights and validation loss as the run never stopped,
+    its compile warm-up (run here on the eager model) giving back the averages it ticked; a checkpoint
+    without them (an older script's) is refused in one line, before any step."""
+    val, log, weights = run(tmp_path, "whole")
+    ckpt = tmp_path / "ckpt" / "whole" / "step_000006"
+    saved = torch.load(ckpt / "model.pt", weights_only=False)
+    assert saved["blends"]["ticks"]["tail_ema"] == 1 and saved["blends"]["averages"]["tail_ema"]  # ticked at step 5
+    monkeypatch.setattr(T, "compile_model", lambda model: model)  # the warm-up's steps without inductor
+    capsys.readouterr()
+    val_resumed, log_resumed, weights_resumed = run(tmp_path, "resumed", "--resume", str(ckpt), "--compile", "true")
+    assert re.search(r"compile warm-up: [1-9]\d* steps", capsys.readouterr().out)
+    shipped = "weight blends shipped (ticks): tail_ema 2, tail_average 1, value_embed_average 0, bank_blend 2\n"
+    assert shipped in log and shipped in log_resumed
+    for name, t in weights.items():
+        assert torch.equal(weights_resumed[name], t), name
+    assert val_resumed == val
+
+    del saved["blends"]  # as an older script wrote it
+    torch.save(saved, ckpt / "model.pt")
+    with pytest.raises(SystemExit, match=r"^error: cannot resume from .*step_000006: step 6 is inside --weight_blends' "
+                       r"window \(from step 5\) and the checkpoint holds no averages") as e:
+        run(tmp_path, "refused", "--resume", str(ckpt))
+    assert "\n" not in str(e.value)
