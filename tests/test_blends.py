@@ -162,3 +162,26 @@ def test_a_run_resumed_inside_the_window_blends_as_the_uninterrupted_one(tmp_pat
                        r"window \(from step 5\) and the checkpoint holds no averages") as e:
         run(tmp_path, "refused", "--resume", str(ckpt))
     assert "\n" not in str(e.value)
+
+
+def test_averages_of_another_run_are_refused_by_name_label_and_shape():
+    """load_state_dict takes only averages this run's blends could have made: the same blends, each of its own
+    labels at the parameter's shape (a checkpoint of another layout is refused by load_checkpoint in one line)."""
+    params = {label: torch.zeros(3, 2) for label in LABELS}
+    blends = T.WeightBlends(params, 100)
+    for step in range(100):
+        blends.tick(step, value_embeds_updated=True)
+    state = blends.state_dict()
+    fresh = T.WeightBlends(params, 100)
+    fresh.load_state_dict(state)
+    assert fresh.ticks == blends.ticks and all(torch.equal(fresh.averages[n][k], t)
+                                               for n, a in blends.averages.items() for k, t in a.items())
+    bad = {"averages": {**state["averages"], "tail_ema": {"lm_head": torch.zeros(2, 3)}}, "ticks": state["ticks"]}
+    with pytest.raises(ValueError, match=r"^weight blend tail_ema: an average of lm_head \(2, 3\) does not fit$"):
+        fresh.load_state_dict(bad)
+    bad = {"averages": {**state["averages"], "tail_ema": {"qk_bank": torch.zeros(3, 2)}}, "ticks": state["ticks"]}
+    with pytest.raises(ValueError, match=r"^weight blend tail_ema: an average of qk_bank \(3, 2\) does not fit$"):
+        fresh.load_state_dict(bad)
+    missing = {"averages": {k: v for k, v in state["averages"].items() if k != "bank_blend"}, "ticks": state["ticks"]}
+    with pytest.raises(ValueError, match=r"^weight blends \['tail_average', 'tail_ema', 'value_embed_average'\], this run"):
+        fresh.load_state_dict(missing)
