@@ -29,6 +29,7 @@ import step_budget  # noqa: E402
 import step_timing  # noqa: E402
 import stage_rise  # noqa: E402
 import token_efficiency as te  # noqa: E402
+import warm_python  # noqa: E402
 from dist_utils import on_call  # noqa: E402
 
 # The test preset with a small vocabulary: the switches do not involve the vocabulary, and the CPU
@@ -899,14 +900,15 @@ def test_mean_keys_matches_the_attention_mask():
 # ---- the scripts themselves ------------------------------------------------------------------------
 
 def run_script(*argv, timeout=300):
-    out = subprocess.run([sys.executable, *argv], cwd=REPO, capture_output=True, text=True, timeout=timeout)
+    out = warm_python.run(argv, cwd=REPO, timeout=timeout)
     assert out.returncode == 0, out.stdout + out.stderr
     return out.stdout
 
 
 def run_main(main, *argv) -> str:
-    """A script's main(argv) in this process, its printed output: what run_script runs, without an
-    interpreter's start (about 3 s). The smoke tests keep a run_script each for the script's entry point."""
+    """A script's main(argv) in this process, its printed output: what run_script runs, without a process
+    (the script's own imports, a second or more). The smoke tests keep a run_script each for the script's
+    entry point."""
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf):
         assert main(list(argv)) in (None, 0)
@@ -1067,11 +1069,11 @@ def test_loader_coverage_by_hand(tmp_path):
 
 def test_token_efficiency_load_errors_are_one_line(tmp_path):
     """Bad folders and flags stop with one "error: ..." line: as a process's whole stderr (two cases,
-    each an interpreter start), the rest as the SystemExit message in this process."""
+    each a process), the rest as the SystemExit message in this process."""
     script = os.path.join(REPO, "tests", "benchmarks", "token_efficiency.py")
 
     def err(*argv):
-        out = subprocess.run([sys.executable, script, *argv], cwd=REPO, capture_output=True, text=True, timeout=300)
+        out = warm_python.run([script, *argv], cwd=REPO, timeout=300)
         assert out.returncode != 0 and out.stderr.count("\n") == 1 and out.stderr.startswith("error: "), out.stderr
         return out.stderr
 

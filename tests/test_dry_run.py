@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
 import sys
 
 import pytest
@@ -14,6 +13,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import train_gpt as T  # noqa: E402
+import warm_python  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -52,9 +52,8 @@ def test_memory_per_gpu_is_the_tensors_bytes():
 
 
 def test_the_command_line_prints_and_exits_without_shards(tmp_path):
-    r = subprocess.run([sys.executable, os.path.join(ROOT, "train_gpt.py"), "--preset", "test", "--dry_run",
-                        "--train_files", str(tmp_path / "none_*.bin")], capture_output=True, text=True, timeout=120,
-                       cwd=tmp_path)
+    r = warm_python.run([os.path.join(ROOT, "train_gpt.py"), "--preset", "test", "--dry_run",
+                         "--train_files", str(tmp_path / "none_*.bin")], timeout=120, cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     assert r.stdout.startswith("steps: 7; stage ends: ") and "GiB per GPU" in r.stdout
     assert not os.listdir(tmp_path)  # no log, no checkpoint

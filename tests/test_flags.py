@@ -4,7 +4,6 @@ speedrun's functions raises one line naming the function (each check beside its 
 import dataclasses
 import os
 import shutil
-import subprocess
 import sys
 
 import pytest
@@ -13,6 +12,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import train_gpt as tg  # noqa: E402
+import warm_python  # noqa: E402
 
 SCRIPT = os.path.join(ROOT, "train_gpt.py")
 VAL_SHARD = os.path.join(ROOT, "data", "tinyshakespeare", "tinyshakespeare_val_000000.bin")
@@ -41,9 +41,8 @@ def one_line(message: str, tmp_path) -> str:
 
 def run_script(tmp_path, *flags) -> str:
     """train_gpt.py in a subprocess (compile on, as by default): its stderr, which must be one line."""
-    r = subprocess.run([sys.executable, SCRIPT, "--preset", "test", "--log_dir", str(tmp_path / "logs"),
-                        "--checkpoint_dir", str(tmp_path / "ckpt"), *flags],
-                       capture_output=True, text=True, timeout=QUICK_S, cwd=tmp_path)
+    r = warm_python.run([SCRIPT, "--preset", "test", "--log_dir", str(tmp_path / "logs"),
+                         "--checkpoint_dir", str(tmp_path / "ckpt"), *flags], timeout=QUICK_S, cwd=tmp_path)
     assert r.returncode == 1, (r.returncode, r.stderr)
     assert r.stdout == ""
     return one_line(r.stderr, tmp_path)

@@ -13,6 +13,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import warm_python  # noqa: E402
 from dist_utils import on_call, run_on_ranks, run_torchrun, run_workers  # noqa: E402
 
 SCRIPT = os.path.join(ROOT, "train_gpt.py")
@@ -236,9 +237,8 @@ def test_nan_stops_the_run(two_rank_run, tmp_path):
     ("--mudd_hidden", "four", "--mudd_hidden 'four' is not a valid int"),
 ])
 def test_bad_flags_are_one_line_errors(tmp_path, flag, value, message):
-    import subprocess
-    r = subprocess.run([sys.executable, SCRIPT, "--preset", "test", "--compile", "false", "--log_dir", str(tmp_path),
-                        flag, value], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    r = warm_python.run([SCRIPT, "--preset", "test", "--compile", "false", "--log_dir", str(tmp_path), flag, value],
+                        timeout=120, cwd=tmp_path)
     assert r.returncode != 0
     assert r.stderr.strip().count("\n") == 0 and message in r.stderr, r.stderr
     assert not list(tmp_path.glob("*.txt"))  # nothing written for a run that never started
