@@ -1,5 +1,6 @@
 """warm_python: a script run as a child of the warm server behaves as the same script run by a fresh
 interpreter (the reference: subprocess.run([sys.executable, ...]) with the same environment)."""
+import json
 import os
 import subprocess
 import sys
@@ -79,3 +80,23 @@ def test_only_a_matching_environment_is_served(tmp_path, monkeypatch):
         assert parent(dict(ENV, OTHER="1")) == os.getpid()
     monkeypatch.setenv("WARM_PYTHON", "0")
     assert parent(ENV) == os.getpid()
+
+
+
+def test_requests_that_reach_the_server_in_one_read_each_get_a_child(tmp_path):
+    """Three requests written at once (the server's read of its pipe holds them all) start three children,
+    and none waits for a later request to be noticed."""
+    server = warm_python._server_for(ENV)
+    outs = [tmp_path / f"out{i}" for i in range(3)]
+    requests = []
+    for i, out in enumerate(outs):
+        out.write_text("")
+        requests.append(json.dumps(dict(id=-1 - i, argv=["-c", f"print({i})"], env=ENV, cwd=str(tmp_path),
+                                        stdout=str(out), stderr=str(out))) + "\n")
+    with server.lock:
+        server.proc.stdin.write("".join(requests))
+        server.proc.stdin.flush()
+    with server.changed:
+        assert server.changed.wait_for(lambda: all(server.status.get(server.pids.get(-1 - i)) == 0 for i in range(3)),
+                                       30), "a request written with others was not served"
+    assert [out.read_text() for out in outs] == ["0\n", "1\n", "2\n"]

@@ -118,14 +118,14 @@ def serve() -> None:
         out.flush()
 
     answer(ready=os.getpid())
-    stdin_open = True
+    stdin_open, pending = True, b""
     while stdin_open or children:
-        ready, _, _ = select.select([sys.stdin] if stdin_open else [], [], [], 0.02)
-        if ready:
-            line = sys.stdin.readline()
-            if not line:
-                stdin_open = False
-            else:
+        ready, _, _ = select.select([0] if stdin_open else [], [], [], 0.02)
+        if ready:  # read what the pipe holds: select cannot see lines already in a reader's buffer
+            data = os.read(0, 1 << 16)
+            stdin_open = bool(data)
+            *lines, pending = (pending + data).split(b"\n")
+            for line in lines:
                 request = json.loads(line)
                 pid = os.fork()
                 if pid == 0:
