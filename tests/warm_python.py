@@ -251,15 +251,15 @@ class WarmProcess:
 
 
 def popen(argv, env: dict | None = None, cwd: str | None = None, stdout=None, stderr=None):
-    """`python argv...` with stdout and stderr written to the given files (open file objects, stderr may
+    """`python argv...` with stdout and stderr written to the given files (files opened by path; stderr may
     be subprocess.STDOUT): a WarmProcess when the server can run it, else a subprocess.Popen."""
     env = dict(os.environ if env is None else env)
     cwd = os.path.abspath(cwd or os.getcwd())
+    out = os.path.abspath(stdout.name)
+    err = out if stderr is subprocess.STDOUT else os.path.abspath(stderr.name)
     server = _server_for(env)
     if server is None:
         return subprocess.Popen([sys.executable, *argv], cwd=cwd, env=env, stdout=stdout, stderr=stderr)
-    out = stdout.name
-    err = out if stderr is subprocess.STDOUT else stderr.name
     return WarmProcess(server, server.fork(argv, env, cwd, out, err), [sys.executable, *argv])
 
 
