@@ -13,6 +13,12 @@ from dist_utils import _launch_env  # noqa: E402
 
 ENV = _launch_env({"RANK": "3"})  # run_workers' environment (one thread): the suite's server for it is reused
 
+
+@pytest.fixture(autouse=True)
+def server_on(monkeypatch):
+    """These tests are of the server: on even when the run has it off (WARM_PYTHON=0)."""
+    monkeypatch.delenv("WARM_PYTHON", raising=False)
+
 PROBE = """import atexit, os, signal, sys, threading, time
 print(__name__, sys.argv, sys.path[0], os.getcwd(), os.environ.get("RANK"))
 atexit.register(lambda: print("atexit ran"))
