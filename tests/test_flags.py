@@ -3,6 +3,7 @@ process group, model, loader or log exist (check_args in train_gpt.py); and a ba
 speedrun's functions raises one line naming the function (each check beside its function)."""
 import dataclasses
 import os
+import pathlib
 import shutil
 import sys
 
@@ -197,7 +198,7 @@ def test_model_and_batch_split_checks_run_at_start_up(tmp_path):
 def test_truncated_val_shard_stops_at_once(tmp_path):
     val = tmp_path / "data" / "val_000000.bin"
     val.parent.mkdir()
-    val.write_bytes(open(VAL_SHARD, "rb").read()[:3000])
+    val.write_bytes(pathlib.Path(VAL_SHARD).read_bytes()[:3000])
     msg = run_script(tmp_path, "--val_files", str(tmp_path / "data" / "val_*.bin"))
     assert msg.startswith(f"error: {val}: header says ") and "truncated or corrupt" in msg, msg
 
@@ -210,7 +211,7 @@ def test_corrupt_train_shard(tmp_path, damage):
     shards.mkdir()
     shutil.copy(TRAIN_SHARD, shards / "train_000001.bin")
     bad = shards / "train_000002.bin"
-    data = bytearray(open(TRAIN_SHARD, "rb").read())
+    data = bytearray(pathlib.Path(TRAIN_SHARD).read_bytes())
     if damage == "bad_magic":
         data[:4] = b"\0\0\0\0"
     bad.write_bytes(bytes(data) if damage == "bad_magic" else b"" if damage == "empty" else bytes(data[:-2]))
