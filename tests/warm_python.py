@@ -4,17 +4,19 @@ Every test that runs a script (train_gpt.py on gloo ranks, a benchmark, a bad fl
 that imports torch, torch._dynamo, triton and NumPy before the script's first line: 4 to 6 CPU-seconds
 on a 2-core machine, most of such a test's time. This module keeps a server interpreter that has done
 those imports, started with the environment the launched scripts get (one server an environment, at
-most MAX_SERVERS), and forks a child of it for each script. The child takes the requested argv, working directory, environment and output files and runs the
-script as `python script.py ...` or `python -c code ...` would: `__main__`, sys.argv, sys.path[0], an
-uncaught exception's traceback and exit status 1, `sys.exit`'s status, non-daemon threads joined and
-atexit handlers run at the end, signals at their defaults.
+most MAX_SERVERS), and forks a child of it for each script. The child takes the requested argv,
+working directory, environment and output files and runs the script as `python script.py ...` or
+`python -c code ...` would: `__main__`, sys.argv, sys.path[0], an uncaught exception's traceback and
+exit status 1, `sys.exit`'s status, non-daemon threads joined and atexit handlers run at the end,
+signals at their defaults.
 
 The variables that may change from launch to launch (torchrun's RANK, WORLD_SIZE, MASTER_PORT, ...:
-PER_LAUNCH_VARIABLES) are set in the child; every other variable is the server's: torch and its libraries read some (OMP_NUM_THREADS, TORCH_LOGS,
-ATEN_CPU_CAPABILITY) when they are imported, so a child could not honour a change. A launch in an
-environment no server has starts a server for it, or, once MAX_SERVERS run, a fresh interpreter; so
-does every launch under WARM_PYTHON=0. Tests that need a fresh interpreter (a copied section of
-train_gpt.py, whose missing import a preloaded module could hide; pinned CPU kinds) call subprocess.
+PER_LAUNCH_VARIABLES) are set in the child; every other variable is the server's: torch and its
+libraries read some (OMP_NUM_THREADS, TORCH_LOGS, ATEN_CPU_CAPABILITY) when they are imported, so a
+child could not honour a change. A launch in an environment no server has starts a server for it, or,
+once MAX_SERVERS run, a fresh interpreter (with a warning); so does every launch under WARM_PYTHON=0.
+Tests that need a fresh interpreter (a copied section of train_gpt.py, whose missing import a preloaded
+module could hide; pinned CPU kinds) call subprocess.
 
     popen(argv, env=None, cwd=None, stdout=file, stderr=file) -> a Popen-like handle (pid, poll, wait,
                                                                  terminate, kill, returncode)
@@ -27,6 +29,7 @@ from __future__ import annotations
 import json
 import os
 import select
+import signal
 import subprocess
 import sys
 import tempfile
@@ -60,7 +63,6 @@ def _child(request: dict, clean_path: list[str]) -> None:
     """In the forked child: become `python argv...` with the request's files, directory and environment."""
     import atexit
     import runpy
-    import signal
     import types
     code = 1
     try:
@@ -196,8 +198,8 @@ MAX_SERVERS = 2  # the suite launches with two environments: the tests' own and 
 
 
 def _server_for(env: dict) -> _Server | None:
-    """The server started with env, outside the worker variables (started now if need be), or None when
-    the launch must start a fresh interpreter."""
+    """The server started with env, PER_LAUNCH_VARIABLES aside (started now if need be), or None when the
+    launch must start a fresh interpreter."""
     if os.environ.get("WARM_PYTHON", "1") == "0" or not hasattr(os, "fork"):
         return None
     base = {k: v for k, v in env.items() if k not in PER_LAUNCH_VARIABLES}
@@ -229,10 +231,13 @@ class WarmProcess:
         return self.returncode
 
     def wait(self, timeout=None):
-        with self.server.changed:
-            if not self.server.changed.wait_for(lambda: self.pid in self.server.status, timeout):
+        server = self.server
+        with server.changed:
+            if not server.changed.wait_for(lambda: self.pid in server.status or server.ready is None, timeout):
                 raise subprocess.TimeoutExpired(self.args, timeout)
-        return self.poll()
+        if self.poll() is None:
+            raise RuntimeError("the warm Python server exited while its child ran")
+        return self.returncode
 
     def send_signal(self, sig):
         if self.poll() is None:
@@ -242,11 +247,9 @@ class WarmProcess:
                 pass
 
     def terminate(self):
-        import signal
         self.send_signal(signal.SIGTERM)
 
     def kill(self):
-        import signal
         self.send_signal(signal.SIGKILL)
 
 
