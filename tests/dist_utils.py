@@ -188,11 +188,11 @@ def run_workers(script: str, nproc: int, script_args=(), timeout: float = 120.0,
     """`nproc` processes of `script` on this machine with the environment torchrun gives its workers (RANK,
     LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT), without the launcher: torchrun
     imports torch before it starts a worker, about 2 s of every launch. Each worker runs as a child of
-    warm_python's server, as `python script args...` would, without importing torch again (4 to 6 s
-    a worker on a 2-core machine). As torchrun does, once a worker
-    fails the others get SIGTERM once `grace` seconds have not stopped them, SIGKILL `grace` seconds later
-    (a worker blocked in a collective keeps SIGTERM for its next step), and the call fails with every
-    worker's output. Returns the workers' outputs in rank order."""
+    warm_python's server, as `python script args...` would, without importing torch again (4 to 6 s a
+    worker on a 2-core machine). As torchrun does, once a worker fails the others get SIGTERM once
+    `grace` seconds have not stopped them, SIGKILL `grace` seconds later (a worker blocked in a
+    collective keeps SIGTERM for its next step), and the call fails with every worker's output. Returns
+    the workers' outputs in rank order."""
     port = free_port()
     base = _launch_env(env)
     with tempfile.TemporaryDirectory() as out_dir:

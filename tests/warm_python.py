@@ -119,7 +119,6 @@ def serve() -> None:
         out.write(json.dumps(kw) + "\n")
         out.flush()
 
-    answer(ready=os.getpid())
     stdin_open, pending = True, b""
     while stdin_open or children:
         ready, _, _ = select.select([0] if stdin_open else [], [], [], 0.02)
@@ -154,7 +153,7 @@ class _Server:
         self.lock, self.changed = threading.Lock(), threading.Condition()
         self.pids: dict[int, int] = {}      # request id -> pid
         self.status: dict[int, int] = {}    # pid -> exit status
-        self.ready = False
+        self.gone = False  # the server has closed its answers (exited)
         self.next_id = 0
         threading.Thread(target=self._read, daemon=True).start()
 
@@ -162,16 +161,14 @@ class _Server:
         for line in self.proc.stdout:
             msg = json.loads(line)
             with self.changed:
-                if "ready" in msg:
-                    self.ready = True
-                elif "status" in msg:
+                if "status" in msg:
                     self.status[msg["pid"]] = msg["status"]
                 else:
                     self.pids[msg["id"]] = msg["pid"]
                     self.status.pop(msg["pid"], None)  # an earlier child's, whose pid the system reused
                 self.changed.notify_all()
         with self.changed:
-            self.ready = None  # gone
+            self.gone = True
             self.changed.notify_all()
 
     def fork(self, argv, env, cwd, stdout, stderr, timeout=120.0) -> int:
@@ -182,14 +179,14 @@ class _Server:
                                                   stderr=stderr)) + "\n")
             self.proc.stdin.flush()
         with self.changed:
-            if not self.changed.wait_for(lambda: rid in self.pids or self.ready is None, timeout):
+            if not self.changed.wait_for(lambda: rid in self.pids or self.gone, timeout):
                 raise TimeoutError("the warm Python server did not answer")
             if rid not in self.pids:
                 raise RuntimeError("the warm Python server exited")
             return self.pids[rid]
 
     def alive(self) -> bool:
-        return self.proc.poll() is None and self.ready is not None
+        return self.proc.poll() is None and not self.gone
 
 
 _servers: dict[frozenset, _Server] = {}
@@ -233,7 +230,7 @@ class WarmProcess:
     def wait(self, timeout=None):
         server = self.server
         with server.changed:
-            if not server.changed.wait_for(lambda: self.pid in server.status or server.ready is None, timeout):
+            if not server.changed.wait_for(lambda: self.pid in server.status or server.gone, timeout):
                 raise subprocess.TimeoutExpired(self.args, timeout)
         if self.poll() is None:
             raise RuntimeError("the warm Python server exited while its child ran")
